@@ -1,0 +1,286 @@
+// pybind11 glue for emmpool._core. Glue only: no pool logic lives here.
+#include <emmpool/device_pool.hpp>
+#include <emmpool/error.hpp>
+#include <emmpool/host_driver.hpp>
+#include <emmpool/registry.hpp>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+
+namespace py = pybind11;
+
+extern "C" {
+void* emmpool_cupy_malloc(void*, std::size_t, int);
+void emmpool_cupy_free(void*, void*, int);
+void* emmpool_torch_malloc(std::size_t, int, void*);
+void emmpool_torch_free(void*, std::size_t, int, void*);
+}
+
+namespace {
+
+using namespace emmpool;
+
+pool_mode parse_mode(std::string const& mode)
+{
+  if (mode == "pool") { return pool_mode::pool; }
+  if (mode == "passthrough") { return pool_mode::passthrough; }
+  throw std::invalid_argument{"unknown mode '" + mode + "': expected 'pool' or 'passthrough'"};
+}
+
+pool_options make_options(std::string const& mode, std::size_t initial_size,
+                          std::size_t maximum_size, double maximum_fraction,
+                          std::size_t small_request, std::size_t small_segment,
+                          std::size_t large_segment)
+{
+  pool_options o;
+  o.mode             = parse_mode(mode);
+  o.initial_size     = initial_size;
+  o.maximum_size     = maximum_size;
+  o.maximum_fraction = maximum_fraction;
+  o.small_request    = small_request;
+  o.small_segment    = small_segment;
+  o.large_segment    = large_segment;
+  return o;
+}
+
+py::dict options_dict(pool_options const& o)
+{
+  py::dict d;
+  d["mode"]             = o.mode == pool_mode::pool ? "pool" : "passthrough";
+  d["initial_size"]     = o.initial_size;
+  d["maximum_size"]     = o.maximum_size;
+  d["maximum_fraction"] = o.maximum_fraction;
+  d["small_request"]    = o.small_request;
+  d["small_segment"]    = o.small_segment;
+  d["large_segment"]    = o.large_segment;
+  return d;
+}
+
+py::dict stats_dict(pool_stats const& s)
+{
+  py::dict d;
+  d["bytes_in_use"]        = s.bytes_in_use;
+  d["peak_bytes_in_use"]   = s.peak_bytes_in_use;
+  d["bytes_reserved"]      = s.bytes_reserved;
+  d["peak_bytes_reserved"] = s.peak_bytes_reserved;
+  d["bytes_waiting"]       = s.bytes_waiting;
+  d["bytes_free"]          = s.bytes_free;
+  d["largest_free_block"]  = s.largest_free_block;
+  d["blocks_in_use"]       = s.blocks_in_use;
+  d["segments"]            = s.segments;
+  d["allocations"]         = s.allocations;
+  d["frees"]               = s.frees;
+  d["segment_allocations"] = s.segment_allocations;
+  d["segment_releases"]    = s.segment_releases;
+  d["batches_closed"]      = s.batches_closed;
+  d["out_of_memory"]       = s.out_of_memory;
+  static char const* const names[alloc_tag_count] = {"other", "numba", "cupy", "torch"};
+  py::dict by_tag;
+  for (std::size_t i = 0; i < alloc_tag_count; ++i) {
+    py::dict t;
+    t["bytes_in_use"] = s.bytes_in_use_by_tag[i];
+    t["allocations"]  = s.allocations_by_tag[i];
+    by_tag[names[i]]  = t;
+  }
+  d["by_library"] = by_tag;
+  return d;
+}
+
+alloc_tag to_tag(int tag)
+{
+  if (tag < 0 || tag >= static_cast<int>(alloc_tag_count)) {
+    throw std::invalid_argument{"tag must be 0 (other), 1 (numba), 2 (cupy) or 3 (torch)"};
+  }
+  return static_cast<alloc_tag>(tag);
+}
+
+// A hidden helper for tests: raise each C++ exception kind, to check how it maps to Python.
+void raise_for_test(std::string const& kind)
+{
+  if (kind == "cuda") { throw cuda_error{"cuTest", 2, "CUDA_ERROR_OUT_OF_MEMORY", "test"}; }
+  if (kind == "driver") { throw driver_unavailable{"cuInit", 100, "CUDA_ERROR_NO_DEVICE", "test"}; }
+  if (kind == "oom") { throw out_of_memory{"test out of memory"}; }
+  if (kind == "pool") { throw pool_error{"test pool error"}; }
+  if (kind == "invalid") { throw std::invalid_argument{"test invalid argument"}; }
+  throw std::invalid_argument{"unknown kind"};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m)
+{
+  m.doc() = "emmpool's C++ core: device pools over one CUDA driver seam (private module)";
+
+  // Exception types live as long as the interpreter (never decref'ed: no teardown ordering).
+  static PyObject* cuda_exc = PyErr_NewException("emmpool._core.CudaError", PyExc_RuntimeError, nullptr);
+  static PyObject* driver_exc =
+    PyErr_NewException("emmpool._core.DriverUnavailableError", cuda_exc, nullptr);
+  static PyObject* oom_exc =
+    PyErr_NewException("emmpool._core.OutOfMemoryError", PyExc_MemoryError, nullptr);
+  static PyObject* pool_exc = PyErr_NewException("emmpool._core.PoolError", PyExc_RuntimeError, nullptr);
+  m.add_object("CudaError", py::handle(cuda_exc));
+  m.add_object("DriverUnavailableError", py::handle(driver_exc));
+  m.add_object("OutOfMemoryError", py::handle(oom_exc));
+  m.add_object("PoolError", py::handle(pool_exc));
+  py::register_exception_translator([](std::exception_ptr p) {
+    auto raise_cuda = [](PyObject* type, cuda_error const& e) {
+      py::object exc = py::reinterpret_borrow<py::object>(type)(py::str(e.what()));
+      exc.attr("code") = e.code();
+      exc.attr("call") = e.call();
+      PyErr_SetObject(type, exc.ptr());
+    };
+    try {
+      if (p) { std::rethrow_exception(p); }
+    } catch (driver_unavailable const& e) {
+      raise_cuda(driver_exc, e);
+    } catch (cuda_error const& e) {
+      raise_cuda(cuda_exc, e);
+    } catch (out_of_memory const& e) {
+      PyErr_SetString(oom_exc, e.what());
+    } catch (pool_error const& e) {
+      PyErr_SetString(pool_exc, e.what());
+    }
+  });
+
+  m.attr("LEGACY_STREAM") = legacy_stream;
+  m.attr("ALIGNMENT")     = device_pool::alignment;
+
+  py::class_<host_driver>(m, "HostDriver",
+                          "A driver with no GPU (fake address space, hand-completed events), for "
+                          "testing the pool logic")
+    .def(py::init<int, std::size_t>(), py::arg("devices") = 1,
+         py::arg("capacity") = std::size_t{1} << 34)
+    .def("complete_all_events", &host_driver::complete_all_events)
+    .def("set_auto_complete", &host_driver::set_auto_complete, py::arg("on"))
+    .def("fail_next_allocations", &host_driver::fail_next_allocations, py::arg("n"))
+    .def("fail_next_event_records", &host_driver::fail_next_event_records, py::arg("n"))
+    .def("set_capacity", &host_driver::set_capacity, py::arg("device"), py::arg("bytes"))
+    .def("invalidate_device", &host_driver::invalidate_device, py::arg("device"))
+    .def("stats", [](host_driver const& d) {
+      auto const c = d.stats();
+      py::dict out;
+      out["allocations"]    = c.allocations;
+      out["deallocations"]  = c.deallocations;
+      out["event_records"]  = c.event_records;
+      out["event_queries"]  = c.event_queries;
+      out["event_syncs"]    = c.event_syncs;
+      out["bytes_reserved"] = c.bytes_reserved;
+      out["live_segments"]  = c.live_segments;
+      out["live_events"]    = c.live_events;
+      return out;
+    });
+
+  py::class_<device_pool>(m, "DevicePool", "A stream-safe pool of one device's memory")
+    .def(py::init([](host_driver* drv, int device, std::string const& mode,
+                     std::size_t initial_size, std::size_t maximum_size, double maximum_fraction,
+                     std::size_t small_request, std::size_t small_segment,
+                     std::size_t large_segment) {
+           driver& d = drv != nullptr ? static_cast<driver&>(*drv) : cuda_driver();
+           return new device_pool{d, device,
+                                  make_options(mode, initial_size, maximum_size, maximum_fraction,
+                                               small_request, small_segment, large_segment)};
+         }),
+         py::arg("driver"), py::arg("device") = 0, py::kw_only(), py::arg("mode") = "pool",
+         py::arg("initial_size") = 0, py::arg("maximum_size") = 0,
+         py::arg("maximum_fraction") = 0.0, py::arg("small_request") = pool_options{}.small_request,
+         py::arg("small_segment") = pool_options{}.small_segment,
+         py::arg("large_segment") = pool_options{}.large_segment, py::keep_alive<1, 2>())
+    .def(
+      "allocate",
+      [](device_pool& p, std::size_t size, stream_handle stream, int tag) {
+        auto const t = to_tag(tag);
+        py::gil_scoped_release nogil;
+        return p.allocate(size, stream, t);
+      },
+      py::arg("size"), py::arg("stream") = legacy_stream, py::arg("tag") = 0)
+    .def(
+      "deallocate",
+      [](device_pool& p, device_ptr ptr, stream_handle stream, std::optional<std::uint64_t> gen) {
+        py::gil_scoped_release nogil;
+        if (gen) {
+          p.deallocate(ptr, stream, *gen);
+        } else {
+          p.deallocate(ptr, stream);
+        }
+      },
+      py::arg("ptr"), py::arg("stream") = legacy_stream, py::arg("generation") = py::none())
+    .def("record_stream", &device_pool::record_stream, py::arg("ptr"), py::arg("stream"),
+         py::call_guard<py::gil_scoped_release>())
+    .def("owns", &device_pool::owns, py::arg("ptr"))
+    .def(
+      "ipc_handle",
+      [](device_pool& p, device_ptr ptr) -> py::object {
+        std::optional<ipc_info> info;
+        {
+          py::gil_scoped_release nogil;
+          info = p.ipc_handle(ptr);
+        }
+        if (!info) { return py::none(); }
+        auto const* bytes = reinterpret_cast<char const*>(info->handle.data());
+        return py::make_tuple(py::bytes(bytes, info->handle.size()), info->segment_base,
+                              info->segment_size, info->offset);
+      },
+      py::arg("ptr"))
+    .def("trim", &device_pool::trim, py::call_guard<py::gil_scoped_release>())
+    .def("synchronize", &device_pool::synchronize, py::call_guard<py::gil_scoped_release>())
+    .def("reset", &device_pool::reset, py::call_guard<py::gil_scoped_release>())
+    .def("defer_cleanup_begin", &device_pool::defer_cleanup_begin)
+    .def("defer_cleanup_end", &device_pool::defer_cleanup_end,
+         py::call_guard<py::gil_scoped_release>())
+    .def("stats", [](device_pool const& p) { return stats_dict(p.stats()); })
+    .def("reset_peaks", &device_pool::reset_peaks)
+    .def("describe", &device_pool::describe)
+    .def_property_readonly("generation", &device_pool::generation)
+    .def_property_readonly("device", &device_pool::device)
+    .def_property_readonly("options", [](device_pool const& p) { return options_dict(p.options()); });
+
+  // ---- the process-wide pools, over the CUDA driver ---------------------------------------
+  m.def(
+    "configure",
+    [](std::string const& mode, std::size_t initial_size, std::size_t maximum_size,
+       double maximum_fraction) {
+      pool_options o = pool_registry::instance().options();
+      o.mode             = parse_mode(mode);
+      o.initial_size     = initial_size;
+      o.maximum_size     = maximum_size;
+      o.maximum_fraction = maximum_fraction;
+      pool_registry::instance().configure(o);
+    },
+    py::kw_only(), py::arg("mode") = "pool", py::arg("initial_size") = 0,
+    py::arg("maximum_size") = 0, py::arg("maximum_fraction") = 0.0,
+    "Set the options of the process-wide pools; only before the first one exists.");
+  m.def("configured_options", [] { return options_dict(pool_registry::instance().options()); });
+  m.def(
+    "pool", [](int device) -> device_pool& { return pool_registry::instance().pool(device); },
+    py::arg("device"), py::return_value_policy::reference,
+    "The process-wide pool of a device, created on first use.");
+  m.def("pools", [] {
+    py::list out;
+    for (auto* p : pool_registry::instance().pools()) {
+      out.append(py::cast(p, py::return_value_policy::reference));
+    }
+    return out;
+  });
+  m.def("driver_name", [] { return pool_registry::instance().get_driver().name(); });
+  m.def("device_count", [] { return cuda_driver().device_count(); });
+  m.def("current_device", [] { return cuda_driver().current_device(); });
+  m.def(
+    "memory_info",
+    [](int device) {
+      auto const i = cuda_driver().memory_info_of(device);
+      return py::make_tuple(i.free, i.total);
+    },
+    py::arg("device"));
+  m.def("c_function_addresses", [] {
+    py::dict d;
+    d["cupy_malloc"]  = reinterpret_cast<std::uintptr_t>(&emmpool_cupy_malloc);
+    d["cupy_free"]    = reinterpret_cast<std::uintptr_t>(&emmpool_cupy_free);
+    d["torch_malloc"] = reinterpret_cast<std::uintptr_t>(&emmpool_torch_malloc);
+    d["torch_free"]   = reinterpret_cast<std::uintptr_t>(&emmpool_torch_free);
+    return d;
+  });
+  m.def("_raise_for_test", &raise_for_test, py::arg("kind"));
+}

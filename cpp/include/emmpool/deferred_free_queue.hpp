@@ -1,0 +1,147 @@
+/**
+ * @file deferred_free_queue.hpp
+ * @brief Freed blocks wait here until no work issued before their free can still touch them.
+ *
+ * THE REUSE RULE (the pool's safety argument, in one place)
+ * ----------------------------------------------------------
+ * A block freed at time t may still be read or written by GPU work issued before t, on any
+ * stream: Numba frees from garbage-collection finalizers while kernels run, and its memalloc()
+ * carries no stream. A block is therefore handed to a new owner only after an event, recorded
+ * *after* the free, has completed:
+ *
+ *  1. free(block, stream) appends the block to the open batch of `stream` (legacy_stream for
+ *     Numba's frees, which carry none). No CUDA call: frees are cheap and thread-agnostic.
+ *  2. close_open_batches() records one event per open batch on that batch's stream. Events on
+ *     the legacy default stream complete only after all work issued earlier to every blocking
+ *     stream of the context (default, per-thread default and ordinary streams alike). Recording
+ *     later than the free is always safe: it only covers more work.
+ *  3. promote_completed() hands back the blocks of batches whose event has completed
+ *     (cuEventQuery: never blocks). Only then do they join the free lists.
+ *
+ * Not covered: work on a *non-blocking* stream that is not the stream passed to free(). Such
+ * users must say so with device_pool::record_stream(ptr, stream) (as PyTorch's record_stream),
+ * which moves the block's free onto that stream's batch as well.
+ *
+ * This class is not thread-safe: device_pool serializes access under its mutex.
+ */
+#pragma once
+
+#include <emmpool/detail/block.hpp>
+#include <emmpool/driver.hpp>
+
+#include <cstddef>
+#include <deque>
+#include <vector>
+
+namespace emmpool {
+
+class deferred_free_queue {
+ public:
+  deferred_free_queue(driver& drv, int device) : driver_{&drv}, device_{device} {}
+  ~deferred_free_queue();
+  deferred_free_queue(deferred_free_queue const&)            = delete;
+  deferred_free_queue& operator=(deferred_free_queue const&) = delete;
+
+  /// @brief Add a freed block to the open batch of stream. Never calls CUDA.
+  void push(detail::block* blk, stream_handle stream);
+
+  /// @brief Record an event on the stream of each open batch, closing it. A batch whose record
+  /// fails stays open (and the error propagates): no block is ever released unfenced.
+  /// @return the number of batches closed
+  std::size_t close_open_batches();
+
+  /// @brief Call release(block*) for every block of every closed batch whose event completed.
+  /// Never blocks. Events of one stream complete in order, so a stream's later batches are not
+  /// queried once an earlier one is found incomplete.
+  template <class Release>
+  void promote_completed(Release&& release);
+
+  /// @brief Close open batches, block until every closed batch completes, release them all.
+  template <class Release>
+  void drain(Release&& release);
+
+  /// @brief Forget every batch without touching CUDA (the context is gone: reset, or exit).
+  /// Returns the blocks so the pool can retire them.
+  std::vector<detail::block*> abandon() noexcept;
+
+  /// @brief Destroy cached events (the context is about to be reset).
+  void release_events() noexcept;
+
+  [[nodiscard]] std::size_t waiting_bytes() const noexcept { return waiting_bytes_; }
+  [[nodiscard]] std::size_t waiting_blocks() const noexcept { return waiting_blocks_; }
+  [[nodiscard]] bool has_open() const noexcept { return !open_.empty(); }
+  [[nodiscard]] bool has_closed() const noexcept { return !closed_.empty(); }
+
+ private:
+  struct batch {
+    stream_handle stream{};
+    event_handle event{};
+    std::vector<detail::block*> blocks;
+  };
+  template <class Release>
+  void release_batch(batch& b, Release& release);
+  [[nodiscard]] event_handle take_event();
+
+  driver* driver_;
+  int device_;
+  std::vector<batch> open_;     // at most one per stream; few streams, so a vector
+  std::deque<batch> closed_;    // in closing order
+  std::vector<event_handle> spare_events_;
+  std::size_t waiting_bytes_{};
+  std::size_t waiting_blocks_{};
+};
+
+// ---- template members ------------------------------------------------------------------------
+
+template <class Release>
+void deferred_free_queue::release_batch(batch& b, Release& release)
+{
+  for (auto* blk : b.blocks) {
+    waiting_bytes_ -= blk->size;
+    --waiting_blocks_;
+    release(blk);
+  }
+  b.blocks.clear();
+  spare_events_.push_back(b.event);
+}
+
+template <class Release>
+void deferred_free_queue::promote_completed(Release&& release)
+{
+  // Streams seen with an incomplete batch: their later batches cannot have completed.
+  stream_handle blocked[8];
+  std::size_t nblocked = 0;
+  auto is_blocked      = [&](stream_handle s) {
+    for (std::size_t i = 0; i < nblocked; ++i) {
+      if (blocked[i] == s) { return true; }
+    }
+    return false;
+  };
+  for (auto it = closed_.begin(); it != closed_.end();) {
+    if (is_blocked(it->stream)) {
+      ++it;
+      continue;
+    }
+    if (!driver_->event_completed(device_, it->event)) {
+      if (nblocked == std::size(blocked)) { break; }
+      blocked[nblocked++] = it->stream;
+      ++it;
+      continue;
+    }
+    release_batch(*it, release);
+    it = closed_.erase(it);
+  }
+}
+
+template <class Release>
+void deferred_free_queue::drain(Release&& release)
+{
+  close_open_batches();
+  while (!closed_.empty()) {
+    driver_->synchronize_event(device_, closed_.front().event);
+    release_batch(closed_.front(), release);
+    closed_.pop_front();
+  }
+}
+
+}  // namespace emmpool

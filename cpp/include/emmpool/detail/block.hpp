@@ -1,0 +1,50 @@
+/**
+ * @file detail/block.hpp
+ * @brief The pool's bookkeeping records. Internal: shared by device_pool and the free queue.
+ */
+#pragma once
+
+#include <emmpool/driver.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+namespace emmpool::detail {
+
+struct segment;
+
+/// Where a block is in its life. A block moves allocated -> pending -> free, never back to
+/// allocated straight from pending: that is the reuse rule (see deferred_free_queue.hpp).
+enum class block_state : std::uint8_t { free, allocated, pending };
+
+/// @brief A contiguous range of a segment. Blocks of a segment form a doubly linked list in
+/// address order, so that a freed block finds its neighbours in O(1) to coalesce.
+struct block {
+  device_ptr ptr{};
+  std::size_t size{};
+  segment* seg{};
+  block* prev{};  ///< physical neighbour below (same segment), or null
+  block* next{};  ///< physical neighbour above (same segment), or null
+  block_state state{block_state::free};
+  std::uint8_t tag{};  ///< which library allocated it (stats)
+  /// A second stream the free must wait for (device_pool::record_stream): the block is fenced
+  /// on it first, then on the stream of the free. 0: none.
+  stream_handle also_fence{};
+  stream_handle freed_on{};  ///< the stream of the free, while waiting for also_fence
+};
+
+/// @brief One allocation from the driver, carved into blocks.
+struct segment {
+  device_ptr base{};
+  std::size_t size{};
+  std::uint64_t buffer_id{};           ///< driver's unique id: guards against freeing reused addresses
+  bool small{};                        ///< serves small requests only (size classes)
+  bool retired{};                      ///< outlived a reset: never reused, freed when empty
+  std::size_t live_blocks{};           ///< blocks allocated or pending
+  std::size_t exported{};              ///< IPC handles given out while a block was live
+  std::optional<ipc_bytes> ipc;        ///< cuIpcGetMemHandle, fetched once
+  block* first{};
+};
+
+}  // namespace emmpool::detail

@@ -1,0 +1,183 @@
+/**
+ * @file device_pool.hpp
+ * @brief A stream-safe pool of device memory for one GPU.
+ *
+ * Segments come from the driver (cuMemAlloc). Requests up to `small_request` bytes are served
+ * from small segments, larger ones from large segments, each by best fit over a size-ordered
+ * set (O(log n)), splitting blocks and coalescing neighbours on return. Freed blocks go through
+ * the deferred_free_queue (see its header for the reuse rule) before they can be reused.
+ *
+ * In passthrough mode every allocation is its own segment, released to the driver once its
+ * fence has completed: the mode for compute-sanitizer and for code that assumes one allocation
+ * per cuMemAlloc.
+ *
+ * Thread-safe: one mutex per pool. Frees never call CUDA.
+ */
+#pragma once
+
+#include <emmpool/deferred_free_queue.hpp>
+#include <emmpool/detail/block.hpp>
+#include <emmpool/driver.hpp>
+#include <emmpool/stats.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace emmpool {
+
+enum class pool_mode : std::uint8_t { pool, passthrough };
+
+/// @brief How a pool grows and what it keeps.
+struct pool_options {
+  pool_mode mode{pool_mode::pool};
+  std::size_t initial_size{0};          ///< bytes reserved when the pool is created
+  std::size_t maximum_size{0};          ///< cap on bytes reserved; 0: no cap but the device's
+  double maximum_fraction{0.0};         ///< cap as a fraction of the device's memory; 0: unused
+  std::size_t small_request{1u << 20};  ///< requests up to this size use small segments
+  std::size_t small_segment{2u << 20};  ///< size of a small segment
+  std::size_t large_segment{20u << 20}; ///< minimum size of a large segment
+  std::size_t open_batch_limit{64u << 20};  ///< close the open batch past this many bytes
+};
+
+/// @brief Where a pooled block lies in its segment, for IPC.
+struct ipc_info {
+  ipc_bytes handle;          ///< the segment's handle
+  device_ptr segment_base;
+  std::size_t segment_size;
+  std::size_t offset;        ///< block address - segment base
+};
+
+class device_pool {
+ public:
+  static constexpr std::size_t alignment = 256;
+
+  /// @throws std::invalid_argument if the options are inconsistent
+  device_pool(driver& drv, int device, pool_options options);
+  /// Returns every segment to the driver, unless the process is exiting (then it leaks: the
+  /// driver may be gone).
+  ~device_pool();
+  device_pool(device_pool const&)            = delete;
+  device_pool& operator=(device_pool const&) = delete;
+
+  /**
+   * @brief Allocate `bytes` (rounded up to 256; 0 gives a distinct 256-byte block).
+   * @param stream the stream the caller will use first; frees on it fence on it.
+   * @throws out_of_memory after the out-of-memory ladder: promote completed frees, grow, wait
+   *         for pending frees, release wholly free segments, grow again.
+   */
+  [[nodiscard]] device_ptr allocate(std::size_t bytes, stream_handle stream = legacy_stream,
+                                    alloc_tag tag = alloc_tag::other);
+
+  /**
+   * @brief Free a block. It becomes reusable once an event recorded on `stream` after this call
+   * has completed (legacy_stream: after all blocking-stream work issued before the free).
+   * Never calls CUDA. @throws pool_error if ptr is not a live block of this pool.
+   */
+  void deallocate(device_ptr ptr, stream_handle stream = legacy_stream);
+
+  /**
+   * @brief Free a block allocated in reset generation `generation` (see generation()). A free
+   * from before a reset() never touches a block allocated after it, even at the same address.
+   */
+  void deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation);
+
+  /// @brief Incremented by every reset(); callers that may outlive a reset remember it.
+  [[nodiscard]] std::uint64_t generation() const;
+
+  /// @brief Declare that `stream` (e.g. a non-blocking stream) uses the block: its free then
+  /// also waits for the work issued to `stream` before the free. @throws pool_error
+  void record_stream(device_ptr ptr, stream_handle stream);
+
+  /// @brief Whether ptr is a live block of this pool (the start of one).
+  [[nodiscard]] bool owns(device_ptr ptr) const;
+
+  /// @brief IPC description of the block containing ptr (which may point inside it);
+  /// std::nullopt if the pool did not allocate it. Marks the segment exported: it is never
+  /// released to the driver while a block in it is live.
+  [[nodiscard]] std::optional<ipc_info> ipc_handle(device_ptr ptr);
+
+  /// @brief Release wholly free segments to the driver (unless cleanup is deferred).
+  /// @return bytes released
+  std::size_t trim();
+
+  /// @brief Wait for every pending free and make those blocks reusable.
+  void synchronize();
+
+  /// @brief The context is about to be reset: wait for pending frees, release everything free,
+  /// retire segments that still hold live blocks (never reused, freed when empty, and only if
+  /// the driver still knows them), and drop cached events.
+  void reset();
+
+  /// @brief While deferred (calls nest), nothing is returned to the driver; blocks still flow
+  /// back into the pool.
+  void defer_cleanup_begin();
+  void defer_cleanup_end();
+
+  [[nodiscard]] pool_stats stats() const;
+  void reset_peaks();
+  /// @brief A one-line description of what the pool holds, for error messages.
+  [[nodiscard]] std::string describe() const;
+
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] pool_options const& options() const noexcept { return options_; }
+
+ private:
+  using block   = detail::block;
+  using segment = detail::segment;
+  struct by_size {
+    bool operator()(block const* a, block const* b) const noexcept
+    {
+      return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
+    }
+  };
+  using free_set = std::set<block*, by_size>;
+
+  // All private members expect mutex_ held.
+  [[nodiscard]] std::size_t max_reserved() const noexcept { return max_reserved_; }
+  [[nodiscard]] free_set& free_list_for(std::size_t rounded) noexcept;
+  block* take_best_fit(std::size_t rounded);
+  block* split(block* blk, std::size_t rounded);
+  block* grow(std::size_t rounded, bool exact);
+  device_ptr hand_out(block* blk, stream_handle stream, alloc_tag tag);
+  void release_block(block* blk);             // from the queue: coalesce into free lists
+  void maintain();                            // close open batches, promote completed
+  std::size_t release_free_segments();
+  void release_segment(segment* seg);
+  void erase_free(block* blk);
+  void insert_free(block* blk);
+  block* new_block();
+  void delete_block(block* blk);
+  [[nodiscard]] std::string describe_locked() const;
+
+  driver* driver_;
+  int device_;
+  pool_options options_;
+  std::size_t max_reserved_{};
+  mutable std::mutex mutex_;
+  deferred_free_queue queue_;
+  void deallocate_locked(block* blk, stream_handle stream);
+  void free_retired(block* blk);
+
+  std::map<device_ptr, std::unique_ptr<segment>> segments_;  // by base: IPC lookups
+  std::unordered_map<device_ptr, block*> live_;               // allocated blocks by address
+  // Segments that outlived a reset, and their live blocks, per generation they belong to.
+  std::vector<std::unique_ptr<segment>> retired_segments_;
+  std::map<std::pair<std::uint64_t, device_ptr>, block*> retired_live_;
+  std::uint64_t generation_{};
+  free_set small_free_;
+  free_set large_free_;
+  std::vector<std::unique_ptr<block>> block_storage_;
+  std::vector<block*> spare_blocks_;
+  int cleanup_deferrals_{};
+  pool_stats stats_{};
+};
+
+}  // namespace emmpool

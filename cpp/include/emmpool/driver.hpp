@@ -1,0 +1,105 @@
+/**
+ * @file driver.hpp
+ * @brief The one seam between emmpool and CUDA.
+ *
+ * Everything emmpool asks of the GPU goes through `driver`. Two implementations exist:
+ *  - `cuda_driver()` (cpp/src/cuda_driver.cpp): the CUDA driver API, resolved with
+ *    dlopen("libcuda.so.1") at first use, so importing emmpool needs no GPU and no driver;
+ *  - `host_driver` (host_driver.hpp): host memory and events that a test completes by hand,
+ *    so that the pool logic runs in CI, which has no GPU.
+ *
+ * Contract common to both:
+ *  - every call that concerns a device names it; the CUDA implementation makes that device's
+ *    primary context current for the duration of the call when it is not already (so callers on
+ *    finalizer threads, or in CuPy/PyTorch hooks, need not care);
+ *  - failures throw `cuda_error` (or `out_of_memory` for an allocation the driver refused for
+ *    lack of memory), never return silently;
+ *  - streams are opaque integers; `legacy_stream` names CUDA's legacy default stream, which
+ *    orders after all work previously issued to blocking streams of the context.
+ */
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace emmpool {
+
+using device_ptr    = std::uintptr_t;  ///< A device address (CUdeviceptr).
+using stream_handle = std::uintptr_t;  ///< A CUstream, as an integer.
+using event_handle  = std::uintptr_t;  ///< A CUevent, as an integer.
+
+/// CU_STREAM_LEGACY: the legacy default stream, whatever the per-thread setting of the caller.
+inline constexpr stream_handle legacy_stream = 0x1;
+
+/// @brief The 64 opaque bytes of a CUipcMemHandle.
+using ipc_bytes = std::array<unsigned char, 64>;
+
+/// @brief Free and total memory of a device, as cuMemGetInfo reports them.
+struct memory_info {
+  std::size_t free;
+  std::size_t total;
+};
+
+/// @brief Flags of cuMemHostAlloc, per segment of the pinned pool.
+enum host_alloc_flags : unsigned {
+  host_portable      = 0x01,  // CU_MEMHOSTALLOC_PORTABLE
+  host_mapped        = 0x02,  // CU_MEMHOSTALLOC_DEVICEMAP
+  host_writecombined = 0x04,  // CU_MEMHOSTALLOC_WRITECOMBINED
+};
+
+/// @brief The driver seam. Implementations must be thread-safe.
+class driver {
+ public:
+  virtual ~driver() = default;
+
+  /// @brief Short name for messages ("cuda" or "host").
+  [[nodiscard]] virtual std::string name() const = 0;
+  /// @brief Number of devices. @throws driver_unavailable where there is no driver.
+  [[nodiscard]] virtual int device_count() = 0;
+  /// @brief Device of the calling thread's current context, or -1 when none is current.
+  [[nodiscard]] virtual int current_device() = 0;
+
+  /// @brief Allocate a segment of device memory. @throws out_of_memory, cuda_error
+  [[nodiscard]] virtual device_ptr allocate(int device, std::size_t bytes) = 0;
+  /// @brief Return a segment to the driver (cuMemFree: synchronizes the device).
+  virtual void deallocate(int device, device_ptr ptr) = 0;
+  /// @brief A process-wide unique id of the allocation containing ptr, 0 if ptr is not valid
+  /// (e.g. its context was reset). Used to never free an address that has been reused.
+  [[nodiscard]] virtual std::uint64_t buffer_id(int device, device_ptr ptr) = 0;
+
+  /// @brief Create an event without timing (cheap to record and query).
+  [[nodiscard]] virtual event_handle create_event(int device) = 0;
+  virtual void destroy_event(int device, event_handle event) = 0;
+  /// @brief Record event on stream: it completes once all work issued before it on stream has.
+  virtual void record_event(int device, event_handle event, stream_handle stream) = 0;
+  /// @brief True if the event has completed. Never blocks.
+  [[nodiscard]] virtual bool event_completed(int device, event_handle event) = 0;
+  /// @brief Block until the event has completed.
+  virtual void synchronize_event(int device, event_handle event) = 0;
+
+  /// @brief cuIpcGetMemHandle of a segment base.
+  [[nodiscard]] virtual ipc_bytes ipc_handle(int device, device_ptr segment_base) = 0;
+  /// @brief cuMemGetInfo of the device.
+  [[nodiscard]] virtual memory_info memory_info_of(int device) = 0;
+
+  /// @brief cuMemHostAlloc. @throws out_of_memory, cuda_error
+  [[nodiscard]] virtual void* host_allocate(int device, std::size_t bytes, unsigned flags) = 0;
+  virtual void host_deallocate(int device, void* ptr) = 0;
+  /// @brief cuMemHostRegister of caller memory (flags: host_mapped and/or host_portable).
+  virtual void host_register(int device, void* ptr, std::size_t bytes, unsigned flags) = 0;
+  virtual void host_unregister(int device, void* ptr) = 0;
+  /// @brief The device address of mapped host memory.
+  [[nodiscard]] virtual device_ptr host_device_pointer(int device, void* ptr) = 0;
+};
+
+/// @brief The process-wide CUDA driver implementation. Loading is deferred to its first call;
+/// this accessor itself never touches CUDA.
+driver& cuda_driver();
+
+/// @brief Whether the process is exiting (atexit has run): destructors then must not call CUDA,
+/// since the driver may already be torn down. Leaking at exit beats crashing at exit.
+[[nodiscard]] bool process_is_exiting() noexcept;
+
+}  // namespace emmpool

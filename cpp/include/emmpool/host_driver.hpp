@@ -1,0 +1,96 @@
+/**
+ * @file host_driver.hpp
+ * @brief A driver with no GPU: fake device address ranges, and events a test completes by hand.
+ *
+ * It lets CI run the pool logic (splitting, coalescing, deferred reuse, the out-of-memory
+ * ladder, threads) without a GPU. Device "memory" is address space only: nothing may be
+ * dereferenced, which is all a pool needs. Faults can be injected at chosen calls.
+ */
+#pragma once
+
+#include <emmpool/driver.hpp>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace emmpool {
+
+class host_driver final : public driver {
+ public:
+  /// @param devices number of fake devices
+  /// @param capacity bytes each fake device can hand out before allocate() reports out of memory
+  explicit host_driver(int devices = 1, std::size_t capacity = std::size_t{1} << 34);
+  ~host_driver() override;
+
+  // --- test controls ------------------------------------------------------------------------
+  /// @brief Complete every event recorded so far (the GPU caught up).
+  void complete_all_events();
+  /// @brief When on, events complete as soon as they are recorded (an idle GPU).
+  void set_auto_complete(bool on);
+  /// @brief The next n calls to allocate() fail with out_of_memory.
+  void fail_next_allocations(int n);
+  /// @brief The next n calls to record_event() fail with a cuda_error.
+  void fail_next_event_records(int n);
+  /// @brief Change a device's capacity (bytes).
+  void set_capacity(int device, std::size_t bytes);
+  /// @brief Pretend the device's context was reset: every live segment becomes invalid (its
+  /// buffer id reads 0) and freeing one is an error, as with a real context reset.
+  void invalidate_device(int device);
+
+  struct counters {
+    std::uint64_t allocations, deallocations, event_records, event_queries, event_syncs;
+    std::size_t bytes_reserved;   ///< bytes in live segments, all devices
+    std::size_t live_segments;    ///< segments not yet deallocated, all devices
+    std::size_t live_events;      ///< events created and not destroyed
+  };
+  [[nodiscard]] counters stats() const;
+
+  // --- driver -------------------------------------------------------------------------------
+  [[nodiscard]] std::string name() const override { return "host"; }
+  [[nodiscard]] int device_count() override { return devices_; }
+  [[nodiscard]] int current_device() override { return 0; }
+  [[nodiscard]] device_ptr allocate(int device, std::size_t bytes) override;
+  void deallocate(int device, device_ptr ptr) override;
+  [[nodiscard]] std::uint64_t buffer_id(int device, device_ptr ptr) override;
+  [[nodiscard]] event_handle create_event(int device) override;
+  void destroy_event(int device, event_handle event) override;
+  void record_event(int device, event_handle event, stream_handle stream) override;
+  [[nodiscard]] bool event_completed(int device, event_handle event) override;
+  void synchronize_event(int device, event_handle event) override;
+  [[nodiscard]] ipc_bytes ipc_handle(int device, device_ptr segment_base) override;
+  [[nodiscard]] memory_info memory_info_of(int device) override;
+  [[nodiscard]] void* host_allocate(int device, std::size_t bytes, unsigned flags) override;
+  void host_deallocate(int device, void* ptr) override;
+  void host_register(int device, void* ptr, std::size_t bytes, unsigned flags) override;
+  void host_unregister(int device, void* ptr) override;
+  [[nodiscard]] device_ptr host_device_pointer(int device, void* ptr) override;
+
+ private:
+  struct segment {
+    int device;
+    std::size_t bytes;
+    std::uint64_t id;
+  };
+  void check_device(int device) const;
+
+  mutable std::mutex mutex_;
+  int devices_;
+  std::vector<std::size_t> capacity_;
+  std::vector<std::size_t> used_;
+  std::vector<device_ptr> next_address_;
+  std::map<device_ptr, segment> segments_;
+  std::unordered_map<event_handle, bool> events_;  // event -> completed
+  std::unordered_map<void*, std::size_t> host_allocations_;
+  std::map<std::uintptr_t, std::size_t> host_registrations_;
+  std::uint64_t next_event_ = 1;
+  std::uint64_t next_buffer_id_ = 1;
+  bool auto_complete_ = false;
+  int fail_allocations_ = 0;
+  int fail_event_records_ = 0;
+  counters counters_{};
+};
+
+}  // namespace emmpool

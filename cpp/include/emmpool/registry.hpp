@@ -1,0 +1,58 @@
+/**
+ * @file registry.hpp
+ * @brief The process-wide pools: one per device, shared by Numba, CuPy and PyTorch.
+ *
+ * Pools are created on first use, with the options configured before that (configure()), and
+ * live until the process ends: they are deliberately never destroyed, since finalizers may free
+ * into them during interpreter exit, after static destructors would have run.
+ */
+#pragma once
+
+#include <emmpool/device_pool.hpp>
+
+#include <array>
+#include <atomic>
+#include <mutex>
+#include <vector>
+
+namespace emmpool {
+
+class pool_registry {
+ public:
+  static constexpr int max_devices = 64;
+
+  /// @brief The registry, over the CUDA driver.
+  static pool_registry& instance();
+
+  /// @brief Set the options of pools created from now on.
+  /// @throws std::logic_error if a pool already exists (its options can no longer change)
+  void configure(pool_options options);
+  [[nodiscard]] pool_options options() const;
+
+  /// @brief The pool of a device, created on first use. @throws std::invalid_argument
+  device_pool& pool(int device)
+  {
+    if (device >= 0 && device < max_devices) {
+      if (auto* p = pools_[static_cast<std::size_t>(device)].load(std::memory_order_acquire)) {
+        return *p;
+      }
+    }
+    return create(device);
+  }
+
+  /// @brief Pools created so far.
+  [[nodiscard]] std::vector<device_pool*> pools() const;
+
+  [[nodiscard]] driver& get_driver() const noexcept { return *driver_; }
+
+ private:
+  explicit pool_registry(driver& drv) : driver_{&drv} {}
+  device_pool& create(int device);
+
+  driver* driver_;
+  mutable std::mutex mutex_;
+  pool_options options_{};
+  std::array<std::atomic<device_pool*>, max_devices> pools_{};
+};
+
+}  // namespace emmpool

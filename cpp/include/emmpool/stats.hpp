@@ -1,0 +1,38 @@
+/**
+ * @file stats.hpp
+ * @brief Counters a device_pool keeps, read as one consistent snapshot.
+ */
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+namespace emmpool {
+
+/// @brief Who asked for a block: statistics are broken down by library.
+enum class alloc_tag : std::uint8_t { other = 0, numba = 1, cupy = 2, torch = 3 };
+inline constexpr std::size_t alloc_tag_count = 4;
+
+/// @brief A snapshot of one device pool. Sizes are in bytes, as the pool rounds them (256 B).
+struct pool_stats {
+  std::size_t bytes_in_use{};        ///< held by callers
+  std::size_t peak_bytes_in_use{};
+  std::size_t bytes_reserved{};      ///< obtained from the driver (segments)
+  std::size_t peak_bytes_reserved{};
+  std::size_t bytes_waiting{};       ///< freed, waiting for their event (deferred-free queue)
+  std::size_t bytes_free{};          ///< in the free lists, reusable now
+  std::size_t largest_free_block{};
+  std::size_t blocks_in_use{};
+  std::size_t segments{};
+  std::uint64_t allocations{};       ///< successful allocate() calls
+  std::uint64_t frees{};             ///< deallocate() calls
+  std::uint64_t segment_allocations{};
+  std::uint64_t segment_releases{};
+  std::uint64_t batches_closed{};    ///< events recorded to fence freed blocks
+  std::uint64_t out_of_memory{};     ///< requests that failed after the whole ladder
+  std::array<std::size_t, alloc_tag_count> bytes_in_use_by_tag{};
+  std::array<std::uint64_t, alloc_tag_count> allocations_by_tag{};
+};
+
+}  // namespace emmpool

@@ -1,0 +1,308 @@
+// The CUDA implementation of the driver seam: the only file that calls the CUDA driver API.
+//
+// libcuda.so.1 is opened with dlopen at the first call, never at import or link time, so that
+// emmpool imports on machines without a GPU and says what is missing when CUDA is needed.
+// Symbols are looked up by the versioned names cuda.h maps each API to (cuMemAlloc ->
+// cuMemAlloc_v2, ...), so the ABI matches the header we compiled against.
+#include <emmpool/driver.hpp>
+#include <emmpool/error.hpp>
+
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+namespace emmpool {
+
+namespace {
+
+std::atomic<bool> exiting{false};
+
+struct api {
+#define EMMPOOL_API(fn) decltype(&::fn) fn = nullptr;
+#include "cuda_driver_api.inc"
+#undef EMMPOOL_API
+};
+
+class cuda_driver_impl final : public driver {
+ public:
+  [[nodiscard]] std::string name() const override { return "cuda"; }
+
+  [[nodiscard]] int device_count() override
+  {
+    auto& a = load();
+    int n   = 0;
+    check(a.cuDeviceGetCount(&n), "cuDeviceGetCount", EMMPOOL_WHERE);
+    return n;
+  }
+
+  [[nodiscard]] int current_device() override
+  {
+    auto& a = load();
+    CUcontext ctx{};
+    if (a.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || ctx == nullptr) { return -1; }
+    CUdevice dev{};
+    if (a.cuCtxGetDevice(&dev) != CUDA_SUCCESS) { return -1; }
+    return static_cast<int>(dev);
+  }
+
+  [[nodiscard]] device_ptr allocate(int device, std::size_t bytes) override
+  {
+    scoped_context ctx{*this, device};
+    CUdeviceptr p{};
+    auto const r = api_.cuMemAlloc(&p, bytes);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+      throw out_of_memory{"cuMemAlloc of " + std::to_string(bytes) + " bytes: out of memory"};
+    }
+    check(r, "cuMemAlloc", EMMPOOL_WHERE);
+    return static_cast<device_ptr>(p);
+  }
+
+  void deallocate(int device, device_ptr ptr) override
+  {
+    scoped_context ctx{*this, device};
+    check(api_.cuMemFree(static_cast<CUdeviceptr>(ptr)), "cuMemFree", EMMPOOL_WHERE);
+  }
+
+  [[nodiscard]] std::uint64_t buffer_id(int device, device_ptr ptr) override
+  {
+    scoped_context ctx{*this, device};
+    unsigned long long id = 0;
+    auto const r = api_.cuPointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                              static_cast<CUdeviceptr>(ptr));
+    return r == CUDA_SUCCESS ? static_cast<std::uint64_t>(id) : 0;
+  }
+
+  [[nodiscard]] event_handle create_event(int device) override
+  {
+    scoped_context ctx{*this, device};
+    CUevent e{};
+    check(api_.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate", EMMPOOL_WHERE);
+    return reinterpret_cast<event_handle>(e);
+  }
+
+  void destroy_event(int device, event_handle event) override
+  {
+    scoped_context ctx{*this, device};
+    check(api_.cuEventDestroy(reinterpret_cast<CUevent>(event)), "cuEventDestroy", EMMPOOL_WHERE);
+  }
+
+  void record_event(int device, event_handle event, stream_handle stream) override
+  {
+    scoped_context ctx{*this, device};
+    check(api_.cuEventRecord(reinterpret_cast<CUevent>(event), reinterpret_cast<CUstream>(stream)),
+          "cuEventRecord", EMMPOOL_WHERE);
+  }
+
+  [[nodiscard]] bool event_completed(int device, event_handle event) override
+  {
+    scoped_context ctx{*this, device};
+    auto const r = api_.cuEventQuery(reinterpret_cast<CUevent>(event));
+    if (r == CUDA_ERROR_NOT_READY) { return false; }
+    check(r, "cuEventQuery", EMMPOOL_WHERE);
+    return true;
+  }
+
+  void synchronize_event(int device, event_handle event) override
+  {
+    scoped_context ctx{*this, device};
+    check(api_.cuEventSynchronize(reinterpret_cast<CUevent>(event)), "cuEventSynchronize",
+          EMMPOOL_WHERE);
+  }
+
+  [[nodiscard]] ipc_bytes ipc_handle(int device, device_ptr segment_base) override
+  {
+    scoped_context ctx{*this, device};
+    CUipcMemHandle h{};
+    check(api_.cuIpcGetMemHandle(&h, static_cast<CUdeviceptr>(segment_base)), "cuIpcGetMemHandle",
+          EMMPOOL_WHERE);
+    ipc_bytes out{};
+    static_assert(sizeof(h.reserved) == std::tuple_size_v<ipc_bytes>);
+    std::memcpy(out.data(), h.reserved, out.size());
+    return out;
+  }
+
+  [[nodiscard]] memory_info memory_info_of(int device) override
+  {
+    scoped_context ctx{*this, device};
+    std::size_t free = 0, total = 0;
+    check(api_.cuMemGetInfo(&free, &total), "cuMemGetInfo", EMMPOOL_WHERE);
+    return {free, total};
+  }
+
+  [[nodiscard]] void* host_allocate(int device, std::size_t bytes, unsigned flags) override
+  {
+    scoped_context ctx{*this, device};
+    void* p      = nullptr;
+    auto const r = api_.cuMemHostAlloc(&p, bytes, flags);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+      throw out_of_memory{"cuMemHostAlloc of " + std::to_string(bytes) + " bytes: out of memory"};
+    }
+    check(r, "cuMemHostAlloc", EMMPOOL_WHERE);
+    return p;
+  }
+
+  void host_deallocate(int device, void* ptr) override
+  {
+    scoped_context ctx{*this, device};
+    check(api_.cuMemFreeHost(ptr), "cuMemFreeHost", EMMPOOL_WHERE);
+  }
+
+  void host_register(int device, void* ptr, std::size_t bytes, unsigned flags) override
+  {
+    scoped_context ctx{*this, device};
+    unsigned cu_flags = 0;
+    if (flags & host_portable) { cu_flags |= CU_MEMHOSTREGISTER_PORTABLE; }
+    if (flags & host_mapped) { cu_flags |= CU_MEMHOSTREGISTER_DEVICEMAP; }
+    check(api_.cuMemHostRegister(ptr, bytes, cu_flags), "cuMemHostRegister", EMMPOOL_WHERE);
+  }
+
+  void host_unregister(int device, void* ptr) override
+  {
+    scoped_context ctx{*this, device};
+    check(api_.cuMemHostUnregister(ptr), "cuMemHostUnregister", EMMPOOL_WHERE);
+  }
+
+  [[nodiscard]] device_ptr host_device_pointer(int device, void* ptr) override
+  {
+    scoped_context ctx{*this, device};
+    CUdeviceptr d{};
+    check(api_.cuMemHostGetDevicePointer(&d, ptr, 0), "cuMemHostGetDevicePointer", EMMPOOL_WHERE);
+    return static_cast<device_ptr>(d);
+  }
+
+ private:
+  // Makes the device's primary context current for one call when it is not already. Numba,
+  // CuPy and PyTorch all work in primary contexts; finalizer threads may have none current.
+  class scoped_context {
+   public:
+    scoped_context(cuda_driver_impl& d, int device) : api_{d.load()}
+    {
+      CUcontext want = d.primary_context(device);
+      CUcontext cur{};
+      check(api_.cuCtxGetCurrent(&cur), "cuCtxGetCurrent", EMMPOOL_WHERE);
+      if (cur != want) {
+        check(api_.cuCtxPushCurrent(want), "cuCtxPushCurrent", EMMPOOL_WHERE);
+        pushed_ = true;
+      }
+    }
+    ~scoped_context()
+    {
+      if (pushed_) {
+        CUcontext popped{};
+        api_.cuCtxPopCurrent(&popped);
+      }
+    }
+    scoped_context(scoped_context const&)            = delete;
+    scoped_context& operator=(scoped_context const&) = delete;
+
+   private:
+    api const& api_;
+    bool pushed_ = false;
+  };
+
+  static void check(CUresult r, char const* call, char const* where)
+  {
+    if (r == CUDA_SUCCESS) { return; }
+    char const* name = nullptr;
+    // The instance is loaded whenever a call could fail, so the name lookup is available.
+    auto& a = instance_api();
+    if (a.cuGetErrorName == nullptr || a.cuGetErrorName(r, &name) != CUDA_SUCCESS) {
+      name = "CUDA_ERROR_UNKNOWN";
+    }
+    throw cuda_error{call, static_cast<int>(r), name, where};
+  }
+
+  static api& instance_api();
+
+  api& load()
+  {
+    std::call_once(loaded_, [this] { load_once(); });
+    if (!load_error_.empty()) {
+      throw driver_unavailable{"load CUDA driver", load_code_, load_error_, EMMPOOL_WHERE};
+    }
+    return api_;
+  }
+
+  void load_once()
+  {
+    handle_ = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (handle_ == nullptr) {
+      char const* why = ::dlerror();
+      load_code_      = static_cast<int>(CUDA_ERROR_NO_DEVICE);
+      load_error_     = std::string{"no CUDA driver: dlopen(\"libcuda.so.1\") failed ("} +
+                    (why ? why : "unknown") +
+                    "); install the NVIDIA driver, or run on a machine with a GPU";
+      return;
+    }
+#define EMMPOOL_API(fn)                                                              \
+  api_.fn = reinterpret_cast<decltype(api_.fn)>(::dlsym(handle_, EMMPOOL_STRINGIFY(fn))); \
+  if (api_.fn == nullptr) {                                                          \
+    load_code_  = static_cast<int>(CUDA_ERROR_NOT_FOUND);                            \
+    load_error_ = std::string{"the CUDA driver lacks "} + EMMPOOL_STRINGIFY(fn) +      \
+                  ": it is older than CUDA " + std::to_string(CUDA_VERSION / 1000) + \
+                  " needs; update the NVIDIA driver";                               \
+    return;                                                                          \
+  }
+#include "cuda_driver_api.inc"
+#undef EMMPOOL_API
+    auto const r = api_.cuInit(0);
+    if (r != CUDA_SUCCESS) {
+      char const* name = nullptr;
+      api_.cuGetErrorName(r, &name);
+      load_code_  = static_cast<int>(r);
+      load_error_ = std::string{"cuInit failed: "} + (name ? name : "unknown error") +
+                    " (no usable GPU, or the driver does not match this machine)";
+      return;
+    }
+    std::atexit([] { exiting.store(true); });
+  }
+
+  CUcontext primary_context(int device)
+  {
+    std::lock_guard lock{contexts_mutex_};
+    if (device < 0) { throw std::invalid_argument{"device must be a non-negative ordinal"}; }
+    if (static_cast<std::size_t>(device) >= contexts_.size()) {
+      contexts_.resize(static_cast<std::size_t>(device) + 1, nullptr);
+    }
+    auto& ctx = contexts_[static_cast<std::size_t>(device)];
+    if (ctx == nullptr) {
+      CUdevice dev{};
+      check(api_.cuDeviceGet(&dev, device), "cuDeviceGet", EMMPOOL_WHERE);
+      // Retained for the life of the process: the handle stays valid across a reset of the
+      // primary context (cuDevicePrimaryCtxReset keeps retains), and a release at exit could
+      // race with the driver's own teardown.
+      check(api_.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain", EMMPOOL_WHERE);
+    }
+    return ctx;
+  }
+
+  std::once_flag loaded_;
+  void* handle_ = nullptr;
+  api api_{};
+  std::string load_error_;
+  int load_code_ = 0;
+  std::mutex contexts_mutex_;
+  std::vector<CUcontext> contexts_;
+};
+
+cuda_driver_impl& instance()
+{
+  // Never destroyed: pools may use it from finalizers during interpreter exit.
+  static auto* d = new cuda_driver_impl{};
+  return *d;
+}
+
+api& cuda_driver_impl::instance_api() { return instance().api_; }
+
+}  // namespace
+
+driver& cuda_driver() { return instance(); }
+
+bool process_is_exiting() noexcept { return exiting.load(std::memory_order_relaxed); }
+
+}  // namespace emmpool

@@ -1,0 +1,85 @@
+#include <emmpool/deferred_free_queue.hpp>
+
+#include <algorithm>
+
+namespace emmpool {
+
+deferred_free_queue::~deferred_free_queue()
+{
+  // Batches still here belong to a pool being destroyed, which has drained or abandoned them.
+  release_events();
+}
+
+void deferred_free_queue::push(detail::block* blk, stream_handle stream)
+{
+  blk->state = detail::block_state::pending;
+  waiting_bytes_ += blk->size;
+  ++waiting_blocks_;
+  for (auto& b : open_) {
+    if (b.stream == stream) {
+      b.blocks.push_back(blk);
+      return;
+    }
+  }
+  batch b;
+  b.stream = stream;
+  b.blocks.push_back(blk);
+  open_.push_back(std::move(b));
+}
+
+event_handle deferred_free_queue::take_event()
+{
+  if (!spare_events_.empty()) {
+    auto e = spare_events_.back();
+    spare_events_.pop_back();
+    return e;
+  }
+  return driver_->create_event(device_);
+}
+
+std::size_t deferred_free_queue::close_open_batches()
+{
+  std::size_t closed = 0;
+  while (!open_.empty()) {
+    auto& b = open_.back();
+    if (b.event == 0) { b.event = take_event(); }
+    // If this throws, the batch stays open with its event: nothing is released unfenced.
+    driver_->record_event(device_, b.event, b.stream);
+    closed_.push_back(std::move(b));
+    open_.pop_back();
+    ++closed;
+  }
+  return closed;
+}
+
+std::vector<detail::block*> deferred_free_queue::abandon() noexcept
+{
+  std::vector<detail::block*> blocks;
+  auto take = [&](batch& b) {
+    blocks.insert(blocks.end(), b.blocks.begin(), b.blocks.end());
+    if (b.event != 0) { spare_events_.push_back(b.event); }
+  };
+  for (auto& b : open_) { take(b); }
+  for (auto& b : closed_) { take(b); }
+  open_.clear();
+  closed_.clear();
+  waiting_bytes_  = 0;
+  waiting_blocks_ = 0;
+  return blocks;
+}
+
+void deferred_free_queue::release_events() noexcept
+{
+  if (!process_is_exiting()) {
+    for (auto e : spare_events_) {
+      try {
+        driver_->destroy_event(device_, e);
+      } catch (...) {
+        // The context may already be gone; a leaked event handle is harmless.
+      }
+    }
+  }
+  spare_events_.clear();
+}
+
+}  // namespace emmpool

@@ -1,0 +1,561 @@
+#include <emmpool/device_pool.hpp>
+#include <emmpool/error.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+
+namespace emmpool {
+
+namespace {
+
+constexpr std::size_t mib = std::size_t{1} << 20;
+constexpr std::size_t large_granularity = 2 * mib;  // the driver's own allocation granularity
+
+constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
+
+std::string human(std::size_t bytes)
+{
+  char buf[32];
+  double const v = static_cast<double>(bytes);
+  if (bytes >= (std::size_t{1} << 30)) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", v / (1 << 30));
+  } else if (bytes >= mib) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", v / mib);
+  } else if (bytes >= 1024) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", v / 1024);
+  } else {
+    std::snprintf(buf, sizeof buf, "%zu B", bytes);
+  }
+  return buf;
+}
+
+}  // namespace
+
+device_pool::device_pool(driver& drv, int device, pool_options options)
+  : driver_{&drv}, device_{device}, options_{options}, queue_{drv, device}
+{
+  EMMPOOL_EXPECTS(device >= 0, "device must be a non-negative ordinal");
+  EMMPOOL_EXPECTS(options_.maximum_fraction >= 0.0 && options_.maximum_fraction <= 1.0,
+                  "maximum_fraction must lie in [0, 1]");
+  EMMPOOL_EXPECTS(options_.small_request % alignment == 0 && options_.small_request > 0,
+                  "small_request must be a positive multiple of 256");
+  EMMPOOL_EXPECTS(options_.small_segment % alignment == 0 &&
+                    options_.small_segment >= options_.small_request,
+                  "small_segment must be a multiple of 256 and at least small_request");
+  EMMPOOL_EXPECTS(options_.large_segment % alignment == 0 &&
+                    options_.large_segment > options_.small_request,
+                  "large_segment must be a multiple of 256 larger than small_request");
+
+  max_reserved_ = options_.maximum_size != 0 ? options_.maximum_size
+                                             : std::numeric_limits<std::size_t>::max();
+  if (options_.maximum_fraction > 0.0) {
+    auto const total = driver_->memory_info_of(device_).total;
+    max_reserved_ =
+      std::min(max_reserved_, static_cast<std::size_t>(options_.maximum_fraction * total));
+  }
+  EMMPOOL_EXPECTS(options_.initial_size <= max_reserved_,
+                  "initial_size exceeds the maximum pool size");
+  live_.reserve(4096);
+  if (options_.initial_size > 0 && options_.mode == pool_mode::pool) {
+    std::lock_guard lock{mutex_};
+    auto* blk = grow(round_up(options_.initial_size, large_granularity), true);
+    if (blk == nullptr) {
+      throw out_of_memory{"emmpool: cannot reserve the initial pool of " +
+                          human(options_.initial_size) + " on device " +
+                          std::to_string(device_)};
+    }
+    insert_free(blk);
+  }
+}
+
+device_pool::~device_pool()
+{
+  std::lock_guard lock{mutex_};
+  // Whatever is left goes back to the driver, without waiting: the pool is going away, so
+  // nobody can be handed these blocks again. At process exit the driver may be gone: leak.
+  if (process_is_exiting()) { return; }
+  for (auto& [base, seg] : segments_) {
+    try {
+      driver_->deallocate(device_, base);
+    } catch (...) {
+    }
+  }
+  for (auto& seg : retired_segments_) {
+    try {
+      if (driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
+        driver_->deallocate(device_, seg->base);
+      }
+    } catch (...) {
+    }
+  }
+  (void)queue_.abandon();
+}
+
+// ---- allocation ---------------------------------------------------------------------------
+
+device_pool::free_set& device_pool::free_list_for(std::size_t rounded) noexcept
+{
+  return rounded <= options_.small_request ? small_free_ : large_free_;
+}
+
+device_pool::block* device_pool::new_block()
+{
+  if (spare_blocks_.empty()) {
+    block_storage_.push_back(std::make_unique<block>());
+    return block_storage_.back().get();
+  }
+  auto* blk = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  *blk = block{};
+  return blk;
+}
+
+void device_pool::delete_block(block* blk) { spare_blocks_.push_back(blk); }
+
+void device_pool::insert_free(block* blk)
+{
+  blk->state = detail::block_state::free;
+  (blk->seg->small ? small_free_ : large_free_).insert(blk);
+  stats_.bytes_free += blk->size;
+}
+
+void device_pool::erase_free(block* blk)
+{
+  (blk->seg->small ? small_free_ : large_free_).erase(blk);
+  stats_.bytes_free -= blk->size;
+}
+
+device_pool::block* device_pool::split(block* blk, std::size_t rounded)
+{
+  if (options_.mode == pool_mode::pool && blk->size - rounded >= alignment) {
+    auto* rest = new_block();
+    rest->ptr  = blk->ptr + rounded;
+    rest->size = blk->size - rounded;
+    rest->seg  = blk->seg;
+    rest->prev = blk;
+    rest->next = blk->next;
+    if (blk->next != nullptr) { blk->next->prev = rest; }
+    blk->next = rest;
+    blk->size = rounded;
+    insert_free(rest);
+  }
+  return blk;
+}
+
+device_pool::block* device_pool::take_best_fit(std::size_t rounded)
+{
+  auto& list = free_list_for(rounded);
+  block probe;
+  probe.size = rounded;
+  auto it    = list.lower_bound(&probe);
+  if (it == list.end()) { return nullptr; }
+  auto* blk = *it;
+  list.erase(it);
+  stats_.bytes_free -= blk->size;
+  return split(blk, rounded);
+}
+
+device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
+{
+  bool const small = options_.mode == pool_mode::pool && rounded <= options_.small_request;
+  std::size_t size = rounded;
+  if (options_.mode == pool_mode::pool) {
+    if (small) {
+      size = options_.small_segment;
+    } else if (!exact && rounded <= options_.large_segment / 2) {
+      size = options_.large_segment;  // several mid-sized requests share a segment
+    } else {
+      size = round_up(rounded, large_granularity);
+    }
+  }
+  if (size > max_reserved_ || stats_.bytes_reserved > max_reserved_ - size) { return nullptr; }
+
+  device_ptr base{};
+  try {
+    base = driver_->allocate(device_, size);
+  } catch (out_of_memory const&) {
+    return nullptr;
+  }
+  auto seg       = std::make_unique<segment>();
+  seg->base      = base;
+  seg->size      = size;
+  seg->small     = small;
+  try {
+    seg->buffer_id = driver_->buffer_id(device_, base);
+  } catch (...) {
+    driver_->deallocate(device_, base);
+    throw;
+  }
+  auto* blk  = new_block();
+  blk->ptr   = base;
+  blk->size  = size;
+  blk->seg   = seg.get();
+  seg->first = blk;
+  segments_.emplace(base, std::move(seg));
+
+  stats_.bytes_reserved += size;
+  stats_.peak_bytes_reserved = std::max(stats_.peak_bytes_reserved, stats_.bytes_reserved);
+  ++stats_.segment_allocations;
+  ++stats_.segments;
+  return blk;
+}
+
+device_ptr device_pool::hand_out(block* blk, stream_handle, alloc_tag tag)
+{
+  blk->state      = detail::block_state::allocated;
+  blk->tag        = static_cast<std::uint8_t>(tag);
+  blk->also_fence = 0;
+  ++blk->seg->live_blocks;
+  live_.emplace(blk->ptr, blk);
+
+  stats_.bytes_in_use += blk->size;
+  stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
+  ++stats_.blocks_in_use;
+  ++stats_.allocations;
+  stats_.bytes_in_use_by_tag[blk->tag] += blk->size;
+  ++stats_.allocations_by_tag[blk->tag];
+  return blk->ptr;
+}
+
+device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_tag tag)
+{
+  EMMPOOL_EXPECTS(bytes <= std::numeric_limits<std::size_t>::max() / 2,
+                  "allocation size is too large");
+  EMMPOOL_EXPECTS(static_cast<std::size_t>(tag) < alloc_tag_count, "unknown allocation tag");
+  std::size_t const rounded = std::max(round_up(bytes, alignment), alignment);
+  std::lock_guard lock{mutex_};
+
+  block* blk = nullptr;
+  if (options_.mode == pool_mode::passthrough) {
+    maintain();  // returns completed frees' segments to the driver
+    blk = grow(rounded, true);
+  } else {
+    if (queue_.has_open() && queue_.waiting_bytes() > options_.open_batch_limit) { maintain(); }
+    blk = take_best_fit(rounded);
+    if (blk == nullptr) {
+      // Ladder step 1: fence what was freed since the last miss, reuse what has completed.
+      maintain();
+      blk = take_best_fit(rounded);
+    }
+    if (blk == nullptr) {
+      // Step 2: grow.
+      blk = grow(rounded, false);
+      if (blk != nullptr) { blk = split(blk, rounded); }
+    }
+  }
+  if (blk == nullptr && (queue_.has_open() || queue_.has_closed())) {
+    // Step 3: wait for every pending free.
+    queue_.drain([this](block* b) { release_block(b); });
+    blk = options_.mode == pool_mode::pool ? take_best_fit(rounded) : grow(rounded, true);
+  }
+  if (blk == nullptr && cleanup_deferrals_ == 0) {
+    // Step 4: give wholly free segments back, then grow with an exact-size segment.
+    if (release_free_segments() > 0 || options_.mode == pool_mode::pool) {
+      blk = grow(rounded, true);
+      if (blk != nullptr) { blk = split(blk, rounded); }
+    }
+  }
+  if (blk == nullptr) {
+    ++stats_.out_of_memory;
+    throw out_of_memory{"emmpool: out of memory allocating " + human(bytes) + "; " +
+                        describe_locked()};
+  }
+  return hand_out(blk, stream, tag);
+}
+
+// ---- free ---------------------------------------------------------------------------------
+
+void device_pool::deallocate(device_ptr ptr, stream_handle stream)
+{
+  std::lock_guard lock{mutex_};
+  auto it = live_.find(ptr);
+  if (it == live_.end()) {
+    throw pool_error{"emmpool: pointer " + std::to_string(ptr) + " on device " +
+                     std::to_string(device_) +
+                     " is not a live allocation of this pool (freed twice, or never allocated "
+                     "here)"};
+  }
+  auto* blk = it->second;
+  live_.erase(it);
+  deallocate_locked(blk, stream);
+}
+
+void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
+{
+  {
+    std::lock_guard lock{mutex_};
+    if (generation != generation_) {
+      auto it = retired_live_.find({generation, ptr});
+      if (it == retired_live_.end()) {
+        throw pool_error{"emmpool: pointer " + std::to_string(ptr) +
+                         " from before a reset is not live (freed twice?)"};
+      }
+      auto* blk = it->second;
+      retired_live_.erase(it);
+      free_retired(blk);
+      return;
+    }
+  }
+  deallocate(ptr, stream);
+}
+
+void device_pool::deallocate_locked(block* blk, stream_handle stream)
+{
+  stats_.bytes_in_use -= blk->size;
+  --stats_.blocks_in_use;
+  ++stats_.frees;
+  stats_.bytes_in_use_by_tag[blk->tag] -= blk->size;
+  if (blk->also_fence != 0 && blk->also_fence != stream) {
+    blk->freed_on = stream;
+    queue_.push(blk, blk->also_fence);
+  } else {
+    blk->also_fence = 0;
+    queue_.push(blk, stream);
+  }
+}
+
+void device_pool::record_stream(device_ptr ptr, stream_handle stream)
+{
+  std::lock_guard lock{mutex_};
+  auto it = live_.find(ptr);
+  if (it == live_.end()) {
+    throw pool_error{"emmpool: record_stream of pointer " + std::to_string(ptr) +
+                     ", which is not a live allocation of this pool"};
+  }
+  // One extra stream per block: a second, different one is fenced by the legacy stream only
+  // if it is blocking. Keep the most recent, as the one a caller is most likely still using.
+  it->second->also_fence = stream;
+}
+
+void device_pool::release_block(block* blk)
+{
+  if (blk->also_fence != 0) {
+    // First fence (the recorded stream) done; now fence on the stream of the free.
+    blk->also_fence = 0;
+    queue_.push(blk, blk->freed_on);
+    return;
+  }
+  auto* seg = blk->seg;
+  --seg->live_blocks;
+  if (seg->live_blocks == 0) { seg->exported = 0; }
+  if (options_.mode == pool_mode::passthrough) {
+    insert_free(blk);
+    if (cleanup_deferrals_ == 0) { release_segment(seg); }
+    return;
+  }
+  // Coalesce with free neighbours (same segment only: segments are separate driver allocations).
+  if (auto* prev = blk->prev; prev != nullptr && prev->state == detail::block_state::free) {
+    erase_free(prev);
+    prev->size += blk->size;
+    prev->next = blk->next;
+    if (blk->next != nullptr) { blk->next->prev = prev; }
+    delete_block(blk);
+    blk = prev;
+  }
+  if (auto* next = blk->next; next != nullptr && next->state == detail::block_state::free) {
+    erase_free(next);
+    blk->size += next->size;
+    blk->next = next->next;
+    if (next->next != nullptr) { next->next->prev = blk; }
+    delete_block(next);
+  }
+  insert_free(blk);
+}
+
+void device_pool::maintain()
+{
+  stats_.batches_closed += queue_.close_open_batches();
+  queue_.promote_completed([this](block* b) { release_block(b); });
+}
+
+// ---- giving memory back ---------------------------------------------------------------------
+
+void device_pool::release_segment(segment* seg)
+{
+  auto* blk = seg->first;  // wholly free: one block spanning the segment
+  erase_free(blk);
+  delete_block(blk);
+  driver_->deallocate(device_, seg->base);
+  stats_.bytes_reserved -= seg->size;
+  --stats_.segments;
+  ++stats_.segment_releases;
+  segments_.erase(seg->base);
+}
+
+std::size_t device_pool::release_free_segments()
+{
+  if (cleanup_deferrals_ > 0) { return 0; }
+  std::vector<segment*> idle;
+  for (auto& [base, seg] : segments_) {
+    if (seg->live_blocks == 0) { idle.push_back(seg.get()); }
+  }
+  std::size_t released = 0;
+  for (auto* seg : idle) {
+    released += seg->size;
+    release_segment(seg);
+  }
+  return released;
+}
+
+std::size_t device_pool::trim()
+{
+  std::lock_guard lock{mutex_};
+  queue_.drain([this](block* b) { release_block(b); });
+  return release_free_segments();
+}
+
+void device_pool::synchronize()
+{
+  std::lock_guard lock{mutex_};
+  queue_.drain([this](block* b) { release_block(b); });
+}
+
+void device_pool::free_retired(block* blk)
+{
+  auto* seg = blk->seg;
+  if (--seg->live_blocks > 0) { return; }
+  // Free the segment only if the driver still knows it as the same allocation: after a real
+  // context reset its address may belong to someone else by now.
+  try {
+    if (!process_is_exiting() && driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
+      driver_->deallocate(device_, seg->base);
+    }
+  } catch (...) {
+  }
+  for (auto* b = seg->first; b != nullptr;) {
+    auto* next = b->next;
+    delete_block(b);
+    b = next;
+  }
+  auto it = std::find_if(retired_segments_.begin(), retired_segments_.end(),
+                         [seg](auto const& s) { return s.get() == seg; });
+  retired_segments_.erase(it);
+}
+
+void device_pool::reset()
+{
+  std::lock_guard lock{mutex_};
+  try {
+    queue_.drain([this](block* b) { release_block(b); });
+  } catch (...) {
+    // The context is already unusable: pending blocks can't be fenced; nothing uses them now.
+    for (auto* b : queue_.abandon()) {
+      b->also_fence = 0;
+      release_block(b);
+    }
+  }
+  int const deferrals = cleanup_deferrals_;
+  cleanup_deferrals_  = 0;  // a reset frees what it can regardless
+  try {
+    release_free_segments();
+  } catch (...) {
+  }
+  cleanup_deferrals_ = deferrals;
+
+  // What is left holds live blocks: retire it, so that it is never handed out again.
+  for (auto& [base, seg] : segments_) {
+    seg->retired = true;
+    for (auto* b = seg->first; b != nullptr; b = b->next) {
+      if (b->state == detail::block_state::free) { erase_free(b); }
+    }
+    stats_.bytes_reserved -= seg->size;
+    --stats_.segments;
+    retired_segments_.push_back(std::move(seg));
+  }
+  segments_.clear();
+  for (auto& [ptr, blk] : live_) {
+    retired_live_.emplace(std::make_pair(generation_, ptr), blk);
+    stats_.bytes_in_use -= blk->size;
+    stats_.bytes_in_use_by_tag[blk->tag] -= blk->size;
+    --stats_.blocks_in_use;
+  }
+  live_.clear();
+  queue_.release_events();
+  ++generation_;
+}
+
+std::uint64_t device_pool::generation() const
+{
+  std::lock_guard lock{mutex_};
+  return generation_;
+}
+
+void device_pool::defer_cleanup_begin()
+{
+  std::lock_guard lock{mutex_};
+  ++cleanup_deferrals_;
+}
+
+void device_pool::defer_cleanup_end()
+{
+  std::lock_guard lock{mutex_};
+  EMMPOOL_EXPECTS(cleanup_deferrals_ > 0, "defer_cleanup_end without defer_cleanup_begin");
+  if (--cleanup_deferrals_ == 0 && options_.mode == pool_mode::passthrough) {
+    release_free_segments();  // segments whose release was held back
+  }
+}
+
+// ---- queries ------------------------------------------------------------------------------
+
+bool device_pool::owns(device_ptr ptr) const
+{
+  std::lock_guard lock{mutex_};
+  return live_.count(ptr) != 0;
+}
+
+std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
+{
+  std::lock_guard lock{mutex_};
+  auto it = segments_.upper_bound(ptr);
+  if (it == segments_.begin()) { return std::nullopt; }
+  --it;
+  auto& seg = *it->second;
+  if (ptr >= seg.base + seg.size || seg.live_blocks == 0) { return std::nullopt; }
+  if (!seg.ipc) { seg.ipc = driver_->ipc_handle(device_, seg.base); }
+  ++seg.exported;
+  return ipc_info{*seg.ipc, seg.base, seg.size, static_cast<std::size_t>(ptr - seg.base)};
+}
+
+pool_stats device_pool::stats() const
+{
+  std::lock_guard lock{mutex_};
+  pool_stats s     = stats_;
+  s.bytes_waiting  = queue_.waiting_bytes();
+  std::size_t best = 0;
+  if (!small_free_.empty()) { best = (*small_free_.rbegin())->size; }
+  if (!large_free_.empty()) { best = std::max(best, (*large_free_.rbegin())->size); }
+  s.largest_free_block = best;
+  return s;
+}
+
+void device_pool::reset_peaks()
+{
+  std::lock_guard lock{mutex_};
+  stats_.peak_bytes_in_use   = stats_.bytes_in_use;
+  stats_.peak_bytes_reserved = stats_.bytes_reserved;
+}
+
+std::string device_pool::describe() const
+{
+  std::lock_guard lock{mutex_};
+  return describe_locked();
+}
+
+std::string device_pool::describe_locked() const
+{
+  std::size_t best = 0;
+  if (!small_free_.empty()) { best = (*small_free_.rbegin())->size; }
+  if (!large_free_.empty()) { best = std::max(best, (*large_free_.rbegin())->size); }
+  std::string s = "pool on device " + std::to_string(device_) + " holds " +
+                  human(stats_.bytes_reserved) + " in " + std::to_string(stats_.segments) +
+                  " segments: " + human(stats_.bytes_in_use) + " in use, " +
+                  human(stats_.bytes_free) + " free (largest block " + human(best) + "), " +
+                  human(queue_.waiting_bytes()) + " waiting for pending frees";
+  if (max_reserved_ != std::numeric_limits<std::size_t>::max()) {
+    s += "; cap " + human(max_reserved_);
+  }
+  return s;
+}
+
+}  // namespace emmpool

@@ -1,0 +1,272 @@
+#include <emmpool/error.hpp>
+#include <emmpool/host_driver.hpp>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace emmpool {
+
+namespace {
+constexpr std::size_t granularity = std::size_t{2} << 20;
+constexpr int invalid_value_code  = 1;    // CUDA_ERROR_INVALID_VALUE
+constexpr int injected_code       = 999;  // CUDA_ERROR_UNKNOWN
+}  // namespace
+
+host_driver::host_driver(int devices, std::size_t capacity)
+  : devices_{devices},
+    capacity_(static_cast<std::size_t>(devices), capacity),
+    used_(static_cast<std::size_t>(devices), 0)
+{
+  EMMPOOL_EXPECTS(devices > 0, "host_driver needs at least one device");
+  // Each device gets its own far-apart range, so addresses never collide across devices.
+  for (int d = 0; d < devices; ++d) {
+    next_address_.push_back((device_ptr{0x10} + static_cast<device_ptr>(d)) << 40);
+  }
+}
+
+host_driver::~host_driver()
+{
+  for (auto& [p, n] : host_allocations_) { std::free(p); }
+}
+
+void host_driver::check_device(int device) const
+{
+  if (device < 0 || device >= devices_) {
+    throw cuda_error{"cuDeviceGet", 101, "CUDA_ERROR_INVALID_DEVICE", EMMPOOL_WHERE};
+  }
+}
+
+void host_driver::complete_all_events()
+{
+  std::lock_guard lock{mutex_};
+  for (auto& [e, done] : events_) { done = true; }
+}
+
+void host_driver::set_auto_complete(bool on)
+{
+  std::lock_guard lock{mutex_};
+  auto_complete_ = on;
+}
+
+void host_driver::fail_next_allocations(int n)
+{
+  std::lock_guard lock{mutex_};
+  fail_allocations_ = n;
+}
+
+void host_driver::fail_next_event_records(int n)
+{
+  std::lock_guard lock{mutex_};
+  fail_event_records_ = n;
+}
+
+void host_driver::set_capacity(int device, std::size_t bytes)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  capacity_[static_cast<std::size_t>(device)] = bytes;
+}
+
+void host_driver::invalidate_device(int device)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  for (auto it = segments_.begin(); it != segments_.end();) {
+    if (it->second.device == device) {
+      used_[static_cast<std::size_t>(device)] -= it->second.bytes;
+      counters_.bytes_reserved -= it->second.bytes;
+      --counters_.live_segments;
+      it = segments_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // Addresses are handed out again from the start of the range, as after a real reset.
+  next_address_[static_cast<std::size_t>(device)] = (device_ptr{0x10} + device) << 40;
+}
+
+host_driver::counters host_driver::stats() const
+{
+  std::lock_guard lock{mutex_};
+  auto c        = counters_;
+  c.live_events = events_.size();
+  return c;
+}
+
+device_ptr host_driver::allocate(int device, std::size_t bytes)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  auto const d = static_cast<std::size_t>(device);
+  if (fail_allocations_ > 0) {
+    --fail_allocations_;
+    throw out_of_memory{"host_driver: injected allocation failure"};
+  }
+  if (bytes == 0) {
+    throw cuda_error{"cuMemAlloc", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
+  }
+  if (bytes > capacity_[d] - used_[d] || used_[d] > capacity_[d]) {
+    throw out_of_memory{"host_driver: device " + std::to_string(device) + " is full"};
+  }
+  device_ptr const p = next_address_[d];
+  // A gap after each segment, so a pool that coalesced across segments would be caught.
+  next_address_[d] += (bytes + granularity - 1) / granularity * granularity + granularity;
+  segments_.emplace(p, segment{device, bytes, next_buffer_id_++});
+  used_[d] += bytes;
+  ++counters_.allocations;
+  counters_.bytes_reserved += bytes;
+  ++counters_.live_segments;
+  return p;
+}
+
+void host_driver::deallocate(int device, device_ptr ptr)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  auto it = segments_.find(ptr);
+  if (it == segments_.end() || it->second.device != device) {
+    throw cuda_error{"cuMemFree", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
+  }
+  used_[static_cast<std::size_t>(device)] -= it->second.bytes;
+  counters_.bytes_reserved -= it->second.bytes;
+  --counters_.live_segments;
+  ++counters_.deallocations;
+  segments_.erase(it);
+}
+
+std::uint64_t host_driver::buffer_id(int device, device_ptr ptr)
+{
+  std::lock_guard lock{mutex_};
+  auto it = segments_.upper_bound(ptr);
+  if (it == segments_.begin()) { return 0; }
+  --it;
+  if (it->second.device != device || ptr >= it->first + it->second.bytes) { return 0; }
+  return it->second.id;
+}
+
+event_handle host_driver::create_event(int device)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  auto const e = static_cast<event_handle>(next_event_++);
+  events_.emplace(e, true);
+  return e;
+}
+
+void host_driver::destroy_event(int, event_handle event)
+{
+  std::lock_guard lock{mutex_};
+  if (events_.erase(event) == 0) {
+    throw cuda_error{"cuEventDestroy", 400, "CUDA_ERROR_INVALID_HANDLE", EMMPOOL_WHERE};
+  }
+}
+
+void host_driver::record_event(int device, event_handle event, stream_handle)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  if (fail_event_records_ > 0) {
+    --fail_event_records_;
+    throw cuda_error{"cuEventRecord", injected_code, "CUDA_ERROR_UNKNOWN", EMMPOOL_WHERE};
+  }
+  auto it = events_.find(event);
+  if (it == events_.end()) {
+    throw cuda_error{"cuEventRecord", 400, "CUDA_ERROR_INVALID_HANDLE", EMMPOOL_WHERE};
+  }
+  it->second = auto_complete_;
+  ++counters_.event_records;
+}
+
+bool host_driver::event_completed(int, event_handle event)
+{
+  std::lock_guard lock{mutex_};
+  ++counters_.event_queries;
+  auto it = events_.find(event);
+  if (it == events_.end()) {
+    throw cuda_error{"cuEventQuery", 400, "CUDA_ERROR_INVALID_HANDLE", EMMPOOL_WHERE};
+  }
+  return it->second;
+}
+
+void host_driver::synchronize_event(int, event_handle event)
+{
+  std::lock_guard lock{mutex_};
+  ++counters_.event_syncs;
+  auto it = events_.find(event);
+  if (it == events_.end()) {
+    throw cuda_error{"cuEventSynchronize", 400, "CUDA_ERROR_INVALID_HANDLE", EMMPOOL_WHERE};
+  }
+  it->second = true;  // waiting is what completes it
+}
+
+ipc_bytes host_driver::ipc_handle(int device, device_ptr segment_base)
+{
+  std::lock_guard lock{mutex_};
+  auto it = segments_.find(segment_base);
+  if (it == segments_.end() || it->second.device != device) {
+    throw cuda_error{"cuIpcGetMemHandle", invalid_value_code, "CUDA_ERROR_INVALID_VALUE",
+                     EMMPOOL_WHERE};
+  }
+  ipc_bytes h{};
+  std::memcpy(h.data(), &segment_base, sizeof segment_base);
+  std::memcpy(h.data() + sizeof segment_base, &it->second.id, sizeof it->second.id);
+  return h;
+}
+
+memory_info host_driver::memory_info_of(int device)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  auto const d = static_cast<std::size_t>(device);
+  return {capacity_[d] - std::min(used_[d], capacity_[d]), capacity_[d]};
+}
+
+void* host_driver::host_allocate(int device, std::size_t bytes, unsigned)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  if (fail_allocations_ > 0) {
+    --fail_allocations_;
+    throw out_of_memory{"host_driver: injected host allocation failure"};
+  }
+  void* p = std::malloc(bytes == 0 ? 1 : bytes);
+  if (p == nullptr) { throw out_of_memory{"host_driver: malloc failed"}; }
+  host_allocations_.emplace(p, bytes);
+  return p;
+}
+
+void host_driver::host_deallocate(int, void* ptr)
+{
+  std::lock_guard lock{mutex_};
+  if (host_allocations_.erase(ptr) == 0) {
+    throw cuda_error{"cuMemFreeHost", invalid_value_code, "CUDA_ERROR_INVALID_VALUE",
+                     EMMPOOL_WHERE};
+  }
+  std::free(ptr);
+}
+
+void host_driver::host_register(int, void* ptr, std::size_t bytes, unsigned)
+{
+  std::lock_guard lock{mutex_};
+  auto const key = reinterpret_cast<std::uintptr_t>(ptr);
+  if (!host_registrations_.emplace(key, bytes).second) {
+    throw cuda_error{"cuMemHostRegister", 712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+                     EMMPOOL_WHERE};
+  }
+}
+
+void host_driver::host_unregister(int, void* ptr)
+{
+  std::lock_guard lock{mutex_};
+  if (host_registrations_.erase(reinterpret_cast<std::uintptr_t>(ptr)) == 0) {
+    throw cuda_error{"cuMemHostUnregister", 713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+                     EMMPOOL_WHERE};
+  }
+}
+
+device_ptr host_driver::host_device_pointer(int, void* ptr)
+{
+  return reinterpret_cast<device_ptr>(ptr);  // unified addressing: the same address
+}
+
+}  // namespace emmpool

@@ -1,0 +1,83 @@
+"""emmpool: one stream-safe GPU memory pool per device, shared by Numba, CuPy and PyTorch.
+
+Importing emmpool touches no GPU: the CUDA driver is loaded on first use.
+"""
+
+from __future__ import annotations
+
+from . import _core
+from ._config import Config, config, configure
+from ._core import CudaError, DriverUnavailableError, OutOfMemoryError, PoolError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "CudaError",
+    "DriverUnavailableError",
+    "OutOfMemoryError",
+    "PoolError",
+    "config",
+    "configure",
+    "record_stream",
+    "reset_peak_stats",
+    "stats",
+    "trim",
+    "use_for_cupy",
+    "use_for_numba",
+    "use_for_torch",
+]
+
+
+def use_for_numba() -> None:
+    """Make Numba allocate device memory from emmpool (call before Numba's first CUDA use)."""
+    from numba import cuda
+
+    from .plugin import EmmPoolManager
+
+    cuda.set_memory_manager(EmmPoolManager)
+
+
+def use_for_cupy() -> None:
+    """Make CuPy allocate from emmpool's pools (C function allocator: no Python per call)."""
+    from .hooks import use_for_cupy as _use
+
+    _use()
+
+
+def use_for_torch() -> None:
+    """Make PyTorch allocate from emmpool's pools (before PyTorch's first CUDA allocation)."""
+    from .hooks import use_for_torch as _use
+
+    _use()
+
+
+def stats(device: int | None = None) -> dict:
+    """Statistics of the pools created so far: ``{device: {...}}``, or one device's dict."""
+    pools = {p.device: p for p in _core.pools()}
+    if device is not None:
+        if device not in pools:
+            raise ValueError(f"no pool exists for device {device} (it has not allocated yet)")
+        return pools[device].stats()
+    return {d: p.stats() for d, p in sorted(pools.items())}
+
+
+def trim() -> int:
+    """Wait for pending frees and return every wholly free segment to the driver.
+
+    Returns the number of bytes released."""
+    return sum(p.trim() for p in _core.pools())
+
+
+def reset_peak_stats() -> None:
+    """Restart the peak counters of every pool from the current values."""
+    for p in _core.pools():
+        p.reset_peaks()
+
+
+def record_stream(ptr: int, stream: int, device: int = 0) -> None:
+    """Declare that ``stream`` (e.g. a non-blocking stream) uses the block at ``ptr``.
+
+    Its free then also waits for the work issued to that stream before the free; without this,
+    only work on the freeing stream and on blocking streams is waited for."""
+    _core.pool(device).record_stream(ptr, stream)

@@ -1,0 +1,157 @@
+"""Configuration of the process-wide pools: environment variables and :func:`configure`.
+
+Every variable is validated when the first pool is about to be created (or when
+:func:`configure` is called), and a bad value raises ``ValueError`` naming the variable and
+the accepted form. See the table in README.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import asdict, dataclass
+
+from . import _core
+
+__all__ = ["Config", "configure", "config", "ensure_configured", "parse_size"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
+    "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+    "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+    "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
+}  # fmt: skip
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_MODES = ("pool", "passthrough")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Options of the process-wide pools (one per device)."""
+
+    mode: str = "pool"
+    initial_pool_size: int = 0
+    maximum_pool_size: int = 0  # bytes; 0 means no cap but the device
+    maximum_pool_fraction: float = 0.0  # of the device's memory; 0 means unused
+
+
+def parse_size(text: str, name: str) -> int:
+    """Parse ``"1073741824"``, ``"512MiB"``, ``"2 GB"`` (binary units) into bytes."""
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"{name}={text!r} is not a size: expected bytes as an integer, optionally with a "
+            f"unit (B, KiB, MiB, GiB, TiB; K/M/G/T and KB/MB/GB/TB mean the same), e.g. '4GiB'"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _parse_maximum(text: str, name: str) -> tuple[int, float]:
+    """A maximum is a size, or a fraction of the device's memory: '0.8' or '80%'."""
+    t = text.strip()
+    try:
+        if t.endswith("%"):
+            frac = float(t[:-1]) / 100.0
+        elif re.fullmatch(r"0?\.\d+|1\.0*|0", t):
+            frac = float(t)
+        else:
+            return parse_size(t, name), 0.0
+    except ValueError:
+        frac = -1.0
+    if not 0.0 < frac <= 1.0:
+        raise ValueError(
+            f"{name}={text!r}: a fraction of the device's memory must lie in (0, 1] "
+            f"(e.g. '0.8' or '80%'), or give a size such as '16GiB'"
+        )
+    return 0, frac
+
+
+def _from_environment() -> Config:
+    env = os.environ
+    mode = env.get("EMMPOOL_MODE", "pool").strip().lower() or "pool"
+    if mode not in _MODES:
+        raise ValueError(f"EMMPOOL_MODE={env['EMMPOOL_MODE']!r}: expected 'pool' or 'passthrough'")
+    initial = 0
+    if "EMMPOOL_INITIAL_POOL_SIZE" in env:
+        initial = parse_size(env["EMMPOOL_INITIAL_POOL_SIZE"], "EMMPOOL_INITIAL_POOL_SIZE")
+    maximum, fraction = 0, 0.0
+    if "EMMPOOL_MAXIMUM_POOL_SIZE" in env:
+        maximum, fraction = _parse_maximum(
+            env["EMMPOOL_MAXIMUM_POOL_SIZE"], "EMMPOOL_MAXIMUM_POOL_SIZE"
+        )
+    return _validated(Config(mode, initial, maximum, fraction))
+
+
+def _validated(cfg: Config) -> Config:
+    if cfg.mode not in _MODES:
+        raise ValueError(f"mode={cfg.mode!r}: expected 'pool' or 'passthrough'")
+    for name in ("initial_pool_size", "maximum_pool_size"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r}: expected a non-negative number of bytes")
+    f = cfg.maximum_pool_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+        raise ValueError(f"maximum_pool_fraction={f!r}: expected a number in [0, 1]")
+    if cfg.maximum_pool_size and cfg.initial_pool_size > cfg.maximum_pool_size:
+        raise ValueError(
+            f"initial_pool_size ({cfg.initial_pool_size}) exceeds maximum_pool_size "
+            f"({cfg.maximum_pool_size})"
+        )
+    return cfg
+
+
+_lock = threading.Lock()
+_applied: Config | None = None
+
+
+def configure(**options) -> Config:
+    """Set the options of the process-wide pools. Only before the first allocation.
+
+    Keyword arguments are the fields of :class:`Config`; those not given keep their value from
+    the environment (``EMMPOOL_*``), or the default. Raises ``ValueError`` for a bad value and
+    ``RuntimeError`` once a pool exists.
+    """
+    global _applied
+    unknown = set(options) - set(Config.__dataclass_fields__)
+    if unknown:
+        raise TypeError(
+            f"unknown option(s) {sorted(unknown)}; known: {sorted(Config.__dataclass_fields__)}"
+        )
+    with _lock:
+        base = asdict(_applied) if _applied is not None else asdict(_from_environment())
+        base.update(options)
+        cfg = _validated(Config(**base))
+        try:
+            _core.configure(
+                mode=cfg.mode,
+                initial_size=cfg.initial_pool_size,
+                maximum_size=cfg.maximum_pool_size,
+                maximum_fraction=float(cfg.maximum_pool_fraction),
+            )
+        except RuntimeError as e:  # std::logic_error: a pool exists
+            raise RuntimeError(str(e)) from None
+        _applied = cfg
+        return cfg
+
+
+def ensure_configured() -> Config:
+    """Apply the environment's configuration once, unless configure() already ran."""
+    if _applied is not None:
+        return _applied
+    try:
+        return configure()
+    except RuntimeError:
+        # A pool already exists (e.g. created through the CuPy/PyTorch C hooks before any
+        # Python-level configuration): it keeps the options it was created with.
+        return config()
+
+
+def config() -> Config:
+    """The options in force (or that will be, for pools not yet created)."""
+    if _applied is not None:
+        return _applied
+    o = _core.configured_options()
+    return Config(o["mode"], o["initial_size"], o["maximum_size"], o["maximum_fraction"])

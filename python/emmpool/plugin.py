@@ -1,0 +1,144 @@
+"""Numba External Memory Management (EMM) plugin backed by emmpool's C++ pools.
+
+Enable it with either::
+
+    numba.cuda.set_memory_manager(emmpool.plugin.EmmPoolManager)   # before any CUDA use
+    NUMBA_CUDA_MEMORY_MANAGER=emmpool.plugin python ...
+
+Device memory comes from the process-wide pool of the context's device (shared with CuPy and
+PyTorch when their hooks are installed). Pinned and mapped host memory are Numba's own
+(``HostOnlyCUDAMemoryManager``).
+
+``defer_cleanup``: while it is active, nothing is returned to the CUDA driver (no
+``cuMemFree``, which would synchronize); freed device blocks still flow back into the pool
+once the work issued before their free has completed, and can be reused. Host allocations are
+deferred exactly as by Numba's own manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+
+from numba.cuda import MemoryInfo, MemoryPointer, HostOnlyCUDAMemoryManager, IpcHandle
+from numba.cuda.cudadrv.driver import CudaAPIError, GetIpcHandleMixin, binding
+
+from . import _core
+from ._config import ensure_configured
+
+__all__ = ["EmmPoolManager"]
+
+_LEGACY = _core.LEGACY_STREAM
+_TAG_NUMBA = 1
+_OOM = binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+
+
+class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
+    """Numba memory manager whose device allocations come from emmpool's pool.
+
+    Numba makes one instance per context. ``__init__`` touches no CUDA (Numba instantiates the
+    class with ``context=None`` just to read ``interface_version``); the pool is bound on the
+    first ``initialize()``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pool = None
+
+    # -- binding to the pool -------------------------------------------------------------
+    def initialize(self):
+        # Called on every context push: after the first call this is one attribute test.
+        if self._pool is None:
+            self._bind()
+
+    def _bind(self):
+        ensure_configured()
+        pool = _core.pool(self.context.device.id)
+        self._ctx = weakref.proxy(self.context)
+        self._allocate = pool.allocate
+        self._free = pool.deallocate
+        self._generation = pool.generation
+        self._pool = pool
+
+    @property
+    def pool(self):
+        """The :class:`emmpool._core.DevicePool` of this context's device."""
+        self.initialize()
+        return self._pool
+
+    # -- the EMM interface ---------------------------------------------------------------
+    def memalloc(self, size):
+        if self._pool is None:
+            self._bind()
+        if type(size) is not int:
+            size = _as_size(size)
+        if size < 0:
+            raise ValueError(f"cannot allocate a negative number of bytes ({size})")
+        try:
+            ptr = self._allocate(size, _LEGACY, _TAG_NUMBA)
+        except _core.OutOfMemoryError as e:
+            # What Numba's own manager raises, so that callers' handlers keep working.
+            raise CudaAPIError(_OOM, str(e)) from None
+        finalizer = functools.partial(self._free, ptr, _LEGACY, self._generation)
+        return MemoryPointer(self._ctx, ptr, size, finalizer=finalizer)
+
+    def get_memory_info(self):
+        """Driver's free memory plus what the pool holds free, and the device's total."""
+        self.initialize()
+        free, total = _core.memory_info(self.context.device.id)
+        return MemoryInfo(free=free + self._pool.stats()["bytes_free"], total=total)
+
+    def get_ipc_handle(self, memory):
+        """IPC handle of the pool segment holding ``memory``, with the block's offset in it.
+
+        Memory the pool did not allocate (e.g. a foreign array through the CUDA Array
+        Interface) gets Numba's own handling: the handle of its whole allocation.
+        """
+        self.initialize()
+        info = self._pool.ipc_handle(int(memory.handle))
+        if info is None:
+            return super().get_ipc_handle(memory)
+        handle_bytes, base, _segment_size, offset = info
+        handle = binding.CUipcMemHandle()
+        handle.reserved = handle_bytes
+        source_info = self.context.device.get_device_identity()
+        return IpcHandle(memory, handle, memory.size, source_info, offset=offset)
+
+    def reset(self):
+        """Numba resets the context (e.g. ``cuda.close()``): wait for pending frees, return
+        free memory to the driver, and retire segments still holding live arrays, so that
+        their addresses are never handed out again. Finalizers of those arrays may run later
+        (even at exit): they are matched to the retired blocks by generation."""
+        super().reset()
+        if self._pool is not None:
+            self._pool.reset()
+            self._generation = self._pool.generation
+
+    @contextlib.contextmanager
+    def defer_cleanup(self):
+        with super().defer_cleanup():
+            if self._pool is None:
+                yield
+                return
+            self._pool.defer_cleanup_begin()
+            try:
+                yield
+            finally:
+                self._pool.defer_cleanup_end()
+
+    @property
+    def interface_version(self):
+        return 1
+
+
+def _as_size(size) -> int:
+    try:
+        return int(size.__index__())
+    except (AttributeError, TypeError):
+        raise TypeError(
+            f"allocation size must be an integer number of bytes, not {type(size).__name__}"
+        ) from None
+
+
+_numba_memory_manager = EmmPoolManager
