@@ -170,6 +170,7 @@ PYBIND11_MODULE(_core, m)
       out["bytes_reserved"] = c.bytes_reserved;
       out["live_segments"]  = c.live_segments;
       out["live_events"]    = c.live_events;
+      out["context_releases"] = c.context_releases;
       return out;
     });
 

@@ -114,6 +114,19 @@ class cuda_driver_impl final : public driver {
           EMMPOOL_WHERE);
   }
 
+  void release_context(int device) override
+  {
+    auto& a = load();
+    std::lock_guard lock{contexts_mutex_};
+    if (device < 0 || static_cast<std::size_t>(device) >= contexts_.size()) { return; }
+    auto& ctx = contexts_[static_cast<std::size_t>(device)];
+    if (ctx == nullptr) { return; }
+    CUdevice dev{};
+    check(a.cuDeviceGet(&dev, device), "cuDeviceGet", EMMPOOL_WHERE);
+    ctx = nullptr;
+    check(a.cuDevicePrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease", EMMPOOL_WHERE);
+  }
+
   [[nodiscard]] ipc_bytes ipc_handle(int device, device_ptr segment_base) override
   {
     scoped_context ctx{*this, device};
@@ -273,9 +286,8 @@ class cuda_driver_impl final : public driver {
     if (ctx == nullptr) {
       CUdevice dev{};
       check(api_.cuDeviceGet(&dev, device), "cuDeviceGet", EMMPOOL_WHERE);
-      // Retained for the life of the process: the handle stays valid across a reset of the
-      // primary context (cuDevicePrimaryCtxReset keeps retains), and a release at exit could
-      // race with the driver's own teardown.
+      // Retained until the pool's reset() (release_context); never released at exit, where
+      // a release could race with the driver's own teardown.
       check(api_.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain", EMMPOOL_WHERE);
     }
     return ctx;

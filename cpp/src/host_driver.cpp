@@ -199,6 +199,13 @@ void host_driver::synchronize_event(int, event_handle event)
   it->second = true;  // waiting is what completes it
 }
 
+void host_driver::release_context(int device)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  ++counters_.context_releases;
+}
+
 ipc_bytes host_driver::ipc_handle(int device, device_ptr segment_base)
 {
   std::lock_guard lock{mutex_};

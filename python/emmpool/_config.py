@@ -50,12 +50,14 @@ def parse_size(text: str, name: str) -> int:
 
 
 def _parse_maximum(text: str, name: str) -> tuple[int, float]:
-    """A maximum is a size, or a fraction of the device's memory: '0.8' or '80%'."""
+    """A maximum is a size, or a fraction of the device's memory: '0.8' or '80%'.
+
+    A plain number with a decimal point is a fraction; an integer is bytes."""
     t = text.strip()
     try:
         if t.endswith("%"):
             frac = float(t[:-1]) / 100.0
-        elif re.fullmatch(r"0?\.\d+|1\.0*|0", t):
+        elif re.fullmatch(r"\d*\.\d*", t):
             frac = float(t)
         else:
             return parse_size(t, name), 0.0

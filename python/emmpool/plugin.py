@@ -54,7 +54,10 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
 
     def _bind(self):
         ensure_configured()
-        pool = _core.pool(self.context.device.id)
+        dev = self.context.device
+        # A Numba Device, or a bare CUdevice for contexts attached from a third party.
+        self._device = dev.id if hasattr(dev, "id") else int(dev)
+        pool = _core.pool(self._device)
         self._ctx = weakref.proxy(self.context)
         self._allocate = pool.allocate
         self._free = pool.deallocate
@@ -86,7 +89,7 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
     def get_memory_info(self):
         """Driver's free memory plus what the pool holds free, and the device's total."""
         self.initialize()
-        free, total = _core.memory_info(self.context.device.id)
+        free, total = _core.memory_info(self._device)
         return MemoryInfo(free=free + self._pool.stats()["bytes_free"], total=total)
 
     def get_ipc_handle(self, memory):

@@ -136,12 +136,16 @@ void deferred_free_queue::promote_completed(Release&& release)
 template <class Release>
 void deferred_free_queue::drain(Release&& release)
 {
-  close_open_batches();
-  while (!closed_.empty()) {
-    driver_->synchronize_event(device_, closed_.front().event);
-    release_batch(closed_.front(), release);
-    closed_.pop_front();
-  }
+  // release() may queue a block again, on its second fence (device_pool::record_stream):
+  // repeat until no batch is left, open or closed.
+  do {
+    close_open_batches();
+    while (!closed_.empty()) {
+      driver_->synchronize_event(device_, closed_.front().event);
+      release_batch(closed_.front(), release);
+      closed_.pop_front();
+    }
+  } while (!open_.empty());
 }
 
 }  // namespace emmpool

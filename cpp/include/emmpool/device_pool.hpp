@@ -149,7 +149,7 @@ class device_pool {
   device_ptr hand_out(block* blk, stream_handle stream, alloc_tag tag);
   void release_block(block* blk);             // from the queue: coalesce into free lists
   void maintain();                            // close open batches, promote completed
-  std::size_t release_free_segments();
+  std::size_t release_free_segments(bool large_only = false);
   void release_segment(segment* seg);
   void erase_free(block* blk);
   void insert_free(block* blk);

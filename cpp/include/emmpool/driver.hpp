@@ -79,6 +79,11 @@ class driver {
   /// @brief Block until the event has completed.
   virtual void synchronize_event(int device, event_handle event) = 0;
 
+  /// @brief Drop what the driver holds of the device's context (the CUDA implementation's
+  /// retain of the primary context), because the caller is about to reset it. The next call
+  /// for the device attaches to whatever primary context exists then.
+  virtual void release_context(int device) = 0;
+
   /// @brief cuIpcGetMemHandle of a segment base.
   [[nodiscard]] virtual ipc_bytes ipc_handle(int device, device_ptr segment_base) = 0;
   /// @brief cuMemGetInfo of the device.

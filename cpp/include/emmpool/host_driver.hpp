@@ -45,6 +45,7 @@ class host_driver final : public driver {
     std::size_t bytes_reserved;   ///< bytes in live segments, all devices
     std::size_t live_segments;    ///< segments not yet deallocated, all devices
     std::size_t live_events;      ///< events created and not destroyed
+    std::uint64_t context_releases;
   };
   [[nodiscard]] counters stats() const;
 
@@ -60,6 +61,7 @@ class host_driver final : public driver {
   void record_event(int device, event_handle event, stream_handle stream) override;
   [[nodiscard]] bool event_completed(int device, event_handle event) override;
   void synchronize_event(int device, event_handle event) override;
+  void release_context(int device) override;
   [[nodiscard]] ipc_bytes ipc_handle(int device, device_ptr segment_base) override;
   [[nodiscard]] memory_info memory_info_of(int device) override;
   [[nodiscard]] void* host_allocate(int device, std::size_t bytes, unsigned flags) override;

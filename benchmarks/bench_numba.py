@@ -1,0 +1,548 @@
+#!/usr/bin/env python
+"""Numba allocation benchmark: emmpool against anchor EMM plugins.
+
+    python benchmarks/bench_numba.py --out DIR [--quick]
+
+The parent spawns one child process per memory manager, because Numba's EMM
+plugin must be installed before its CUDA context exists and cannot be swapped
+afterwards.  Each child prints a single ``BENCH_RESULT {json}`` line; the
+parent writes ``DIR/bench_numba.json`` and ``DIR/bench_numba.md`` and prints
+the markdown table.  See benchmarks/README.md for what each case measures.
+"""
+
+import argparse
+import datetime
+import gc
+import importlib.metadata
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+from numba import cuda  # importing creates no CUDA context
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+RESULT_MARKER = "BENCH_RESULT "
+
+# (name, extra environment for the child).  Run and tabulated in this order.
+MANAGERS = [
+    ("numba-default", {}),
+    ("cudamalloc", {}),
+    ("cupy-pool", {}),
+    ("nothing", {}),
+    ("emmpool", {"EMMPOOL_MODE": "pool"}),
+    ("emmpool-passthrough", {"EMMPOOL_MODE": "passthrough"}),
+]
+FLOOR = "nothing"
+
+ALLOC_FREE_SIZES = [
+    ("256B", 256),
+    ("64KiB", 64 << 10),
+    ("4MiB", 4 << 20),
+    ("64MiB", 64 << 20),
+]
+CASES = [f"alloc_free_{label}" for label, _ in ALLOC_FREE_SIZES] + [
+    "churn",
+    "alloc_axpy",
+]
+
+CHURN_SLOTS = 64
+CHURN_MIN_BYTES = 256
+CHURN_MAX_BYTES = 16 << 20
+CHURN_SEED = 12345
+CHURN_SCHEDULE = 1 << 14  # precomputed (size, slot) pairs, replayed cyclically
+
+AXPY_N = 1 << 20  # float64 elements (8 MiB per array)
+AXPY_TPB = 256
+
+# Timing knobs: (per-case time budget s, timed blocks, warm-up ops,
+# minimum calibration block s, min ops per block).
+FULL = dict(budget=2.5, repeats=7, warmup_ops=200, calib_s=0.02, min_ops=50)
+QUICK = dict(budget=0.15, repeats=3, warmup_ops=20, calib_s=0.01, min_ops=10)
+MAX_OPS_PER_BLOCK = 200_000
+
+
+@cuda.jit
+def _axpy(out, a, x, y):
+    # Compiled lazily on first launch, i.e. only in a child process.
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = a * x[i] + y[i]
+
+
+# --------------------------------------------------------------------------
+# Child: one manager, all cases
+# --------------------------------------------------------------------------
+
+
+def _import_emmpool_plugin():
+    try:
+        import emmpool.plugin
+    except ImportError:
+        # Not installed: fall back to the in-tree package (python/emmpool),
+        # e.g. after an in-place build of the extension.
+        sys.path.insert(0, os.path.join(REPO, "python"))
+        import emmpool.plugin
+    return emmpool.plugin.EmmPoolManager
+
+
+def _load_manager(name):
+    """Return the plugin class for *name*, or None for Numba's built-in one.
+
+    Must not create a CUDA context (that would pin Numba's default manager).
+    """
+    if name == "numba-default":
+        return None
+    if name.startswith("emmpool"):
+        return _import_emmpool_plugin()
+    sys.path.insert(0, HERE)
+    import anchors
+
+    return anchors.ANCHORS[name]
+
+
+def _versions():
+    out = {"python": sys.version.split()[0]}
+    for dist in ("numba-cuda", "numba", "numpy", "cuda-bindings",
+                 "cupy-cuda13x", "cupy-cuda12x", "cupy", "emmpool"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _measure(run, sync, knobs):
+    """Median over blocks of the mean time per op, in seconds.
+
+    The op count per block adapts to the operation's cost so that every case
+    takes about knobs['budget'] seconds whatever the manager.  The device is
+    synchronised before each block (untimed) and at its end (timed), so work
+    the op queued on the GPU is charged to it.
+    """
+    run(knobs["warmup_ops"])
+    sync()
+    n = 8
+    while True:  # calibration, doubling as extra warm-up
+        t0 = time.perf_counter()
+        run(n)
+        sync()
+        dt = time.perf_counter() - t0
+        if dt >= knobs["calib_s"] or n >= MAX_OPS_PER_BLOCK:
+            break
+        n = min(4 * n, MAX_OPS_PER_BLOCK)
+    per_op = dt / n
+    ops = int(knobs["budget"] / knobs["repeats"] / max(per_op, 1e-9))
+    ops = max(knobs["min_ops"], min(ops, MAX_OPS_PER_BLOCK))
+
+    means = []
+    for _ in range(knobs["repeats"]):
+        sync()
+        t0 = time.perf_counter()
+        run(ops)
+        sync()
+        means.append((time.perf_counter() - t0) / ops)
+    return {
+        "us_per_op": statistics.median(means) * 1e6,
+        "block_means_us": [m * 1e6 for m in means],
+        "ops_per_block": ops,
+        "blocks": len(means),
+    }
+
+
+def _raw_device_array(n, dtype):
+    """A device array backed by a direct cuMemAlloc, bypassing the plugin.
+
+    Used for the axpy inputs so that every manager runs the same kernel on the
+    same kind of memory, and so the `nothing` floor (whose allocations all
+    alias one buffer) still computes a checkable result.
+    """
+    from cuda.bindings import driver as cu
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    dtype = np.dtype(dtype)
+    nbytes = n * dtype.itemsize
+    err, ptr = cu.cuMemAlloc(nbytes)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemAlloc({nbytes}) failed: {err.name}")
+    # No finalizer: two 8 MiB buffers, freed with the process.
+    mem = cuda.MemoryPointer(cuda.current_context(), ptr, nbytes)
+    return DeviceNDArray(
+        shape=(n,), strides=(dtype.itemsize,), dtype=dtype, gpu_data=mem
+    )
+
+
+def _run_cases(name, knobs, result):
+    device_array = cuda.device_array
+    sync = cuda.synchronize
+    u8 = np.uint8
+    f64 = np.float64
+    cases = result["cases"]
+    checks = result["checks"]
+
+    def timed(case, run):
+        gc.collect()  # start each case clean; GC stays enabled (frees come from finalizers)
+        try:
+            cases[case] = _measure(run, sync, knobs)
+        except Exception as e:
+            cases[case] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+        c = cases[case]
+        msg = c.get("error") or (
+            f"{c['us_per_op']:.2f} us/op ({c['blocks']} x {c['ops_per_block']} ops)"
+        )
+        print(f"[bench]   {name} {case}: {msg}", file=sys.stderr, flush=True)
+
+    # --- alloc_free_*: allocate and immediately drop one array -------------
+    for label, nbytes in ALLOC_FREE_SIZES:
+
+        def run(n, nbytes=nbytes):
+            for _ in range(n):
+                a = device_array(nbytes, dtype=u8)
+                del a
+
+        timed(f"alloc_free_{label}", run)
+
+    # --- churn: random-size replacements in a ring of live arrays ----------
+    rng = np.random.default_rng(CHURN_SEED)
+    log_sizes = rng.uniform(
+        np.log(CHURN_MIN_BYTES), np.log(CHURN_MAX_BYTES), CHURN_SCHEDULE
+    )
+    sizes = np.clip(
+        np.rint(np.exp(log_sizes)), CHURN_MIN_BYTES, CHURN_MAX_BYTES
+    ).astype(np.int64).tolist()  # Python ints: no numpy scalars in the loop
+    slot_of = rng.integers(0, CHURN_SLOTS, CHURN_SCHEDULE).tolist()
+    slots = [device_array(sizes[i], dtype=u8) for i in range(CHURN_SLOTS)]
+    pos = [0]
+
+    def run_churn(n):
+        i = pos[0]
+        for _ in range(n):
+            slots[slot_of[i]] = device_array(sizes[i], dtype=u8)
+            i = (i + 1) & (CHURN_SCHEDULE - 1)
+        pos[0] = i
+
+    timed("churn", run_churn)
+
+    # The live arrays must not overlap (the floor aliases on purpose).
+    if name == FLOOR:
+        checks["churn_disjoint"] = "n/a (floor aliases by design)"
+    else:
+        try:
+            spans = sorted(
+                (s.__cuda_array_interface__["data"][0], s.nbytes) for s in slots
+            )
+            bad = [
+                (hex(a), sa, hex(b))
+                for (a, sa), (b, _) in zip(spans, spans[1:])
+                if a + sa > b
+            ]
+            checks["churn_disjoint"] = (
+                "ok" if not bad else f"FAILED: overlapping live arrays {bad[:3]}"
+            )
+        except Exception as e:
+            checks["churn_disjoint"] = f"FAILED: {type(e).__name__}: {e}"
+    del slots[:]
+
+    # --- alloc_axpy: allocate the output, launch, drop it ------------------
+    # Small integers: a*x+y is exact in float64 with or without FMA.
+    hx = (np.arange(AXPY_N) % 1024).astype(f64)
+    hy = (np.arange(AXPY_N) % 7).astype(f64)
+    x = _raw_device_array(AXPY_N, f64)
+    y = _raw_device_array(AXPY_N, f64)
+    x.copy_to_device(hx)
+    y.copy_to_device(hy)
+    launch = _axpy[(AXPY_N + AXPY_TPB - 1) // AXPY_TPB, AXPY_TPB]
+    out = device_array(AXPY_N, f64)
+    launch(out, 2.0, x, y)  # compile outside the timed region
+    sync()
+    del out
+
+    def run_axpy(n):
+        for _ in range(n):
+            out = device_array(AXPY_N, f64)
+            launch(out, 2.0, x, y)
+            del out  # freed while the kernel may still be running
+
+    timed("alloc_axpy", run_axpy)
+
+    # Checked after the timed loop, with a different `a`, so neither stale
+    # memory from the loop nor a skipped launch can pass.
+    try:
+        out = device_array(AXPY_N, f64)
+        launch(out, 3.0, x, y)
+        got = out.copy_to_host()
+        want = 3.0 * hx + hy
+        if np.array_equal(got, want):
+            checks["axpy"] = "ok"
+        else:
+            nbad = int(np.count_nonzero(got != want))
+            checks["axpy"] = f"FAILED: {nbad}/{AXPY_N} elements wrong"
+        del out
+    except Exception as e:
+        checks["axpy"] = f"FAILED: {type(e).__name__}: {e}"
+    sync()
+
+
+def child_main(name, knobs):
+    result = {"manager": name, "versions": _versions(), "cases": {}, "checks": {}}
+
+    def emit():
+        try:
+            line = json.dumps(result, default=str)
+        except (TypeError, ValueError):  # e.g. non-string keys in stats()
+            result["emmpool_stats"] = repr(result.get("emmpool_stats"))
+            line = json.dumps(result, default=str)
+        print(RESULT_MARKER + line, flush=True)
+
+    # Plugin import and installation.  An ImportError means "not available
+    # here" (no CuPy, emmpool not built) and is reported as skipped; any other
+    # error is a broken plugin and is reported as failed.
+    try:
+        mgr_cls = _load_manager(name)
+        if mgr_cls is not None:
+            cuda.set_memory_manager(mgr_cls)
+    except ImportError as e:
+        result["skipped"] = f"{type(e).__name__}: {e}"
+        emit()
+        return 0
+    except Exception as e:
+        traceback.print_exc()
+        result["failed"] = f"plugin setup: {type(e).__name__}: {e}"
+        emit()
+        return 1
+
+    try:
+        ctx = cuda.current_context()  # creates the context with the plugin
+        mm = ctx.memory_manager
+        result["manager_class"] = f"{type(mm).__module__}.{type(mm).__qualname__}"
+        if mgr_cls is not None and not isinstance(mm, mgr_cls):
+            raise RuntimeError(
+                f"context uses {result['manager_class']}, not {mgr_cls!r}: "
+                "was a CUDA context created before set_memory_manager()?"
+            )
+        dev = cuda.get_current_device()
+        gpu = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+        result["gpu"] = gpu
+        result["compute_capability"] = list(dev.compute_capability)
+        from numba.cuda.cudadrv.driver import driver as cu_driver
+
+        result["driver_version"] = list(cu_driver.get_version())
+
+        _run_cases(name, knobs, result)
+
+        if name.startswith("emmpool"):
+            try:
+                import emmpool
+
+                result["emmpool_stats"] = emmpool.stats()
+            except Exception as e:
+                result["emmpool_stats"] = f"unavailable: {type(e).__name__}: {e}"
+    except Exception as e:
+        traceback.print_exc()
+        result["failed"] = f"{type(e).__name__}: {e}"
+        emit()
+        return 1
+    emit()
+    return 0
+
+
+# --------------------------------------------------------------------------
+# Parent: run children, collect, report
+# --------------------------------------------------------------------------
+
+
+def _run_child(name, extra_env, args):
+    env = dict(os.environ)
+    env.update(extra_env)
+    # Only set_memory_manager() may choose the plugin.
+    env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name]
+    if args.quick:
+        cmd.append("--quick")
+    if args.budget is not None:
+        cmd += ["--budget", str(args.budget)]
+    timeout = 180 if args.quick else 600
+    t0 = time.perf_counter()
+    try:
+        # stdout carries the result line; stderr (progress, warnings,
+        # tracebacks) goes straight to the terminal.
+        proc = subprocess.run(
+            cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"manager": name, "failed": f"timed out after {timeout} s"}
+    wall = time.perf_counter() - t0
+
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_MARKER):
+            result = json.loads(line[len(RESULT_MARKER):])
+    if result is None:
+        result = {"manager": name,
+                  "failed": f"child exited {proc.returncode} without a result"}
+    result["wall_s"] = round(wall, 2)
+    return result
+
+
+def _fmt_us(us):
+    if us < 10:
+        return f"{us:.2f}"
+    if us < 100:
+        return f"{us:.1f}"
+    return f"{us:.0f}"
+
+
+def _markdown(report):
+    managers = report["managers"]
+    floor = managers.get(FLOOR, {}).get("cases", {})
+    lines = [
+        "# Numba allocation benchmark",
+        "",
+        f"- GPU: {report.get('gpu', '?')}"
+        + (f" (cc {'.'.join(map(str, report['compute_capability']))})"
+           if report.get("compute_capability") else "")
+        + (f", driver {'.'.join(map(str, report['driver_version']))}"
+           if report.get("driver_version") else ""),
+        f"- numba-cuda {report.get('numba_cuda', '?')}, "
+        + ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items()
+                    if k != "numba-cuda"),
+        f"- {report['timestamp']}, {'quick' if report['quick'] else 'full'} run",
+        "",
+        f"µs per op: median over {report['repeats']} timed blocks of the mean "
+        "per-op time (device synchronised at block ends). In parentheses: "
+        f"ratio to the `{FLOOR}` floor (Numba's own per-allocation overhead).",
+        "",
+        "| manager | " + " | ".join(CASES) + " |",
+        "|---|" + "---:|" * len(CASES),
+    ]
+    notes = []
+
+    def note(text):
+        notes.append(" ".join(str(text).split()))  # keep each note on one line
+
+    for name, _ in MANAGERS:
+        r = managers.get(name)
+        if r is None:
+            continue
+        label = f"{name} (floor)" if name == FLOOR else name
+        if "skipped" in r or "failed" in r:
+            kind = "skipped" if "skipped" in r else "failed"
+            note(f"- `{name}` {kind}: {r[kind]}")
+            lines.append(f"| {label} | " + " | ".join([kind] * len(CASES)) + " |")
+            continue
+        checks = r.get("checks", {})
+        for check, status in checks.items():
+            if not str(status).startswith(("ok", "n/a")):
+                note(f"- `{name}` check {check}: {status}")
+        failed_case = {
+            "churn": not str(checks.get("churn_disjoint", "ok")).startswith(("ok", "n/a")),
+            "alloc_axpy": not str(checks.get("axpy", "ok")).startswith("ok"),
+        }
+        cells = []
+        for case in CASES:
+            c = r.get("cases", {}).get(case)
+            if c is None or "error" in c:
+                cells.append("error")
+                if c is not None:
+                    note(f"- `{name}` {case}: {c['error']}")
+                continue
+            cell = _fmt_us(c["us_per_op"])
+            f = floor.get(case, {}).get("us_per_op")
+            if f:
+                cell += f" ({c['us_per_op'] / f:.2f}×)"
+            if failed_case.get(case):
+                cell += " ✗"
+            cells.append(cell)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if notes:
+        lines += ["", "Notes:", ""] + notes + ["", "✗ = correctness check failed."]
+    return "\n".join(lines) + "\n"
+
+
+def parent_main(args):
+    knobs = dict(QUICK if args.quick else FULL)
+    if args.budget is not None:
+        knobs["budget"] = args.budget
+    os.makedirs(args.out, exist_ok=True)
+    selected = [m for m in MANAGERS if not args.managers or m[0] in args.managers]
+
+    managers = {}
+    for name, extra_env in selected:
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        r = _run_child(name, extra_env, args)
+        managers[name] = r
+        status = ("skipped: " + r["skipped"]) if "skipped" in r else (
+            ("FAILED: " + r["failed"]) if "failed" in r else "ok")
+        print(f"[bench] {name}: {status} ({r.get('wall_s', '?')} s)",
+              file=sys.stderr, flush=True)
+
+    first = next((r for r in managers.values() if "gpu" in r), {})
+    now = datetime.datetime.now(datetime.timezone.utc)
+    gpu = first.get("gpu", "unknown-gpu")
+    report = {
+        "gpu": gpu,
+        "compute_capability": first.get("compute_capability"),
+        "driver_version": first.get("driver_version"),
+        "numba_cuda": first.get("versions", {}).get("numba-cuda")
+        or _versions().get("numba-cuda"),
+        "versions": first.get("versions", _versions()),
+        "timestamp": now.isoformat(timespec="seconds"),
+        # Name under which to commit this run in benchmarks/results/.
+        "suggested_name": re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
+        + "-" + now.strftime("%Y-%m-%d"),
+        "quick": args.quick,
+        "budget_s_per_case": knobs["budget"],
+        "repeats": knobs["repeats"],
+        "floor": FLOOR,
+        "cases": CASES,
+        "managers": managers,
+    }
+    md = _markdown(report)
+    json_path = os.path.join(args.out, "bench_numba.json")
+    md_path = os.path.join(args.out, "bench_numba.md")
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+        f.write("\n")
+    with open(md_path, "w") as f:
+        f.write(md)
+    print(md)
+    print(f"wrote {json_path} and {md_path} "
+          f"(commit as benchmarks/results/{report['suggested_name']}.md/.json)")
+    ran = [r for r in managers.values() if "skipped" not in r]
+    return 1 if any("failed" in r for r in ran) else 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="output directory (required)")
+    p.add_argument("--quick", action="store_true",
+                   help="few iterations; a smoke test (< 1 min)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds per case per manager (default 2.5, quick 0.15)")
+    p.add_argument("--managers", nargs="+", metavar="NAME",
+                   choices=[m for m, _ in MANAGERS],
+                   help="run only these managers")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.child:
+        knobs = dict(QUICK if args.quick else FULL)
+        if args.budget is not None:
+            knobs["budget"] = args.budget
+        return child_main(args.child, knobs)
+    if not args.out:
+        p.error("--out DIR is required")
+    return parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1199 @@
+// Tests of device_pool over host_driver: the pool logic without a GPU.
+//
+// host_driver's events are incomplete from the moment they are recorded until the test calls
+// complete_all_events() (or a synchronize/drain waits on them), so every test below controls
+// exactly when "the GPU caught up". An event is recorded for a freed block only at the next
+// maintenance, which an allocation miss (or open_batch_limit) triggers: "force a miss" below
+// means an allocation that no free block can serve.
+#include "check.hpp"
+
+#include <emmpool/device_pool.hpp>
+#include <emmpool/error.hpp>
+#include <emmpool/host_driver.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace emmpool;
+
+namespace {
+
+constexpr std::size_t KiB = std::size_t{1} << 10;
+constexpr std::size_t MiB = std::size_t{1} << 20;
+// Larger than large_segment / 2 (10 MiB): served by an exact-size segment of its own, which no
+// other request can share. Handy to control segments one by one.
+constexpr std::size_t big = 12 * MiB;
+constexpr stream_handle stream_a = 0x5000;  // two non-default streams (opaque to host_driver)
+constexpr stream_handle stream_b = 0x6000;
+
+std::size_t rounded(std::size_t n) { return n == 0 ? 256 : (n + 255) / 256 * 256; }
+
+/// A pool over its own host_driver (declared first: it must outlive the pool).
+struct fixture {
+  host_driver drv;
+  std::unique_ptr<device_pool> pool;
+  explicit fixture(pool_options options = {}, std::size_t capacity = std::size_t{1} << 34)
+    : drv{1, capacity}, pool{std::make_unique<device_pool>(drv, 0, options)}
+  {
+  }
+  device_pool* operator->() { return pool.get(); }
+};
+
+/// Every byte of every segment is in use, waiting or free; the tags add up; the driver holds
+/// exactly what the pool thinks it holds (when no segment was retired by a reset).
+std::string consistency(fixture& f, bool driver_matches = true)
+{
+  auto const s = f->stats();
+  auto const c = f.drv.stats();
+  std::string problems;
+  if (s.bytes_in_use + s.bytes_waiting + s.bytes_free != s.bytes_reserved) {
+    problems += "in_use " + std::to_string(s.bytes_in_use) + " + waiting " +
+                std::to_string(s.bytes_waiting) + " + free " + std::to_string(s.bytes_free) +
+                " != reserved " + std::to_string(s.bytes_reserved) + "; ";
+  }
+  std::size_t by_tag = 0;
+  for (auto b : s.bytes_in_use_by_tag) { by_tag += b; }
+  if (by_tag != s.bytes_in_use) { problems += "bytes_in_use_by_tag do not add up; "; }
+  if (s.largest_free_block > s.bytes_free) { problems += "largest_free_block > bytes_free; "; }
+  if (s.peak_bytes_in_use < s.bytes_in_use) { problems += "peak_bytes_in_use < bytes_in_use; "; }
+  if (s.peak_bytes_reserved < s.bytes_reserved) {
+    problems += "peak_bytes_reserved < bytes_reserved; ";
+  }
+  if (driver_matches) {
+    if (c.bytes_reserved != s.bytes_reserved) {
+      problems += "driver holds " + std::to_string(c.bytes_reserved) + " bytes, pool reserved " +
+                  std::to_string(s.bytes_reserved) + "; ";
+    }
+    if (c.live_segments != s.segments) {
+      problems += "driver has " + std::to_string(c.live_segments) + " segments, pool " +
+                  std::to_string(s.segments) + "; ";
+    }
+  }
+  return problems;
+}
+
+bool within(device_ptr p, device_ptr base, std::size_t size) { return p >= base && p < base + size; }
+
+}  // namespace
+
+// ---- alignment and sizes -----------------------------------------------------------------------
+
+TEST(alignment_and_rounding)
+{
+  fixture f;
+  std::size_t const sizes[] = {0,       1,       255,          256,     257,         1000,
+                               4096,    65535,   MiB - 1,      MiB,     MiB + 1,     3 * MiB + 5,
+                               10 * MiB, 11 * MiB + 7, 33 * MiB + 1};
+  std::size_t expected_in_use = 0;
+  std::vector<device_ptr> ptrs;
+  for (auto n : sizes) {
+    auto const p = f->allocate(n);
+    CHECK_EQ(p % device_pool::alignment, 0u);
+    CHECK(p != 0);
+    ptrs.push_back(p);
+    expected_in_use += rounded(n);
+    CHECK_EQ(f->stats().bytes_in_use, expected_in_use);
+  }
+  // No two blocks overlap (rounded extents).
+  std::vector<std::pair<device_ptr, std::size_t>> extents;
+  for (std::size_t i = 0; i < ptrs.size(); ++i) { extents.emplace_back(ptrs[i], rounded(sizes[i])); }
+  std::sort(extents.begin(), extents.end());
+  for (std::size_t i = 1; i < extents.size(); ++i) {
+    CHECK(extents[i - 1].first + extents[i - 1].second <= extents[i].first);
+  }
+  CHECK_EQ(consistency(f), "");
+  for (auto p : ptrs) { f->deallocate(p); }
+  CHECK_EQ(f->stats().bytes_in_use, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(zero_byte_requests_give_distinct_blocks)
+{
+  fixture f;
+  std::set<device_ptr> seen;
+  for (int i = 0; i < 100; ++i) {
+    auto const p = f->allocate(0);
+    CHECK(seen.insert(p).second);
+    CHECK_EQ(p % 256, 0u);
+  }
+  CHECK_EQ(f->stats().bytes_in_use, 100u * 256u);
+  CHECK_EQ(f->stats().blocks_in_use, 100u);
+  // 256 bytes apart, from one small segment: each really is a 256-byte block.
+  CHECK_EQ(*seen.rbegin() - *seen.begin(), 99u * 256u);
+  for (auto p : seen) { f->deallocate(p); }
+}
+
+TEST(invalid_options_and_arguments)
+{
+  host_driver drv;
+  pool_options o;
+  o.maximum_fraction = 1.5;
+  CHECK_THROWS(device_pool(drv, 0, o), std::invalid_argument);
+  o                = {};
+  o.small_request  = 1000;  // not a multiple of 256
+  CHECK_THROWS(device_pool(drv, 0, o), std::invalid_argument);
+  o                = {};
+  o.maximum_size   = 4 * MiB;
+  o.initial_size   = 8 * MiB;
+  CHECK_THROWS(device_pool(drv, 0, o), std::invalid_argument);
+  o = {};
+  CHECK_THROWS(device_pool(drv, -1, o), std::invalid_argument);
+  device_pool pool{drv, 0, o};
+  CHECK_THROWS(pool.allocate(~std::size_t{0}), std::invalid_argument);
+  CHECK_THROWS(pool.allocate(256, legacy_stream, static_cast<alloc_tag>(7)), std::invalid_argument);
+  CHECK_THROWS(pool.defer_cleanup_end(), std::invalid_argument);
+  CHECK_THROWS(pool.record_stream(0x1234, stream_a), pool_error);
+}
+
+TEST(initial_size_reserves_one_segment)
+{
+  pool_options o;
+  o.initial_size = 5 * MiB;  // rounded to the 2 MiB granularity
+  fixture f{o};
+  CHECK_EQ(f->stats().bytes_reserved, 6 * MiB);
+  CHECK_EQ(f->stats().segments, 1u);
+  CHECK_EQ(f->stats().bytes_free, 6 * MiB);
+  auto const p = f->allocate(4 * MiB);  // served from the initial segment: no growth
+  CHECK_EQ(f.drv.stats().allocations, 1u);
+  f->deallocate(p);
+  CHECK_EQ(consistency(f), "");
+}
+
+// ---- splitting and coalescing ------------------------------------------------------------------
+
+TEST(split_and_coalesce_within_a_segment)
+{
+  fixture f;
+  auto const a = f->allocate(1000);  // 1024
+  auto const b = f->allocate(3000);  // 3072
+  auto const c = f->allocate(5000);  // 5120
+  CHECK_EQ(b, a + 1024);             // adjacent: carved from one segment
+  CHECK_EQ(c, b + 3072);
+  auto s = f->stats();
+  CHECK_EQ(s.segments, 1u);
+  CHECK_EQ(s.bytes_reserved, 2 * MiB);
+  std::size_t const tail = 2 * MiB - 1024 - 3072 - 5120;
+  CHECK_EQ(s.bytes_free, tail);
+  CHECK_EQ(s.largest_free_block, tail);
+
+  // Free the middle block first, then its neighbours: coalescing must happen both ways.
+  f->deallocate(b);
+  f->deallocate(a);
+  f->deallocate(c);
+  s = f->stats();
+  CHECK_EQ(s.bytes_waiting, 9216u);
+  CHECK_EQ(s.bytes_free, tail);  // nothing returns before its event completes
+
+  auto const miss1 = f->allocate(big);  // miss: records the event of the three frees
+  f.drv.complete_all_events();
+  s = f->stats();
+  CHECK_EQ(s.bytes_waiting, 9216u);      // completed, but not promoted until maintenance
+  auto const miss2 = f->allocate(big);  // miss: maintenance promotes and coalesces
+  s = f->stats();
+  CHECK_EQ(s.bytes_waiting, 0u);
+  CHECK_EQ(s.segments, 3u);
+  CHECK_EQ(s.bytes_free, 2 * MiB);
+  CHECK_EQ(s.largest_free_block, 2 * MiB);  // one block spans the small segment again
+  // And it is handed out from the segment's start again.
+  auto const whole = f->allocate(MiB);
+  CHECK_EQ(whole, a);
+  f->deallocate(whole);
+  f->deallocate(miss1);
+  f->deallocate(miss2);
+  f->synchronize();
+  CHECK_EQ(f->stats().largest_free_block, big);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(partial_coalescing_and_best_fit)
+{
+  fixture f;
+  auto const a = f->allocate(1024);
+  auto const b = f->allocate(2048);
+  auto const c = f->allocate(1024);
+  (void)b;
+  f->deallocate(a);  // a: bounded by the segment start and b (live): stays 1024
+  f->deallocate(c);  // c: merges with the free tail
+  f->synchronize();
+  auto const s = f->stats();
+  CHECK_EQ(s.bytes_free, 2 * MiB - 2048);
+  CHECK_EQ(s.largest_free_block, 2 * MiB - 4096 + 1024);
+  // Best fit: a 1 KiB request takes the 1 KiB hole, not the tail.
+  CHECK_EQ(f->allocate(1024), a);
+  // The next one comes from the start of the tail, where c was.
+  CHECK_EQ(f->allocate(512), c);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(small_and_large_requests_use_separate_segments)
+{
+  fixture f;
+  auto const l = f->allocate(2 * MiB);  // large: a 20 MiB segment with 18 MiB free
+  CHECK_EQ(f->stats().bytes_reserved, 20 * MiB);
+  auto const s = f->allocate(256);  // small: never carved from a large segment
+  CHECK_EQ(f->stats().bytes_reserved, 22 * MiB);
+  CHECK(!within(s, l, 20 * MiB));
+  f->deallocate(l);
+  f->deallocate(s);
+}
+
+// ---- the reuse rule --------------------------------------------------------------------------
+
+TEST(no_reuse_before_the_event_completes)
+{
+  fixture f;
+  std::size_t const n = 4096;
+  auto const p = f->allocate(n);
+  f->deallocate(p);
+  std::vector<device_ptr> held;
+  // Many same-size and smaller requests, with many misses (maintenance records events), and
+  // frees of other blocks in between: the freed block must never come back, not even in part.
+  for (int i = 0; i < 3000; ++i) {
+    auto const q = f->allocate(i % 3 == 0 ? 256 : n);
+    CHECK(!within(q, p, n));
+    if (i % 7 == 0) {
+      f->deallocate(q);
+    } else {
+      held.push_back(q);
+    }
+    if (i % 500 == 0) { (void)f->allocate(big); }  // large misses too (held: leaked until trim)
+  }
+  CHECK(f->stats().segments > 3);  // several small segments: there were misses
+  CHECK(f->stats().batches_closed > 0);
+  f.drv.complete_all_events();
+  (void)f->allocate(big);  // a miss: promotes what has completed
+  // p is reusable now: best fit reaches p's hole once the smaller (or equal, lower) holes
+  // left by the frees above are taken.
+  bool reused = false;
+  for (int i = 0; i < 5000 && !reused; ++i) { reused = f->allocate(n) == p; }
+  CHECK(reused);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(event_must_be_recorded_after_the_free)
+{
+  fixture f;
+  auto const p1 = f->allocate(big);
+  auto const p2 = f->allocate(big);
+  f->deallocate(p1, stream_a);
+  auto const m1 = f->allocate(big);  // miss: records E1 covering p1 only
+  CHECK(m1 != p1);
+  f->deallocate(p2, stream_a);         // freed after E1 was recorded
+  f.drv.complete_all_events();          // E1 completes
+  auto const m2 = f->allocate(big);    // miss: records E2 (incomplete) for p2, promotes p1
+  CHECK_EQ(m2, p1);
+  auto const m3 = f->allocate(big);    // p2 is not reusable: E2 has not completed
+  CHECK(m3 != p2);
+  CHECK_EQ(f->stats().bytes_waiting, big);
+  f.drv.complete_all_events();
+  auto const m4 = f->allocate(big);
+  CHECK_EQ(m4, p2);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(streams_fence_independently)
+{
+  fixture f;
+  auto const pa = f->allocate(big, stream_a);
+  auto const pb = f->allocate(big, stream_b);
+  f->deallocate(pa, stream_a);
+  f->deallocate(pb, stream_b);
+  auto const before = f.drv.stats().event_records;
+  (void)f->allocate(big);  // miss: one event per stream with frees
+  CHECK_EQ(f.drv.stats().event_records - before, 2u);
+  CHECK_EQ(f->stats().batches_closed, 2u);
+  f.drv.complete_all_events();
+  std::set<device_ptr> got{f->allocate(big), f->allocate(big)};
+  CHECK(got.count(pa) == 1);
+  CHECK(got.count(pb) == 1);
+}
+
+TEST(auto_complete_reuses_at_the_next_miss)
+{
+  fixture f;
+  f.drv.set_auto_complete(true);
+  auto const p = f->allocate(big);
+  f->deallocate(p);
+  CHECK_EQ(f->allocate(big), p);
+  CHECK_EQ(f.drv.stats().allocations, 1u);
+  CHECK_EQ(f.drv.stats().event_syncs, 0u);  // no waiting: the event had completed
+}
+
+TEST(open_batch_limit_closes_batches_without_a_miss)
+{
+  pool_options o;
+  o.open_batch_limit = 64 * KiB;
+  fixture f{o};
+  std::vector<device_ptr> ps;
+  for (int i = 0; i < 40; ++i) { ps.push_back(f->allocate(4 * KiB)); }
+  for (auto p : ps) { f->deallocate(p); }  // 160 KiB waiting in the open batch
+  CHECK_EQ(f->stats().batches_closed, 0u);
+  auto const q = f->allocate(256);  // no miss, but past the limit: the batch is closed
+  CHECK_EQ(f->stats().batches_closed, 1u);
+  CHECK(std::find(ps.begin(), ps.end(), q) == ps.end());  // closed is not completed
+  f->deallocate(q);
+}
+
+// ---- record_stream: two fences ----------------------------------------------------------------
+
+TEST(record_stream_needs_two_fences)
+{
+  fixture f;
+  // Control: without record_stream, one completed event makes the block reusable.
+  {
+    auto const p = f->allocate(big);
+    f->deallocate(p, legacy_stream);
+    auto const m = f->allocate(big);  // miss: records the fence
+    f.drv.complete_all_events();
+    CHECK_EQ(f->allocate(big), p);  // miss: promoted
+    f->deallocate(m);
+    f->synchronize();
+    f->trim();
+  }
+  auto const p = f->allocate(big);
+  f->record_stream(p, stream_b);
+  f->deallocate(p, legacy_stream);
+  auto const records0 = f.drv.stats().event_records;
+
+  auto const m1 = f->allocate(big);  // miss: fence 1 recorded on stream_b
+  CHECK(m1 != p);
+  CHECK_EQ(f.drv.stats().event_records - records0, 1u);
+  f.drv.complete_all_events();       // first completion: stream_b caught up
+  auto const m2 = f->allocate(big);  // miss: fence 1 promoted -> queued for the legacy fence
+  CHECK(m2 != p);                    // NOT reusable after the first completion
+  CHECK_EQ(f->stats().bytes_waiting, big);
+  auto const m3 = f->allocate(big);  // miss: fence 2 recorded on the legacy stream
+  CHECK(m3 != p);
+  CHECK_EQ(f.drv.stats().event_records - records0, 2u);
+  f.drv.complete_all_events();       // second completion
+  auto const m4 = f->allocate(big);  // miss: promoted, reusable now
+  CHECK_EQ(m4, p);
+  CHECK_EQ(f->stats().bytes_waiting, 0u);
+  for (auto q : {m1, m2, m3, m4}) { f->deallocate(q); }
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(record_stream_on_the_stream_of_the_free_is_one_fence)
+{
+  fixture f;
+  auto const p = f->allocate(big, stream_a);
+  f->record_stream(p, stream_a);
+  f->deallocate(p, stream_a);
+  (void)f->allocate(big);  // fence recorded
+  f.drv.complete_all_events();
+  CHECK_EQ(f->allocate(big), p);
+}
+
+TEST(record_stream_then_synchronize_waits_for_both_fences)
+{
+  fixture f;
+  auto const p = f->allocate(big);
+  f->record_stream(p, stream_b);
+  f->deallocate(p, legacy_stream);
+  f->synchronize();  // "wait for every pending free and make those blocks reusable"
+  CHECK_EQ(f->stats().bytes_waiting, 0u);
+  CHECK_EQ(f->stats().bytes_free, big);
+  auto const allocations = f.drv.stats().allocations;
+  CHECK_EQ(f->allocate(big), p);
+  CHECK_EQ(f.drv.stats().allocations, allocations);
+  f->deallocate(p);
+  CHECK_THROWS(f->record_stream(p, stream_b), pool_error);  // p is not live any more
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(record_stream_then_trim_returns_everything)
+{
+  fixture f;
+  auto const p = f->allocate(big);
+  auto const q = f->allocate(300);
+  f->record_stream(p, stream_b);
+  f->record_stream(q, stream_a);
+  f->deallocate(p, legacy_stream);
+  f->deallocate(q, stream_b);
+  CHECK_EQ(f->trim(), big + 2 * MiB);
+  CHECK_EQ(f.drv.stats().bytes_reserved, 0u);
+  CHECK_EQ(f.drv.stats().live_segments, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+// ---- growth policy and caps ------------------------------------------------------------------
+
+TEST(growth_segment_sizes)
+{
+  fixture f;
+  auto reserved = [&] { return f->stats().bytes_reserved; };
+  // Small (<= 1 MiB): 2 MiB segments, shared.
+  auto const s1 = f->allocate(MiB);
+  CHECK_EQ(reserved(), 2 * MiB);
+  auto const s2 = f->allocate(MiB);
+  CHECK_EQ(reserved(), 2 * MiB);
+  CHECK_EQ(s2, s1 + MiB);
+  (void)f->allocate(1);
+  CHECK_EQ(reserved(), 4 * MiB);
+  // Mid-sized (1 MiB, 10 MiB]: 20 MiB segments, shared.
+  auto const m1 = f->allocate(MiB + 1);
+  CHECK_EQ(reserved(), 24 * MiB);
+  auto const m2 = f->allocate(10 * MiB);
+  CHECK_EQ(reserved(), 24 * MiB);
+  CHECK_EQ(m2, m1 + MiB + 256);
+  (void)f->allocate(10 * MiB);  // 9 MiB - 256 left in the first: a second 20 MiB segment
+  CHECK_EQ(reserved(), 44 * MiB);
+  // Big (> 10 MiB): an exact segment, rounded to 2 MiB.
+  (void)f->allocate(10 * MiB + 1);
+  CHECK_EQ(reserved(), 56 * MiB);
+  (void)f->allocate(13 * MiB);
+  CHECK_EQ(reserved(), 70 * MiB);
+  (void)f->allocate(64 * MiB);
+  CHECK_EQ(reserved(), 134 * MiB);
+  CHECK_EQ(f->stats().segments, 7u);
+  CHECK_EQ(f.drv.stats().allocations, 7u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(maximum_size_cap)
+{
+  pool_options o;
+  o.maximum_size = 24 * MiB;
+  fixture f{o};
+  CHECK_THROWS(f->allocate(25 * MiB), out_of_memory);
+  auto const a = f->allocate(big);
+  auto const b = f->allocate(big);
+  CHECK_EQ(f->stats().bytes_reserved, 24 * MiB);
+  try {
+    (void)f->allocate(256);  // needs a 2 MiB small segment: over the cap
+    CHECK(false);
+  } catch (out_of_memory const& e) {
+    std::string const what = e.what();
+    CHECK(what.find("cap 24.00 MiB") != std::string::npos);
+  }
+  CHECK_EQ(f->stats().out_of_memory, 2u);
+  CHECK_EQ(f.drv.stats().allocations, 2u);  // the cap is checked before asking the driver
+  // Usable after: free one (pending, incomplete), the ladder waits for it, releases its
+  // segment and grows a small one within the cap.
+  f->deallocate(a);
+  auto const s = f->allocate(256);
+  CHECK_EQ(f->stats().bytes_reserved, 14 * MiB);
+  CHECK(f->stats().peak_bytes_reserved <= 24 * MiB);
+  f->deallocate(s);
+  f->deallocate(b);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(maximum_fraction_cap)
+{
+  pool_options o;
+  o.maximum_fraction = 0.25;
+  fixture f{o, 100 * MiB};  // cap: 25 MiB
+  auto const a = f->allocate(24 * MiB);
+  CHECK_THROWS(f->allocate(MiB), out_of_memory);  // a 2 MiB small segment would pass 25 MiB
+  CHECK_THROWS(f->allocate(26 * MiB), out_of_memory);
+  f->deallocate(a);
+  auto const b = f->allocate(MiB);  // after the ladder released a's segment
+  CHECK(f->stats().peak_bytes_reserved <= 25 * MiB);
+  f->deallocate(b);
+  CHECK_EQ(consistency(f), "");
+}
+
+// ---- the out-of-memory ladder -----------------------------------------------------------------
+
+TEST(out_of_memory_ladder_order)
+{
+  fixture f{{}, 24 * MiB};
+  auto const s = f->allocate(256);  // segment S: 2 MiB (small)
+  auto const p = f->allocate(big);  // segment P: 12 MiB
+  f->deallocate(s);
+  f->synchronize();  // S is wholly free, in the free lists
+  auto c0 = f.drv.stats();
+
+  // (a) A completed pending free is reused before growing (and without waiting).
+  f.drv.set_auto_complete(true);
+  f->deallocate(p);
+  auto const q = f->allocate(big);
+  CHECK_EQ(q, p);
+  auto c1 = f.drv.stats();
+  CHECK_EQ(c1.allocations, c0.allocations);
+  CHECK_EQ(c1.event_syncs, c0.event_syncs);
+  CHECK_EQ(c1.deallocations, c0.deallocations);
+  f.drv.set_auto_complete(false);
+
+  // (b) A pending (incomplete) free is waited for before giving up - and before releasing S.
+  f->deallocate(q);
+  auto const r = f->allocate(big);  // growing 12 MiB would exceed 24 MiB
+  CHECK_EQ(r, p);
+  auto c2 = f.drv.stats();
+  CHECK(c2.event_syncs > c1.event_syncs);
+  CHECK_EQ(c2.allocations, c1.allocations);
+  CHECK_EQ(c2.deallocations, c1.deallocations);  // S was not released: waiting sufficed
+
+  // (c) Nothing fits even after waiting: wholly free segments go back, then exact growth.
+  f->deallocate(r);
+  auto const t = f->allocate(20 * MiB);
+  auto c3 = f.drv.stats();
+  CHECK(c3.event_syncs > c2.event_syncs);          // r's free was waited for first
+  CHECK_EQ(c3.deallocations, c2.deallocations + 2);  // S and P released
+  CHECK_EQ(c3.allocations, c2.allocations + 1);
+  CHECK_EQ(f->stats().bytes_reserved, 20 * MiB);
+  CHECK_EQ(f->stats().segments, 1u);
+  CHECK_EQ(consistency(f), "");
+
+  // (d) Out of memory, with a message that says what the pool holds.
+  try {
+    (void)f->allocate(8 * MiB);
+    CHECK(false);
+  } catch (out_of_memory const& e) {
+    std::string const what = e.what();
+    CHECK(what.find("out of memory allocating 8.00 MiB") != std::string::npos);
+    CHECK(what.find("holds 20.00 MiB in 1 segments") != std::string::npos);
+    CHECK(what.find("20.00 MiB in use") != std::string::npos);
+    CHECK(what.find("waiting for pending frees") != std::string::npos);
+  }
+  CHECK_EQ(f->stats().out_of_memory, 1u);
+  CHECK_EQ(consistency(f), "");
+
+  // The pool still works: within what is left, and after freeing.
+  auto const u = f->allocate(2 * MiB);  // a 20 MiB segment would not fit: exact 2 MiB does
+  CHECK_EQ(f->stats().bytes_reserved, 22 * MiB);
+  f->deallocate(t);
+  f->deallocate(u);
+  auto const v = f->allocate(8 * MiB);
+  f->deallocate(v);
+  f->trim();
+  CHECK_EQ(f.drv.stats().bytes_reserved, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(out_of_memory_mid_size_falls_back_to_exact_growth)
+{
+  fixture f{{}, 24 * MiB};
+  auto const p = f->allocate(big);
+  auto const q = f->allocate(6 * MiB);  // 20 MiB would not fit; an exact 6 MiB segment does
+  CHECK_EQ(f->stats().bytes_reserved, 18 * MiB);
+  f->deallocate(p);
+  f->deallocate(q);
+}
+
+// ---- fault injection --------------------------------------------------------------------------
+
+TEST(fault_failed_segment_allocation)
+{
+  fixture f;
+  f.drv.fail_next_allocations(1);
+  auto const a = f->allocate(2 * MiB);  // 20 MiB growth fails; exact growth retried
+  CHECK_EQ(f->stats().bytes_reserved, 2 * MiB);
+  CHECK_EQ(consistency(f), "");
+  f.drv.fail_next_allocations(2);
+  CHECK_THROWS(f->allocate(big), out_of_memory);
+  CHECK_EQ(f->stats().out_of_memory, 1u);
+  CHECK_EQ(consistency(f), "");
+  auto const b = f->allocate(big);  // no more failures
+  f->deallocate(a);
+  f->deallocate(b);
+  f->trim();
+  CHECK_EQ(f.drv.stats().live_segments, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(fault_failed_event_record_keeps_blocks_fenced)
+{
+  fixture f;
+  auto const p = f->allocate(big);
+  f->deallocate(p);
+  f.drv.fail_next_event_records(1);
+  CHECK_THROWS(f->allocate(big), cuda_error);  // the miss's maintenance fails to record
+  CHECK_EQ(f->stats().bytes_waiting, big);      // p stays waiting, unfenced
+  CHECK_EQ(consistency(f), "");
+  f.drv.complete_all_events();  // nothing recorded for p: must not free it
+  auto const m = f->allocate(big);
+  CHECK(m != p);
+  f.drv.complete_all_events();
+  CHECK_EQ(f->allocate(big), p);
+  f->deallocate(m);
+  f->deallocate(p);
+  f.drv.fail_next_event_records(1);
+  CHECK_THROWS(f->synchronize(), cuda_error);
+  CHECK_NOTHROW(f->synchronize());
+  CHECK_EQ(f->stats().bytes_waiting, 0u);
+  CHECK_EQ(f->trim(), 2 * big);  // p's and m's segments: the failed miss did not grow
+  CHECK_EQ(f.drv.stats().bytes_reserved, 0u);
+}
+
+TEST(fault_random_injection_loses_nothing)
+{
+  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+    std::mt19937_64 rng{seed};
+    fixture f{{}, 256 * MiB};
+    std::vector<std::pair<device_ptr, std::size_t>> live;
+    int ooms = 0, cuda_errors = 0;
+    for (int i = 0; i < 3000; ++i) {
+      auto const r = rng() % 100;
+      if (r < 3) { f.drv.fail_next_allocations(1 + static_cast<int>(rng() % 3)); }
+      if (r >= 3 && r < 6) { f.drv.fail_next_event_records(1); }
+      if (r >= 6 && r < 10) { f.drv.complete_all_events(); }
+      if (live.size() > 40 || (!live.empty() && rng() % 2 == 0)) {
+        auto const k = rng() % live.size();
+        auto const p = live[k].first;
+        live[k]      = live.back();
+        live.pop_back();
+        if (rng() % 4 == 0) { f->record_stream(p, stream_b); }
+        f->deallocate(p, rng() % 3 == 0 ? stream_a : legacy_stream);
+      } else {
+        std::size_t const n = std::size_t{256} << (rng() % 17);  // 256 B .. 16 MiB
+        try {
+          live.emplace_back(f->allocate(n + rng() % 256), n);
+        } catch (out_of_memory const&) {
+          ++ooms;
+        } catch (cuda_error const&) {
+          ++cuda_errors;
+        }
+      }
+      if (i % 97 == 0) {
+        auto const problems = consistency(f);
+        CHECK_EQ(problems, "");
+        if (!problems.empty()) { break; }
+      }
+    }
+    CHECK(cuda_errors > 0);  // the injections did hit
+    for (auto& [p, n] : live) { f->deallocate(p); }
+    f.drv.fail_next_allocations(0);
+    f.drv.fail_next_event_records(0);
+    CHECK_EQ(f->stats().bytes_in_use, 0u);
+    f->synchronize();
+    f->trim();
+    auto const c = f.drv.stats();
+    CHECK_EQ(c.bytes_reserved, 0u);
+    CHECK_EQ(c.live_segments, 0u);
+    CHECK_EQ(f->stats().bytes_free, 0u);
+    CHECK_EQ(consistency(f), "");
+    f.pool.reset();  // destroying the pool destroys its events
+    CHECK_EQ(f.drv.stats().live_events, 0u);
+    (void)ooms;
+  }
+}
+
+// ---- trim and deferred cleanup ----------------------------------------------------------------
+
+TEST(trim_releases_only_wholly_free_segments)
+{
+  fixture f;
+  auto const s1 = f->allocate(256);
+  auto const s2 = f->allocate(256);  // same small segment as s1
+  auto const b1 = f->allocate(big);
+  auto const b2 = f->allocate(big);
+  f->deallocate(s2);
+  f->deallocate(b1);
+  CHECK_EQ(f->trim(), big);  // b1's segment; not s1's (s1 live), not b2's
+  auto c = f.drv.stats();
+  CHECK_EQ(c.deallocations, 1u);
+  CHECK_EQ(c.live_segments, 2u);
+  CHECK_EQ(f->stats().segment_releases, 1u);
+  CHECK(f->owns(s1));
+  CHECK(f->owns(b2));
+  CHECK_EQ(f->trim(), 0u);
+  f->deallocate(s1);
+  f->deallocate(b2);
+  CHECK_EQ(f->trim(), big + 2 * MiB);
+  CHECK_EQ(f.drv.stats().live_segments, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(defer_cleanup_blocks_driver_frees_not_reuse)
+{
+  fixture f{{}, 40 * MiB};
+  auto const p = f->allocate(big);
+  f->defer_cleanup_begin();
+  f->defer_cleanup_begin();  // nests
+  f->deallocate(p);
+  CHECK_EQ(f->trim(), 0u);
+  CHECK_EQ(f.drv.stats().deallocations, 0u);
+  CHECK_EQ(f->stats().bytes_free, big);  // trim still drained the queue
+  CHECK_EQ(f->allocate(big), p);         // reusable while deferred
+  f->deallocate(p);
+  f->synchronize();
+  // The ladder must not release segments while deferred: 32 MiB needs P's 12 MiB back.
+  CHECK_THROWS(f->allocate(32 * MiB), out_of_memory);
+  CHECK_EQ(f.drv.stats().deallocations, 0u);
+  f->defer_cleanup_end();
+  CHECK_EQ(f->trim(), 0u);  // still deferred (nested)
+  f->defer_cleanup_end();
+  auto const q = f->allocate(32 * MiB);  // now the ladder can release P's segment
+  CHECK_EQ(f.drv.stats().deallocations, 1u);
+  f->deallocate(q);
+  CHECK_EQ(f->trim(), 32 * MiB);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(defer_cleanup_still_grows_exact_segments)
+{
+  // Deferral holds back releases only: a mid-size request whose 20 MiB segment does not fit
+  // still gets an exact segment that does.
+  fixture f{{}, 24 * MiB};
+  auto const p = f->allocate(big);
+  f->defer_cleanup_begin();
+  device_ptr q = 0;
+  CHECK_NOTHROW(q = f->allocate(6 * MiB));
+  f->defer_cleanup_end();
+  if (q != 0) { f->deallocate(q); }
+  f->deallocate(p);
+  CHECK_EQ(consistency(f), "");
+}
+
+// ---- passthrough ------------------------------------------------------------------------------
+
+TEST(passthrough_one_segment_per_allocation)
+{
+  pool_options o;
+  o.mode = pool_mode::passthrough;
+  fixture f{o};
+  auto const a = f->allocate(100);
+  auto const b = f->allocate(100);
+  auto const c = f->allocate(5 * MiB + 1);
+  CHECK_EQ(f.drv.stats().allocations, 3u);
+  CHECK_EQ(f->stats().segments, 3u);
+  CHECK_EQ(f->stats().bytes_reserved, 256 + 256 + 5 * MiB + 256);  // exact, 256-rounded
+  CHECK_EQ(f.drv.stats().bytes_reserved, f->stats().bytes_reserved);
+  f->deallocate(a);
+  f->deallocate(b);
+  // Not returned before the fence completes, even on allocation (which maintains).
+  auto const d = f->allocate(100);
+  CHECK(d != a && d != b);
+  CHECK_EQ(f.drv.stats().deallocations, 0u);
+  f.drv.complete_all_events();
+  auto const e = f->allocate(100);  // maintenance: a and b go back to the driver
+  CHECK_EQ(f.drv.stats().deallocations, 2u);
+  CHECK_EQ(f.drv.stats().allocations, 5u);
+  f->deallocate(c);
+  f->deallocate(d);
+  f->deallocate(e);
+  f->synchronize();
+  CHECK_EQ(f.drv.stats().deallocations, 5u);
+  CHECK_EQ(f.drv.stats().live_segments, 0u);
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(passthrough_with_deferred_cleanup)
+{
+  pool_options o;
+  o.mode = pool_mode::passthrough;
+  fixture f{o};
+  auto const a = f->allocate(4096);
+  f->defer_cleanup_begin();
+  f->deallocate(a);
+  f->synchronize();
+  CHECK_EQ(f.drv.stats().live_segments, 1u);
+  f->defer_cleanup_end();  // releases what was held back
+  CHECK_EQ(f.drv.stats().live_segments, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+// ---- reset and generations --------------------------------------------------------------------
+
+TEST(reset_retires_live_blocks)
+{
+  fixture f;
+  auto const a = f->allocate(1000);  // first block of a small segment (base a)
+  auto const b = f->allocate(big);   // segment base b
+  auto const c = f->allocate(big);
+  f->deallocate(c);  // pending: reset waits for it, then releases its segment
+  auto const g0 = f->generation();
+  f->reset();
+  CHECK_EQ(f->generation(), g0 + 1);
+  auto const s = f->stats();
+  CHECK_EQ(s.bytes_in_use, 0u);
+  CHECK_EQ(s.blocks_in_use, 0u);
+  CHECK_EQ(s.bytes_reserved, 0u);
+  CHECK_EQ(s.bytes_free, 0u);
+  CHECK_EQ(s.bytes_waiting, 0u);
+  CHECK_EQ(s.segments, 0u);
+  CHECK_EQ(f.drv.stats().deallocations, 1u);  // c's segment
+  CHECK_EQ(f.drv.stats().live_segments, 2u);  // a's and b's: retired, not freed (live blocks)
+  CHECK(!f->owns(a));
+  CHECK(!f->owns(b));
+  // The retired segments' free space is never handed out again.
+  auto const allocs0 = f.drv.stats().allocations;
+  std::vector<device_ptr> ps;
+  for (int i = 0; i < 600; ++i) {
+    auto const p = f->allocate(4 * KiB);
+    CHECK(!within(p, a, 2 * MiB));
+    ps.push_back(p);
+  }
+  auto const pb = f->allocate(big);
+  CHECK(!within(pb, b, big));
+  CHECK(f.drv.stats().allocations > allocs0);
+  // Old-generation frees: not through the plain deallocate (not live in this generation).
+  CHECK_THROWS(f->deallocate(a), pool_error);
+  f->deallocate(b, legacy_stream, g0);  // its retired segment is now empty: freed
+  CHECK_EQ(f.drv.stats().deallocations, 2u);
+  CHECK_THROWS(f->deallocate(b, legacy_stream, g0), pool_error);  // double free
+  f->deallocate(a, legacy_stream, g0);
+  CHECK_EQ(f.drv.stats().deallocations, 3u);
+  for (auto p : ps) { f->deallocate(p, legacy_stream, g0 + 1); }
+  f->deallocate(pb);
+  f->trim();
+  CHECK_EQ(f.drv.stats().live_segments, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(reset_then_address_reuse_by_the_driver)
+{
+  fixture f;
+  auto const a = f->allocate(big);
+  auto const g0 = f->generation();
+  f->reset();
+  f.drv.invalidate_device(0);  // the context reset: addresses are handed out again
+  auto const x = f->allocate(big);
+  REQUIRE(x == a);  // the driver reused the address: this is the case under test
+  CHECK(f->owns(x));
+  auto const deallocs = f.drv.stats().deallocations;
+  f->deallocate(a, legacy_stream, g0);  // the old block: must not touch x
+  CHECK(f->owns(x));
+  CHECK_EQ(f.drv.stats().deallocations, deallocs);  // not freed: the driver's id differs
+  CHECK_EQ(f.drv.stats().live_segments, 1u);
+  CHECK_EQ(f->stats().bytes_in_use, big);
+  CHECK_THROWS(f->deallocate(a, legacy_stream, g0), pool_error);
+  f->deallocate(x, legacy_stream, g0 + 1);
+  CHECK(!f->owns(x));
+  CHECK_THROWS(f->deallocate(x, legacy_stream, g0 + 1), pool_error);
+  CHECK_THROWS(f->deallocate(x), pool_error);
+  f->trim();
+  CHECK_EQ(f.drv.stats().live_segments, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(reset_with_record_stream_pending)
+{
+  fixture f;
+  auto const p = f->allocate(big);
+  auto const q = f->allocate(big);
+  f->record_stream(p, stream_b);
+  f->deallocate(p, legacy_stream);
+  f->reset();  // waits for both of p's fences: p's segment goes back to the driver
+  CHECK_EQ(f->stats().bytes_waiting, 0u);
+  CHECK_EQ(f.drv.stats().live_segments, 1u);  // q's, retired
+  CHECK_EQ(consistency(f, false), "");
+  f.drv.set_auto_complete(true);
+  for (int i = 0; i < 4; ++i) {
+    auto const r = f->allocate(big);  // misses, maintenance: never p's retired block
+    CHECK(r != p);
+    CHECK(r != q);
+  }
+  CHECK_EQ(consistency(f, false), "");
+  f->deallocate(q, legacy_stream, 0);
+}
+
+TEST(reset_when_the_fence_fails)
+{
+  fixture f;
+  auto const p = f->allocate(big);
+  auto const q = f->allocate(big);
+  f->deallocate(p);
+  f.drv.fail_next_event_records(1);  // the context is already broken
+  CHECK_NOTHROW(f->reset());
+  CHECK_EQ(f->stats().bytes_waiting, 0u);
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(f.drv.stats().live_segments, 1u);  // q's (retired); p's was released
+  CHECK_EQ(consistency(f, false), "");
+  f->deallocate(q, legacy_stream, 0);
+  CHECK_EQ(f.drv.stats().live_segments, 0u);
+}
+
+TEST(reset_after_the_context_is_gone)
+{
+  // The context went away before reset() (the driver no longer knows the segments): freeing
+  // segments fails, and the pool must still retire everything consistently and work after.
+  fixture f;
+  auto const a = f->allocate(big);
+  auto const b = f->allocate(big);
+  auto const s = f->allocate(256);
+  f->deallocate(b);
+  f->synchronize();  // b's segment wholly free: reset() will try to release it
+  auto const g0 = f->generation();
+  f.drv.invalidate_device(0);
+  CHECK_NOTHROW(f->reset());
+  auto const st = f->stats();
+  CHECK_EQ(st.bytes_reserved, 0u);
+  CHECK_EQ(st.bytes_free, 0u);
+  CHECK_EQ(st.segments, 0u);
+  CHECK_EQ(consistency(f), "");
+  std::set<device_ptr> fresh;
+  for (int i = 0; i < 3; ++i) {
+    CHECK(fresh.insert(f->allocate(big)).second);
+    CHECK(fresh.insert(f->allocate(256)).second);
+  }
+  CHECK_EQ(f->stats().bytes_in_use, 3 * big + 3 * 256);
+  CHECK_EQ(consistency(f), "");
+  f->deallocate(a, legacy_stream, g0);  // unknown to the driver now: not freed, no error
+  f->deallocate(s, legacy_stream, g0);
+  for (auto p : fresh) { f->deallocate(p); }
+  f->trim();
+  CHECK_EQ(f.drv.stats().live_segments, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(failed_segment_release_keeps_the_pool_consistent)
+{
+  fixture f;
+  auto const a = f->allocate(big);
+  f->deallocate(a);
+  f->synchronize();
+  f.drv.invalidate_device(0);  // cuMemFree of the segment will fail
+  CHECK_THROWS(f->trim(), cuda_error);
+  CHECK_EQ(f->stats().segments, 1u);
+  CHECK_EQ(consistency(f, false), "");
+}
+
+TEST(double_free_and_foreign_pointers)
+{
+  fixture f;
+  auto const p = f->allocate(1000);
+  f->deallocate(p);
+  CHECK_THROWS(f->deallocate(p), pool_error);
+  CHECK_THROWS(f->deallocate(p + 256), pool_error);
+  CHECK_THROWS(f->deallocate(0x1234), pool_error);
+  auto const q = f->allocate(1000);
+  CHECK_THROWS(f->deallocate(q + 256), pool_error);  // inside a block: not a block start
+  CHECK_THROWS(f->deallocate(q, legacy_stream, f->generation() + 5), pool_error);
+  CHECK(f->owns(q));
+  f->deallocate(q);
+  CHECK_EQ(f->stats().frees, 2u);
+  CHECK_EQ(consistency(f), "");
+}
+
+// ---- statistics -------------------------------------------------------------------------------
+
+TEST(statistics_add_up)
+{
+  fixture f;
+  auto const a = f->allocate(1000, legacy_stream, alloc_tag::numba);   // 1024
+  auto const b = f->allocate(3 * MiB, legacy_stream, alloc_tag::cupy);  // 3 MiB
+  auto const c = f->allocate(18 * MiB, legacy_stream, alloc_tag::torch);  // > the 17 MiB left
+  auto const d = f->allocate(100);                                           // other: 256
+  std::size_t const big = 18 * MiB;
+  auto s = f->stats();
+  CHECK_EQ(s.bytes_in_use, 1024 + 3 * MiB + big + 256);
+  CHECK_EQ(s.bytes_in_use_by_tag[static_cast<int>(alloc_tag::numba)], 1024u);
+  CHECK_EQ(s.bytes_in_use_by_tag[static_cast<int>(alloc_tag::cupy)], 3 * MiB);
+  CHECK_EQ(s.bytes_in_use_by_tag[static_cast<int>(alloc_tag::torch)], big);
+  CHECK_EQ(s.bytes_in_use_by_tag[static_cast<int>(alloc_tag::other)], 256u);
+  CHECK_EQ(s.allocations_by_tag[static_cast<int>(alloc_tag::numba)], 1u);
+  CHECK_EQ(s.allocations, 4u);
+  CHECK_EQ(s.blocks_in_use, 4u);
+  CHECK_EQ(s.bytes_reserved, 2 * MiB + 20 * MiB + big);
+  CHECK_EQ(s.segments, 3u);
+  CHECK_EQ(s.segment_allocations, 3u);
+  CHECK_EQ(s.peak_bytes_in_use, s.bytes_in_use);
+  CHECK_EQ(s.peak_bytes_reserved, s.bytes_reserved);
+  CHECK_EQ(consistency(f), "");
+
+  f->deallocate(c);
+  f->deallocate(a);
+  s = f->stats();
+  CHECK_EQ(s.bytes_in_use, 3 * MiB + 256);
+  CHECK_EQ(s.bytes_waiting, big + 1024);
+  CHECK_EQ(s.peak_bytes_in_use, 1024 + 3 * MiB + big + 256);
+  CHECK_EQ(s.bytes_in_use_by_tag[static_cast<int>(alloc_tag::torch)], 0u);
+  CHECK_EQ(s.frees, 2u);
+  CHECK_EQ(consistency(f), "");
+
+  f->trim();
+  s = f->stats();
+  CHECK_EQ(s.bytes_reserved, 2 * MiB + 20 * MiB);
+  CHECK_EQ(s.peak_bytes_reserved, 2 * MiB + 20 * MiB + big);
+  CHECK_EQ(s.segment_releases, 1u);
+  f->reset_peaks();
+  s = f->stats();
+  CHECK_EQ(s.peak_bytes_in_use, s.bytes_in_use);
+  CHECK_EQ(s.peak_bytes_reserved, s.bytes_reserved);
+  auto const desc = f->describe();
+  CHECK(desc.find("pool on device 0 holds 22.00 MiB in 2 segments") != std::string::npos);
+  f->deallocate(b);
+  f->deallocate(d);
+  f->synchronize();
+  s = f->stats();
+  CHECK_EQ(s.bytes_in_use, 0u);
+  CHECK_EQ(s.bytes_free, s.bytes_reserved);
+  CHECK_EQ(s.largest_free_block, 20 * MiB);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(ipc_handle_describes_the_segment)
+{
+  fixture f;
+  auto const a = f->allocate(1000);
+  auto const b = f->allocate(1000);
+  auto const info = f->ipc_handle(b + 10);
+  REQUIRE(info.has_value());
+  CHECK_EQ(info->segment_base, a);
+  CHECK_EQ(info->segment_size, 2 * MiB);
+  CHECK_EQ(info->offset, 1024u + 10u);
+  CHECK(!f->ipc_handle(0x1234).has_value());
+  f->deallocate(a);
+  f->deallocate(b);
+  f->synchronize();
+  CHECK(!f->ipc_handle(a).has_value());  // no live block in the segment
+}
+
+TEST(destroying_the_pool_returns_everything)
+{
+  host_driver drv;
+  {
+    device_pool pool{drv, 0, {}};
+    (void)pool.allocate(100);
+    auto const p = pool.allocate(big);
+    pool.deallocate(p);
+    (void)pool.allocate(big);  // records an event
+  }
+  auto const c = drv.stats();
+  CHECK_EQ(c.live_segments, 0u);
+  CHECK_EQ(c.bytes_reserved, 0u);
+  CHECK_EQ(c.live_events, 0u);
+}
+
+// ---- threads ------------------------------------------------------------------------------------
+
+// A deterministic stress test (fixed seeds; NOT a benchmark): threads allocate and free random
+// sizes on a few streams, hand blocks to each other to free, while another thread completes
+// events, trims and checks statistics. Every block handed out is checked against all blocks
+// live at that moment.
+TEST(stress_threads)
+{
+  int const nthreads = 8;
+  int ops            = 20000;
+  if (char const* e = std::getenv("EMMPOOL_STRESS_OPS")) { ops = std::atoi(e); }
+
+  host_driver drv;
+  device_pool pool{drv, 0, {}};
+
+  std::mutex live_mutex;
+  std::map<device_ptr, device_ptr> live;  // [begin, end) of every block held by a thread
+  std::mutex handoff_mutex;
+  std::deque<device_ptr> handoff;  // blocks allocated by one thread, to be freed by another
+  std::atomic<int> errors{0};
+  std::mutex message_mutex;
+  std::string first_error;
+  auto error = [&](std::string const& what) {
+    if (errors.fetch_add(1) == 0) {
+      std::lock_guard lock{message_mutex};
+      first_error = what;
+    }
+  };
+
+  auto claim = [&](device_ptr p, std::size_t n) {
+    std::lock_guard lock{live_mutex};
+    auto const end = p + rounded(n);
+    auto it        = live.lower_bound(p);
+    if (it != live.end() && it->first < end) { error("overlap with the next live block"); }
+    if (it != live.begin() && std::prev(it)->second > p) {
+      error("overlap with the previous live block");
+    }
+    live.emplace(p, end);
+  };
+  auto unclaim = [&](device_ptr p) {
+    std::lock_guard lock{live_mutex};
+    if (live.erase(p) != 1) { error("freeing a block not held"); }
+  };
+
+  std::atomic<bool> done{false};
+  std::thread gpu{[&] {  // plays the GPU catching up, and a monitoring thread
+    int i = 0;
+    while (!done.load()) {
+      drv.complete_all_events();
+      auto const s = pool.stats();
+      if (s.bytes_in_use + s.bytes_waiting + s.bytes_free != s.bytes_reserved) {
+        error("statistics do not add up under concurrency");
+      }
+      if (++i % 200 == 0) { pool.trim(); }
+      std::this_thread::sleep_for(std::chrono::microseconds{100});
+    }
+  }};
+
+  std::vector<std::thread> threads;
+  for (int t = 0; t < nthreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng{0x5eed0000u + static_cast<std::uint64_t>(t)};
+      stream_handle const own_stream = 0x10000 + static_cast<stream_handle>(t) * 0x100;
+      std::vector<device_ptr> mine;
+      auto pick_size = [&]() -> std::size_t {
+        auto const r = rng() % 100;
+        if (r < 70) { return rng() % (64 * KiB); }
+        if (r < 95) { return rng() % (2 * MiB); }
+        return rng() % (24 * MiB);
+      };
+      auto free_one = [&](device_ptr p) {
+        unclaim(p);
+        pool.deallocate(p, rng() % 2 == 0 ? legacy_stream : own_stream);
+      };
+      try {
+        for (int i = 0; i < ops; ++i) {
+          auto const r = rng() % 100;
+          if (mine.size() < 8 || (r < 45 && mine.size() < 64)) {
+            auto const n      = pick_size();
+            auto const stream = rng() % 2 == 0 ? legacy_stream : own_stream;
+            auto const p      = pool.allocate(n, stream, static_cast<alloc_tag>(rng() % 4));
+            if (p % device_pool::alignment != 0) { error("misaligned block"); }
+            claim(p, n);
+            if (rng() % 20 == 0) { pool.record_stream(p, 0x20000 + rng() % 4); }
+            mine.push_back(p);
+          } else if (r < 60) {  // hand one to another thread
+            auto const k = rng() % mine.size();
+            std::lock_guard lock{handoff_mutex};
+            handoff.push_back(mine[k]);
+            mine[k] = mine.back();
+            mine.pop_back();
+          } else if (r < 75) {  // free one handed over by another thread
+            device_ptr p = 0;
+            {
+              std::lock_guard lock{handoff_mutex};
+              if (!handoff.empty()) {
+                p = handoff.front();
+                handoff.pop_front();
+              }
+            }
+            if (p != 0) { free_one(p); }
+          } else {
+            auto const k = rng() % mine.size();
+            auto const p = mine[k];
+            mine[k]      = mine.back();
+            mine.pop_back();
+            free_one(p);
+          }
+        }
+        for (auto p : mine) { free_one(p); }
+      } catch (std::exception const& e) {
+        error(std::string{"exception in a worker: "} + e.what());
+      }
+    });
+  }
+  for (auto& th : threads) { th.join(); }
+  done = true;
+  gpu.join();
+  for (auto p : handoff) {
+    unclaim(p);
+    pool.deallocate(p);
+  }
+
+  CHECK_EQ(errors.load(), 0);
+  CHECK_EQ(first_error, "");
+  auto const s = pool.stats();
+  CHECK_EQ(s.bytes_in_use, 0u);
+  CHECK_EQ(s.blocks_in_use, 0u);
+  CHECK_EQ(s.allocations, s.frees);
+  CHECK(s.allocations >= static_cast<std::uint64_t>(nthreads) * static_cast<std::uint64_t>(ops) / 3);
+  CHECK(live.empty());
+  pool.synchronize();
+  pool.trim();
+  CHECK_EQ(drv.stats().bytes_reserved, 0u);
+  CHECK_EQ(drv.stats().live_segments, 0u);
+  CHECK_EQ(pool.stats().bytes_reserved, 0u);
+}

@@ -1,0 +1,183 @@
+"""Scenarios the GPU tests run in fresh interpreters (the memory manager must be chosen before
+Numba creates a context, so each scenario gets its own process). Each prints 'OK' on success."""
+
+from __future__ import annotations
+
+import sys
+
+ALLOC_SIZES = r"""
+import gc, numpy as np
+from numba import cuda
+import emmpool
+rng = np.random.default_rng(0)
+for n in [1, 255, 256, 4097, (1 << 20) + 3, 5 << 20, 64 << 20]:
+    h = rng.integers(0, 255, n, dtype=np.uint8)
+    d = cuda.to_device(h)
+    assert (d.copy_to_host() == h).all(), n
+    del d
+gc.collect()
+arrays = [cuda.device_array(int(s), np.uint8) for s in rng.integers(1, 1 << 22, 300)]
+ptrs = sorted((a.__cuda_array_interface__["data"][0], a.nbytes) for a in arrays)
+assert all(p0 + n0 <= p1 for (p0, n0), (p1, _) in zip(ptrs, ptrs[1:])), "overlap"
+s = emmpool.stats(0)
+assert s["by_library"]["numba"]["bytes_in_use"] >= sum(a.nbytes for a in arrays)
+del arrays; gc.collect()
+assert emmpool.stats(0)["bytes_in_use"] == 0, emmpool.stats(0)
+info = cuda.current_context().get_memory_info()
+assert 0 < info.free <= info.total, info
+assert type(info).__name__ == "MemoryInfo"
+print("OK")
+"""
+
+IPC_PRODUCER = r"""
+import multiprocessing as mp, pickle, numpy as np
+from numba import cuda
+
+def consume(payload, q):
+    from numba import cuda
+    out = []
+    for ph in pickle.loads(payload):
+        with ph as d:
+            out.append(d.copy_to_host())
+    q.put(out)
+
+if __name__ == "__main__":
+    pad = cuda.device_array(12345, np.uint8)          # so that blocks start inside a segment
+    a = cuda.to_device(np.arange(100_000, dtype=np.float64))
+    b = cuda.to_device(np.arange(5000, dtype=np.int32) * 7)  # same segment as a
+    sl = a[1000:2000]
+    handles = [a.get_ipc_handle(), sl.get_ipc_handle(), b.get_ipc_handle()]
+    offsets = [h._ipc_handle.offset for h in handles]
+    assert offsets[2] != 0 and offsets[1] == offsets[0] + 1000 * 8, offsets
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=consume, args=(pickle.dumps(handles), q))
+    p.start()
+    got = q.get(timeout=120)
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+    assert (got[0] == a.copy_to_host()).all()
+    assert (got[1] == sl.copy_to_host()).all()
+    assert (got[2] == b.copy_to_host()).all()
+    print("OK")
+"""
+
+RESET_WITH_LIVE_ARRAYS = r"""
+import gc, numpy as np
+from numba import cuda
+import emmpool
+keep = cuda.to_device(np.arange(1000, dtype=np.float32))
+old = [cuda.device_array(1 << 16, np.uint8) for _ in range(10)]
+cuda.current_context().reset()              # a context reset with arrays alive
+assert (keep.copy_to_host() == np.arange(1000, dtype=np.float32)).all()
+new = [cuda.to_device(np.full(1 << 16, i, np.uint8)) for i in range(10)]
+del old; gc.collect()                        # pre-reset finalizers run after the reset
+for i, a in enumerate(new):
+    assert (a.copy_to_host() == i).all()
+dangling = cuda.device_array(1 << 20, np.uint8)
+cuda.close()                                 # a device reset, with `dangling` alive
+x = cuda.to_device(np.arange(10))
+assert (x.copy_to_host() == np.arange(10)).all()
+del dangling, keep, new; gc.collect()       # finalizers of the old context: harmless
+y = cuda.to_device(np.arange(20))
+assert (x.copy_to_host() == np.arange(10)).all() and (y.copy_to_host() == np.arange(20)).all()
+live_at_exit = cuda.device_array(1 << 20)   # and one left alive at interpreter exit
+print("OK")
+"""
+
+DEFER_CLEANUP = r"""
+import gc, numpy as np
+from numba import cuda
+import emmpool
+cuda.device_array(1)  # create the pool
+pool = cuda.current_context().memory_manager.pool
+with cuda.defer_cleanup():
+    before = pool.stats()["segment_releases"]
+    for i in range(50):
+        a = cuda.to_device(np.full(1 << 20, i, np.uint8))
+        assert (a.copy_to_host() == i).all()
+        del a
+    assert pool.trim() == 0, "nothing may be returned to the driver while cleanup is deferred"
+    assert pool.stats()["segment_releases"] == before
+assert pool.trim() > 0
+print("OK")
+"""
+
+# A kernel on stream A reads `a` long after `a` is freed; meanwhile a same-sized array is
+# allocated and overwritten on stream B. With a pool that reuses at once, B's write lands in
+# A's input before A reads it.
+CROSS_STREAM = r"""
+import gc, sys, numpy as np
+from numba import cuda
+if len(sys.argv) > 1 and sys.argv[1] == "naive":
+    sys.path.insert(0, sys.argv[2])
+    import naive_pool
+    cuda.set_memory_manager(naive_pool.NaivePool)
+
+@cuda.jit
+def slow_sum(a, out, delay_us):
+    # One thread sleeps first, then sums: the read happens well after the host frees `a`.
+    for _ in range(delay_us):
+        cuda.nanosleep(1000)
+    s = 0.0
+    for i in range(a.size):
+        s += a[i]
+    out[0] = s
+
+@cuda.jit
+def fill(b, value):
+    i = cuda.grid(1)
+    if i < b.size:
+        b[i] = value
+
+n = 1 << 16
+sA, sB = cuda.stream(), cuda.stream()
+host = np.ones(n)
+out = cuda.device_array(1)
+slow_sum[1, 1](cuda.to_device(host), out, 1, )  # compile
+fill[1, 32](cuda.device_array(32), 0.0)
+cuda.synchronize()
+a = cuda.to_device(host, stream=sA)
+a_ptr = a.__cuda_array_interface__["data"][0]
+slow_sum[1, 1, sA](a, out, 200_000)   # ~0.2 s before it reads `a`
+del a; gc.collect()                    # freed while the kernel is queued/running
+b = cuda.device_array(n, dtype=np.float64)
+fill[(n + 255) // 256, 256, sB](b, -1.0)
+same = b.__cuda_array_interface__["data"][0] == a_ptr
+sB.synchronize(); sA.synchronize()
+result = out.copy_to_host()[0]
+print("reused-address" if same else "fresh-address", result)
+print("OK" if result == n else "CORRUPTED")
+"""
+
+OUT_OF_MEMORY = r"""
+import numpy as np
+from numba import cuda
+from numba.cuda.cudadrv.driver import CudaAPIError
+import emmpool
+total = cuda.current_context().get_memory_info().total
+try:
+    cuda.device_array(2 * total, np.uint8)
+except CudaAPIError as e:
+    assert e.code == 2, e.code
+    assert "holds" in str(e), str(e)
+else:
+    raise AssertionError("no out-of-memory error")
+a = cuda.to_device(np.arange(1000))
+assert (a.copy_to_host() == np.arange(1000)).all()
+print("OK")
+"""
+
+PASSTHROUGH_ONE_SEGMENT_EACH = r"""
+import numpy as np
+from numba import cuda
+from numba.cuda.cudadrv import driver
+arrays = [cuda.device_array(n, np.uint8) for n in (1000, 4096, 12345, 1 << 20)]
+for a in arrays:
+    base, end = driver.device_extents(a.gpu_data)
+    assert base == a.__cuda_array_interface__["data"][0], "block does not start its segment"
+print("OK")
+"""
+
+if __name__ == "__main__":  # pragma: no cover - manual use
+    exec(globals()[sys.argv[1]])

@@ -1,0 +1,170 @@
+"""What works without a GPU: import, the Numba plugin contract, errors, configuration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import emmpool
+from emmpool import _config, _core
+
+
+@pytest.mark.parametrize(
+    "kind, exc",
+    [
+        ("cuda", emmpool.CudaError),
+        ("driver", emmpool.DriverUnavailableError),
+        ("oom", emmpool.OutOfMemoryError),
+        ("pool", emmpool.PoolError),
+        ("invalid", ValueError),
+    ],
+)
+def test_exception_mapping(kind, exc):
+    with pytest.raises(exc):
+        _core._raise_for_test(kind)
+
+
+def test_cuda_error_carries_code_and_call():
+    with pytest.raises(emmpool.CudaError) as info:
+        _core._raise_for_test("cuda")
+    assert info.value.code == 2 and info.value.call == "cuTest"
+    assert issubclass(emmpool.DriverUnavailableError, emmpool.CudaError)
+    assert issubclass(emmpool.OutOfMemoryError, MemoryError)
+
+
+def test_import_touches_no_gpu():
+    # A fresh interpreter: importing emmpool must not load libcuda (numba.cuda, which the
+    # plugin imports, may load it by itself where a driver exists).
+    code = (
+        "import emmpool, sys\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "sys.exit(1 if 'libcuda.so' in maps else 0)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_plugin_contract_without_context():
+    from numba import cuda
+
+    from emmpool.plugin import EmmPoolManager, _numba_memory_manager
+
+    assert _numba_memory_manager is EmmPoolManager
+    mgr = EmmPoolManager(context=None)  # what set_memory_manager does: must touch no CUDA
+    assert mgr.interface_version == 1
+    mgr.reset()  # before initialize(): harmless
+    with mgr.defer_cleanup():
+        pass
+    cuda.set_memory_manager(EmmPoolManager)
+
+
+def test_use_for_numba_sets_the_manager():
+    code = (
+        "import emmpool\n"
+        "from numba.cuda.cudadrv import driver\n"
+        "emmpool.use_for_numba()\n"
+        "from emmpool.plugin import EmmPoolManager\n"
+        "assert driver._memory_manager is EmmPoolManager\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_driver_error_says_what_is_missing():
+    from tests.conftest import gpu_unavailable_reason
+
+    if gpu_unavailable_reason() is None:
+        pytest.skip("a CUDA driver is present: the no-driver error cannot be observed")
+    with pytest.raises(emmpool.DriverUnavailableError, match="libcuda|cuInit|driver"):
+        _core.pool(0)
+    with pytest.raises(emmpool.DriverUnavailableError):
+        _core.device_count()
+
+
+def test_numba_gets_its_own_out_of_memory_error_type():
+    from numba.cuda.cudadrv.driver import CudaAPIError, binding
+
+    from emmpool import plugin
+
+    assert plugin._OOM == binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    e = CudaAPIError(plugin._OOM, "x")
+    assert e.code == 2
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("1024", 1024), ("4KiB", 4096), ("2 MB", 2 << 20), ("1.5GiB", 3 << 29), ("1t", 1 << 40)],
+)
+def test_parse_size(text, expected):
+    assert _config.parse_size(text, "X") == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1", "12 parsecs", "1e9", "GiB", "0x10"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="X="):
+        _config.parse_size(text, "X")
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"EMMPOOL_MODE": "turbo"}, "EMMPOOL_MODE"),
+        ({"EMMPOOL_INITIAL_POOL_SIZE": "lots"}, "EMMPOOL_INITIAL_POOL_SIZE"),
+        ({"EMMPOOL_MAXIMUM_POOL_SIZE": "150%"}, "EMMPOOL_MAXIMUM_POOL_SIZE"),
+        ({"EMMPOOL_MAXIMUM_POOL_SIZE": "1.5"}, "EMMPOOL_MAXIMUM_POOL_SIZE"),
+        ({"EMMPOOL_MAXIMUM_POOL_SIZE": "-3"}, "EMMPOOL_MAXIMUM_POOL_SIZE"),
+        (
+            {"EMMPOOL_INITIAL_POOL_SIZE": "2GiB", "EMMPOOL_MAXIMUM_POOL_SIZE": "1GiB"},
+            "exceeds",
+        ),
+    ],
+)
+def test_bad_environment_is_named(monkeypatch, env, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=message):
+        _config._from_environment()
+
+
+def test_environment_parsing(monkeypatch):
+    monkeypatch.setenv("EMMPOOL_MODE", "Passthrough")
+    monkeypatch.setenv("EMMPOOL_INITIAL_POOL_SIZE", "1GiB")
+    monkeypatch.setenv("EMMPOOL_MAXIMUM_POOL_SIZE", "80%")
+    cfg = _config._from_environment()
+    assert cfg == _config.Config("passthrough", 1 << 30, 0, 0.8)
+    monkeypatch.setenv("EMMPOOL_MAXIMUM_POOL_SIZE", "0.5")
+    assert _config._from_environment().maximum_pool_fraction == 0.5
+    monkeypatch.setenv("EMMPOOL_MAXIMUM_POOL_SIZE", "16GiB")
+    assert _config._from_environment().maximum_pool_size == 16 << 30
+
+
+def test_configure_rejects_unknown_and_bad_options():
+    with pytest.raises(TypeError, match="unknown option"):
+        emmpool.configure(colour="blue")
+    with pytest.raises(ValueError, match="mode"):
+        emmpool.configure(mode="fast")
+    with pytest.raises(ValueError, match="maximum_pool_fraction"):
+        emmpool.configure(maximum_pool_fraction=3)
+
+
+def test_hooks_say_what_to_install_when_missing(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name in ("cupy", "torch"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(ImportError, match="emmpool\\[cupy\\]"):
+        emmpool.use_for_cupy()
+    with pytest.raises(ImportError, match="emmpool\\[torch\\]"):
+        emmpool.use_for_torch()
+
+
+def test_stats_before_any_pool():
+    assert emmpool.stats() == {} or isinstance(emmpool.stats(), dict)
+    with pytest.raises(ValueError, match="no pool"):
+        emmpool.stats(63)

@@ -1,0 +1,79 @@
+"""Numba through the plugin on a real GPU (skipped, with the reason, where there is none).
+
+Each scenario runs in a fresh interpreter with NUMBA_CUDA_MEMORY_MANAGER=emmpool.plugin and
+must exit 0, print OK, and write nothing to stderr."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import gpu_scripts
+
+pytestmark = pytest.mark.gpu
+HERE = Path(__file__).parent
+
+
+def run(code: str, *args: str, mode: str = "pool", manager: str | None = "emmpool.plugin"):
+    env = dict(os.environ, EMMPOOL_MODE=mode)
+    env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
+    if manager:
+        env["NUMBA_CUDA_MEMORY_MANAGER"] = manager
+    p = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    return p
+
+
+def check(p):
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), (p.stdout, p.stderr)
+    stderr = "\n".join(
+        line for line in p.stderr.splitlines() if "NumbaPerformanceWarning" not in line
+        and "warn(NumbaPerformanceWarning" not in line and "grid size" not in line
+    )
+    assert stderr.strip() == "", stderr
+
+
+@pytest.mark.parametrize("mode", ["pool", "passthrough"])
+def test_allocations_of_many_sizes_and_memory_info(mode):
+    check(run(gpu_scripts.ALLOC_SIZES, mode=mode))
+
+
+@pytest.mark.parametrize("mode", ["pool", "passthrough"])
+def test_ipc_of_slices_and_blocks_inside_a_segment(mode):
+    check(run(gpu_scripts.IPC_PRODUCER, mode=mode))
+
+
+@pytest.mark.parametrize("mode", ["pool", "passthrough"])
+def test_reset_with_live_arrays_and_exit(mode):
+    check(run(gpu_scripts.RESET_WITH_LIVE_ARRAYS, mode=mode))
+
+
+def test_defer_cleanup_returns_nothing_to_the_driver():
+    check(run(gpu_scripts.DEFER_CLEANUP))
+
+
+def test_out_of_memory_is_numbas_error_and_pool_recovers():
+    check(run(gpu_scripts.OUT_OF_MEMORY))
+
+
+def test_passthrough_gives_each_allocation_its_segment():
+    check(run(gpu_scripts.PASSTHROUGH_ONE_SEGMENT_EACH, mode="passthrough"))
+
+
+def test_freed_block_not_reused_while_another_stream_reads_it():
+    p = run(gpu_scripts.CROSS_STREAM)
+    check(p)
+    assert "fresh-address" in p.stdout
+
+
+def test_cross_stream_scenario_catches_a_naive_pool():
+    # The same scenario against a pool that reuses at once must corrupt: this is what makes
+    # the test above meaningful.
+    p = run(gpu_scripts.CROSS_STREAM, "naive", str(HERE), manager=None)
+    assert p.returncode == 0, p.stderr
+    assert "reused-address" in p.stdout and "CORRUPTED" in p.stdout, p.stdout

@@ -1,0 +1,226 @@
+"""The pool logic through the Python binding, on the host driver (no GPU needed).
+
+The C++ suite (cpp/tests) covers the same logic more exhaustively, under sanitizers; these tests
+check that the binding exposes it faithfully."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import emmpool
+from emmpool import _core
+
+MiB = 1 << 20
+
+
+def make_pool(host, **kw):
+    return _core.DevicePool(host, 0, **kw)
+
+
+def test_alignment_and_rounding(host):
+    pool = make_pool(host)
+    ptrs = [pool.allocate(n) for n in (1, 255, 256, 257, 1000, 4096, 3 * MiB + 7)]
+    assert all(p % 256 == 0 for p in ptrs)
+    assert len(set(ptrs)) == len(ptrs)
+    assert pool.stats()["bytes_in_use"] == 256 + 256 + 256 + 512 + 1024 + 4096 + 3 * MiB + 256
+
+
+def test_zero_bytes_gives_distinct_blocks(host):
+    pool = make_pool(host)
+    a, b = pool.allocate(0), pool.allocate(0)
+    assert a != b
+
+
+def test_no_reuse_before_event_completes(host):
+    pool = make_pool(host)
+    p = pool.allocate(1024)
+    pool.deallocate(p)
+    # The event recorded after the free has not completed: p must not come back, however
+    # often we ask (each miss closes a batch and queries it).
+    seen = {pool.allocate(1024) for _ in range(5000)}
+    assert p not in seen
+    host.complete_all_events()
+    for q in seen:
+        pool.deallocate(q)
+    host.complete_all_events()
+    pool.synchronize()
+    assert pool.stats()["bytes_waiting"] == 0
+    assert p in {pool.allocate(1024) for _ in range(5000)}
+
+
+def test_split_and_coalesce_back_to_one_block(host):
+    pool = make_pool(host)
+    blocks = [pool.allocate(100 * 1024) for _ in range(10)]
+    assert pool.stats()["segments"] == 1
+    for b in blocks:
+        pool.deallocate(b)
+    host.complete_all_events()
+    pool.synchronize()
+    s = pool.stats()
+    assert s["bytes_free"] == s["bytes_reserved"] == 2 * MiB
+    assert s["largest_free_block"] == 2 * MiB
+
+
+def test_maximum_size_gives_out_of_memory_and_pool_stays_usable(host):
+    pool = make_pool(host, maximum_size=64 * MiB)
+    big = pool.allocate(60 * MiB)
+    with pytest.raises(emmpool.OutOfMemoryError, match="holds"):
+        pool.allocate(8 * MiB)
+    assert isinstance(emmpool.OutOfMemoryError("x"), MemoryError)
+    pool.deallocate(big)
+    assert pool.allocate(8 * MiB) % 256 == 0
+
+
+def test_ladder_waits_for_pending_frees_before_failing(host):
+    host.set_capacity(0, 40 * MiB)
+    pool = make_pool(host)
+    a = pool.allocate(30 * MiB)
+    pool.deallocate(a)  # pending: its event is not complete
+    b = pool.allocate(30 * MiB)  # must wait (synchronize the event) rather than fail
+    assert b == a
+    assert host.stats()["event_syncs"] >= 1
+
+
+def test_ladder_releases_cached_segments_then_retries(host):
+    host.set_capacity(0, 64 * MiB)
+    pool = make_pool(host)
+    smalls = [pool.allocate(512 * 1024) for _ in range(8)]  # fills small segments
+    for p in smalls:
+        pool.deallocate(p)
+    host.complete_all_events()
+    pool.synchronize()
+    reserved = pool.stats()["bytes_reserved"]
+    assert reserved > 0
+    big = pool.allocate(64 * MiB - 0)  # only fits once the cached small segments are gone
+    assert big % 256 == 0
+    assert host.stats()["deallocations"] >= 1
+
+
+def test_trim_and_defer_cleanup(host):
+    pool = make_pool(host)
+    p = pool.allocate(MiB * 4)
+    pool.deallocate(p)
+    host.complete_all_events()
+    pool.defer_cleanup_begin()
+    assert pool.trim() == 0  # nothing goes back to the driver while deferred
+    assert pool.allocate(MiB * 4) == p  # but blocks are reused
+    pool.deallocate(p)
+    pool.defer_cleanup_end()
+    host.complete_all_events()
+    assert pool.trim() > 0
+    assert host.stats()["live_segments"] == 0
+
+
+def test_passthrough_gives_each_allocation_its_own_segment(host):
+    pool = make_pool(host, mode="passthrough")
+    ptrs = [pool.allocate(1000) for _ in range(4)]
+    assert host.stats()["live_segments"] == 4
+    for p in ptrs:
+        pool.deallocate(p)
+    host.complete_all_events()
+    pool.synchronize()
+    assert host.stats()["live_segments"] == 0
+
+
+def test_reset_retires_live_blocks_and_old_finalizers_are_harmless(host):
+    pool = make_pool(host)
+    old = pool.allocate(4096)
+    gen = pool.generation
+    pool.reset()
+    host.invalidate_device(0)  # the context is gone: the driver reuses addresses
+    new = pool.allocate(4096)
+    assert pool.generation == gen + 1
+    # The old finalizer runs late: it must not free the new block, even at the same address.
+    pool.deallocate(old, _core.LEGACY_STREAM, gen)
+    assert pool.owns(new)
+    with pytest.raises(emmpool.PoolError):
+        pool.deallocate(old, _core.LEGACY_STREAM, gen)  # twice
+
+
+def test_double_free_and_foreign_pointer_are_errors(host):
+    pool = make_pool(host)
+    p = pool.allocate(256)
+    pool.deallocate(p)
+    with pytest.raises(emmpool.PoolError, match="not a live allocation"):
+        pool.deallocate(p)
+    with pytest.raises(emmpool.PoolError):
+        pool.deallocate(12345)
+
+
+def test_bad_arguments(host):
+    pool = make_pool(host)
+    with pytest.raises(TypeError):
+        pool.allocate(-1)
+    with pytest.raises(TypeError):
+        pool.allocate(1.5)
+    with pytest.raises(ValueError, match="too large"):
+        pool.allocate(1 << 63)
+    with pytest.raises(ValueError, match="tag"):
+        pool.allocate(1, _core.LEGACY_STREAM, 9)
+    with pytest.raises(ValueError, match="mode"):
+        make_pool(host, mode="bogus")
+    with pytest.raises(ValueError, match="maximum_fraction"):
+        make_pool(host, maximum_fraction=2.0)
+
+
+def test_stats_by_library(host):
+    pool = make_pool(host)
+    a = pool.allocate(1000, _core.LEGACY_STREAM, 1)
+    pool.allocate(3000, _core.LEGACY_STREAM, 2)
+    s = pool.stats()["by_library"]
+    assert s["numba"]["bytes_in_use"] == 1024
+    assert s["cupy"]["bytes_in_use"] == 3072
+    pool.deallocate(a)
+    assert pool.stats()["by_library"]["numba"]["bytes_in_use"] == 0
+    assert pool.stats()["by_library"]["numba"]["allocations"] == 1
+
+
+def test_ipc_handle_names_segment_and_offset(host):
+    pool = make_pool(host)
+    a = pool.allocate(4096)
+    b = pool.allocate(4096)
+    ha, base_a, _, off_a = pool.ipc_handle(a)
+    hb, base_b, _, off_b = pool.ipc_handle(b + 100)  # a view inside b
+    assert base_a == base_b and ha == hb and len(ha) == 64
+    assert off_a == a - base_a and off_b == b + 100 - base_b
+    assert pool.ipc_handle(0x1234) is None
+
+
+def test_threads_free_what_others_allocated():
+    host = _core.HostDriver(devices=1, capacity=1 << 40)  # address space only: no real memory
+    host.set_auto_complete(True)
+    pool = make_pool(host)
+    out: list[int] = []
+    lock = threading.Lock()
+
+    def producer(seed):
+        import random
+
+        rng = random.Random(seed)
+        for _ in range(2000):
+            p = pool.allocate(rng.choice((256, 4096, 100_000, 3 * MiB)))
+            with lock:
+                out.append(p)
+
+    def consumer():
+        while True:
+            with lock:
+                p = out.pop() if out else None
+            if p is not None:
+                pool.deallocate(p)
+            elif not any(t.is_alive() for t in producers):
+                return
+
+    producers = [threading.Thread(target=producer, args=(i,)) for i in range(4)]
+    for t in producers:
+        t.start()
+    consumer()  # frees on the main thread what the producers allocated on theirs
+    for t in producers:
+        t.join()
+    pool.synchronize()
+    s = pool.stats()
+    assert s["bytes_in_use"] == 0 and s["allocations"] == s["frees"] == 8000
+    pool.trim()
+    assert host.stats()["bytes_reserved"] == 0
