@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,14 @@ def run(code: str, *args: str, mode: str = "pool", manager: str | None = "emmpoo
     env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
     if manager:
         env["NUMBA_CUDA_MEMORY_MANAGER"] = manager
-    p = subprocess.run(
-        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300
-    )
-    return p
+    # A file, not -c: multiprocessing's spawn re-imports the main module by path.
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "scenario.py"
+        script.write_text(code)
+        return subprocess.run(
+            [sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+            timeout=300,
+        )
 
 
 def check(p):
