@@ -64,7 +64,7 @@ AXPY_TPB = 256
 
 # Timing knobs: (per-case time budget s, timed blocks, warm-up ops,
 # minimum calibration block s, min ops per block).
-FULL = dict(budget=2.5, repeats=7, warmup_ops=200, calib_s=0.02, min_ops=50)
+FULL = dict(budget=1.0, repeats=7, warmup_ops=200, calib_s=0.02, min_ops=50)
 QUICK = dict(budget=0.15, repeats=3, warmup_ops=20, calib_s=0.01, min_ops=10)
 MAX_OPS_PER_BLOCK = 200_000
 
@@ -417,7 +417,8 @@ def _markdown(report):
                     if k != "numba-cuda"),
         f"- {report['timestamp']}, {'quick' if report['quick'] else 'full'} run",
         "",
-        f"µs per op: median over {report['repeats']} timed blocks of the mean "
+        f"µs per op: median over {report['rounds']} interleaved rounds (one process per "
+        f"manager and round) of the median over {report['repeats']} timed blocks of the mean "
         "per-op time (device synchronised at block ends). In parentheses: "
         f"ratio to the `{FLOOR}` floor (Numba's own per-allocation overhead).",
         "",
@@ -468,6 +469,23 @@ def _markdown(report):
     return "\n".join(lines) + "\n"
 
 
+def _merge_rounds(results):
+    """One manager's results over rounds: the per-case median, with every round kept."""
+    ok = [r for r in results if "cases" in r and "failed" not in r and "skipped" not in r]
+    if len(ok) != len(results) or not ok:
+        return results[-1]
+    merged = dict(ok[-1])
+    merged["cases"] = {}
+    for case in ok[-1]["cases"]:
+        values = [r["cases"][case]["us_per_op"] for r in ok if case in r["cases"]]
+        cell = dict(ok[-1]["cases"][case])
+        cell["us_per_op"] = statistics.median(values)
+        cell["rounds_us"] = values
+        merged["cases"][case] = cell
+    merged["rounds"] = len(ok)
+    return merged
+
+
 def parent_main(args):
     knobs = dict(QUICK if args.quick else FULL)
     if args.budget is not None:
@@ -475,15 +493,23 @@ def parent_main(args):
     os.makedirs(args.out, exist_ok=True)
     selected = [m for m in MANAGERS if not args.managers or m[0] in args.managers]
 
-    managers = {}
-    for name, extra_env in selected:
-        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-        r = _run_child(name, extra_env, args)
-        managers[name] = r
-        status = ("skipped: " + r["skipped"]) if "skipped" in r else (
-            ("FAILED: " + r["failed"]) if "failed" in r else "ok")
-        print(f"[bench] {name}: {status} ({r.get('wall_s', '?')} s)",
-              file=sys.stderr, flush=True)
+    # Managers run in interleaved rounds (A B C ... A B C ...) and each cell is the median
+    # over rounds: a GPU's clocks and a host's load drift over minutes, and a drift must not
+    # land on one manager alone.
+    rounds: dict[str, list] = {name: [] for name, _ in selected}
+    for rnd in range(args.rounds):
+        for name, extra_env in selected:
+            if rounds[name] and ("skipped" in rounds[name][0] or "failed" in rounds[name][0]):
+                continue
+            print(f"[bench] round {rnd + 1}/{args.rounds}: {name} ...", file=sys.stderr,
+                  flush=True)
+            r = _run_child(name, extra_env, args)
+            rounds[name].append(r)
+            status = ("skipped: " + r["skipped"]) if "skipped" in r else (
+                ("FAILED: " + r["failed"]) if "failed" in r else "ok")
+            print(f"[bench] {name}: {status} ({r.get('wall_s', '?')} s)",
+                  file=sys.stderr, flush=True)
+    managers = {name: _merge_rounds(rs) for name, rs in rounds.items()}
 
     first = next((r for r in managers.values() if "gpu" in r), {})
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -502,6 +528,7 @@ def parent_main(args):
         "quick": args.quick,
         "budget_s_per_case": knobs["budget"],
         "repeats": knobs["repeats"],
+        "rounds": args.rounds,
         "floor": FLOOR,
         "cases": CASES,
         "managers": managers,
@@ -527,7 +554,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="few iterations; a smoke test (< 1 min)")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds per case per manager (default 2.5, quick 0.15)")
+                   help="seconds per case per manager (default 1.0, quick 0.15)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds over the managers; cells are medians (default 3)")
     p.add_argument("--managers", nargs="+", metavar="NAME",
                    choices=[m for m, _ in MANAGERS],
                    help="run only these managers")

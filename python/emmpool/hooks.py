@@ -31,7 +31,18 @@ def use_for_cupy() -> None:
     allocator = cupy.cuda.memory.CFunctionAllocator(
         0, addresses["cupy_malloc"], addresses["cupy_free"], _core
     )
-    cupy.cuda.set_allocator(allocator.malloc)
+    c_malloc = allocator.malloc
+    out_of_memory = cupy.cuda.memory.OutOfMemoryError
+
+    # CuPy does not check the C function's result: a NULL from the pool (out of memory) would
+    # become a silent null pointer. This one comparison turns it into CuPy's own error.
+    def malloc(size):
+        mem = c_malloc(size)
+        if mem.ptr == 0 and size > 0:
+            raise out_of_memory(size, -1)
+        return mem
+
+    cupy.cuda.set_allocator(malloc)
     _installed.append(allocator)
 
 

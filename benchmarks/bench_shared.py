@@ -1,0 +1,88 @@
+"""cupy.empty and torch.empty + del through emmpool, against each library's own allocator.
+
+    python benchmarks/bench_shared.py --out DIR
+
+One child process per configuration (an allocator is fixed at a library's first allocation).
+Reports the median ns per empty()+del over timed blocks, and the ratio to the library's own
+pool. Writes DIR/bench_shared.json and DIR/bench_shared.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CHILD = r"""
+import json, statistics, sys, time
+lib, use_emmpool = sys.argv[1], sys.argv[2] == "emmpool"
+if lib == "cupy":
+    import cupy
+    if use_emmpool:
+        import emmpool; emmpool.use_for_cupy()
+    def op(n):
+        a = cupy.empty(n, dtype=cupy.uint8); del a
+    sync = cupy.cuda.Device().synchronize
+else:
+    import torch
+    if use_emmpool:
+        import emmpool; emmpool.use_for_torch()
+    def op(n):
+        a = torch.empty(n, dtype=torch.uint8, device="cuda"); del a
+    sync = torch.cuda.synchronize
+out = {}
+for n in (256, 1 << 16, 1 << 22, 1 << 26):
+    for _ in range(2000):
+        op(n)
+    sync()
+    blocks = []
+    for _ in range(9):
+        t = time.perf_counter()
+        for _ in range(5000):
+            op(n)
+        blocks.append((time.perf_counter() - t) / 5000 * 1e9)
+    sync()
+    out[str(n)] = statistics.median(blocks)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    for lib in ("cupy", "torch"):
+        for alloc in ("own", "emmpool"):
+            p = subprocess.run(
+                [sys.executable, "-c", CHILD, lib, alloc], capture_output=True, text=True,
+                timeout=300,
+            )
+            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+            results[f"{lib}/{alloc}"] = (
+                json.loads(line[0][7:]) if line else {"error": p.stderr[-500:]}
+            )
+    (args.out / "bench_shared.json").write_text(json.dumps(results, indent=1))
+    sizes = ["256", str(1 << 16), str(1 << 22), str(1 << 26)]
+    rows = ["| allocator | 256 B | 64 KiB | 4 MiB | 64 MiB |", "|---|---:|---:|---:|---:|"]
+    for key, r in results.items():
+        if "error" in r:
+            rows.append(f"| {key} | error: {r['error'][-120:]!r} | | | |")
+            continue
+        own = results[key.split("/")[0] + "/own"]
+        cells = []
+        for s in sizes:
+            ratio = f" ({r[s] / own[s]:.2f}×)" if "error" not in own else ""
+            cells.append(f"{r[s]:.0f} ns{ratio}")
+        rows.append(f"| {key} | " + " | ".join(cells) + " |")
+    table = "empty()+del, median ns per op; in parentheses: ratio to the library's own pool\n\n"
+    table += "\n".join(rows) + "\n"
+    (args.out / "bench_shared.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

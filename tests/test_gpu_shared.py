@@ -1,0 +1,97 @@
+"""CuPy, PyTorch and Numba drawing from one emmpool pool (GPU; skipped where absent)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.test_gpu_numba import check, run
+
+pytestmark = pytest.mark.gpu
+
+needs_cupy_torch = pytest.mark.skipif(
+    importlib.util.find_spec("cupy") is None or importlib.util.find_spec("torch") is None,
+    reason="needs both CuPy and PyTorch",
+)
+
+# Each library in turn takes 60% of the device in 1 GiB arrays, then drops them. With each
+# library's own pool the memory stays cached by the first, and the second runs out.
+THREE_PHASES = r"""
+import gc, sys
+shared = sys.argv[1] == "shared"
+import cupy, torch
+from numba import cuda
+if shared:
+    import emmpool
+    emmpool.use_for_torch(); emmpool.use_for_cupy(); emmpool.use_for_numba()
+GiB = 1 << 30
+total = cuda.current_context().get_memory_info().total
+n = int(0.6 * total) // GiB
+def phase(name, make):
+    try:
+        arrays = [make() for _ in range(n)]
+    except Exception as e:
+        print(f"{name}: OUT OF MEMORY ({type(e).__name__})")
+        return False
+    del arrays; gc.collect()
+    return True
+ok = phase("cupy", lambda: cupy.empty(GiB, dtype=cupy.uint8))
+ok = ok and phase("torch", lambda: torch.empty(GiB, dtype=torch.uint8, device="cuda"))
+ok = ok and phase("numba", lambda: cuda.device_array(GiB, dtype="u1"))
+if shared:
+    s = emmpool.stats(0)
+    assert s["by_library"]["cupy"]["allocations"] == n, s
+    assert s["by_library"]["torch"]["allocations"] >= n, s
+    assert s["by_library"]["numba"]["allocations"] >= n, s
+    assert s["bytes_in_use"] == 0, s
+    assert s["peak_bytes_reserved"] < 0.7 * total, s
+print("ALL PHASES FIT" if ok else "FAILED")
+print("OK")
+"""
+
+INTERLEAVED = r"""
+import gc, numpy as np, cupy, torch
+from numba import cuda
+import emmpool
+emmpool.use_for_torch(); emmpool.use_for_cupy(); emmpool.use_for_numba()
+
+@cuda.jit
+def add(a, b, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = a[i] + b[i]
+
+rng = np.random.default_rng(0)
+for it in range(50):
+    n = int(rng.integers(1, 1 << 20))
+    h1, h2 = rng.random(n), rng.random(n)
+    c = cupy.asarray(h1)                                  # CuPy memory
+    t = torch.as_tensor(h2, device="cuda")                # PyTorch memory
+    nb = cuda.device_array(n)                             # Numba memory
+    add[(n + 255) // 256, 256](cuda.as_cuda_array(c), cuda.as_cuda_array(t), nb)
+    back = torch.from_dlpack(cupy.asarray(nb))            # Numba -> CuPy (CAI) -> torch (DLPack)
+    assert np.allclose(back.cpu().numpy(), h1 + h2)
+    s = emmpool.stats(0)["by_library"]
+    assert s["cupy"]["bytes_in_use"] >= 8 * n and s["torch"]["bytes_in_use"] >= 8 * n, s
+    del c, t, nb, back
+gc.collect(); torch.cuda.synchronize()
+s = emmpool.stats(0)
+assert s["by_library"]["numba"]["bytes_in_use"] == 0 and s["by_library"]["cupy"]["bytes_in_use"] == 0, s
+print("OK")
+"""
+
+
+@needs_cupy_torch
+def test_three_libraries_in_turn_fit_only_with_one_shared_pool():
+    shared = run(THREE_PHASES, "shared", manager=None)
+    check(shared)
+    assert "ALL PHASES FIT" in shared.stdout, shared.stdout
+    separate = run(THREE_PHASES, "separate", manager=None)
+    assert separate.returncode == 0, separate.stderr
+    assert "OUT OF MEMORY" in separate.stdout, separate.stdout
+
+
+@needs_cupy_torch
+def test_arrays_of_each_library_used_by_the_others():
+    check(run(INTERLEAVED, manager=None))
