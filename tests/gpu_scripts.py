@@ -67,6 +67,37 @@ if __name__ == "__main__":
     print("OK")
 """
 
+# Two arrays from one pooled segment, both open at once in the consumer: their handles name the
+# same segment, which the consumer maps once per open.
+IPC_SAME_SEGMENT_OPEN_TOGETHER = r"""
+import multiprocessing as mp, pickle, numpy as np
+from numba import cuda
+
+def consume(payload, q):
+    from numba import cuda
+    ha, hb = pickle.loads(payload)
+    try:
+        with ha as a, hb as b:
+            q.put(("ok", a.copy_to_host(), b.copy_to_host()))
+    except Exception as e:
+        q.put(("error", f"{type(e).__name__}: {e}", None))
+
+if __name__ == "__main__":
+    a = cuda.to_device(np.arange(4096, dtype=np.int64))
+    b = cuda.to_device(np.arange(4096, dtype=np.int64) * 3)
+    ha, hb = a.get_ipc_handle(), b.get_ipc_handle()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=consume, args=(pickle.dumps((ha, hb)), q))
+    p.start()
+    status, ga, gb = q.get(timeout=120)
+    p.join(60)
+    print("consumer:", status, ga if status == "error" else "")
+    assert status == "ok", ga
+    assert (ga == a.copy_to_host()).all() and (gb == b.copy_to_host()).all()
+    print("OK")
+"""
+
 RESET_WITH_LIVE_ARRAYS = r"""
 import gc, numpy as np
 from numba import cuda

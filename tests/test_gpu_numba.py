@@ -54,6 +54,11 @@ def test_ipc_of_slices_and_blocks_inside_a_segment(mode):
 
 
 @pytest.mark.parametrize("mode", ["pool", "passthrough"])
+def test_ipc_two_arrays_of_one_segment_open_at_once(mode):
+    check(run(gpu_scripts.IPC_SAME_SEGMENT_OPEN_TOGETHER, mode=mode))
+
+
+@pytest.mark.parametrize("mode", ["pool", "passthrough"])
 def test_reset_with_live_arrays_and_exit(mode):
     check(run(gpu_scripts.RESET_WITH_LIVE_ARRAYS, mode=mode))
 
