@@ -12,7 +12,7 @@ log-uniform in [256 B, 64 MiB]. Every backend replays the same trace; the result
 Backends (each skipped, with the reason, where it cannot run):
   emmpool-host  emmpool's DevicePool over HostDriver (events complete at once: an idle GPU).
                 Runs without a GPU.
-  emmpool-cuda  emmpool's DevicePool over the CUDA driver; reserved = peak_bytes_reserved.
+  emmpool       emmpool's DevicePool over the CUDA driver; reserved = peak_bytes_reserved.
   cupy          cupy.cuda.MemoryPool; reserved = total_bytes(), sampled after every malloc.
   torch         PyTorch's caching allocator; reserved = torch.cuda.max_memory_reserved().
 
@@ -26,10 +26,11 @@ import json
 import os
 import platform
 import sys
-import time
 import traceback
 
 import numpy as np
+
+from emmpool import replay  # the replay engine and its backends (python/emmpool/replay.py)
 
 SEED = 20240601
 LIVE = 256
@@ -37,11 +38,7 @@ OPS = 40_000
 MIN_BYTES = 256
 MAX_BYTES = 64 << 20
 MiB = 1 << 20
-BACKENDS = ["emmpool-host", "emmpool-cuda", "cupy", "torch"]
-
-
-class Skip(Exception):
-    """The backend cannot run here (no GPU, library missing)."""
+BACKENDS = ["emmpool-host", "emmpool", "cupy", "torch"]
 
 
 def make_trace(seed=SEED, live=LIVE, ops=OPS):
@@ -62,122 +59,6 @@ def write_trace(path, trace):
         f.writelines(f"{s} {n}\n" for s, n in zip(slots, sizes))
 
 
-def replay(trace, alloc, free, reserved_now=None):
-    """Drive one allocator. alloc(n) -> handle; free(handle). reserved_now() is sampled after
-    each allocation if given (for allocators that keep no peak themselves)."""
-    fill, slots, sizes = trace
-    handles, held = [], []
-    live = peak_live = peak_reserved = 0
-    t0 = time.perf_counter()
-    for n in fill:
-        handles.append(alloc(n))
-        held.append(n)
-        live += n
-        peak_live = max(peak_live, live)
-        if reserved_now is not None:
-            peak_reserved = max(peak_reserved, reserved_now())
-    for s, n in zip(slots, sizes):
-        free(handles[s])
-        live -= held[s]
-        handles[s] = alloc(n)
-        held[s] = n
-        live += n
-        peak_live = max(peak_live, live)
-        if reserved_now is not None:
-            peak_reserved = max(peak_reserved, reserved_now())
-    seconds = time.perf_counter() - t0
-    for h in handles:
-        free(h)
-    return {"peak_live": peak_live, "peak_reserved_sampled": peak_reserved, "seconds": seconds}
-
-
-def run_emmpool(trace, driver):
-    try:
-        from emmpool import _core
-    except ImportError as e:
-        raise Skip(f"emmpool is not importable: {e}")
-    if driver is None:
-        try:
-            if _core.device_count() < 1:
-                raise Skip("no CUDA device")
-        except Skip:
-            raise
-        except Exception as e:
-            raise Skip(f"no usable CUDA driver: {e}")
-    pool = _core.DevicePool(driver, 0, mode="pool")
-    r = replay(trace, pool.allocate, pool.deallocate)
-    st = pool.stats()
-    r["peak_reserved"] = st["peak_bytes_reserved"]
-    r["segment_allocations"] = st["segment_allocations"]
-    r["segment_releases"] = st["segment_releases"]
-    pool.synchronize()
-    pool.trim()
-    return r
-
-
-def run_emmpool_host(trace):
-    try:
-        from emmpool import _core
-    except ImportError as e:
-        raise Skip(f"emmpool is not importable: {e}")
-    drv = _core.HostDriver(devices=1, capacity=1 << 40)  # no memory pressure: the policy alone
-    drv.set_auto_complete(True)
-    return run_emmpool(trace, drv)
-
-
-def run_emmpool_cuda(trace):
-    return run_emmpool(trace, None)
-
-
-def run_cupy(trace):
-    try:
-        import cupy
-    except ImportError as e:
-        raise Skip(f"CuPy is not importable: {e}")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise Skip("no CUDA device")
-    except Skip:
-        raise
-    except Exception as e:
-        raise Skip(f"no usable GPU for CuPy: {e}")
-    pool = cupy.cuda.MemoryPool()
-    # MemoryPointer objects: dropping the last reference returns the block to the pool.
-    r = replay(trace, pool.malloc, lambda h: None, pool.total_bytes)
-    r["peak_reserved"] = r.pop("peak_reserved_sampled")
-    pool.free_all_blocks()
-    return r
-
-
-def run_torch(trace):
-    try:
-        import torch
-    except ImportError as e:
-        raise Skip(f"PyTorch is not importable: {e}")
-    if not torch.cuda.is_available():
-        raise Skip("torch.cuda.is_available() is False")
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    stream = torch.cuda.current_stream()
-    r = replay(
-        trace,
-        lambda n: torch.cuda.caching_allocator_alloc(n, 0, stream),
-        torch.cuda.caching_allocator_delete,
-    )
-    r["peak_reserved"] = torch.cuda.max_memory_reserved()
-    r["torch_version"] = torch.__version__
-    torch.cuda.empty_cache()
-    return r
-
-
-RUNNERS = {
-    "emmpool-host": run_emmpool_host,
-    "emmpool-cuda": run_emmpool_cuda,
-    "cupy": run_cupy,
-    "torch": run_torch,
-}
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output directory")
@@ -191,14 +72,12 @@ def main(argv=None):
     trace = make_trace(args.seed, args.live, args.ops)
     if args.write_trace:
         write_trace(args.write_trace, trace)
+    ops = replay.from_slots(*trace)
     results = {}
     for name in args.backends:
         try:
-            r = RUNNERS[name](trace)
-            r["ratio"] = r["peak_reserved"] / r["peak_live"]
-            r.pop("peak_reserved_sampled", None)
-            results[name] = {"status": "ok", **r}
-        except Skip as e:
+            results[name] = {"status": "ok", **replay.run(ops, name)}
+        except replay.Skip as e:
             results[name] = {"status": "skipped", "reason": str(e)}
         except Exception as e:  # a failure is reported, not hidden
             results[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}",

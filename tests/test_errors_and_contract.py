@@ -170,3 +170,19 @@ def test_stats_names_only_existing_pools():
     assert set(s) == {p.device for p in _core.pools()}
     with pytest.raises(ValueError, match="no pool"):
         emmpool.stats(63)
+
+
+@pytest.mark.parametrize("value", ["loud", "10", "WARN"])
+def test_bad_log_level_is_named(monkeypatch, value):
+    monkeypatch.setenv("EMMPOOL_LOG", value)
+    with pytest.raises(ValueError, match="EMMPOOL_LOG"):
+        _config._from_environment()
+
+
+def test_log_level_and_configuration_message(monkeypatch, caplog):
+    monkeypatch.setenv("EMMPOOL_LOG", "Info")
+    assert _config._from_environment().log == "info"
+    monkeypatch.setattr(_config, "_applied", None)
+    with caplog.at_level("INFO", logger="emmpool"):
+        emmpool.configure()
+    assert any("emmpool configured" in r.getMessage() for r in caplog.records)

@@ -224,3 +224,113 @@ def test_threads_free_what_others_allocated():
     assert s["bytes_in_use"] == 0 and s["allocations"] == s["frees"] == 8000
     pool.trim()
     assert host.stats()["bytes_reserved"] == 0
+
+
+def _fork(child) -> int:
+    """Run child() in a forked process; return its exit status (or -1 if it hung)."""
+    import os
+    import time
+    import warnings
+
+    with warnings.catch_warnings():
+        # Python 3.12+ warns that fork() in a multi-threaded process may deadlock: that is
+        # exactly what these tests check the pool does not do.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if child() else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return -1
+
+
+def test_fork_child_gets_a_clear_error_and_frees_are_harmless(host):
+    pool = make_pool(host)
+    inherited = pool.allocate(4096)
+
+    def child():
+        assert pool.forked
+        pool.deallocate(inherited)  # a finalizer of an inherited array: does nothing
+        try:
+            pool.allocate(256)
+        except emmpool.PoolError as e:
+            return "forked" in str(e) and "spawn" in str(e)
+        return False
+
+    assert _fork(child) == 0
+    assert not pool.forked and pool.owns(inherited)  # the parent's pool is untouched
+    pool.deallocate(inherited)
+    assert pool.allocate(256) % 256 == 0
+
+
+def test_fork_while_other_threads_use_the_pool_never_deadlocks():
+    host = _core.HostDriver(devices=1, capacity=1 << 40)
+    host.set_auto_complete(True)
+    pool = make_pool(host)
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            pool.deallocate(pool.allocate(12345))
+
+    threads = [threading.Thread(target=churn) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        # Each child must be able to take the pool's lock: a mutex inherited locked would hang.
+        statuses = [_fork(lambda: pool.stats()["segments"] >= 0 and pool.trim() == 0)
+                    for _ in range(20)]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert statuses == [0] * 20
+    pool.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_out_of_memory_while_other_threads_allocate():
+    host = _core.HostDriver(devices=1, capacity=256 * MiB)
+    host.set_auto_complete(True)
+    pool = make_pool(host)
+    errors, done = [], []
+
+    def worker(seed):
+        import random
+
+        rng = random.Random(seed)
+        held = []
+        for _ in range(1500):
+            try:
+                held.append(pool.allocate(rng.choice((4096, 3 * MiB, 30 * MiB))))
+            except emmpool.OutOfMemoryError as e:
+                errors.append(str(e))
+                while held:  # back off: give everything back and go on
+                    pool.deallocate(held.pop())
+            if len(held) > 4:
+                pool.deallocate(held.pop(0))
+        for p in held:
+            pool.deallocate(p)
+        done.append(seed)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(done) == list(range(6))
+    assert errors and all("holds" in e for e in errors)  # OOM happened, with the pool's state
+    pool.synchronize()
+    s = pool.stats()
+    assert s["bytes_in_use"] == 0 and s["out_of_memory"] == len(errors)
+    assert pool.allocate(100 * MiB) % 256 == 0  # usable right after

@@ -231,10 +231,24 @@ PYBIND11_MODULE(_core, m)
     .def("defer_cleanup_begin", &device_pool::defer_cleanup_begin)
     .def("defer_cleanup_end", &device_pool::defer_cleanup_end,
          py::call_guard<py::gil_scoped_release>())
+    .def("set_tracing", &device_pool::set_tracing, py::arg("on"))
+    .def(
+      "take_trace",
+      [](device_pool& p) {
+        auto const records = p.take_trace();
+        py::list out;
+        for (auto const& r : records) {
+          out.append(py::make_tuple(r.time_ns, std::string(1, r.op), r.ptr, r.size, r.stream,
+                                    static_cast<int>(r.tag)));
+        }
+        return out;
+      },
+      "Records since the last call: (time_ns, 'a'|'f', ptr, size, stream, tag), oldest first.")
     .def("stats", [](device_pool const& p) { return stats_dict(p.stats()); })
     .def("reset_peaks", &device_pool::reset_peaks)
     .def("describe", &device_pool::describe)
     .def_property_readonly("generation", &device_pool::generation)
+    .def_property_readonly("forked", &device_pool::forked)
     .def_property_readonly("device", &device_pool::device)
     .def_property_readonly("options", [](device_pool const& p) { return options_dict(p.options()); });
 
@@ -253,6 +267,9 @@ PYBIND11_MODULE(_core, m)
     py::kw_only(), py::arg("mode") = "pool", py::arg("initial_size") = 0,
     py::arg("maximum_size") = 0, py::arg("maximum_fraction") = 0.0,
     "Set the options of the process-wide pools; only before the first one exists.");
+  m.def(
+    "set_tracing", [](bool on) { pool_registry::instance().set_tracing(on); }, py::arg("on"),
+    "Trace every process-wide pool, present and future.");
   m.def("configured_options", [] { return options_dict(pool_registry::instance().options()); });
   m.def(
     "pool", [](int device) -> device_pool& { return pool_registry::instance().pool(device); },

@@ -1,9 +1,14 @@
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <limits>
+#include <mutex>
+#include <utility>
 
 namespace emmpool {
 
@@ -32,6 +37,73 @@ std::string human(std::size_t bytes)
 
 }  // namespace
 
+// ---- fork ------------------------------------------------------------------------------------
+// pthread_atfork handlers: hold every pool's mutex across fork(), then release them in both
+// processes; in the child, mark the pools inert (see device_pool.hpp).
+struct fork_guard {
+  static std::mutex& mutex()
+  {
+    static auto* m = new std::mutex{};  // never destroyed: atfork may run during exit
+    return *m;
+  }
+  static std::vector<device_pool*>& pools()
+  {
+    static auto* v = new std::vector<device_pool*>{};
+    return *v;
+  }
+  static void prepare()
+  {
+    mutex().lock();
+    for (auto* p : pools()) { p->mutex_.lock(); }
+  }
+  static void parent()
+  {
+    for (auto* p : pools()) { p->mutex_.unlock(); }
+    mutex().unlock();
+  }
+  static void child()
+  {
+    for (auto* p : pools()) {
+      p->forked_ = true;
+      p->mutex_.unlock();
+    }
+    mutex().unlock();
+  }
+};
+
+void device_pool::register_for_fork(device_pool* pool)
+{
+  static std::once_flag installed;
+  std::call_once(installed, [] {
+    ::pthread_atfork(&fork_guard::prepare, &fork_guard::parent, &fork_guard::child);
+  });
+  std::lock_guard lock{fork_guard::mutex()};
+  fork_guard::pools().push_back(pool);
+}
+
+void device_pool::unregister_for_fork(device_pool* pool)
+{
+  std::lock_guard lock{fork_guard::mutex()};
+  auto& v = fork_guard::pools();
+  v.erase(std::remove(v.begin(), v.end(), pool), v.end());
+}
+
+namespace {
+[[noreturn]] void throw_forked()
+{
+  throw pool_error{
+    "emmpool: this process was forked after its parent used the GPU, and CUDA cannot be used "
+    "in such a child; start worker processes with multiprocessing's 'spawn' (or "
+    "'forkserver') method instead"};
+}
+}  // namespace
+
+bool device_pool::forked() const
+{
+  std::lock_guard lock{mutex_};
+  return forked_;
+}
+
 device_pool::device_pool(driver& drv, int device, pool_options options)
   : driver_{&drv}, device_{device}, options_{options}, queue_{drv, device}
 {
@@ -57,6 +129,7 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
   EMMPOOL_EXPECTS(options_.initial_size <= max_reserved_,
                   "initial_size exceeds the maximum pool size");
   live_.reserve(4096);
+  tracing_ = options_.trace;
   if (options_.initial_size > 0 && options_.mode == pool_mode::pool) {
     std::lock_guard lock{mutex_};
     auto* blk = grow(round_up(options_.initial_size, large_granularity), true);
@@ -67,14 +140,16 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
     }
     insert_free(blk);
   }
+  register_for_fork(this);
 }
 
 device_pool::~device_pool()
 {
+  unregister_for_fork(this);
   std::lock_guard lock{mutex_};
   // Whatever is left goes back to the driver, without waiting: the pool is going away, so
   // nobody can be handed these blocks again. At process exit the driver may be gone: leak.
-  if (process_is_exiting()) { return; }
+  if (process_is_exiting() || forked_) { return; }
   for (auto& [base, seg] : segments_) {
     try {
       driver_->deallocate(device_, base);
@@ -234,6 +309,7 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
   EMMPOOL_EXPECTS(static_cast<std::size_t>(tag) < alloc_tag_count, "unknown allocation tag");
   std::size_t const rounded = std::max(round_up(bytes, alignment), alignment);
   std::lock_guard lock{mutex_};
+  if (forked_) { throw_forked(); }
 
   block* blk = nullptr;
   if (options_.mode == pool_mode::passthrough) {
@@ -271,6 +347,7 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
     throw out_of_memory{"emmpool: out of memory allocating " + human(bytes) + "; " +
                         describe_locked()};
   }
+  if (tracing_) { record('a', blk->ptr, bytes, stream, static_cast<std::uint8_t>(tag)); }
   return hand_out(blk, stream, tag);
 }
 
@@ -279,6 +356,7 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
 void device_pool::deallocate(device_ptr ptr, stream_handle stream)
 {
   std::lock_guard lock{mutex_};
+  if (forked_) { return; }  // the parent's memory: nothing to do here
   auto it = live_.find(ptr);
   if (it == live_.end()) {
     throw pool_error{"emmpool: pointer " + std::to_string(ptr) + " on device " +
@@ -295,6 +373,7 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t
 {
   {
     std::lock_guard lock{mutex_};
+    if (forked_) { return; }
     if (generation != generation_) {
       auto it = retired_live_.find({generation, ptr});
       if (it == retired_live_.end()) {
@@ -321,6 +400,7 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t
 
 void device_pool::deallocate_locked(block* blk, stream_handle stream)
 {
+  if (tracing_) { record('f', blk->ptr, blk->size, stream, blk->tag); }
   stats_.bytes_in_use -= blk->size;
   --stats_.blocks_in_use;
   ++stats_.frees;
@@ -337,6 +417,7 @@ void device_pool::deallocate_locked(block* blk, stream_handle stream)
 void device_pool::record_stream(device_ptr ptr, stream_handle stream)
 {
   std::lock_guard lock{mutex_};
+  if (forked_) { throw_forked(); }
   auto it = live_.find(ptr);
   if (it == live_.end()) {
     throw pool_error{"emmpool: record_stream of pointer " + std::to_string(ptr) +
@@ -405,7 +486,7 @@ void device_pool::release_segment(segment* seg)
 
 std::size_t device_pool::release_free_segments(bool large_only)
 {
-  if (cleanup_deferrals_ > 0) { return 0; }
+  if (cleanup_deferrals_ > 0 || forked_) { return 0; }
   std::vector<segment*> idle;
   for (auto& [base, seg] : segments_) {
     if (seg->live_blocks == 0 && !(large_only && seg->small)) { idle.push_back(seg.get()); }
@@ -421,6 +502,7 @@ std::size_t device_pool::release_free_segments(bool large_only)
 std::size_t device_pool::trim()
 {
   std::lock_guard lock{mutex_};
+  if (forked_) { return 0; }
   queue_.drain([this](block* b) { release_block(b); });
   return release_free_segments();
 }
@@ -428,6 +510,7 @@ std::size_t device_pool::trim()
 void device_pool::synchronize()
 {
   std::lock_guard lock{mutex_};
+  if (forked_) { return; }
   queue_.drain([this](block* b) { release_block(b); });
 }
 
@@ -456,6 +539,7 @@ void device_pool::free_retired(block* blk)
 void device_pool::reset()
 {
   std::lock_guard lock{mutex_};
+  if (forked_) { return; }
   try {
     queue_.drain([this](block* b) { release_block(b); });
   } catch (...) {
@@ -532,6 +616,7 @@ bool device_pool::owns(device_ptr ptr) const
 std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
 {
   std::lock_guard lock{mutex_};
+  if (forked_) { throw_forked(); }
   auto it = segments_.upper_bound(ptr);
   if (it == segments_.begin()) { return std::nullopt; }
   --it;
@@ -540,6 +625,27 @@ std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
   if (!seg.ipc) { seg.ipc = driver_->ipc_handle(device_, seg.base); }
   ++seg.exported;
   return ipc_info{*seg.ipc, seg.base, seg.size, static_cast<std::size_t>(ptr - seg.base)};
+}
+
+void device_pool::record(char op, device_ptr ptr, std::size_t size, stream_handle stream,
+                         std::uint8_t tag)
+{
+  auto const now = std::chrono::steady_clock::now().time_since_epoch();
+  trace_.push_back(
+    {static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count()),
+     ptr, size, stream, op, tag});
+}
+
+void device_pool::set_tracing(bool on)
+{
+  std::lock_guard lock{mutex_};
+  tracing_ = on;
+}
+
+std::vector<trace_record> device_pool::take_trace()
+{
+  std::lock_guard lock{mutex_};
+  return std::exchange(trace_, {});
 }
 
 pool_stats device_pool::stats() const

@@ -45,6 +45,15 @@ device_pool& pool_registry::create(int device)
   return *p;
 }
 
+void pool_registry::set_tracing(bool on)
+{
+  std::lock_guard lock{mutex_};
+  options_.trace = on;
+  for (auto const& p : pools_) {
+    if (auto* q = p.load()) { q->set_tracing(on); }
+  }
+}
+
 std::vector<device_pool*> pool_registry::pools() const
 {
   std::vector<device_pool*> out;

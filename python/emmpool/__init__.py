@@ -5,7 +5,7 @@ Importing emmpool touches no GPU: the CUDA driver is loaded on first use.
 
 from __future__ import annotations
 
-from . import _core
+from . import _config, _core
 from ._config import Config, config, configure
 from ._core import CudaError, DriverUnavailableError, OutOfMemoryError, PoolError
 
@@ -66,7 +66,9 @@ def trim() -> int:
     """Wait for pending frees and return every wholly free segment to the driver.
 
     Returns the number of bytes released."""
-    return sum(p.trim() for p in _core.pools())
+    released = sum(p.trim() for p in _core.pools())
+    _config.log.info("trim returned %d bytes to the driver", released)
+    return released
 
 
 def reset_peak_stats() -> None:

@@ -7,6 +7,7 @@ the accepted form. See the table in README.md.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -25,6 +26,8 @@ _UNITS = {
 }  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _MODES = ("pool", "passthrough")
+_LOG_LEVELS = {"": None, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
+log = logging.getLogger("emmpool")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class Config:
     initial_pool_size: int = 0
     maximum_pool_size: int = 0  # bytes; 0 means no cap but the device
     maximum_pool_fraction: float = 0.0  # of the device's memory; 0 means unused
+    trace: str = ""  # CSV path: record every allocation and free, written at exit
+    log: str = ""  # level of the "emmpool" logger: warning, info or debug; "" leaves it alone
 
 
 def parse_size(text: str, name: str) -> int:
@@ -84,7 +89,13 @@ def _from_environment() -> Config:
         maximum, fraction = _parse_maximum(
             env["EMMPOOL_MAXIMUM_POOL_SIZE"], "EMMPOOL_MAXIMUM_POOL_SIZE"
         )
-    return _validated(Config(mode, initial, maximum, fraction))
+    trace = env.get("EMMPOOL_TRACE", "").strip()
+    level = env.get("EMMPOOL_LOG", "").strip().lower()
+    if level not in _LOG_LEVELS:
+        raise ValueError(
+            f"EMMPOOL_LOG={env['EMMPOOL_LOG']!r}: expected 'warning', 'info' or 'debug'"
+        )
+    return _validated(Config(mode, initial, maximum, fraction, trace, level))
 
 
 def _validated(cfg: Config) -> Config:
@@ -97,6 +108,17 @@ def _validated(cfg: Config) -> Config:
     f = cfg.maximum_pool_fraction
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
         raise ValueError(f"maximum_pool_fraction={f!r}: expected a number in [0, 1]")
+    if cfg.log not in _LOG_LEVELS:
+        raise ValueError(f"log={cfg.log!r}: expected 'warning', 'info' or 'debug'")
+    if not isinstance(cfg.trace, str):
+        raise ValueError(f"trace={cfg.trace!r}: expected a file path (str), or '' for none")
+    if cfg.trace:
+        try:
+            open(cfg.trace, "a").close()  # fail now, naming the variable, not at exit
+        except OSError as e:
+            raise ValueError(
+                f"EMMPOOL_TRACE / trace={cfg.trace!r}: cannot write there ({e.strerror})"
+            ) from None
     if cfg.maximum_pool_size and cfg.initial_pool_size > cfg.maximum_pool_size:
         raise ValueError(
             f"initial_pool_size ({cfg.initial_pool_size}) exceeds maximum_pool_size "
@@ -136,7 +158,42 @@ def configure(**options) -> Config:
         except RuntimeError as e:  # std::logic_error: a pool exists
             raise RuntimeError(str(e)) from None
         _applied = cfg
+        if cfg.log:
+            _log_at(_LOG_LEVELS[cfg.log])
+        if cfg.trace:
+            _trace_to(cfg.trace)
+        log.info("emmpool configured: %s", cfg)
         return cfg
+
+
+def _log_at(level: int) -> None:
+    """Set the emmpool logger's level; print its records to stderr unless the application
+    already handles them."""
+    log.setLevel(level)
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("emmpool %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+
+
+_trace_path: str | None = None
+
+
+def _trace_to(path: str) -> None:
+    """Record from now on; write the CSV when the interpreter exits."""
+    global _trace_path
+    from . import trace
+
+    trace.start()
+    if _trace_path is None:
+        import atexit
+
+        def write_at_exit():
+            rows = trace.write_csv(_trace_path, trace.stop())
+            log.info("wrote %d trace records to %s", rows, _trace_path)
+
+        atexit.register(write_at_exit)
+    _trace_path = path
 
 
 def ensure_configured() -> Config:
@@ -156,4 +213,5 @@ def config() -> Config:
     if _applied is not None:
         return _applied
     o = _core.configured_options()
-    return Config(o["mode"], o["initial_size"], o["maximum_size"], o["maximum_fraction"])
+    return Config(o["mode"], o["initial_size"], o["maximum_size"], o["maximum_fraction"],
+                  _trace_path or "", logging.getLevelName(log.level).lower() if log.level else "")

@@ -25,7 +25,7 @@ from numba.cuda import MemoryInfo, MemoryPointer, HostOnlyCUDAMemoryManager, Ipc
 from numba.cuda.cudadrv.driver import CudaAPIError, GetIpcHandleMixin, binding
 
 from . import _core
-from ._config import ensure_configured
+from ._config import ensure_configured, log
 
 __all__ = ["EmmPoolManager"]
 
@@ -63,6 +63,8 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         self._free = pool.deallocate
         self._generation = pool.generation
         self._pool = pool
+        log.info("Numba context on device %d allocates from emmpool (%s mode)", self._device,
+                 pool.options["mode"])
 
     @property
     def pool(self):
@@ -82,6 +84,7 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
             ptr = self._allocate(size, _LEGACY, _TAG_NUMBA)
         except _core.OutOfMemoryError as e:
             # What Numba's own manager raises, so that callers' handlers keep working.
+            log.warning("%s", e)
             raise CudaAPIError(_OOM, str(e)) from None
         finalizer = functools.partial(self._free, ptr, _LEGACY, self._generation)
         return MemoryPointer(self._ctx, ptr, size, finalizer=finalizer)

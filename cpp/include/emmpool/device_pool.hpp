@@ -12,6 +12,11 @@
  * per cuMemAlloc.
  *
  * Thread-safe: one mutex per pool. Frees never call CUDA.
+ *
+ * Fork: CUDA cannot be used in a child forked after its parent used the GPU. Every pool takes
+ * its mutex around fork() (so the child never inherits one held by another thread); in the
+ * child it turns inert: allocations raise pool_error saying why, frees (finalizers of
+ * inherited arrays) do nothing, and nothing ever calls the driver — the memory is the parent's.
  */
 #pragma once
 
@@ -45,6 +50,17 @@ struct pool_options {
   std::size_t small_segment{2u << 20};  ///< size of a small segment
   std::size_t large_segment{20u << 20}; ///< minimum size of a large segment
   std::size_t open_batch_limit{64u << 20};  ///< close the open batch past this many bytes
+  bool trace{false};                    ///< record every allocation and free (set_tracing)
+};
+
+/// @brief One allocation or free, as the optional trace records it.
+struct trace_record {
+  std::uint64_t time_ns;  ///< steady clock
+  device_ptr ptr;
+  std::size_t size;       ///< bytes requested (allocation) or held (free)
+  stream_handle stream;
+  char op;                ///< 'a' allocation, 'f' free
+  std::uint8_t tag;       ///< alloc_tag
 };
 
 /// @brief Where a pooled block lies in its segment, for IPC.
@@ -121,10 +137,18 @@ class device_pool {
   void defer_cleanup_begin();
   void defer_cleanup_end();
 
+  /// @brief Start or stop recording allocations and frees (off: one branch per call).
+  void set_tracing(bool on);
+  /// @brief The records since the last call, oldest first; the trace keeps running.
+  [[nodiscard]] std::vector<trace_record> take_trace();
+
   [[nodiscard]] pool_stats stats() const;
   void reset_peaks();
   /// @brief A one-line description of what the pool holds, for error messages.
   [[nodiscard]] std::string describe() const;
+
+  /// @brief Whether this is a copy of the pool in a forked child (see above).
+  [[nodiscard]] bool forked() const;
 
   [[nodiscard]] int device() const noexcept { return device_; }
   [[nodiscard]] pool_options const& options() const noexcept { return options_; }
@@ -178,6 +202,13 @@ class device_pool {
   std::vector<block*> spare_blocks_;
   int cleanup_deferrals_{};
   pool_stats stats_{};
+  bool tracing_{};
+  bool forked_{};  // this process is a fork() child of the one that made the pool
+  static void register_for_fork(device_pool* pool);
+  static void unregister_for_fork(device_pool* pool);
+  friend struct fork_guard;
+  std::vector<trace_record> trace_;
+  void record(char op, device_ptr ptr, std::size_t size, stream_handle stream, std::uint8_t tag);
 };
 
 }  // namespace emmpool

@@ -40,6 +40,9 @@ class pool_registry {
     return create(device);
   }
 
+  /// @brief Trace every pool, those that exist and those created later.
+  void set_tracing(bool on);
+
   /// @brief Pools created so far.
   [[nodiscard]] std::vector<device_pool*> pools() const;
 

@@ -1,0 +1,287 @@
+"""python -m emmpool {info, selftest, bench, replay}
+
+  info      the driver, devices, configuration and versions
+  selftest  a quick check on the GPU: Numba through the plugin, data round trips, a kernel,
+            statistics back to zero, trim
+  bench     allocation+free through Numba: emmpool against Numba's default manager, with a
+            progress bar; writes a markdown table, JSON and (with matplotlib) a PNG plot
+  replay    replay a CSV trace (EMMPOOL_TRACE / emmpool.trace) against emmpool and, where
+            present, CuPy's and PyTorch's allocators: time and peak reserved / peak live
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from . import _core, replay, trace
+from ._config import config
+
+MiB = 1 << 20
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+# ---- info ------------------------------------------------------------------------------------
+def cmd_info(args) -> int:
+    print(f"emmpool {_version('emmpool')} ({Path(__file__).parent})")
+    for dist in ("numba-cuda", "numba", "cuda-bindings", "numpy", "cupy-cuda13x", "torch"):
+        print(f"  {dist:14s} {_version(dist)}")
+    print("configuration: " + ", ".join(f"{k}={v!r}" for k, v in asdict(config()).items()))
+    try:
+        n = _core.device_count()
+    except _core.CudaError as e:
+        print(f"driver: unavailable: {e}")
+        return 1
+    print(f"driver: CUDA, {n} device(s)")
+    names = {}
+    try:
+        from numba import cuda
+
+        names = {d.id: d.name.decode() if isinstance(d.name, bytes) else d.name
+                 for d in cuda.list_devices()}
+    except Exception:  # names are a nicety; the driver facts above are what matter
+        pass
+    for d in range(n):
+        free, total = _core.memory_info(d)
+        print(f"  device {d}: {names.get(d, '?')}, {total / 2**30:.1f} GiB, "
+              f"{free / 2**30:.1f} GiB free")
+    for dev, s in sorted({p.device: p.stats() for p in _core.pools()}.items()):
+        print(f"  pool {dev}: {s['bytes_reserved'] / MiB:.1f} MiB reserved, "
+              f"{s['bytes_in_use'] / MiB:.1f} MiB in use")
+    return 0
+
+
+# ---- selftest --------------------------------------------------------------------------------
+_SELFTEST = r"""
+import gc, numpy as np
+from numba import cuda
+import emmpool
+checks = 0
+def ok(what):
+    global checks
+    checks += 1
+    print(f"  ok  {what}", flush=True)
+rng = np.random.default_rng(0)
+for n in (1, 1000, 1 << 20, 48 << 20):
+    h = rng.integers(0, 255, n, dtype=np.uint8)
+    assert (cuda.to_device(h).copy_to_host() == h).all()
+ok("round trips of 1 B to 48 MiB")
+@cuda.jit
+def scale(a, k):
+    i = cuda.grid(1)
+    if i < a.size:
+        a[i] *= k
+a = cuda.to_device(np.arange(100_000, dtype=np.float64))
+scale[(a.size + 255) // 256, 256](a, 3.0)
+assert (a.copy_to_host() == 3.0 * np.arange(100_000)).all()
+ok("a kernel on pooled memory")
+ctx = cuda.current_context()
+assert type(ctx.memory_manager).__name__ == "EmmPoolManager"
+ok("Numba uses emmpool's plugin")
+del a; gc.collect(); cuda.synchronize()
+s = emmpool.stats(0)
+assert s["bytes_in_use"] == 0 and s["allocations"] == s["frees"], s
+ok(f"statistics back to zero ({s['allocations']} allocations)")
+released = emmpool.trim()
+assert emmpool.stats(0)["segments"] == 0, emmpool.stats(0)
+ok(f"trim returned {released} bytes to the driver")
+print(f"PASS ({checks} checks)")
+"""
+
+
+def cmd_selftest(args) -> int:
+    try:
+        if _core.device_count() < 1:
+            print("selftest: FAIL: no CUDA device")
+            return 1
+    except _core.CudaError as e:
+        print(f"selftest: FAIL: {e}")
+        return 1
+    env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="emmpool.plugin")
+    print("selftest (Numba through emmpool, in a fresh process):", flush=True)
+    p = subprocess.run([sys.executable, "-c", _SELFTEST], env=env, text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    print(p.stdout, end="")
+    if p.returncode != 0:
+        print("selftest: FAIL")
+        return 1
+    return 0
+
+
+# ---- bench -----------------------------------------------------------------------------------
+_SIZES = [256, 4096, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+_MANAGERS = {"numba-default": {}, "emmpool": {"EMMPOOL_MODE": "pool"}}
+
+_BENCH_CHILD = r"""
+import json, statistics, sys, time
+import numpy as np
+from numba import cuda
+if sys.argv[1] != "numba-default":
+    import emmpool
+    emmpool.use_for_numba()
+sizes, budget = json.loads(sys.argv[2]), float(sys.argv[3])
+out = {}
+for i, n in enumerate(sizes):
+    for _ in range(20):
+        a = cuda.device_array(n, np.uint8); del a
+    cuda.synchronize()
+    t = time.perf_counter(); k = 0
+    while time.perf_counter() - t < budget / 10 or k < 5:
+        a = cuda.device_array(n, np.uint8); del a; k += 1
+    per_block = max(5, k)
+    blocks = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(per_block):
+            a = cuda.device_array(n, np.uint8); del a
+        cuda.synchronize()
+        blocks.append((time.perf_counter() - t) / per_block * 1e6)
+    out[str(n)] = statistics.median(blocks)
+    print(f"PROGRESS {i + 1}", flush=True)
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def _bar(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = int(width * done / total)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:24s}")
+    sys.stderr.flush()
+
+
+def cmd_bench(args) -> int:
+    try:
+        if _core.device_count() < 1:
+            raise _core.CudaError("no CUDA device")
+    except _core.CudaError as e:
+        print(f"bench: needs a GPU: {e}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    total, done, results = len(_MANAGERS) * len(_SIZES), 0, {}
+    for name, extra in _MANAGERS.items():
+        env = dict(os.environ, **extra)
+        env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _BENCH_CHILD, name, json.dumps(_SIZES), str(args.budget)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        base = done
+        for line in proc.stdout:
+            if line.startswith("PROGRESS "):
+                done = base + int(line.split()[1])
+                _bar(done, total, name)
+            elif line.startswith("RESULT "):
+                results[name] = json.loads(line[7:])
+        proc.wait()
+        if name not in results:
+            sys.stderr.write(f"\n{name} failed:\n{proc.stderr.read()[-2000:]}\n")
+            return 1
+    sys.stderr.write("\n")
+    gpu = "GPU"
+    try:
+        from numba import cuda
+
+        d = cuda.list_devices()[0]
+        gpu = d.name.decode() if isinstance(d.name, bytes) else d.name
+    except Exception:
+        pass
+    rows = ["| size | Numba default (µs) | emmpool (µs) | speed-up |", "|---:|---:|---:|---:|"]
+    for n in _SIZES:
+        a, b = results["numba-default"][str(n)], results["emmpool"][str(n)]
+        rows.append(f"| {_human(n)} | {a:.1f} | {b:.1f} | {a / b:.1f}× |")
+    table = (f"Allocation + free via `cuda.device_array(n, uint8)` + `del` on {gpu}, "
+             f"median of 5 timed blocks\n\n" + "\n".join(rows) + "\n")
+    (out / "emmpool-bench.md").write_text(table)
+    (out / "emmpool-bench.json").write_text(json.dumps(
+        {"gpu": gpu, "sizes": _SIZES, "us_per_op": results,
+         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1))
+    print(table)
+    try:
+        _plot(results, gpu, out / "emmpool-bench.png")
+        print(f"wrote {out / 'emmpool-bench.png'}")
+    except ImportError:
+        print("(pip install matplotlib for the plot)")
+    return 0
+
+
+def _human(n: int) -> str:
+    for unit, size in (("MiB", MiB), ("KiB", 1024)):
+        if n >= size:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def _plot(results: dict, gpu: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, style in (("numba-default", "o-"), ("emmpool", "s-")):
+        ax.plot(_SIZES, [results[name][str(n)] for n in _SIZES], style, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(_SIZES, [_human(n) for n in _SIZES], rotation=30)
+    ax.set_xlabel("allocation size")
+    ax.set_ylabel("µs per allocation + free")
+    ax.set_title(f"Numba device_array + del on {gpu}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ---- replay ----------------------------------------------------------------------------------
+def cmd_replay(args) -> int:
+    records = trace.read_csv(args.trace)
+    ops = replay.from_records(records, device=args.device)
+    print(f"{args.trace}: {len(records)} records, {len(ops)} operations on device {args.device}")
+    print("| backend | peak live (MiB) | peak reserved (MiB) | reserved / live | replay s |")
+    print("|---|---:|---:|---:|---:|")
+    for name in args.backends:
+        try:
+            r = replay.run(ops, name)
+        except replay.Skip as e:
+            print(f"| {name} | skipped: {e} | | | |")
+            continue
+        print(f"| {name} | {r['peak_live'] / MiB:.1f} | {r['peak_reserved'] / MiB:.1f} | "
+              f"{r['ratio']:.3f} | {r['seconds']:.3f} |")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m emmpool", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="driver, devices, configuration, versions")
+    sub.add_parser("selftest", help="a quick GPU check")
+    b = sub.add_parser("bench", help="emmpool vs Numba's default manager")
+    b.add_argument("--out", default=".", help="folder for emmpool-bench.{md,json,png}")
+    b.add_argument("--budget", type=float, default=1.0, help="seconds per size and manager")
+    r = sub.add_parser("replay", help="replay a CSV trace")
+    r.add_argument("trace", help="CSV written by EMMPOOL_TRACE or emmpool.trace.write_csv")
+    r.add_argument("--device", type=int, default=0)
+    r.add_argument("--backends", nargs="+", choices=sorted(replay.BACKENDS),
+                   default=list(replay.BACKENDS))
+    args = ap.parse_args(argv)
+    return {"info": cmd_info, "selftest": cmd_selftest, "bench": cmd_bench,
+            "replay": cmd_replay}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
