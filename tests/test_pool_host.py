@@ -211,6 +211,11 @@ def test_threads_free_what_others_allocated():
             if p is not None:
                 pool.deallocate(p)
             elif not any(t.is_alive() for t in producers):
+                # A producer may have appended its last block just before it ended.
+                with lock:
+                    rest, out[:] = list(out), []
+                for q in rest:
+                    pool.deallocate(q)
                 return
 
     producers = [threading.Thread(target=producer, args=(i,)) for i in range(4)]
@@ -309,18 +314,20 @@ def test_out_of_memory_while_other_threads_allocate():
         import random
 
         rng = random.Random(seed)
-        held = []
-        for _ in range(1500):
+        for _ in range(20):
+            # Take memory until the pool refuses (256 MiB can't hold 10 x 30 MiB even for one
+            # thread alone), then give it all back: every thread meets the limit, whatever
+            # the interleaving.
+            held = []
             try:
-                held.append(pool.allocate(rng.choice((4096, 3 * MiB, 30 * MiB))))
+                for _ in range(10):
+                    held.append(pool.allocate(rng.choice((4096, 3 * MiB, 30 * MiB, 30 * MiB))))
+                    if len(held) == 10:
+                        held.append(pool.allocate(300 * MiB))  # never fits
             except emmpool.OutOfMemoryError as e:
                 errors.append(str(e))
-                while held:  # back off: give everything back and go on
-                    pool.deallocate(held.pop())
-            if len(held) > 4:
-                pool.deallocate(held.pop(0))
-        for p in held:
-            pool.deallocate(p)
+            for p in held:
+                pool.deallocate(p)
         done.append(seed)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]

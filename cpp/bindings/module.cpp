@@ -2,6 +2,7 @@
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
+#include <emmpool/host_pool.hpp>
 #include <emmpool/registry.hpp>
 
 #include <pybind11/pybind11.h>
@@ -56,6 +57,7 @@ py::dict options_dict(pool_options const& o)
   d["small_request"]    = o.small_request;
   d["small_segment"]    = o.small_segment;
   d["large_segment"]    = o.large_segment;
+  d["pinned_limit"]     = o.pinned_limit;
   return d;
 }
 
@@ -252,20 +254,87 @@ PYBIND11_MODULE(_core, m)
     .def_property_readonly("device", &device_pool::device)
     .def_property_readonly("options", [](device_pool const& p) { return options_dict(p.options()); });
 
+  py::class_<host_pool>(m, "HostPool", "A cache of pinned host memory for one device's context")
+    .def(py::init([](host_driver* drv, int device, std::size_t limit) {
+           driver& d = drv != nullptr ? static_cast<driver&>(*drv) : cuda_driver();
+           return new host_pool{d, device, limit};
+         }),
+         py::arg("driver"), py::arg("device") = 0, py::kw_only(), py::arg("limit") = 0,
+         py::keep_alive<1, 2>())
+    .def_static("size_class", &host_pool::size_class, py::arg("bytes"))
+    .def(
+      "allocate",
+      [](host_pool& p, std::size_t size, unsigned flags) {
+        py::gil_scoped_release nogil;
+        return reinterpret_cast<std::uintptr_t>(p.allocate(size, flags));
+      },
+      py::arg("size"), py::arg("flags") = 0)
+    .def(
+      "deallocate",
+      [](host_pool& p, std::uintptr_t ptr, stream_handle stream, std::optional<std::uint64_t> gen) {
+        py::gil_scoped_release nogil;
+        if (gen) {
+          p.deallocate(reinterpret_cast<void*>(ptr), stream, *gen);
+        } else {
+          p.deallocate(reinterpret_cast<void*>(ptr), stream);
+        }
+      },
+      py::arg("ptr"), py::arg("stream") = legacy_stream, py::arg("generation") = py::none())
+    .def(
+      "register_memory",
+      [](host_pool& p, std::uintptr_t ptr, std::size_t size, unsigned flags) {
+        py::gil_scoped_release nogil;
+        p.register_memory(reinterpret_cast<void*>(ptr), size, flags);
+      },
+      py::arg("ptr"), py::arg("size"), py::arg("flags") = 0)
+    .def(
+      "unregister_memory",
+      [](host_pool& p, std::uintptr_t ptr) {
+        py::gil_scoped_release nogil;
+        p.unregister_memory(reinterpret_cast<void*>(ptr));
+      },
+      py::arg("ptr"))
+    .def("trim", &host_pool::trim, py::call_guard<py::gil_scoped_release>())
+    .def("reset", &host_pool::reset, py::call_guard<py::gil_scoped_release>())
+    .def("defer_cleanup_begin", &host_pool::defer_cleanup_begin)
+    .def("defer_cleanup_end", &host_pool::defer_cleanup_end)
+    .def_property_readonly("generation", &host_pool::generation)
+    .def_property_readonly("device", &host_pool::device)
+    .def("stats", [](host_pool const& p) {
+      auto const s = p.stats();
+      py::dict d;
+      d["bytes_in_use"]       = s.bytes_in_use;
+      d["bytes_waiting"]      = s.bytes_waiting;
+      d["bytes_cached"]       = s.bytes_cached;
+      d["bytes_held"]         = s.bytes_held;
+      d["peak_bytes_held"]    = s.peak_bytes_held;
+      d["limit"]              = s.limit;
+      d["bytes_registered"]   = s.bytes_registered;
+      d["allocations"]        = s.allocations;
+      d["cache_hits"]         = s.cache_hits;
+      d["driver_allocations"] = s.driver_allocations;
+      d["driver_frees"]       = s.driver_frees;
+      return d;
+    });
+  m.attr("HOST_PORTABLE")      = static_cast<unsigned>(host_portable);
+  m.attr("HOST_MAPPED")        = static_cast<unsigned>(host_mapped);
+  m.attr("HOST_WRITECOMBINED") = static_cast<unsigned>(host_writecombined);
+
   // ---- the process-wide pools, over the CUDA driver ---------------------------------------
   m.def(
     "configure",
     [](std::string const& mode, std::size_t initial_size, std::size_t maximum_size,
-       double maximum_fraction) {
+       double maximum_fraction, std::size_t pinned_limit) {
       pool_options o = pool_registry::instance().options();
       o.mode             = parse_mode(mode);
       o.initial_size     = initial_size;
       o.maximum_size     = maximum_size;
       o.maximum_fraction = maximum_fraction;
+      o.pinned_limit     = pinned_limit;
       pool_registry::instance().configure(o);
     },
     py::kw_only(), py::arg("mode") = "pool", py::arg("initial_size") = 0,
-    py::arg("maximum_size") = 0, py::arg("maximum_fraction") = 0.0,
+    py::arg("maximum_size") = 0, py::arg("maximum_fraction") = 0.0, py::arg("pinned_limit") = 0,
     "Set the options of the process-wide pools; only before the first one exists.");
   m.def(
     "set_tracing", [](bool on) { pool_registry::instance().set_tracing(on); }, py::arg("on"),
@@ -275,6 +344,18 @@ PYBIND11_MODULE(_core, m)
     "pool", [](int device) -> device_pool& { return pool_registry::instance().pool(device); },
     py::arg("device"), py::return_value_policy::reference,
     "The process-wide pool of a device, created on first use.");
+  m.def(
+    "pinned_pool",
+    [](int device) -> host_pool& { return pool_registry::instance().pinned(device); },
+    py::arg("device"), py::return_value_policy::reference,
+    "The process-wide pinned-host pool of a device's context, created on first use.");
+  m.def("pinned_pools", [] {
+    py::list out;
+    for (auto* p : pool_registry::instance().pinned_pools()) {
+      out.append(py::cast(p, py::return_value_policy::reference));
+    }
+    return out;
+  });
   m.def("pools", [] {
     py::list out;
     for (auto* p : pool_registry::instance().pools()) {

@@ -1,7 +1,6 @@
+#include <emmpool/detail/fork_guard.hpp>
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
-
-#include <pthread.h>
 
 #include <algorithm>
 #include <chrono>
@@ -37,66 +36,6 @@ std::string human(std::size_t bytes)
 
 }  // namespace
 
-// ---- fork ------------------------------------------------------------------------------------
-// pthread_atfork handlers: hold every pool's mutex across fork(), then release them in both
-// processes; in the child, mark the pools inert (see device_pool.hpp).
-struct fork_guard {
-  static std::mutex& mutex()
-  {
-    static auto* m = new std::mutex{};  // never destroyed: atfork may run during exit
-    return *m;
-  }
-  static std::vector<device_pool*>& pools()
-  {
-    static auto* v = new std::vector<device_pool*>{};
-    return *v;
-  }
-  static void prepare()
-  {
-    mutex().lock();
-    for (auto* p : pools()) { p->mutex_.lock(); }
-  }
-  static void parent()
-  {
-    for (auto* p : pools()) { p->mutex_.unlock(); }
-    mutex().unlock();
-  }
-  static void child()
-  {
-    for (auto* p : pools()) {
-      p->forked_ = true;
-      p->mutex_.unlock();
-    }
-    mutex().unlock();
-  }
-};
-
-void device_pool::register_for_fork(device_pool* pool)
-{
-  static std::once_flag installed;
-  std::call_once(installed, [] {
-    ::pthread_atfork(&fork_guard::prepare, &fork_guard::parent, &fork_guard::child);
-  });
-  std::lock_guard lock{fork_guard::mutex()};
-  fork_guard::pools().push_back(pool);
-}
-
-void device_pool::unregister_for_fork(device_pool* pool)
-{
-  std::lock_guard lock{fork_guard::mutex()};
-  auto& v = fork_guard::pools();
-  v.erase(std::remove(v.begin(), v.end(), pool), v.end());
-}
-
-namespace {
-[[noreturn]] void throw_forked()
-{
-  throw pool_error{
-    "emmpool: this process was forked after its parent used the GPU, and CUDA cannot be used "
-    "in such a child; start worker processes with multiprocessing's 'spawn' (or "
-    "'forkserver') method instead"};
-}
-}  // namespace
 
 bool device_pool::forked() const
 {
@@ -140,12 +79,12 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
     }
     insert_free(blk);
   }
-  register_for_fork(this);
+  detail::register_for_fork(&mutex_, &forked_);
 }
 
 device_pool::~device_pool()
 {
-  unregister_for_fork(this);
+  detail::unregister_for_fork(&mutex_);
   std::lock_guard lock{mutex_};
   // Whatever is left goes back to the driver, without waiting: the pool is going away, so
   // nobody can be handed these blocks again. At process exit the driver may be gone: leak.
@@ -309,7 +248,7 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
   EMMPOOL_EXPECTS(static_cast<std::size_t>(tag) < alloc_tag_count, "unknown allocation tag");
   std::size_t const rounded = std::max(round_up(bytes, alignment), alignment);
   std::lock_guard lock{mutex_};
-  if (forked_) { throw_forked(); }
+  if (forked_) { detail::throw_forked(); }
 
   block* blk = nullptr;
   if (options_.mode == pool_mode::passthrough) {
@@ -417,7 +356,7 @@ void device_pool::deallocate_locked(block* blk, stream_handle stream)
 void device_pool::record_stream(device_ptr ptr, stream_handle stream)
 {
   std::lock_guard lock{mutex_};
-  if (forked_) { throw_forked(); }
+  if (forked_) { detail::throw_forked(); }
   auto it = live_.find(ptr);
   if (it == live_.end()) {
     throw pool_error{"emmpool: record_stream of pointer " + std::to_string(ptr) +
@@ -616,7 +555,7 @@ bool device_pool::owns(device_ptr ptr) const
 std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
 {
   std::lock_guard lock{mutex_};
-  if (forked_) { throw_forked(); }
+  if (forked_) { detail::throw_forked(); }
   auto it = segments_.upper_bound(ptr);
   if (it == segments_.begin()) { return std::nullopt; }
   --it;

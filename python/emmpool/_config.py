@@ -26,6 +26,7 @@ _UNITS = {
 }  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _MODES = ("pool", "passthrough")
+_PINNED = ("pool", "numba")
 _LOG_LEVELS = {"": None, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
 log = logging.getLogger("emmpool")
 
@@ -40,6 +41,8 @@ class Config:
     maximum_pool_fraction: float = 0.0  # of the device's memory; 0 means unused
     trace: str = ""  # CSV path: record every allocation and free, written at exit
     log: str = ""  # level of the "emmpool" logger: warning, info or debug; "" leaves it alone
+    pinned: str = "numba"  # pinned/mapped host memory for Numba: "pool" (emmpool's) or "numba"
+    pinned_limit: int = 0  # bytes of pinned memory the pool may hold; 0: a quarter of RAM
 
 
 def parse_size(text: str, name: str) -> int:
@@ -95,13 +98,23 @@ def _from_environment() -> Config:
         raise ValueError(
             f"EMMPOOL_LOG={env['EMMPOOL_LOG']!r}: expected 'warning', 'info' or 'debug'"
         )
-    return _validated(Config(mode, initial, maximum, fraction, trace, level))
+    pinned = env.get("EMMPOOL_PINNED", "numba").strip().lower() or "numba"
+    if pinned not in _PINNED:
+        raise ValueError(f"EMMPOOL_PINNED={env['EMMPOOL_PINNED']!r}: expected 'pool' or 'numba'")
+    pinned_limit = 0
+    if "EMMPOOL_PINNED_LIMIT" in env:
+        pinned_limit = parse_size(env["EMMPOOL_PINNED_LIMIT"], "EMMPOOL_PINNED_LIMIT")
+    return _validated(
+        Config(mode, initial, maximum, fraction, trace, level, pinned, pinned_limit)
+    )
 
 
 def _validated(cfg: Config) -> Config:
     if cfg.mode not in _MODES:
         raise ValueError(f"mode={cfg.mode!r}: expected 'pool' or 'passthrough'")
-    for name in ("initial_pool_size", "maximum_pool_size"):
+    if cfg.pinned not in _PINNED:
+        raise ValueError(f"pinned={cfg.pinned!r}: expected 'pool' or 'numba'")
+    for name in ("initial_pool_size", "maximum_pool_size", "pinned_limit"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}={value!r}: expected a non-negative number of bytes")
@@ -154,6 +167,7 @@ def configure(**options) -> Config:
                 initial_size=cfg.initial_pool_size,
                 maximum_size=cfg.maximum_pool_size,
                 maximum_fraction=float(cfg.maximum_pool_fraction),
+                pinned_limit=cfg.pinned_limit,
             )
         except RuntimeError as e:  # std::logic_error: a pool exists
             raise RuntimeError(str(e)) from None
@@ -214,4 +228,5 @@ def config() -> Config:
         return _applied
     o = _core.configured_options()
     return Config(o["mode"], o["initial_size"], o["maximum_size"], o["maximum_fraction"],
-                  _trace_path or "", logging.getLevelName(log.level).lower() if log.level else "")
+                  _trace_path or "", logging.getLevelName(log.level).lower() if log.level else "",
+                  "numba", o["pinned_limit"])

@@ -7,7 +7,8 @@ Enable it with either::
 
 Device memory comes from the process-wide pool of the context's device (shared with CuPy and
 PyTorch when their hooks are installed). Pinned and mapped host memory are Numba's own
-(``HostOnlyCUDAMemoryManager``).
+(``HostOnlyCUDAMemoryManager``) unless ``EMMPOOL_PINNED=pool``: then ``memhostalloc`` is served
+by emmpool's pinned-host cache and ``mempin`` goes through its C++ core (see host_pool.hpp).
 
 ``defer_cleanup``: while it is active, nothing is returned to the CUDA driver (no
 ``cuMemFree``, which would synchronize); freed device blocks still flow back into the pool
@@ -22,6 +23,7 @@ import functools
 import weakref
 
 from numba.cuda import MemoryInfo, MemoryPointer, HostOnlyCUDAMemoryManager, IpcHandle
+from numba.cuda.cudadrv.driver import MappedMemory, PinnedMemory
 from numba.cuda.cudadrv.driver import CudaAPIError, GetIpcHandleMixin, binding
 
 from . import _core
@@ -53,7 +55,7 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
             self._bind()
 
     def _bind(self):
-        ensure_configured()
+        cfg = ensure_configured()
         dev = self.context.device
         # A Numba Device, or a bare CUdevice for contexts attached from a third party.
         self._device = dev.id if hasattr(dev, "id") else int(dev)
@@ -62,6 +64,7 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         self._allocate = pool.allocate
         self._free = pool.deallocate
         self._generation = pool.generation
+        self._pinned = _core.pinned_pool(self._device) if cfg.pinned == "pool" else None
         self._pool = pool
         log.info("Numba context on device %d allocates from emmpool (%s mode)", self._device,
                  pool.options["mode"])
@@ -88,6 +91,45 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
             raise CudaAPIError(_OOM, str(e)) from None
         finalizer = functools.partial(self._free, ptr, _LEGACY, self._generation)
         return MemoryPointer(self._ctx, ptr, size, finalizer=finalizer)
+
+    def memhostalloc(self, size, mapped=False, portable=False, wc=False):
+        """Pinned (or mapped) host memory from emmpool's pinned cache (EMMPOOL_PINNED=pool),
+        with Numba's bookkeeping: mapped memory is kept in ``self.allocations`` until freed."""
+        self.initialize()
+        if self._pinned is None:
+            return super().memhostalloc(size, mapped, portable, wc)
+        flags = (
+            (_core.HOST_MAPPED if mapped else 0)
+            | (_core.HOST_PORTABLE if portable else 0)
+            | (_core.HOST_WRITECOMBINED if wc else 0)
+        )
+        try:
+            ptr = self._pinned.allocate(size, flags)
+        except _core.OutOfMemoryError as e:
+            log.warning("%s", e)
+            raise CudaAPIError(_OOM, str(e)) from None
+        finalizer = _host_finalizer(self, self._pinned.deallocate, ptr, mapped,
+                                    self._pinned.generation)
+        if mapped:
+            mem = MappedMemory(self._ctx, ptr, size, finalizer=finalizer)
+            self.allocations[ptr] = mem
+            return mem.own()
+        return PinnedMemory(self._ctx, ptr, size, finalizer=finalizer)
+
+    def mempin(self, owner, pointer, size, mapped=False):
+        """Page-lock caller memory through emmpool's core (EMMPOOL_PINNED=pool); unpinned as
+        soon as it is released, so that the same memory can be pinned again at once."""
+        self.initialize()
+        if self._pinned is None:
+            return super().mempin(owner, pointer, size, mapped)
+        pointer = int(pointer)
+        self._pinned.register_memory(pointer, size, _core.HOST_MAPPED if mapped else 0)
+        finalizer = _host_finalizer(self, self._pinned.unregister_memory, pointer, mapped)
+        if mapped:
+            mem = MappedMemory(self._ctx, pointer, size, owner=owner, finalizer=finalizer)
+            self.allocations[pointer] = mem
+            return mem.own()
+        return PinnedMemory(self._ctx, pointer, size, owner=owner, finalizer=finalizer)
 
     def get_memory_info(self):
         """Driver's free memory plus what the pool holds free, and the device's total."""
@@ -120,6 +162,8 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         if self._pool is not None:
             self._pool.reset()
             self._generation = self._pool.generation
+        if getattr(self, "_pinned", None) is not None:
+            self._pinned.reset()
 
     @contextlib.contextmanager
     def defer_cleanup(self):
@@ -127,15 +171,34 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
             if self._pool is None:
                 yield
                 return
-            self._pool.defer_cleanup_begin()
+            pools = [self._pool] + ([self._pinned] if self._pinned is not None else [])
+            for p in pools:
+                p.defer_cleanup_begin()
             try:
                 yield
             finally:
-                self._pool.defer_cleanup_end()
+                for p in pools:
+                    p.defer_cleanup_end()
 
     @property
     def interface_version(self):
         return 1
+
+
+def _host_finalizer(manager, release, ptr, mapped, generation=None):
+    """What Numba's own host finalizers do (drop the mapped entry from the manager's
+    bookkeeping), then give the memory back to emmpool."""
+    allocations = manager.allocations
+
+    def core():
+        if mapped and allocations:
+            allocations.pop(ptr, None)
+        if generation is None:
+            release(ptr)
+        else:
+            release(ptr, _LEGACY, generation)
+
+    return core
 
 
 def _as_size(size) -> int:

@@ -51,6 +51,7 @@ struct pool_options {
   std::size_t large_segment{20u << 20}; ///< minimum size of a large segment
   std::size_t open_batch_limit{64u << 20};  ///< close the open batch past this many bytes
   bool trace{false};                    ///< record every allocation and free (set_tracing)
+  std::size_t pinned_limit{0};          ///< host_pool: cap on pinned bytes held; 0: RAM / 4
 };
 
 /// @brief One allocation or free, as the optional trace records it.
@@ -204,9 +205,6 @@ class device_pool {
   pool_stats stats_{};
   bool tracing_{};
   bool forked_{};  // this process is a fork() child of the one that made the pool
-  static void register_for_fork(device_pool* pool);
-  static void unregister_for_fork(device_pool* pool);
-  friend struct fork_guard;
   std::vector<trace_record> trace_;
   void record(char op, device_ptr ptr, std::size_t size, stream_handle stream, std::uint8_t tag);
 };

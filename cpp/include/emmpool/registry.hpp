@@ -9,6 +9,7 @@
 #pragma once
 
 #include <emmpool/device_pool.hpp>
+#include <emmpool/host_pool.hpp>
 
 #include <array>
 #include <atomic>
@@ -40,6 +41,18 @@ class pool_registry {
     return create(device);
   }
 
+  /// @brief The pinned-host pool of a device's context, created on first use.
+  host_pool& pinned(int device)
+  {
+    if (device >= 0 && device < max_devices) {
+      if (auto* p = pinned_[static_cast<std::size_t>(device)].load(std::memory_order_acquire)) {
+        return *p;
+      }
+    }
+    return create_pinned(device);
+  }
+  [[nodiscard]] std::vector<host_pool*> pinned_pools() const;
+
   /// @brief Trace every pool, those that exist and those created later.
   void set_tracing(bool on);
 
@@ -51,11 +64,13 @@ class pool_registry {
  private:
   explicit pool_registry(driver& drv) : driver_{&drv} {}
   device_pool& create(int device);
+  host_pool& create_pinned(int device);
 
   driver* driver_;
   mutable std::mutex mutex_;
   pool_options options_{};
   std::array<std::atomic<device_pool*>, max_devices> pools_{};
+  std::array<std::atomic<host_pool*>, max_devices> pinned_{};
 };
 
 }  // namespace emmpool

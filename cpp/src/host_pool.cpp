@@ -1,0 +1,304 @@
+#include <emmpool/detail/fork_guard.hpp>
+#include <emmpool/error.hpp>
+#include <emmpool/host_pool.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <string>
+
+namespace emmpool {
+
+namespace {
+
+constexpr std::size_t page = 4096;
+
+std::size_t default_limit() noexcept
+{
+  long const pages = ::sysconf(_SC_PHYS_PAGES);
+  long const size  = ::sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || size <= 0) { return std::size_t{4} << 30; }
+  return static_cast<std::size_t>(pages) * static_cast<std::size_t>(size) / 4;
+}
+
+}  // namespace
+
+host_pool::host_pool(driver& drv, int device, std::size_t limit)
+  : driver_{&drv}, device_{device}, queue_{drv, device}
+{
+  EMMPOOL_EXPECTS(device >= 0, "device must be a non-negative ordinal");
+  stats_.limit = limit != 0 ? limit : default_limit();
+  detail::register_for_fork(&mutex_, &forked_);
+}
+
+host_pool::~host_pool()
+{
+  detail::unregister_for_fork(&mutex_);
+  std::lock_guard lock{mutex_};
+  if (process_is_exiting() || forked_) { return; }
+  // Cached blocks go back; live and waiting ones belong to callers still: left alone.
+  for (auto& [key, blocks] : cached_) {
+    for (auto* b : blocks) {
+      try {
+        driver_->host_deallocate(device_, reinterpret_cast<void*>(b->ptr));
+      } catch (...) {
+      }
+    }
+  }
+  (void)queue_.abandon();
+}
+
+std::size_t host_pool::size_class(std::size_t bytes) noexcept
+{
+  if (bytes <= page) { return page; }
+  std::size_t p = page;
+  while (p * 2 <= bytes && p * 2 > p) { p *= 2; }  // largest power of two <= bytes
+  std::size_t const step = p / 4;
+  return (bytes + step - 1) / step * step;
+}
+
+host_pool::block* host_pool::new_block()
+{
+  if (spare_.empty()) {
+    storage_.push_back(std::make_unique<block>());
+    return storage_.back().get();
+  }
+  auto* b = spare_.back();
+  spare_.pop_back();
+  *b = block{};
+  return b;
+}
+
+host_pool::block* host_pool::take_cached(std::size_t cls, unsigned flags)
+{
+  auto it = cached_.find({flags, cls});
+  if (it == cached_.end() || it->second.empty()) { return nullptr; }
+  auto* b = it->second.back();  // the most recently returned: likeliest still in cache
+  it->second.pop_back();
+  stats_.bytes_cached -= b->size;
+  return b;
+}
+
+void host_pool::free_to_driver(block* b)
+{
+  driver_->host_deallocate(device_, reinterpret_cast<void*>(b->ptr));
+  stats_.bytes_held -= b->size;
+  ++stats_.driver_frees;
+  spare_.push_back(b);
+}
+
+void host_pool::release_cached(std::size_t needed)
+{
+  // Largest blocks first: fewest driver calls to make room.
+  for (auto it = cached_.rbegin(); it != cached_.rend(); ++it) {
+    auto& blocks = it->second;
+    while (!blocks.empty() && stats_.bytes_held + needed > stats_.limit) {
+      auto* b = blocks.back();
+      blocks.pop_back();
+      stats_.bytes_cached -= b->size;
+      free_to_driver(b);
+    }
+  }
+}
+
+void host_pool::on_fenced(block* b)
+{
+  b->state = detail::block_state::free;
+  cached_[{b->tag, b->size}].push_back(b);
+  stats_.bytes_cached += b->size;
+}
+
+void host_pool::maintain()
+{
+  queue_.close_open_batches();
+  queue_.promote_completed([this](block* b) { on_fenced(b); });
+}
+
+void* host_pool::allocate(std::size_t bytes, unsigned flags)
+{
+  EMMPOOL_EXPECTS(bytes <= (std::size_t{1} << 46), "pinned allocation size is too large");
+  EMMPOOL_EXPECTS(flags <= (host_portable | host_mapped | host_writecombined),
+                  "unknown pinned-memory flags");
+  std::size_t const cls = size_class(bytes);
+  std::lock_guard lock{mutex_};
+  if (forked_) { detail::throw_forked(); }
+
+  block* b = take_cached(cls, flags);
+  if (b == nullptr && (queue_.has_open() || queue_.has_closed())) {
+    maintain();
+    b = take_cached(cls, flags);
+  }
+  if (b != nullptr) {
+    ++stats_.cache_hits;
+  } else {
+    // Room under the limit: cached blocks of other classes go first, then pending frees are
+    // waited for and their blocks go too.
+    if (stats_.bytes_held + cls > stats_.limit && cleanup_deferrals_ == 0) {
+      release_cached(cls);
+      if (stats_.bytes_held + cls > stats_.limit) {
+        queue_.drain([this](block* x) { on_fenced(x); });
+        if ((b = take_cached(cls, flags)) == nullptr) { release_cached(cls); }
+      }
+    }
+    if (b == nullptr) {
+      if (stats_.bytes_held + cls > stats_.limit) {
+        throw out_of_memory{"emmpool: pinned memory limit reached: " +
+                            std::to_string(stats_.bytes_held) + " bytes held of a limit of " +
+                            std::to_string(stats_.limit) + " (EMMPOOL_PINNED_LIMIT)"};
+      }
+      void* p = nullptr;
+      try {
+        p = driver_->host_allocate(device_, cls, flags);
+      } catch (out_of_memory const&) {
+        if (cleanup_deferrals_ > 0) { throw; }
+        queue_.drain([this](block* x) { on_fenced(x); });
+        release_cached(stats_.limit);  // everything cached goes back
+        p = driver_->host_allocate(device_, cls, flags);
+      }
+      b       = new_block();
+      b->ptr  = reinterpret_cast<std::uintptr_t>(p);
+      b->size = cls;
+      b->tag  = static_cast<std::uint8_t>(flags);
+      stats_.bytes_held += cls;
+      stats_.peak_bytes_held = std::max(stats_.peak_bytes_held, stats_.bytes_held);
+      ++stats_.driver_allocations;
+    }
+  }
+  b->state = detail::block_state::allocated;
+  live_.emplace(b->ptr, b);
+  stats_.bytes_in_use += b->size;
+  ++stats_.allocations;
+  return reinterpret_cast<void*>(b->ptr);
+}
+
+void host_pool::deallocate(void* ptr, stream_handle stream)
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { return; }
+  auto it = live_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == live_.end()) {
+    throw pool_error{"emmpool: pinned pointer " + std::to_string(reinterpret_cast<std::uintptr_t>(ptr)) +
+                     " is not a live allocation of this pool (freed twice, or never allocated here)"};
+  }
+  auto* b = it->second;
+  live_.erase(it);
+  stats_.bytes_in_use -= b->size;
+  queue_.push(b, stream);
+}
+
+void host_pool::deallocate(void* ptr, stream_handle stream, std::uint64_t generation)
+{
+  {
+    std::lock_guard lock{mutex_};
+    if (forked_) { return; }
+    if (generation != generation_) {
+      auto it = retired_.find({generation, reinterpret_cast<std::uintptr_t>(ptr)});
+      if (it == retired_.end()) {
+        throw pool_error{"emmpool: pinned pointer from before a reset is not live (freed twice?)"};
+      }
+      // Its pages went with the old context (or, if the context lived on, stay leaked):
+      // never freed here, so a reused address is never touched.
+      spare_.push_back(it->second);
+      retired_.erase(it);
+      return;
+    }
+  }
+  deallocate(ptr, stream);
+}
+
+void host_pool::register_memory(void* ptr, std::size_t bytes, unsigned flags)
+{
+  EMMPOOL_EXPECTS(ptr != nullptr && bytes > 0, "cannot pin an empty range");
+  std::lock_guard lock{mutex_};
+  if (forked_) { detail::throw_forked(); }
+  driver_->host_register(device_, ptr, bytes, flags);
+  registered_[reinterpret_cast<std::uintptr_t>(ptr)] = bytes;
+  stats_.bytes_registered += bytes;
+}
+
+void host_pool::unregister_memory(void* ptr)
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { return; }
+  auto it = registered_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == registered_.end()) {
+    throw pool_error{"emmpool: host memory at " + std::to_string(reinterpret_cast<std::uintptr_t>(ptr)) +
+                     " was not pinned through this pool"};
+  }
+  driver_->host_unregister(device_, ptr);
+  stats_.bytes_registered -= it->second;
+  registered_.erase(it);
+}
+
+std::size_t host_pool::trim()
+{
+  std::lock_guard lock{mutex_};
+  if (forked_ || cleanup_deferrals_ > 0) { return 0; }
+  queue_.drain([this](block* b) { on_fenced(b); });
+  std::size_t const before = stats_.bytes_held;
+  auto const limit         = stats_.limit;
+  stats_.limit             = 0;  // release_cached frees until nothing cached remains
+  release_cached(1);
+  stats_.limit = limit;
+  cached_.clear();
+  return before - stats_.bytes_held;
+}
+
+void host_pool::reset()
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { return; }
+  try {
+    queue_.drain([this](block* b) { on_fenced(b); });
+  } catch (...) {
+    for (auto* b : queue_.abandon()) { on_fenced(b); }
+  }
+  for (auto& [key, blocks] : cached_) {
+    for (auto* b : blocks) {
+      try {
+        free_to_driver(b);
+      } catch (...) {
+        stats_.bytes_held -= b->size;
+      }
+    }
+  }
+  cached_.clear();
+  stats_.bytes_cached = 0;
+  for (auto& [ptr, b] : live_) {
+    retired_.emplace(std::make_pair(generation_, ptr), b);
+    stats_.bytes_in_use -= b->size;
+    stats_.bytes_held -= b->size;
+  }
+  live_.clear();
+  queue_.release_events();
+  ++generation_;
+}
+
+void host_pool::defer_cleanup_begin()
+{
+  std::lock_guard lock{mutex_};
+  ++cleanup_deferrals_;
+}
+
+void host_pool::defer_cleanup_end()
+{
+  std::lock_guard lock{mutex_};
+  EMMPOOL_EXPECTS(cleanup_deferrals_ > 0, "defer_cleanup_end without defer_cleanup_begin");
+  --cleanup_deferrals_;
+}
+
+std::uint64_t host_pool::generation() const
+{
+  std::lock_guard lock{mutex_};
+  return generation_;
+}
+
+host_pool_stats host_pool::stats() const
+{
+  std::lock_guard lock{mutex_};
+  auto s          = stats_;
+  s.bytes_waiting = queue_.waiting_bytes();
+  return s;
+}
+
+}  // namespace emmpool
