@@ -186,3 +186,24 @@ def test_log_level_and_configuration_message(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="emmpool"):
         emmpool.configure()
     assert any("emmpool configured" in r.getMessage() for r in caplog.records)
+
+
+def test_fractional_bytes_are_rejected():
+    with pytest.raises(ValueError, match="whole"):
+        _config.parse_size("0.8", "EMMPOOL_INITIAL_POOL_SIZE")
+    assert _config.parse_size("1.5KiB", "X") == 1536
+
+
+def test_pool_errors_reach_numba_as_its_own_error_type():
+    from numba.cuda.cudadrv.driver import CudaAPIError, binding
+
+    from emmpool import plugin
+
+    oom = plugin._as_numba_error(emmpool.OutOfMemoryError("pool holds 1 GiB"))
+    assert isinstance(oom, CudaAPIError) and oom.code == 2 and "holds" in str(oom)
+    try:
+        _core._raise_for_test("cuda")
+    except emmpool.CudaError as e:
+        mapped = plugin._as_numba_error(e)
+    assert isinstance(mapped, CudaAPIError)
+    assert mapped.code == binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY  # the test error's code

@@ -341,3 +341,75 @@ def test_out_of_memory_while_other_threads_allocate():
     s = pool.stats()
     assert s["bytes_in_use"] == 0 and s["out_of_memory"] == len(errors)
     assert pool.allocate(100 * MiB) % 256 == 0  # usable right after
+
+
+def test_passthrough_survives_a_failing_cuMemFree(host):
+    pool = make_pool(host, mode="passthrough")
+    ptrs = [pool.allocate(1000) for _ in range(4)]
+    for p in ptrs:
+        pool.deallocate(p)
+    host.complete_all_events()
+    host.fail_next_deallocations(2)  # a sticky error for two cuMemFree calls
+    pool.synchronize()  # releases what it can; the two failed segments stay, wholly free
+    s = pool.stats()
+    assert s["bytes_in_use"] == 0 and s["bytes_waiting"] == 0
+    assert host.stats()["live_segments"] == 2
+    assert pool.trim() > 0 and host.stats()["live_segments"] == 0  # a later trim retries
+    fresh = {pool.allocate(1000) for _ in range(4)}
+    assert len(fresh) == 4
+
+
+def test_reset_survives_failing_frees_and_never_aliases(host):
+    pool = make_pool(host, mode="passthrough")
+    live = pool.allocate(4096)
+    gen = pool.generation
+    pending = pool.allocate(4096)
+    pool.deallocate(pending)
+    host.fail_next_deallocations(5)
+    pool.reset()  # must complete: generation bumped, live block retired
+    assert pool.generation == gen + 1
+    host.invalidate_device(0)
+    new = pool.allocate(4096)
+    pool.deallocate(live, _core.LEGACY_STREAM, gen)
+    assert pool.owns(new)
+
+
+def test_late_cupy_free_after_reset_never_frees_a_numba_block(host):
+    pool = make_pool(host)
+    cupy_block = pool.allocate(4096, _core.LEGACY_STREAM, 2)
+    pool.reset()
+    host.invalidate_device(0)
+    numba_block = pool.allocate(4096, _core.LEGACY_STREAM, 1)
+    assert numba_block == cupy_block  # the address was reused
+    pool.deallocate_tagged(cupy_block, _core.LEGACY_STREAM, 2)  # CuPy's late free
+    assert pool.owns(numba_block)
+    with pytest.raises(emmpool.PoolError, match="this library"):
+        pool.deallocate_tagged(numba_block, _core.LEGACY_STREAM, 2)
+
+
+def test_a_failing_record_on_a_side_stream_does_not_wedge_the_pool(host):
+    pool = make_pool(host)
+    side = 0x5EED
+    p = pool.allocate(4096, side)
+    pool.deallocate(p, side)
+    host.fail_next_event_records(1)  # e.g. the stream was destroyed after the free
+    for _ in range(3):
+        pool.allocate(2 << 20)  # misses: the queue is maintained each time
+    assert host.stats()["device_syncs"] == 1  # fenced by synchronizing the device instead
+    host.complete_all_events()
+    pool.synchronize()
+    assert pool.allocate(4096) == p  # and reused after that fence
+
+
+def test_record_stream_zero_means_the_default_stream(host):
+    pool = make_pool(host)
+    p = pool.allocate(4096)
+    pool.record_stream(p, 0)
+    pool.deallocate(p)
+    host.complete_all_events()
+    pool.allocate(2 << 20)  # miss: records the first fence
+    host.complete_all_events()
+    pool.allocate(2 << 20)  # promotes it: the block needs a second fence (the free's stream)
+    host.complete_all_events()
+    pool.synchronize()
+    assert pool.allocate(4096) == p

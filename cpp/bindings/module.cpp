@@ -159,6 +159,7 @@ PYBIND11_MODULE(_core, m)
     .def("set_auto_complete", &host_driver::set_auto_complete, py::arg("on"))
     .def("fail_next_allocations", &host_driver::fail_next_allocations, py::arg("n"))
     .def("fail_next_event_records", &host_driver::fail_next_event_records, py::arg("n"))
+    .def("fail_next_deallocations", &host_driver::fail_next_deallocations, py::arg("n"))
     .def("set_capacity", &host_driver::set_capacity, py::arg("device"), py::arg("bytes"))
     .def("invalidate_device", &host_driver::invalidate_device, py::arg("device"))
     .def("stats", [](host_driver const& d) {
@@ -173,6 +174,7 @@ PYBIND11_MODULE(_core, m)
       out["live_segments"]  = c.live_segments;
       out["live_events"]    = c.live_events;
       out["context_releases"] = c.context_releases;
+      out["device_syncs"]     = c.device_syncs;
       return out;
     });
 
@@ -210,9 +212,20 @@ PYBIND11_MODULE(_core, m)
         }
       },
       py::arg("ptr"), py::arg("stream") = legacy_stream, py::arg("generation") = py::none())
+    .def(
+      "deallocate_tagged",
+      [](device_pool& p, device_ptr ptr, stream_handle stream, int tag) {
+        auto const t = to_tag(tag);
+        py::gil_scoped_release nogil;
+        p.deallocate_tagged(ptr, stream, t);
+      },
+      py::arg("ptr"), py::arg("stream"), py::arg("tag"),
+      "The free of the CuPy/PyTorch entry points (no reset generation; see device_pool.hpp).")
     .def("record_stream", &device_pool::record_stream, py::arg("ptr"), py::arg("stream"),
          py::call_guard<py::gil_scoped_release>())
-    .def("owns", &device_pool::owns, py::arg("ptr"))
+    // Every call that takes a pool's mutex lets go of the GIL first: a thread holding that
+    // mutex may be waiting for GPU work queued behind a host callback that needs the GIL.
+    .def("owns", &device_pool::owns, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
     .def(
       "ipc_handle",
       [](device_pool& p, device_ptr ptr) -> py::object {
@@ -230,14 +243,20 @@ PYBIND11_MODULE(_core, m)
     .def("trim", &device_pool::trim, py::call_guard<py::gil_scoped_release>())
     .def("synchronize", &device_pool::synchronize, py::call_guard<py::gil_scoped_release>())
     .def("reset", &device_pool::reset, py::call_guard<py::gil_scoped_release>())
-    .def("defer_cleanup_begin", &device_pool::defer_cleanup_begin)
+    .def("defer_cleanup_begin", &device_pool::defer_cleanup_begin,
+         py::call_guard<py::gil_scoped_release>())
     .def("defer_cleanup_end", &device_pool::defer_cleanup_end,
          py::call_guard<py::gil_scoped_release>())
-    .def("set_tracing", &device_pool::set_tracing, py::arg("on"))
+    .def("set_tracing", &device_pool::set_tracing, py::arg("on"),
+         py::call_guard<py::gil_scoped_release>())
     .def(
       "take_trace",
       [](device_pool& p) {
-        auto const records = p.take_trace();
+        std::vector<trace_record> records;
+        {
+          py::gil_scoped_release nogil;
+          records = p.take_trace();
+        }
         py::list out;
         for (auto const& r : records) {
           out.append(py::make_tuple(r.time_ns, std::string(1, r.op), r.ptr, r.size, r.stream,
@@ -246,11 +265,25 @@ PYBIND11_MODULE(_core, m)
         return out;
       },
       "Records since the last call: (time_ns, 'a'|'f', ptr, size, stream, tag), oldest first.")
-    .def("stats", [](device_pool const& p) { return stats_dict(p.stats()); })
-    .def("reset_peaks", &device_pool::reset_peaks)
-    .def("describe", &device_pool::describe)
-    .def_property_readonly("generation", &device_pool::generation)
-    .def_property_readonly("forked", &device_pool::forked)
+    .def("stats",
+         [](device_pool const& p) {
+           pool_stats s;
+           {
+             py::gil_scoped_release nogil;
+             s = p.stats();
+           }
+           return stats_dict(s);
+         })
+    .def("reset_peaks", &device_pool::reset_peaks, py::call_guard<py::gil_scoped_release>())
+    .def("describe", &device_pool::describe, py::call_guard<py::gil_scoped_release>())
+    .def_property_readonly("generation", [](device_pool const& p) {
+      py::gil_scoped_release nogil;
+      return p.generation();
+    })
+    .def_property_readonly("forked", [](device_pool const& p) {
+      py::gil_scoped_release nogil;
+      return p.forked();
+    })
     .def_property_readonly("device", &device_pool::device)
     .def_property_readonly("options", [](device_pool const& p) { return options_dict(p.options()); });
 
@@ -296,12 +329,21 @@ PYBIND11_MODULE(_core, m)
       py::arg("ptr"))
     .def("trim", &host_pool::trim, py::call_guard<py::gil_scoped_release>())
     .def("reset", &host_pool::reset, py::call_guard<py::gil_scoped_release>())
-    .def("defer_cleanup_begin", &host_pool::defer_cleanup_begin)
-    .def("defer_cleanup_end", &host_pool::defer_cleanup_end)
-    .def_property_readonly("generation", &host_pool::generation)
+    .def("defer_cleanup_begin", &host_pool::defer_cleanup_begin,
+         py::call_guard<py::gil_scoped_release>())
+    .def("defer_cleanup_end", &host_pool::defer_cleanup_end,
+         py::call_guard<py::gil_scoped_release>())
+    .def_property_readonly("generation", [](host_pool const& p) {
+      py::gil_scoped_release nogil;
+      return p.generation();
+    })
     .def_property_readonly("device", &host_pool::device)
     .def("stats", [](host_pool const& p) {
-      auto const s = p.stats();
+      host_pool_stats s;
+      {
+        py::gil_scoped_release nogil;
+        s = p.stats();
+      }
       py::dict d;
       d["bytes_in_use"]       = s.bytes_in_use;
       d["bytes_waiting"]      = s.bytes_waiting;
@@ -338,16 +380,19 @@ PYBIND11_MODULE(_core, m)
     "Set the options of the process-wide pools; only before the first one exists.");
   m.def(
     "set_tracing", [](bool on) { pool_registry::instance().set_tracing(on); }, py::arg("on"),
+    py::call_guard<py::gil_scoped_release>(),
     "Trace every process-wide pool, present and future.");
   m.def("configured_options", [] { return options_dict(pool_registry::instance().options()); });
   m.def(
     "pool", [](int device) -> device_pool& { return pool_registry::instance().pool(device); },
     py::arg("device"), py::return_value_policy::reference,
+    py::call_guard<py::gil_scoped_release>(),
     "The process-wide pool of a device, created on first use.");
   m.def(
     "pinned_pool",
     [](int device) -> host_pool& { return pool_registry::instance().pinned(device); },
     py::arg("device"), py::return_value_policy::reference,
+    py::call_guard<py::gil_scoped_release>(),
     "The process-wide pinned-host pool of a device's context, created on first use.");
   m.def("pinned_pools", [] {
     py::list out;

@@ -23,12 +23,12 @@ void* allocate_tagged(std::size_t size, int device, emmpool::stream_handle strea
   }
 }
 
-void free_on(void* ptr, int device, emmpool::stream_handle stream) noexcept
+void free_on(void* ptr, int device, emmpool::stream_handle stream, emmpool::alloc_tag tag) noexcept
 {
   if (ptr == nullptr) { return; }
   try {
-    emmpool::pool_registry::instance().pool(device).deallocate(
-      reinterpret_cast<emmpool::device_ptr>(ptr), stream);
+    emmpool::pool_registry::instance().pool(device).deallocate_tagged(
+      reinterpret_cast<emmpool::device_ptr>(ptr), stream, tag);
   } catch (...) {
     // A foreign or doubly freed pointer: nothing safe to do from a C callback but ignore it.
   }
@@ -53,7 +53,7 @@ EMMPOOL_C_API void* emmpool_cupy_malloc(void*, std::size_t size, int device)
 /// CuPy: void free(void* param, void* ptr, int device_id).
 EMMPOOL_C_API void emmpool_cupy_free(void*, void* ptr, int device)
 {
-  free_on(ptr, device, emmpool::legacy_stream);
+  free_on(ptr, device, emmpool::legacy_stream, emmpool::alloc_tag::cupy);
 }
 
 /// PyTorch: void* alloc(size_t size, int device, cudaStream_t stream).
@@ -65,5 +65,5 @@ EMMPOOL_C_API void* emmpool_torch_malloc(std::size_t size, int device, void* str
 /// PyTorch: void free(void* ptr, size_t size, int device, cudaStream_t stream).
 EMMPOOL_C_API void emmpool_torch_free(void* ptr, std::size_t, int device, void* stream)
 {
-  free_on(ptr, device, as_stream(stream));
+  free_on(ptr, device, as_stream(stream), emmpool::alloc_tag::torch);
 }

@@ -127,6 +127,12 @@ class cuda_driver_impl final : public driver {
     check(a.cuDevicePrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease", EMMPOOL_WHERE);
   }
 
+  void synchronize_device(int device) override
+  {
+    scoped_context ctx{*this, device};
+    check(api_.cuCtxSynchronize(), "cuCtxSynchronize", EMMPOOL_WHERE);
+  }
+
   [[nodiscard]] ipc_bytes ipc_handle(int device, device_ptr segment_base) override
   {
     scoped_context ctx{*this, device};

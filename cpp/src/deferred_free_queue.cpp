@@ -1,5 +1,7 @@
 #include <emmpool/deferred_free_queue.hpp>
 
+#include <emmpool/error.hpp>
+
 #include <algorithm>
 
 namespace emmpool {
@@ -43,18 +45,25 @@ std::size_t deferred_free_queue::close_open_batches()
   while (!open_.empty()) {
     auto& b = open_.back();
     if (b.event == 0) { b.event = take_event(); }
-    // If this throws, the batch stays open with its event: nothing is released unfenced.
-    driver_->record_event(device_, b.event, b.stream);
+    try {
+      driver_->record_event(device_, b.event, b.stream);
+    } catch (cuda_error const&) {
+      if (b.stream == legacy_stream) { throw; }  // the batch stays open with its event
+      driver_->synchronize_device(device_);      // all work done, that stream's included
+      driver_->record_event(device_, b.event, legacy_stream);
+    }
     closed_.push_back(std::move(b));
     open_.pop_back();
     ++closed;
+    ++batches_closed_;
   }
   return closed;
 }
 
-std::vector<detail::block*> deferred_free_queue::abandon() noexcept
+std::vector<detail::block*> deferred_free_queue::abandon()
 {
   std::vector<detail::block*> blocks;
+  blocks.reserve(waiting_blocks_);
   auto take = [&](batch& b) {
     blocks.insert(blocks.end(), b.blocks.begin(), b.blocks.end());
     if (b.event != 0) { spare_events_.push_back(b.event); }
@@ -66,6 +75,13 @@ std::vector<detail::block*> deferred_free_queue::abandon() noexcept
   waiting_bytes_  = 0;
   waiting_blocks_ = 0;
   return blocks;
+}
+
+void deferred_free_queue::drop_events() noexcept
+{
+  for (auto& b : open_) { b.event = 0; }
+  for (auto& b : closed_) { b.event = 0; }
+  spare_events_.clear();
 }
 
 void deferred_free_queue::release_events() noexcept

@@ -88,7 +88,10 @@ device_pool::~device_pool()
   std::lock_guard lock{mutex_};
   // Whatever is left goes back to the driver, without waiting: the pool is going away, so
   // nobody can be handed these blocks again. At process exit the driver may be gone: leak.
-  if (process_is_exiting() || forked_) { return; }
+  if (process_is_exiting() || forked_) {
+    queue_.drop_events();  // no CUDA call: the driver may be gone, or belong to the parent
+    return;
+  }
   for (auto& [base, seg] : segments_) {
     try {
       driver_->deallocate(device_, base);
@@ -209,6 +212,13 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
   } catch (...) {
     driver_->deallocate(device_, base);
     throw;
+  }
+  if (segments_.count(base) != 0) {
+    // The driver handed out an address this pool still tracks: its context was reset
+    // behind the pool's back (not through reset()). Refuse rather than alias two segments.
+    driver_->deallocate(device_, base);
+    throw pool_error{"emmpool: the CUDA context of device " + std::to_string(device_) +
+                     " was reset without the pool's reset(); its old allocations are gone"};
   }
   auto* blk  = new_block();
   blk->ptr   = base;
@@ -337,6 +347,32 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t
   deallocate(ptr, stream);  // not live: throws pool_error
 }
 
+void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag)
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { return; }
+  auto const t = static_cast<std::uint8_t>(tag);
+  // A block of this library retired by a reset comes first (newest generation first): the
+  // caller's free cannot say which generation it belongs to, and taking a live block at a
+  // reused address for an old one would free memory still in use.
+  for (auto it = retired_live_.rbegin(); it != retired_live_.rend(); ++it) {
+    if (it->first.second == ptr && it->second->tag == t) {
+      auto* blk = it->second;
+      retired_live_.erase(std::next(it).base());
+      free_retired(blk);
+      return;
+    }
+  }
+  auto it = live_.find(ptr);
+  if (it == live_.end() || it->second->tag != t) {
+    throw pool_error{"emmpool: pointer " + std::to_string(ptr) +
+                     " is not a live allocation of this library in this pool"};
+  }
+  auto* blk = it->second;
+  live_.erase(it);
+  deallocate_locked(blk, stream);
+}
+
 void device_pool::deallocate_locked(block* blk, stream_handle stream)
 {
   if (tracing_) { record('f', blk->ptr, blk->size, stream, blk->tag); }
@@ -364,7 +400,8 @@ void device_pool::record_stream(device_ptr ptr, stream_handle stream)
   }
   // One extra stream per block: a second, different one is fenced by the legacy stream only
   // if it is blocking. Keep the most recent, as the one a caller is most likely still using.
-  it->second->also_fence = stream;
+  // 0, the CUDA runtime's name for the default stream, means the legacy stream here.
+  it->second->also_fence = stream == 0 ? legacy_stream : stream;
 }
 
 void device_pool::release_block(block* blk)
@@ -380,7 +417,14 @@ void device_pool::release_block(block* blk)
   if (seg->live_blocks == 0) { seg->exported = 0; }
   if (options_.mode == pool_mode::passthrough) {
     insert_free(blk);
-    if (cleanup_deferrals_ == 0) { release_segment(seg); }
+    if (cleanup_deferrals_ == 0) {
+      try {
+        release_segment(seg);
+      } catch (cuda_error const&) {
+        // cuMemFree failed (a sticky error, say): the segment stays, wholly free, for a
+        // later trim; the block is never handed out again in passthrough mode.
+      }
+    }
     return;
   }
   // Coalesce with free neighbours (same segment only: segments are separate driver allocations).
@@ -404,7 +448,7 @@ void device_pool::release_block(block* blk)
 
 void device_pool::maintain()
 {
-  stats_.batches_closed += queue_.close_open_batches();
+  queue_.close_open_batches();
   queue_.promote_completed([this](block* b) { release_block(b); });
 }
 
@@ -455,6 +499,7 @@ void device_pool::synchronize()
 
 void device_pool::free_retired(block* blk)
 {
+  ++stats_.frees;
   auto* seg = blk->seg;
   if (--seg->live_blocks > 0) { return; }
   // Free the segment only if the driver still knows it as the same allocation: after a real
@@ -592,6 +637,7 @@ pool_stats device_pool::stats() const
   std::lock_guard lock{mutex_};
   pool_stats s     = stats_;
   s.bytes_waiting  = queue_.waiting_bytes();
+  s.batches_closed = queue_.batches_closed();
   std::size_t best = 0;
   if (!small_free_.empty()) { best = (*small_free_.rbegin())->size; }
   if (!large_free_.empty()) { best = std::max(best, (*large_free_.rbegin())->size); }

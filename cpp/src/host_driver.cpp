@@ -60,6 +60,12 @@ void host_driver::fail_next_event_records(int n)
   fail_event_records_ = n;
 }
 
+void host_driver::fail_next_deallocations(int n)
+{
+  std::lock_guard lock{mutex_};
+  fail_deallocations_ = n;
+}
+
 void host_driver::set_capacity(int device, std::size_t bytes)
 {
   std::lock_guard lock{mutex_};
@@ -123,6 +129,10 @@ void host_driver::deallocate(int device, device_ptr ptr)
 {
   std::lock_guard lock{mutex_};
   check_device(device);
+  if (fail_deallocations_ > 0) {
+    --fail_deallocations_;
+    throw cuda_error{"cuMemFree", 700, "CUDA_ERROR_ILLEGAL_ADDRESS", EMMPOOL_WHERE};
+  }
   auto it = segments_.find(ptr);
   if (it == segments_.end() || it->second.device != device) {
     throw cuda_error{"cuMemFree", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
@@ -204,6 +214,14 @@ void host_driver::release_context(int device)
   std::lock_guard lock{mutex_};
   check_device(device);
   ++counters_.context_releases;
+}
+
+void host_driver::synchronize_device(int device)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  ++counters_.device_syncs;
+  for (auto& [e, done] : events_) { done = true; }  // every recorded event has completed
 }
 
 ipc_bytes host_driver::ipc_handle(int device, device_ptr segment_base)

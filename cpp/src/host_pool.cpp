@@ -35,7 +35,10 @@ host_pool::~host_pool()
 {
   detail::unregister_for_fork(&mutex_);
   std::lock_guard lock{mutex_};
-  if (process_is_exiting() || forked_) { return; }
+  if (process_is_exiting() || forked_) {
+    queue_.drop_events();
+    return;
+  }
   // Cached blocks go back; live and waiting ones belong to callers still: left alone.
   for (auto& [key, blocks] : cached_) {
     for (auto* b : blocks) {

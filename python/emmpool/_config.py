@@ -49,6 +49,9 @@ def parse_size(text: str, name: str) -> int:
     """Parse ``"1073741824"``, ``"512MiB"``, ``"2 GB"`` (binary units) into bytes."""
     m = _SIZE.match(text)
     unit = m.group(2).lower() if m else None
+    if m is not None and _UNITS.get(unit) == 1 and "." in m.group(1):
+        raise ValueError(f"{name}={text!r}: a number of bytes must be whole (or give a unit, "
+                         f"e.g. '1.5GiB')")
     if m is None or unit not in _UNITS:
         raise ValueError(
             f"{name}={text!r} is not a size: expected bytes as an integer, optionally with a "

@@ -77,18 +77,16 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
 
     # -- the EMM interface ---------------------------------------------------------------
     def memalloc(self, size):
-        if self._pool is None:
-            self._bind()
         if type(size) is not int:
             size = _as_size(size)
         if size < 0:
             raise ValueError(f"cannot allocate a negative number of bytes ({size})")
         try:
+            if self._pool is None:
+                self._bind()
             ptr = self._allocate(size, _LEGACY, _TAG_NUMBA)
-        except _core.OutOfMemoryError as e:
-            # What Numba's own manager raises, so that callers' handlers keep working.
-            log.warning("%s", e)
-            raise CudaAPIError(_OOM, str(e)) from None
+        except (_core.OutOfMemoryError, _core.CudaError) as e:
+            raise _as_numba_error(e) from None
         finalizer = functools.partial(self._free, ptr, _LEGACY, self._generation)
         return MemoryPointer(self._ctx, ptr, size, finalizer=finalizer)
 
@@ -105,9 +103,8 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         )
         try:
             ptr = self._pinned.allocate(size, flags)
-        except _core.OutOfMemoryError as e:
-            log.warning("%s", e)
-            raise CudaAPIError(_OOM, str(e)) from None
+        except (_core.OutOfMemoryError, _core.CudaError) as e:
+            raise _as_numba_error(e) from None
         finalizer = _host_finalizer(self, self._pinned.deallocate, ptr, mapped,
                                     self._pinned.generation)
         if mapped:
@@ -183,6 +180,20 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
     @property
     def interface_version(self):
         return 1
+
+
+def _as_numba_error(e: Exception) -> CudaAPIError:
+    """The error Numba's own manager would raise: CudaAPIError with the driver's code, and
+    CUDA_ERROR_OUT_OF_MEMORY when the pool is out of memory (its message says what the pool
+    holds), so that callers' handlers keep working."""
+    if isinstance(e, _core.OutOfMemoryError):
+        log.warning("%s", e)
+        return CudaAPIError(_OOM, str(e))
+    try:
+        code = binding.CUresult(e.code)
+    except (ValueError, AttributeError):
+        code = binding.CUresult.CUDA_ERROR_UNKNOWN
+    return CudaAPIError(code, str(e))
 
 
 def _host_finalizer(manager, release, ptr, mapped, generation=None):

@@ -30,6 +30,7 @@
 #include <emmpool/driver.hpp>
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <vector>
 
@@ -45,8 +46,11 @@ class deferred_free_queue {
   /// @brief Add a freed block to the open batch of stream. Never calls CUDA.
   void push(detail::block* blk, stream_handle stream);
 
-  /// @brief Record an event on the stream of each open batch, closing it. A batch whose record
-  /// fails stays open (and the error propagates): no block is ever released unfenced.
+  /// @brief Record an event on the stream of each open batch, closing it. If recording on a
+  /// stream other than the legacy one fails (the stream was destroyed, say), the device is
+  /// synchronized and the batch fenced on the legacy stream instead: nothing is released
+  /// unfenced, and one bad stream never wedges the queue. A failure on the legacy stream (a
+  /// broken context) propagates, the batch staying open.
   /// @return the number of batches closed
   std::size_t close_open_batches();
 
@@ -62,10 +66,14 @@ class deferred_free_queue {
 
   /// @brief Forget every batch without touching CUDA (the context is gone: reset, or exit).
   /// Returns the blocks so the pool can retire them.
-  std::vector<detail::block*> abandon() noexcept;
+  std::vector<detail::block*> abandon();
 
   /// @brief Destroy cached events (the context is about to be reset).
   void release_events() noexcept;
+  /// @brief Forget every event without touching CUDA (forked child, process exit).
+  void drop_events() noexcept;
+  /// @brief Batches closed so far (events recorded to fence frees).
+  [[nodiscard]] std::uint64_t batches_closed() const noexcept { return batches_closed_; }
 
   [[nodiscard]] std::size_t waiting_bytes() const noexcept { return waiting_bytes_; }
   [[nodiscard]] std::size_t waiting_blocks() const noexcept { return waiting_blocks_; }
@@ -89,6 +97,7 @@ class deferred_free_queue {
   std::vector<event_handle> spare_events_;
   std::size_t waiting_bytes_{};
   std::size_t waiting_blocks_{};
+  std::uint64_t batches_closed_{};
 };
 
 // ---- template members ------------------------------------------------------------------------
@@ -96,13 +105,17 @@ class deferred_free_queue {
 template <class Release>
 void deferred_free_queue::release_batch(batch& b, Release& release)
 {
-  for (auto* blk : b.blocks) {
+  // One block at a time, off the batch before its release: if a release throws (a failed
+  // cuMemFree in passthrough mode), the batch keeps exactly the blocks not yet released.
+  while (!b.blocks.empty()) {
+    auto* blk = b.blocks.back();
+    b.blocks.pop_back();
     waiting_bytes_ -= blk->size;
     --waiting_blocks_;
     release(blk);
   }
-  b.blocks.clear();
   spare_events_.push_back(b.event);
+  b.event = 0;
 }
 
 template <class Release>

@@ -106,6 +106,11 @@ class device_pool {
    */
   void deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation);
 
+  /// @brief Free a block for a caller that knows its library but not its reset generation
+  /// (the CuPy and PyTorch entry points): a retired block of that library at `ptr` is taken
+  /// first, then a live one; a block of another library is never touched.
+  void deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag);
+
   /// @brief Incremented by every reset(); callers that may outlive a reset remember it.
   [[nodiscard]] std::uint64_t generation() const;
 

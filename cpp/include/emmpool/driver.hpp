@@ -78,6 +78,8 @@ class driver {
   [[nodiscard]] virtual bool event_completed(int device, event_handle event) = 0;
   /// @brief Block until the event has completed.
   virtual void synchronize_event(int device, event_handle event) = 0;
+  /// @brief Block until all work of the device's context has completed (cuCtxSynchronize).
+  virtual void synchronize_device(int device) = 0;
 
   /// @brief Drop what the driver holds of the device's context (the CUDA implementation's
   /// retain of the primary context), because the caller is about to reset it. The next call

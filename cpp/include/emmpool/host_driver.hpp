@@ -34,6 +34,8 @@ class host_driver final : public driver {
   void fail_next_allocations(int n);
   /// @brief The next n calls to record_event() fail with a cuda_error.
   void fail_next_event_records(int n);
+  /// @brief The next n calls to deallocate() fail with a cuda_error (a sticky error, say).
+  void fail_next_deallocations(int n);
   /// @brief Change a device's capacity (bytes).
   void set_capacity(int device, std::size_t bytes);
   /// @brief Pretend the device's context was reset: every live segment becomes invalid (its
@@ -46,6 +48,7 @@ class host_driver final : public driver {
     std::size_t live_segments;    ///< segments not yet deallocated, all devices
     std::size_t live_events;      ///< events created and not destroyed
     std::uint64_t context_releases;
+    std::uint64_t device_syncs;
   };
   [[nodiscard]] counters stats() const;
 
@@ -61,6 +64,7 @@ class host_driver final : public driver {
   void record_event(int device, event_handle event, stream_handle stream) override;
   [[nodiscard]] bool event_completed(int device, event_handle event) override;
   void synchronize_event(int device, event_handle event) override;
+  void synchronize_device(int device) override;
   void release_context(int device) override;
   [[nodiscard]] ipc_bytes ipc_handle(int device, device_ptr segment_base) override;
   [[nodiscard]] memory_info memory_info_of(int device) override;
@@ -92,6 +96,7 @@ class host_driver final : public driver {
   bool auto_complete_ = false;
   int fail_allocations_ = 0;
   int fail_event_records_ = 0;
+  int fail_deallocations_ = 0;
   counters counters_{};
 };
 
