@@ -116,20 +116,6 @@ device_pool::free_set& device_pool::free_list_for(std::size_t rounded) noexcept
   return rounded <= options_.small_request ? small_free_ : large_free_;
 }
 
-device_pool::block* device_pool::new_block()
-{
-  if (spare_blocks_.empty()) {
-    block_storage_.push_back(std::make_unique<block>());
-    return block_storage_.back().get();
-  }
-  auto* blk = spare_blocks_.back();
-  spare_blocks_.pop_back();
-  *blk = block{};
-  return blk;
-}
-
-void device_pool::delete_block(block* blk) { spare_blocks_.push_back(blk); }
-
 void device_pool::insert_free(block* blk)
 {
   blk->state = detail::block_state::free;
@@ -146,7 +132,7 @@ void device_pool::erase_free(block* blk)
 device_pool::block* device_pool::split(block* blk, std::size_t rounded)
 {
   if (options_.mode == pool_mode::pool && blk->size - rounded >= alignment) {
-    auto* rest = new_block();
+    auto* rest = blocks_.make();
     rest->ptr  = blk->ptr + rounded;
     rest->size = blk->size - rounded;
     rest->seg  = blk->seg;
@@ -220,7 +206,7 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
     throw pool_error{"emmpool: the CUDA context of device " + std::to_string(device_) +
                      " was reset without the pool's reset(); its old allocations are gone"};
   }
-  auto* blk  = new_block();
+  auto* blk  = blocks_.make();
   blk->ptr   = base;
   blk->size  = size;
   blk->seg   = seg.get();
@@ -433,7 +419,7 @@ void device_pool::release_block(block* blk)
     prev->size += blk->size;
     prev->next = blk->next;
     if (blk->next != nullptr) { blk->next->prev = prev; }
-    delete_block(blk);
+    blocks_.recycle(blk);
     blk = prev;
   }
   if (auto* next = blk->next; next != nullptr && next->state == detail::block_state::free) {
@@ -441,7 +427,7 @@ void device_pool::release_block(block* blk)
     blk->size += next->size;
     blk->next = next->next;
     if (next->next != nullptr) { next->next->prev = blk; }
-    delete_block(next);
+    blocks_.recycle(next);
   }
   insert_free(blk);
 }
@@ -460,7 +446,7 @@ void device_pool::release_segment(segment* seg)
   driver_->deallocate(device_, seg->base);
   auto* blk = seg->first;  // wholly free: one block spanning the segment
   erase_free(blk);
-  delete_block(blk);
+  blocks_.recycle(blk);
   stats_.bytes_reserved -= seg->size;
   --stats_.segments;
   ++stats_.segment_releases;
@@ -512,7 +498,7 @@ void device_pool::free_retired(block* blk)
   }
   for (auto* b = seg->first; b != nullptr;) {
     auto* next = b->next;
-    delete_block(b);
+    blocks_.recycle(b);
     b = next;
   }
   auto it = std::find_if(retired_segments_.begin(), retired_segments_.end(),

@@ -60,18 +60,6 @@ std::size_t host_pool::size_class(std::size_t bytes) noexcept
   return (bytes + step - 1) / step * step;
 }
 
-host_pool::block* host_pool::new_block()
-{
-  if (spare_.empty()) {
-    storage_.push_back(std::make_unique<block>());
-    return storage_.back().get();
-  }
-  auto* b = spare_.back();
-  spare_.pop_back();
-  *b = block{};
-  return b;
-}
-
 host_pool::block* host_pool::take_cached(std::size_t cls, unsigned flags)
 {
   auto it = cached_.find({flags, cls});
@@ -87,7 +75,7 @@ void host_pool::free_to_driver(block* b)
   driver_->host_deallocate(device_, reinterpret_cast<void*>(b->ptr));
   stats_.bytes_held -= b->size;
   ++stats_.driver_frees;
-  spare_.push_back(b);
+  blocks_.recycle(b);
 }
 
 void host_pool::release_cached(std::size_t needed)
@@ -158,7 +146,7 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags)
         release_cached(stats_.limit);  // everything cached goes back
         p = driver_->host_allocate(device_, cls, flags);
       }
-      b       = new_block();
+      b       = blocks_.make();
       b->ptr  = reinterpret_cast<std::uintptr_t>(p);
       b->size = cls;
       b->tag  = static_cast<std::uint8_t>(flags);
@@ -201,7 +189,7 @@ void host_pool::deallocate(void* ptr, stream_handle stream, std::uint64_t genera
       }
       // Its pages went with the old context (or, if the context lived on, stay leaked):
       // never freed here, so a reused address is never touched.
-      spare_.push_back(it->second);
+      blocks_.recycle(it->second);
       retired_.erase(it);
       return;
     }

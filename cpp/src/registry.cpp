@@ -5,6 +5,40 @@
 
 namespace emmpool {
 
+namespace {
+
+// The pool in `slots[device]`, made by `make()` under the registry's lock on first use. Pools
+// live until the process ends (see registry.hpp).
+template <class Pool, class Slots, class Make>
+Pool& get_or_create(std::mutex& mutex, Slots& slots, driver& drv, int device, Make make)
+{
+  EMMPOOL_EXPECTS(device >= 0 && static_cast<std::size_t>(device) < slots.size(),
+                  "device ordinal out of range");
+  std::lock_guard lock{mutex};
+  auto& slot = slots[static_cast<std::size_t>(device)];
+  if (auto* p = slot.load()) { return *p; }
+  int const count = drv.device_count();
+  if (device >= count) {
+    throw std::invalid_argument{"emmpool: device " + std::to_string(device) +
+                                " does not exist (" + std::to_string(count) + " devices)"};
+  }
+  Pool* p = make();
+  slot.store(p, std::memory_order_release);
+  return *p;
+}
+
+template <class Pool, class Slots>
+std::vector<Pool*> existing(Slots const& slots)
+{
+  std::vector<Pool*> out;
+  for (auto const& p : slots) {
+    if (auto* q = p.load()) { out.push_back(q); }
+  }
+  return out;
+}
+
+}  // namespace
+
 pool_registry& pool_registry::instance()
 {
   static auto* registry = new pool_registry{cuda_driver()};  // never destroyed (see header)
@@ -14,11 +48,9 @@ pool_registry& pool_registry::instance()
 void pool_registry::configure(pool_options options)
 {
   std::lock_guard lock{mutex_};
-  for (auto const& p : pools_) {
-    if (p.load() != nullptr || pinned_[static_cast<std::size_t>(&p - pools_.data())].load()) {
-      throw std::logic_error{
-        "emmpool: the pool is already in use; configure it before the first allocation"};
-    }
+  if (!existing<device_pool>(pools_).empty() || !existing<host_pool>(pinned_).empty()) {
+    throw std::logic_error{
+      "emmpool: the pool is already in use; configure it before the first allocation"};
   }
   options_ = options;
 }
@@ -29,20 +61,19 @@ pool_options pool_registry::options() const
   return options_;
 }
 
+
 device_pool& pool_registry::create(int device)
 {
-  EMMPOOL_EXPECTS(device >= 0 && device < max_devices, "device ordinal out of range");
-  std::lock_guard lock{mutex_};
-  auto& slot = pools_[static_cast<std::size_t>(device)];
-  if (auto* p = slot.load()) { return *p; }
-  int const count = driver_->device_count();
-  if (device >= count) {
-    throw std::invalid_argument{"emmpool: device " + std::to_string(device) +
-                                " does not exist (" + std::to_string(count) + " devices)"};
-  }
-  auto* p = new device_pool{*driver_, device, options_};  // lives until the process ends
-  slot.store(p, std::memory_order_release);
-  return *p;
+  return get_or_create<device_pool>(mutex_, pools_, *driver_, device, [&] {
+    return new device_pool{*driver_, device, options_};
+  });
+}
+
+host_pool& pool_registry::create_pinned(int device)
+{
+  return get_or_create<host_pool>(mutex_, pinned_, *driver_, device, [&] {
+    return new host_pool{*driver_, device, options_.pinned_limit};
+  });
 }
 
 void pool_registry::set_tracing(bool on)
@@ -54,38 +85,11 @@ void pool_registry::set_tracing(bool on)
   }
 }
 
-host_pool& pool_registry::create_pinned(int device)
-{
-  EMMPOOL_EXPECTS(device >= 0 && device < max_devices, "device ordinal out of range");
-  std::lock_guard lock{mutex_};
-  auto& slot = pinned_[static_cast<std::size_t>(device)];
-  if (auto* p = slot.load()) { return *p; }
-  int const count = driver_->device_count();
-  if (device >= count) {
-    throw std::invalid_argument{"emmpool: device " + std::to_string(device) +
-                                " does not exist (" + std::to_string(count) + " devices)"};
-  }
-  auto* p = new host_pool{*driver_, device, options_.pinned_limit};  // lives until exit
-  slot.store(p, std::memory_order_release);
-  return *p;
-}
-
 std::vector<host_pool*> pool_registry::pinned_pools() const
 {
-  std::vector<host_pool*> out;
-  for (auto const& p : pinned_) {
-    if (auto* q = p.load()) { out.push_back(q); }
-  }
-  return out;
+  return existing<host_pool>(pinned_);
 }
 
-std::vector<device_pool*> pool_registry::pools() const
-{
-  std::vector<device_pool*> out;
-  for (auto const& p : pools_) {
-    if (auto* q = p.load()) { out.push_back(q); }
-  }
-  return out;
-}
+std::vector<device_pool*> pool_registry::pools() const { return existing<device_pool>(pools_); }
 
 }  // namespace emmpool

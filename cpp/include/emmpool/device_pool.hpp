@@ -183,8 +183,6 @@ class device_pool {
   void release_segment(segment* seg);
   void erase_free(block* blk);
   void insert_free(block* blk);
-  block* new_block();
-  void delete_block(block* blk);
   [[nodiscard]] std::string describe_locked() const;
 
   driver* driver_;
@@ -204,8 +202,7 @@ class device_pool {
   std::uint64_t generation_{};
   free_set small_free_;
   free_set large_free_;
-  std::vector<std::unique_ptr<block>> block_storage_;
-  std::vector<block*> spare_blocks_;
+  detail::block_arena blocks_;
   int cleanup_deferrals_{};
   pool_stats stats_{};
   bool tracing_{};

@@ -95,7 +95,6 @@ class host_pool {
   void free_to_driver(block* blk);
   void on_fenced(block* blk);
   void maintain();
-  block* new_block();
 
   driver* driver_;
   int device_;
@@ -105,8 +104,7 @@ class host_pool {
   std::map<std::pair<unsigned, std::size_t>, std::vector<block*>> cached_;  // (flags, class)
   std::map<std::pair<std::uint64_t, std::uintptr_t>, block*> retired_;
   std::unordered_map<std::uintptr_t, std::size_t> registered_;
-  std::vector<std::unique_ptr<block>> storage_;
-  std::vector<block*> spare_;
+  detail::block_arena blocks_;
   std::uint64_t generation_{};
   int cleanup_deferrals_{};
   bool forked_{};

@@ -8,7 +8,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <vector>
 
 namespace emmpool::detail {
 
@@ -45,6 +47,28 @@ struct segment {
   std::size_t exported{};              ///< IPC handles given out while a block was live
   std::optional<ipc_bytes> ipc;        ///< cuIpcGetMemHandle, fetched once
   block* first{};
+};
+
+/// @brief Owns block records and recycles them: splits and frees make and drop records at a
+/// high rate, and a free list keeps that off the heap. Not thread-safe (its pool's mutex).
+class block_arena {
+ public:
+  block* make()
+  {
+    if (spare_.empty()) {
+      storage_.push_back(std::make_unique<block>());
+      return storage_.back().get();
+    }
+    auto* b = spare_.back();
+    spare_.pop_back();
+    *b = block{};
+    return b;
+  }
+  void recycle(block* b) { spare_.push_back(b); }
+
+ private:
+  std::vector<std::unique_ptr<block>> storage_;
+  std::vector<block*> spare_;
 };
 
 }  // namespace emmpool::detail
