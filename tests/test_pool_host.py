@@ -413,3 +413,12 @@ def test_record_stream_zero_means_the_default_stream(host):
     host.complete_all_events()
     pool.synchronize()
     assert pool.allocate(4096) == p
+
+
+def test_a_cap_below_the_segment_size_still_serves_what_fits(host):
+    pool = make_pool(host, maximum_size=MiB)  # smaller than one 2 MiB small segment
+    a = pool.allocate(1000)
+    b = pool.allocate(300 * 1024)
+    assert a != b and pool.stats()["bytes_reserved"] <= MiB
+    with pytest.raises(emmpool.OutOfMemoryError):
+        pool.allocate(900 * 1024)

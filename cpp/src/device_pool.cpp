@@ -172,7 +172,13 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
       size = round_up(rounded, large_granularity);
     }
   }
-  if (size > max_reserved_ || stats_.bytes_reserved > max_reserved_ - size) { return nullptr; }
+  auto const fits = [&](std::size_t n) {
+    return n <= max_reserved_ && stats_.bytes_reserved <= max_reserved_ - n;
+  };
+  // Near the cap, a segment just as big as the request may still fit where the usual one
+  // (2 MiB small segment, 2 MiB rounding) does not: a cap never refuses what it could hold.
+  if (!fits(size) && size > rounded) { size = rounded; }
+  if (!fits(size)) { return nullptr; }
   if (options_.mode == pool_mode::pool && !small &&
       stats_.bytes_reserved + size > stats_.peak_bytes_reserved) {
     // About to reach a new peak: first give back large segments that are wholly free (and so

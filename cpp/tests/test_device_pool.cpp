@@ -496,10 +496,14 @@ TEST(maximum_fraction_cap)
   o.maximum_fraction = 0.25;
   fixture f{o, 100 * MiB};  // cap: 25 MiB
   auto const a = f->allocate(24 * MiB);
-  CHECK_THROWS(f->allocate(MiB), out_of_memory);  // a 2 MiB small segment would pass 25 MiB
+  // A 2 MiB small segment would pass 25 MiB; a segment of just the request still fits.
+  auto const small = f->allocate(MiB);
+  CHECK_EQ(f->stats().bytes_reserved, 25 * MiB);
+  CHECK_THROWS(f->allocate(256), out_of_memory);  // the cap is reached exactly
   CHECK_THROWS(f->allocate(26 * MiB), out_of_memory);
+  f->deallocate(small);
   f->deallocate(a);
-  auto const b = f->allocate(MiB);  // after the ladder released a's segment
+  auto const b = f->allocate(2 * MiB);  // after the ladder released a's segment
   CHECK(f->stats().peak_bytes_reserved <= 25 * MiB);
   f->deallocate(b);
   CHECK_EQ(consistency(f), "");
