@@ -29,6 +29,12 @@ _MODES = ("pool", "passthrough")
 _PINNED = ("pool", "numba")
 _LOG_LEVELS = {"": None, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
 log = logging.getLogger("emmpool")
+# Options with a fixed set of values: the variable that sets them, and what it accepts.
+_CHOICES = {
+    "mode": ("EMMPOOL_MODE", _MODES),
+    "log": ("EMMPOOL_LOG", tuple(_LOG_LEVELS)),  # "" leaves the logger alone
+    "pinned": ("EMMPOOL_PINNED", _PINNED),
+}
 
 
 @dataclass(frozen=True)
@@ -85,8 +91,6 @@ def _parse_maximum(text: str, name: str) -> tuple[int, float]:
 def _from_environment() -> Config:
     env = os.environ
     mode = env.get("EMMPOOL_MODE", "pool").strip().lower() or "pool"
-    if mode not in _MODES:
-        raise ValueError(f"EMMPOOL_MODE={env['EMMPOOL_MODE']!r}: expected 'pool' or 'passthrough'")
     initial = 0
     if "EMMPOOL_INITIAL_POOL_SIZE" in env:
         initial = parse_size(env["EMMPOOL_INITIAL_POOL_SIZE"], "EMMPOOL_INITIAL_POOL_SIZE")
@@ -97,13 +101,7 @@ def _from_environment() -> Config:
         )
     trace = env.get("EMMPOOL_TRACE", "").strip()
     level = env.get("EMMPOOL_LOG", "").strip().lower()
-    if level not in _LOG_LEVELS:
-        raise ValueError(
-            f"EMMPOOL_LOG={env['EMMPOOL_LOG']!r}: expected 'warning', 'info' or 'debug'"
-        )
     pinned = env.get("EMMPOOL_PINNED", "numba").strip().lower() or "numba"
-    if pinned not in _PINNED:
-        raise ValueError(f"EMMPOOL_PINNED={env['EMMPOOL_PINNED']!r}: expected 'pool' or 'numba'")
     pinned_limit = 0
     if "EMMPOOL_PINNED_LIMIT" in env:
         pinned_limit = parse_size(env["EMMPOOL_PINNED_LIMIT"], "EMMPOOL_PINNED_LIMIT")
@@ -113,10 +111,11 @@ def _from_environment() -> Config:
 
 
 def _validated(cfg: Config) -> Config:
-    if cfg.mode not in _MODES:
-        raise ValueError(f"mode={cfg.mode!r}: expected 'pool' or 'passthrough'")
-    if cfg.pinned not in _PINNED:
-        raise ValueError(f"pinned={cfg.pinned!r}: expected 'pool' or 'numba'")
+    for name, (variable, accepted) in _CHOICES.items():
+        value = getattr(cfg, name)
+        if value not in accepted:
+            expected = " or ".join(repr(a) for a in accepted if a)
+            raise ValueError(f"{variable} / {name}={value!r}: expected {expected}")
     for name in ("initial_pool_size", "maximum_pool_size", "pinned_limit"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -124,8 +123,6 @@ def _validated(cfg: Config) -> Config:
     f = cfg.maximum_pool_fraction
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
         raise ValueError(f"maximum_pool_fraction={f!r}: expected a number in [0, 1]")
-    if cfg.log not in _LOG_LEVELS:
-        raise ValueError(f"log={cfg.log!r}: expected 'warning', 'info' or 'debug'")
     if not isinstance(cfg.trace, str):
         raise ValueError(f"trace={cfg.trace!r}: expected a file path (str), or '' for none")
     if cfg.trace:
