@@ -65,6 +65,7 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         self._free = pool.deallocate
         self._generation = pool.generation
         self._pinned = _core.pinned_pool(self._device) if cfg.pinned == "pool" else None
+        self._pinned_generation = self._pinned.generation if self._pinned is not None else 0
         self._pool = pool
         log.info("Numba context on device %d allocates from emmpool (%s mode)", self._device,
                  pool.options["mode"])
@@ -106,7 +107,7 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         except (_core.OutOfMemoryError, _core.CudaError) as e:
             raise _as_numba_error(e) from None
         finalizer = _host_finalizer(self, self._pinned.deallocate, ptr, mapped,
-                                    self._pinned.generation)
+                                    self._pinned_generation)
         if mapped:
             mem = MappedMemory(self._ctx, ptr, size, finalizer=finalizer)
             self.allocations[ptr] = mem
@@ -161,6 +162,7 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
             self._generation = self._pool.generation
         if getattr(self, "_pinned", None) is not None:
             self._pinned.reset()
+            self._pinned_generation = self._pinned.generation
 
     @contextlib.contextmanager
     def defer_cleanup(self):
