@@ -294,10 +294,8 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
 
 // ---- free ---------------------------------------------------------------------------------
 
-void device_pool::deallocate(device_ptr ptr, stream_handle stream)
+void device_pool::free_live_locked(device_ptr ptr, stream_handle stream)
 {
-  std::lock_guard lock{mutex_};
-  if (forked_) { return; }  // the parent's memory: nothing to do here
   auto it = live_.find(ptr);
   if (it == live_.end()) {
     throw pool_error{"emmpool: pointer " + std::to_string(ptr) + " on device " +
@@ -310,33 +308,31 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream)
   deallocate_locked(blk, stream);
 }
 
+void device_pool::deallocate(device_ptr ptr, stream_handle stream)
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { return; }  // the parent's memory: nothing to do here
+  free_live_locked(ptr, stream);
+}
+
 void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
 {
-  {
-    std::lock_guard lock{mutex_};
-    if (forked_) { return; }
-    if (generation != generation_) {
-      auto it = retired_live_.find({generation, ptr});
-      if (it == retired_live_.end()) {
-        throw pool_error{"emmpool: pointer " + std::to_string(ptr) +
-                         " from before a reset is not live (freed twice?)"};
-      }
-      auto* blk = it->second;
-      retired_live_.erase(it);
-      free_retired(blk);
-      return;
-    }
-    // Still under the lock that checked the generation: a reset() in between could otherwise
-    // let this free a block of the next generation at the same address.
-    auto it = live_.find(ptr);
-    if (it != live_.end()) {
-      auto* blk = it->second;
-      live_.erase(it);
-      deallocate_locked(blk, stream);
-      return;
-    }
+  // One lock for the generation check and the free: a reset() in between could otherwise let
+  // this free a block of the next generation at the same address.
+  std::lock_guard lock{mutex_};
+  if (forked_) { return; }
+  if (generation == generation_) {
+    free_live_locked(ptr, stream);
+    return;
   }
-  deallocate(ptr, stream);  // not live: throws pool_error
+  auto it = retired_live_.find({generation, ptr});
+  if (it == retired_live_.end()) {
+    throw pool_error{"emmpool: pointer " + std::to_string(ptr) +
+                     " from before a reset is not live (freed twice?)"};
+  }
+  auto* blk = it->second;
+  retired_live_.erase(it);
+  free_retired(blk);
 }
 
 void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag)

@@ -166,6 +166,11 @@ void host_pool::deallocate(void* ptr, stream_handle stream)
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
+  free_live_locked(ptr, stream);
+}
+
+void host_pool::free_live_locked(void* ptr, stream_handle stream)
+{
   auto it = live_.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == live_.end()) {
     throw pool_error{"emmpool: pinned pointer " + std::to_string(reinterpret_cast<std::uintptr_t>(ptr)) +
@@ -179,22 +184,21 @@ void host_pool::deallocate(void* ptr, stream_handle stream)
 
 void host_pool::deallocate(void* ptr, stream_handle stream, std::uint64_t generation)
 {
-  {
-    std::lock_guard lock{mutex_};
-    if (forked_) { return; }
-    if (generation != generation_) {
-      auto it = retired_.find({generation, reinterpret_cast<std::uintptr_t>(ptr)});
-      if (it == retired_.end()) {
-        throw pool_error{"emmpool: pinned pointer from before a reset is not live (freed twice?)"};
-      }
-      // Its pages went with the old context (or, if the context lived on, stay leaked):
-      // never freed here, so a reused address is never touched.
-      blocks_.recycle(it->second);
-      retired_.erase(it);
-      return;
-    }
+  // One lock for the generation check and the free (see device_pool::deallocate).
+  std::lock_guard lock{mutex_};
+  if (forked_) { return; }
+  if (generation == generation_) {
+    free_live_locked(ptr, stream);
+    return;
   }
-  deallocate(ptr, stream);
+  auto it = retired_.find({generation, reinterpret_cast<std::uintptr_t>(ptr)});
+  if (it == retired_.end()) {
+    throw pool_error{"emmpool: pinned pointer from before a reset is not live (freed twice?)"};
+  }
+  // Its pages went with the old context (or, if the context lived on, stay leaked): never
+  // freed here, so a reused address is never touched.
+  blocks_.recycle(it->second);
+  retired_.erase(it);
 }
 
 void host_pool::register_memory(void* ptr, std::size_t bytes, unsigned flags)

@@ -192,6 +192,7 @@ class device_pool {
   mutable std::mutex mutex_;
   deferred_free_queue queue_;
   void deallocate_locked(block* blk, stream_handle stream);
+  void free_live_locked(device_ptr ptr, stream_handle stream);  // or pool_error if not live
   void free_retired(block* blk);
 
   std::map<device_ptr, std::unique_ptr<segment>> segments_;  // by base: IPC lookups

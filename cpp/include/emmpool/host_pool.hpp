@@ -94,6 +94,7 @@ class host_pool {
   void release_cached(std::size_t needed);  // return cached blocks until `needed` fits
   void free_to_driver(block* blk);
   void on_fenced(block* blk);
+  void free_live_locked(void* ptr, stream_handle stream);  // or pool_error if not live
   void maintain();
 
   driver* driver_;
