@@ -5,6 +5,8 @@
   allocator, including the implicit synchronisation inside ``cuMemFree``).
 * ``CupyPoolManager`` -- CuPy's default memory pool, wired up the way the
   well-known CuPy/RMM EMM examples do it: a mature Python-level pool.
+* ``CupyPinnedPoolManager`` -- the same, plus CuPy's pinned-memory pool for
+  ``memhostalloc`` (the pinned benchmark's pool anchor).
 * ``NothingManager`` -- the floor: hands out pointers into one buffer made
   once, so every allocation costs only Numba's own bookkeeping (context
   lookup, ``MemoryPointer`` + ``weakref.finalize``, ``DeviceNDArray``).  All
@@ -35,7 +37,7 @@ from numba.cuda import (
     MemoryInfo,
     MemoryPointer,
 )
-from numba.cuda.cudadrv.driver import CudaAPIError
+from numba.cuda.cudadrv.driver import CudaAPIError, MappedMemory, PinnedMemory
 
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 
@@ -152,6 +154,24 @@ class CupyPoolManager(_AnchorBase):
         self._live.clear()
 
 
+class CupyPinnedPoolManager(CupyPoolManager):
+    """Device memory as ``CupyPoolManager``; pinned host memory from CuPy's pinned-memory pool
+    (``cupy.cuda.alloc_pinned_memory``), the usual way to cache pinned buffers in Python.
+    CuPy's pinned pool cannot map memory: mapped requests stay Numba's own."""
+
+    def __init__(self, *args, **kwargs):
+        import cupy.cuda
+
+        super().__init__(*args, **kwargs)
+        self._cupy_pinned = cupy.cuda.alloc_pinned_memory
+
+    def memhostalloc(self, size, mapped=False, portable=False, wc=False):
+        if mapped or wc:
+            return super().memhostalloc(size, mapped, portable, wc)
+        mem = self._cupy_pinned(size)  # back to CuPy's pinned pool when `owner` dies
+        return PinnedMemory(self.context, mem.ptr, size, owner=mem, finalizer=_noop)
+
+
 class NothingManager(_AnchorBase):
     """The floor: no allocation work at all per ``memalloc``.
 
@@ -171,6 +191,7 @@ class NothingManager(_AnchorBase):
         self._ptr = None  # CUdeviceptr of the current buffer
         self._capacity = 0  # its size; 0 until initialize() has run
         self._buffers = []  # every buffer made, freed on reset()
+        self._host = None  # the mapped host buffer of memhostalloc()
 
     def initialize(self):
         if self._capacity == 0:
@@ -193,8 +214,19 @@ class NothingManager(_AnchorBase):
             self._grow(size)
         return MemoryPointer(self.context, self._ptr, size, finalizer=_noop)
 
+    def memhostalloc(self, size, mapped=False, portable=False, wc=False):
+        # Host requests alias one mapped pinned buffer too (made by Numba's own allocator, so
+        # that it is freed by the base class's reset()); MappedMemory's device-pointer lookup
+        # stays in the floor, since every manager pays it.
+        if self._host is None or self._host.size < size:
+            self._host = super().memhostalloc(max(size, self.BUFFER_BYTES // 4), mapped=True)
+        ptr = self._host.host_pointer
+        cls = MappedMemory if mapped else PinnedMemory
+        return cls(self.context, ptr, size, owner=self._host, finalizer=_noop)
+
     def reset(self):
         super().reset()
+        self._host = None
         buffers, self._buffers = self._buffers, []
         self._ptr, self._capacity = None, 0
         for ptr in buffers:
@@ -205,5 +237,6 @@ class NothingManager(_AnchorBase):
 ANCHORS = {
     "cudamalloc": CudaMallocManager,
     "cupy-pool": CupyPoolManager,
+    "cupy-pinned-pool": CupyPinnedPoolManager,
     "nothing": NothingManager,
 }

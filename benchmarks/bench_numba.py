@@ -53,6 +53,18 @@ CASES = [f"alloc_free_{label}" for label, _ in ALLOC_FREE_SIZES] + [
     "alloc_axpy",
 ]
 
+# The pinned-host suite (benchmarks/bench_pinned.py runs it): cuda.pinned_array /
+# cuda.mapped_array + del, i.e. the plugin's memhostalloc and its free.
+PINNED_MANAGERS = [
+    ("numba-default", {}),
+    ("cupy-pinned-pool", {}),
+    ("nothing", {}),
+    ("emmpool", {"EMMPOOL_MODE": "pool", "EMMPOOL_PINNED": "pool"}),
+]
+PINNED_SIZES = [("4KiB", 4 << 10), ("1MiB", 1 << 20), ("64MiB", 64 << 20)]
+PINNED_CASES = [f"{kind}_{label}" for kind in ("pinned", "mapped") for label, _ in PINNED_SIZES]
+PINNED_CASES.append("pinned_copy_1MiB")
+
 CHURN_SLOTS = 64
 CHURN_MIN_BYTES = 256
 CHURN_MAX_BYTES = 16 << 20
@@ -291,7 +303,51 @@ def _run_cases(name, knobs, result):
     sync()
 
 
-def child_main(name, knobs):
+def _run_pinned_cases(name, knobs, result):
+    cases = result["cases"]
+
+    def timed(case, run):
+        gc.collect()
+        try:
+            cases[case] = _measure(run, cuda.synchronize, knobs)
+        except Exception as e:
+            cases[case] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+        c = cases[case]
+        msg = c.get("error") or f"{c['us_per_op']:.2f} us/op"
+        print(f"[bench]   {name} {case}: {msg}", file=sys.stderr, flush=True)
+
+    for kind, make in (("pinned", cuda.pinned_array), ("mapped", cuda.mapped_array)):
+        for label, nbytes in PINNED_SIZES:
+
+            def run(n, make=make, nbytes=nbytes):
+                for _ in range(n):
+                    h = make(nbytes, dtype=np.uint8)
+                    del h
+
+            timed(f"{kind}_{label}", run)
+
+    # A pinned staging buffer per transfer, dropped while its copy may still be running.
+    stream = cuda.stream()
+    dev = cuda.device_array(1 << 20, dtype=np.uint8)
+
+    def run_copy(n):
+        for _ in range(n):
+            h = cuda.pinned_array(1 << 20, dtype=np.uint8)
+            dev.copy_to_host(h, stream=stream)
+            del h
+
+    timed("pinned_copy_1MiB", run_copy)
+
+
+SUITES = {
+    # name: (managers, cases, run_cases, output stem, what the ratio is to)
+    "device": (MANAGERS, CASES, _run_cases, "bench_numba"),
+    "pinned": (PINNED_MANAGERS, PINNED_CASES, _run_pinned_cases, "bench_pinned"),
+}
+
+
+def child_main(name, knobs, suite="device"):
     result = {"manager": name, "versions": _versions(), "cases": {}, "checks": {}}
 
     def emit():
@@ -336,7 +392,7 @@ def child_main(name, knobs):
 
         result["driver_version"] = list(cu_driver.get_version())
 
-        _run_cases(name, knobs, result)
+        SUITES[suite][2](name, knobs, result)
 
         if name.startswith("emmpool"):
             try:
@@ -364,7 +420,7 @@ def _run_child(name, extra_env, args):
     env.update(extra_env)
     # Only set_memory_manager() may choose the plugin.
     env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--suite", args.suite]
     if args.quick:
         cmd.append("--quick")
     if args.budget is not None:
@@ -403,9 +459,11 @@ def _fmt_us(us):
 
 def _markdown(report):
     managers = report["managers"]
+    cases = report["cases"]
     floor = managers.get(FLOOR, {}).get("cases", {})
     lines = [
-        "# Numba allocation benchmark",
+        "# Numba allocation benchmark"
+        + (" (pinned host memory)" if report.get("suite") == "pinned" else ""),
         "",
         f"- GPU: {report.get('gpu', '?')}"
         + (f" (cc {'.'.join(map(str, report['compute_capability']))})"
@@ -422,15 +480,15 @@ def _markdown(report):
         "per-op time (device synchronised at block ends). In parentheses: "
         f"ratio to the `{FLOOR}` floor (Numba's own per-allocation overhead).",
         "",
-        "| manager | " + " | ".join(CASES) + " |",
-        "|---|" + "---:|" * len(CASES),
+        "| manager | " + " | ".join(cases) + " |",
+        "|---|" + "---:|" * len(cases),
     ]
     notes = []
 
     def note(text):
         notes.append(" ".join(str(text).split()))  # keep each note on one line
 
-    for name, _ in MANAGERS:
+    for name in managers:
         r = managers.get(name)
         if r is None:
             continue
@@ -438,7 +496,7 @@ def _markdown(report):
         if "skipped" in r or "failed" in r:
             kind = "skipped" if "skipped" in r else "failed"
             note(f"- `{name}` {kind}: {r[kind]}")
-            lines.append(f"| {label} | " + " | ".join([kind] * len(CASES)) + " |")
+            lines.append(f"| {label} | " + " | ".join([kind] * len(cases)) + " |")
             continue
         checks = r.get("checks", {})
         for check, status in checks.items():
@@ -449,7 +507,7 @@ def _markdown(report):
             "alloc_axpy": not str(checks.get("axpy", "ok")).startswith("ok"),
         }
         cells = []
-        for case in CASES:
+        for case in cases:
             c = r.get("cases", {}).get(case)
             if c is None or "error" in c:
                 cells.append("error")
@@ -491,7 +549,8 @@ def parent_main(args):
     if args.budget is not None:
         knobs["budget"] = args.budget
     os.makedirs(args.out, exist_ok=True)
-    selected = [m for m in MANAGERS if not args.managers or m[0] in args.managers]
+    suite_managers, suite_cases, _, stem = SUITES[args.suite]
+    selected = [m for m in suite_managers if not args.managers or m[0] in args.managers]
 
     # Managers run in interleaved rounds (A B C ... A B C ...) and each cell is the median
     # over rounds: a GPU's clocks and a host's load drift over minutes, and a drift must not
@@ -530,12 +589,13 @@ def parent_main(args):
         "repeats": knobs["repeats"],
         "rounds": args.rounds,
         "floor": FLOOR,
-        "cases": CASES,
+        "suite": args.suite,
+        "cases": suite_cases,
         "managers": managers,
     }
     md = _markdown(report)
-    json_path = os.path.join(args.out, "bench_numba.json")
-    md_path = os.path.join(args.out, "bench_numba.md")
+    json_path = os.path.join(args.out, f"{stem}.json")
+    md_path = os.path.join(args.out, f"{stem}.md")
     with open(json_path, "w") as f:
         json.dump(report, f, indent=2, default=str)
         f.write("\n")
@@ -558,8 +618,10 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds over the managers; cells are medians (default 3)")
     p.add_argument("--managers", nargs="+", metavar="NAME",
-                   choices=[m for m, _ in MANAGERS],
+                   choices=sorted({m for ms, *_ in SUITES.values() for m, _ in ms}),
                    help="run only these managers")
+    p.add_argument("--suite", choices=sorted(SUITES), default="device",
+                   help="device allocations (default) or pinned host memory")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -567,7 +629,7 @@ def main(argv=None):
         knobs = dict(QUICK if args.quick else FULL)
         if args.budget is not None:
             knobs["budget"] = args.budget
-        return child_main(args.child, knobs)
+        return child_main(args.child, knobs, args.suite)
     if not args.out:
         p.error("--out DIR is required")
     return parent_main(args)

@@ -98,6 +98,61 @@ if __name__ == "__main__":
     print("OK")
 """
 
+# Memory the pool did not allocate, seen by Numba through the CUDA Array Interface: a view at a
+# nonzero offset into a raw cuMemAlloc allocation, and (where CuPy is installed) an array from
+# CuPy's own pool, itself a block inside one of CuPy's segments. Their handles are Numba's own
+# (the whole driver allocation, with the view's offset in it); the consumer reads the right data.
+IPC_FOREIGN = r"""
+import importlib.util, multiprocessing as mp, pickle, numpy as np
+from numba import cuda
+from cuda.bindings import driver as drv
+
+def consume(payload, q):
+    from numba import cuda
+    out = []
+    for ph in pickle.loads(payload):
+        with ph as d:
+            out.append(d.copy_to_host())
+    q.put(out)
+
+class View:  # a foreign array: only the CUDA Array Interface
+    def __init__(self, ptr, n):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (n,), "typestr": "<i8",
+                                         "version": 3}
+
+if __name__ == "__main__":
+    cuda.current_context()                          # Numba's (primary) context is current
+    err, raw = drv.cuMemAlloc(1 << 20)
+    assert err == drv.CUresult.CUDA_SUCCESS, err
+    n = 10_000
+    view = cuda.as_cuda_array(View(int(raw) + 4096, n))
+    view.copy_to_device(np.arange(n, dtype=np.int64) * 5)
+    pool = cuda.current_context().memory_manager.pool
+    assert not pool.owns(int(raw) + 4096)
+    handles = [view.get_ipc_handle()]
+    expected = [np.arange(n, dtype=np.int64) * 5]
+    assert handles[0]._ipc_handle.offset == 4096, handles[0]._ipc_handle.offset
+    if importlib.util.find_spec("cupy") is not None:
+        import cupy                                  # CuPy's own pool, not emmpool's
+        pad = cupy.empty(1000, dtype=cupy.uint8)
+        c = cupy.arange(n, dtype=cupy.int64) * 3
+        handles.append(cuda.as_cuda_array(c).get_ipc_handle())
+        expected.append(cupy.asnumpy(c))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=consume, args=(pickle.dumps(handles), q))
+    p.start()
+    got = q.get(timeout=120)
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+    for g, e in zip(got, expected):
+        assert (g == e).all()
+    del view
+    drv.cuMemFree(raw)
+    print(f"foreign handles: {len(handles)}")
+    print("OK")
+"""
+
 RESET_WITH_LIVE_ARRAYS = r"""
 import gc, numpy as np
 from numba import cuda

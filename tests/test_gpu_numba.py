@@ -59,6 +59,11 @@ def test_ipc_two_arrays_of_one_segment_open_at_once(mode):
 
 
 @pytest.mark.parametrize("mode", ["pool", "passthrough"])
+def test_ipc_of_memory_the_pool_did_not_allocate(mode):
+    check(run(gpu_scripts.IPC_FOREIGN, mode=mode))
+
+
+@pytest.mark.parametrize("mode", ["pool", "passthrough"])
 def test_reset_with_live_arrays_and_exit(mode):
     check(run(gpu_scripts.RESET_WITH_LIVE_ARRAYS, mode=mode))
 
