@@ -2,7 +2,16 @@
 
     python benchmarks/bench_shared.py --out DIR
 
-One child process per configuration (an allocator is fixed at a library's first allocation).
+One child process per configuration (an allocator is fixed at a library's first allocation):
+
+- ``own``: the library's own pool (CuPy's MemoryPool, PyTorch's caching allocator), the target;
+- ``floor``: the library's C-function allocator path with C functions that do nothing (libc's
+  ``memset`` called with a length of 0 and returning its first argument: a fixed address for
+  CuPy, the size itself for PyTorch; nothing touches the memory of an ``empty``), i.e. what
+  CuPy's CFunctionAllocator and PyTorch's CUDAPluggableAllocator cost by themselves;
+- ``emmpool``: ``emmpool.use_for_cupy()`` / ``use_for_torch()``;
+- ``emmpool-direct`` (CuPy): the same C functions without the hook's Python null check.
+
 Reports the median ns per empty()+del over timed blocks, and the ratio to the library's own
 pool. Writes DIR/bench_shared.json and DIR/bench_shared.md.
 """
@@ -16,19 +25,31 @@ import sys
 from pathlib import Path
 
 CHILD = r"""
-import json, statistics, sys, time
-lib, use_emmpool = sys.argv[1], sys.argv[2] == "emmpool"
+import ctypes, json, statistics, sys, time
+lib, alloc = sys.argv[1], sys.argv[2]
+libc = ctypes.CDLL("libc.so.6")
 if lib == "cupy":
     import cupy
-    if use_emmpool:
+    if alloc.startswith("emmpool"):
         import emmpool; emmpool.use_for_cupy()
+        if alloc == "emmpool-direct":
+            from emmpool import hooks
+            cupy.cuda.set_allocator(hooks._installed[-1].malloc)
+    elif alloc == "floor":
+        dummy = ctypes.create_string_buffer(64)
+        memset = ctypes.cast(libc.memset, ctypes.c_void_p).value
+        floor = cupy.cuda.memory.CFunctionAllocator(ctypes.addressof(dummy), memset, memset, None)
+        cupy.cuda.set_allocator(floor.malloc)
     def op(n):
         a = cupy.empty(n, dtype=cupy.uint8); del a
     sync = cupy.cuda.Device().synchronize
 else:
     import torch
-    if use_emmpool:
+    if alloc == "emmpool":
         import emmpool; emmpool.use_for_torch()
+    elif alloc == "floor":
+        floor = torch.cuda.memory.CUDAPluggableAllocator("libc.so.6", "memset", "memset")
+        torch.cuda.memory.change_current_allocator(floor)
     def op(n):
         a = torch.empty(n, dtype=torch.uint8, device="cuda"); del a
     sync = torch.cuda.synchronize
@@ -45,8 +66,14 @@ for n in (256, 1 << 16, 1 << 22, 1 << 26):
         blocks.append((time.perf_counter() - t) / 5000 * 1e9)
     sync()
     out[str(n)] = statistics.median(blocks)
+if alloc.startswith("emmpool"):
+    import emmpool
+    s = emmpool.stats(0)
+    out["stats"] = {k: s[k] for k in ("same_stream_reuses", "batches_closed", "allocations")}
 print("RESULT " + json.dumps(out))
 """
+
+CONFIGS = {"cupy": ("own", "floor", "emmpool", "emmpool-direct"), "torch": ("own", "floor", "emmpool")}
 
 
 def main() -> None:
@@ -55,8 +82,8 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
-    for lib in ("cupy", "torch"):
-        for alloc in ("own", "emmpool"):
+    for lib, allocs in CONFIGS.items():
+        for alloc in allocs:
             p = subprocess.run(
                 [sys.executable, "-c", CHILD, lib, alloc], capture_output=True, text=True,
                 timeout=300,
@@ -67,7 +94,8 @@ def main() -> None:
             )
     (args.out / "bench_shared.json").write_text(json.dumps(results, indent=1))
     sizes = ["256", str(1 << 16), str(1 << 22), str(1 << 26)]
-    rows = ["| allocator | 256 B | 64 KiB | 4 MiB | 64 MiB |", "|---|---:|---:|---:|---:|"]
+    rows = ["| allocator | 256 B | 64 KiB | 4 MiB | 64 MiB | emmpool stats |",
+            "|---|---:|---:|---:|---:|---|"]
     for key, r in results.items():
         if "error" in r:
             rows.append(f"| {key} | error: {r['error'][-120:]!r} | | | |")
@@ -77,7 +105,8 @@ def main() -> None:
         for s in sizes:
             ratio = f" ({r[s] / own[s]:.2f}×)" if "error" not in own else ""
             cells.append(f"{r[s]:.0f} ns{ratio}")
-        rows.append(f"| {key} | " + " | ".join(cells) + " |")
+        stats = ", ".join(f"{k} {v}" for k, v in r.get("stats", {}).items())
+        rows.append(f"| {key} | " + " | ".join(cells) + f" | {stats} |")
     table = "empty()+del, median ns per op; in parentheses: ratio to the library's own pool\n\n"
     table += "\n".join(rows) + "\n"
     (args.out / "bench_shared.md").write_text(table)

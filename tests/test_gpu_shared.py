@@ -82,6 +82,54 @@ print("OK")
 """
 
 
+# CuPy's memory belongs to CuPy's current stream, as in CuPy's own pool: a block freed on a
+# non-blocking stream A while a kernel on A still reads it is not given to stream B before that
+# kernel is done; on the stream that freed it, a block is reused at once (stream order).
+CUPY_STREAMS = r"""
+import cupy, numpy as np
+import emmpool
+emmpool.use_for_cupy()
+slow_sum = cupy.RawKernel('''
+extern "C" __global__ void slow_sum(const double* a, double* out, long long n, int delay_us) {
+    for (int i = 0; i < delay_us; ++i) __nanosleep(1000);
+    double s = 0;
+    for (long long i = 0; i < n; ++i) s += a[i];
+    out[0] = s;
+}''', "slow_sum")
+n = 8 << 20                                   # 64 MiB: a segment of its own
+A = cupy.cuda.Stream(non_blocking=True)
+B = cupy.cuda.Stream(non_blocking=True)
+out = cupy.zeros(1)
+with A:
+    a = cupy.ones(n)
+    slow_sum((1,), (1,), (a, out, cupy.int64(n), cupy.int32(1)))
+    A.synchronize()                           # compiled and warm
+    slow_sum((1,), (1,), (a, out, cupy.int64(n), cupy.int32(300_000)))  # ~0.3 s before it reads
+    a_ptr = a.data.ptr
+    del a                                     # freed while the kernel waits
+with B:
+    b = cupy.empty(n)
+    b.fill(-1.0)
+assert b.data.ptr != a_ptr, "a block was reused on another stream while a kernel still read it"
+B.synchronize(); A.synchronize()
+assert float(out[0]) == n, float(out[0])
+with A:                                       # same stream: straight back, in stream order
+    c = cupy.empty(n); c_ptr = c.data.ptr; del c
+    d = cupy.empty(n)
+    assert d.data.ptr == c_ptr
+before = emmpool.stats(0)["same_stream_reuses"]
+for _ in range(1000):
+    x = cupy.empty(1 << 20); del x
+assert emmpool.stats(0)["same_stream_reuses"] - before >= 999, emmpool.stats(0)
+print("OK")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs CuPy")
+def test_cupy_memory_follows_cupys_current_stream():
+    check(run(CUPY_STREAMS, manager=None))
+
+
 @needs_cupy_torch
 def test_three_libraries_in_turn_fit_only_with_one_shared_pool():
     shared = run(THREE_PHASES, "shared", manager=None)

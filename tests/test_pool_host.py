@@ -422,3 +422,83 @@ def test_a_cap_below_the_segment_size_still_serves_what_fits(host):
     assert a != b and pool.stats()["bytes_reserved"] <= MiB
     with pytest.raises(emmpool.OutOfMemoryError):
         pool.allocate(900 * 1024)
+
+
+# ---- stream order: a block freed on a named stream goes straight back to that stream ----------
+
+S, T = 0x5000, 0x6000  # two named streams (opaque handles to the host driver)
+
+
+def test_block_freed_on_a_stream_is_reused_at_once_on_that_stream(host):
+    pool = make_pool(host)
+    p = pool.allocate(4096, S)
+    pool.deallocate(p, S)
+    # No event has completed: only stream order makes this safe, and only on S.
+    assert pool.allocate(4000, S) == p
+    assert pool.stats()["same_stream_reuses"] == 1
+    assert pool.stats()["bytes_waiting"] == 0 and pool.stats()["bytes_in_use"] == 4096
+
+
+def test_no_unfenced_reuse_on_another_stream_or_without_a_stream(host):
+    pool = make_pool(host)
+    p = pool.allocate(4096, S)
+    pool.deallocate(p, S)
+    others = [pool.allocate(4096, T), pool.allocate(4096), pool.allocate(4096, 0)]
+    assert p not in others
+    assert pool.stats()["same_stream_reuses"] == 0
+    # Numba's frees name no stream: never reused unfenced, whatever stream asks.
+    q = pool.allocate(4096)
+    pool.deallocate(q)
+    assert q not in {pool.allocate(4096, s) for s in (_core.LEGACY_STREAM, T, 0)}
+    assert pool.stats()["same_stream_reuses"] == 0
+
+
+def test_per_thread_stream_is_never_reused_unfenced(host):
+    # One handle, a different stream on every thread: treated as "no stream named".
+    pool = make_pool(host)
+    p = pool.allocate(4096, _core.PER_THREAD_STREAM)
+    pool.deallocate(p, _core.PER_THREAD_STREAM)
+    assert pool.allocate(4096, _core.PER_THREAD_STREAM) != p
+
+
+def test_sizes_far_from_the_freed_block_are_not_served_from_it(host):
+    pool = make_pool(host)
+    p = pool.allocate(8192, S)
+    pool.deallocate(p, S)
+    assert pool.allocate(1024, S) != p           # would waste 7/8 of the block
+    assert pool.allocate(8192 + 256, S) != p     # does not fit
+    assert pool.allocate(8192 - 512, S) == p     # within 1/8
+
+
+def test_recorded_stream_blocks_wait_for_their_fence(host):
+    pool = make_pool(host)
+    p = pool.allocate(4096, S)
+    pool.record_stream(p, T)
+    pool.deallocate(p, S)
+    assert p not in {pool.allocate(4096, S), pool.allocate(4096, T)}
+
+
+def test_allocation_stream_fences_the_free_on_the_allocations_stream(host):
+    # The CuPy entry point frees with ALLOCATION_STREAM: the block goes back to its own stream.
+    pool = make_pool(host)
+    p = pool.allocate(4096, S, 2)
+    pool.deallocate_tagged(p, _core.ALLOCATION_STREAM, 2)
+    assert pool.allocate(4096, T, 2) != p
+    assert pool.allocate(4096, S, 2) == p
+    with pytest.raises(ValueError, match="allocation_stream"):
+        pool.allocate(16, _core.ALLOCATION_STREAM)
+
+
+def test_same_stream_reuse_keeps_segment_accounting(host):
+    pool = make_pool(host)
+    ptrs = [pool.allocate(4096, S) for _ in range(4)]
+    for _ in range(1000):
+        pool.deallocate(ptrs[-1], S)
+        ptrs[-1] = pool.allocate(4096, S)
+    for p in ptrs:
+        pool.deallocate(p, S)
+    host.complete_all_events()
+    pool.synchronize()
+    s = pool.stats()
+    assert s["bytes_in_use"] == 0 and s["bytes_waiting"] == 0 and s["same_stream_reuses"] == 1000
+    assert pool.trim() == s["bytes_reserved"]    # every segment wholly free again

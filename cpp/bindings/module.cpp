@@ -18,11 +18,29 @@ void* emmpool_cupy_malloc(void*, std::size_t, int);
 void emmpool_cupy_free(void*, void*, int);
 void* emmpool_torch_malloc(std::size_t, int, void*);
 void emmpool_torch_free(void*, std::size_t, int, void*);
+void emmpool_set_cupy_stream_source(std::intptr_t (*)());
 }
 
 namespace {
 
 using namespace emmpool;
+
+// CuPy's own `intptr_t get_current_stream_ptr(void)` (a Cython function it exports), and the
+// guard the C entry points call it through: it needs the GIL, which CuPy holds when it calls
+// its allocator; anywhere else the answer is "unknown" (-1), and the free is fenced on legacy.
+std::intptr_t (*cupy_get_current_stream_ptr)() = nullptr;
+constexpr char const* cupy_stream_signature = "intptr_t (void)";
+
+std::intptr_t cupy_stream_under_gil()
+{
+  if (PyGILState_Check() == 0) { return -1; }
+  std::intptr_t const s = cupy_get_current_stream_ptr();
+  if (s == -1 && PyErr_Occurred() != nullptr) {
+    PyErr_Clear();
+    return -1;
+  }
+  return s;
+}
 
 pool_mode parse_mode(std::string const& mode)
 {
@@ -78,6 +96,7 @@ py::dict stats_dict(pool_stats const& s)
   d["segment_allocations"] = s.segment_allocations;
   d["segment_releases"]    = s.segment_releases;
   d["batches_closed"]      = s.batches_closed;
+  d["same_stream_reuses"]  = s.same_stream_reuses;
   d["out_of_memory"]       = s.out_of_memory;
   static char const* const names[alloc_tag_count] = {"other", "numba", "cupy", "torch"};
   py::dict by_tag;
@@ -147,7 +166,9 @@ PYBIND11_MODULE(_core, m)
     }
   });
 
-  m.attr("LEGACY_STREAM") = legacy_stream;
+  m.attr("LEGACY_STREAM")     = legacy_stream;
+  m.attr("PER_THREAD_STREAM") = per_thread_stream;
+  m.attr("ALLOCATION_STREAM") = allocation_stream;
   m.attr("ALIGNMENT")     = device_pool::alignment;
 
   py::class_<host_driver>(m, "HostDriver",
@@ -426,5 +447,25 @@ PYBIND11_MODULE(_core, m)
     d["torch_free"]   = reinterpret_cast<std::uintptr_t>(&emmpool_torch_free);
     return d;
   });
+  m.def(
+    "set_cupy_stream_source",
+    [](py::object capsule) {
+      if (capsule.is_none()) {
+        emmpool_set_cupy_stream_source(nullptr);
+        return;
+      }
+      auto cap         = capsule.cast<py::capsule>();
+      char const* name = cap.name();
+      if (name == nullptr || std::string{name} != cupy_stream_signature) {
+        throw std::invalid_argument{std::string{"expected a capsule of signature '"} +
+                                    cupy_stream_signature + "', got '" + (name ? name : "") +
+                                    "'"};
+      }
+      cupy_get_current_stream_ptr = reinterpret_cast<std::intptr_t (*)()>(cap.get_pointer());
+      emmpool_set_cupy_stream_source(&cupy_stream_under_gil);
+    },
+    py::arg("capsule"),
+    "Let the CuPy entry points ask CuPy's current stream (the capsule of "
+    "cupy.cuda.stream.get_current_stream_ptr); None: stop asking.");
   m.def("_raise_for_test", &raise_for_test, py::arg("kind"));
 }

@@ -5,6 +5,7 @@
 // and dropped (free), as neither caller has a way to receive a C++ exception.
 #include <emmpool/registry.hpp>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -34,26 +35,44 @@ void free_on(void* ptr, int device, emmpool::stream_handle stream, emmpool::allo
   }
 }
 
-// A null stream handle means the legacy default stream to the CUDA runtime (unless the caller
-// was built for per-thread default streams, in which case the fence is conservative anyway:
-// the legacy stream orders after per-thread default streams too).
+// A stream handle as CuPy and PyTorch pass it: 0 is the null stream (the legacy default stream
+// for both, a stream like any other to the pool); the per-thread handle the pool maps itself.
 emmpool::stream_handle as_stream(void* s) noexcept
 {
-  return s == nullptr ? emmpool::legacy_stream : reinterpret_cast<emmpool::stream_handle>(s);
+  return reinterpret_cast<emmpool::stream_handle>(s);
+}
+
+// CuPy's current stream, when the binding could find how to ask CuPy (emmpool.hooks); it returns
+// a negative value when it cannot say. Without it, CuPy's memory names no stream (legacy fence).
+std::atomic<std::intptr_t (*)()> cupy_stream_source{nullptr};
+
+emmpool::stream_handle cupy_current_stream() noexcept
+{
+  auto* source = cupy_stream_source.load(std::memory_order_acquire);
+  std::intptr_t const s = source != nullptr ? source() : -1;
+  return s < 0 ? emmpool::legacy_stream : static_cast<emmpool::stream_handle>(s);
 }
 
 }  // namespace
 
-/// CuPy: void* malloc(void* param, size_t size, int device_id). No stream: legacy fence.
-EMMPOOL_C_API void* emmpool_cupy_malloc(void*, std::size_t size, int device)
+/// How the CuPy entry points learn CuPy's current stream (null: they do not).
+EMMPOOL_C_API void emmpool_set_cupy_stream_source(std::intptr_t (*source)())
 {
-  return allocate_tagged(size, device, emmpool::legacy_stream, emmpool::alloc_tag::cupy);
+  cupy_stream_source.store(source, std::memory_order_release);
 }
 
-/// CuPy: void free(void* param, void* ptr, int device_id).
+/// CuPy: void* malloc(void* param, size_t size, int device_id). The block is used on CuPy's
+/// current stream, as in CuPy's own pool.
+EMMPOOL_C_API void* emmpool_cupy_malloc(void*, std::size_t size, int device)
+{
+  return allocate_tagged(size, device, cupy_current_stream(), emmpool::alloc_tag::cupy);
+}
+
+/// CuPy: void free(void* param, void* ptr, int device_id). No stream is passed: the free is
+/// fenced on the stream of the allocation, as CuPy's own pool does.
 EMMPOOL_C_API void emmpool_cupy_free(void*, void* ptr, int device)
 {
-  free_on(ptr, device, emmpool::legacy_stream, emmpool::alloc_tag::cupy);
+  free_on(ptr, device, emmpool::allocation_stream, emmpool::alloc_tag::cupy);
 }
 
 /// PyTorch: void* alloc(size_t size, int device, cudaStream_t stream).

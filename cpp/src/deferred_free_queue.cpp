@@ -29,6 +29,43 @@ void deferred_free_queue::push(detail::block* blk, stream_handle stream)
   open_.push_back(std::move(b));
 }
 
+detail::block* deferred_free_queue::take_same_stream(stream_handle stream, std::size_t size)
+{
+  // The newest frees of that stream first (its open batch, then its latest closed one), and
+  // only a few of each: a loop that frees and allocates the same sizes finds its block at once,
+  // and a miss costs a handful of comparisons.
+  auto take_from = [&](batch& b) -> detail::block* {
+    constexpr std::size_t window = 8;
+    auto& blocks                 = b.blocks;
+    std::size_t const end        = blocks.size() > window ? blocks.size() - window : 0;
+    for (std::size_t i = blocks.size(); i-- > end;) {
+      auto* blk = blocks[i];
+      if (blk->also_fence != 0 || blk->size < size || blk->size - size > size / 8) { continue; }
+      blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
+      waiting_bytes_ -= blk->size;
+      --waiting_blocks_;
+      return blk;
+    }
+    return nullptr;
+  };
+  for (auto b = open_.begin(); b != open_.end(); ++b) {
+    if (b->stream != stream) { continue; }
+    auto* blk = take_from(*b);
+    if (blk != nullptr && b->blocks.empty()) {
+      if (b->event != 0) { spare_events_.push_back(b->event); }
+      open_.erase(b);
+    }
+    if (blk != nullptr) { return blk; }
+    break;
+  }
+  // A closed batch left empty stays until its event completes: promote_completed() then
+  // recycles the event.
+  for (auto b = closed_.rbegin(); b != closed_.rend(); ++b) {
+    if (b->stream == stream) { return take_from(*b); }
+  }
+  return nullptr;
+}
+
 event_handle deferred_free_queue::take_event()
 {
   if (!spare_events_.empty()) {

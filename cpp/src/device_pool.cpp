@@ -18,6 +18,13 @@ constexpr std::size_t large_granularity = 2 * mib;  // the driver's own allocati
 
 constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
 
+// One handle, a different stream on each thread: the pool keeps the legacy stream instead, which
+// orders after every per-thread default stream (see driver.hpp).
+constexpr stream_handle kept(stream_handle s) noexcept
+{
+  return s == per_thread_stream ? legacy_stream : s;
+}
+
 std::string human(std::size_t bytes)
 {
   char buf[32];
@@ -226,12 +233,14 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
   return blk;
 }
 
-device_ptr device_pool::hand_out(block* blk, stream_handle, alloc_tag tag)
+device_ptr device_pool::hand_out(block* blk, stream_handle stream, alloc_tag tag)
 {
-  blk->state      = detail::block_state::allocated;
-  blk->tag        = static_cast<std::uint8_t>(tag);
-  blk->also_fence = 0;
-  ++blk->seg->live_blocks;
+  // A pending block (same-stream reuse) still counts in its segment's live blocks.
+  if (blk->state != detail::block_state::pending) { ++blk->seg->live_blocks; }
+  blk->state        = detail::block_state::allocated;
+  blk->tag          = static_cast<std::uint8_t>(tag);
+  blk->also_fence   = 0;
+  blk->alloc_stream = stream;
   live_.emplace(blk->ptr, blk);
 
   stats_.bytes_in_use += blk->size;
@@ -248,11 +257,22 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
   EMMPOOL_EXPECTS(bytes <= std::numeric_limits<std::size_t>::max() / 2,
                   "allocation size is too large");
   EMMPOOL_EXPECTS(static_cast<std::size_t>(tag) < alloc_tag_count, "unknown allocation tag");
+  EMMPOOL_EXPECTS(stream != allocation_stream, "allocation_stream names no stream to allocate on");
   std::size_t const rounded = std::max(round_up(bytes, alignment), alignment);
+  stream = kept(stream);
   std::lock_guard lock{mutex_};
   if (forked_) { detail::throw_forked(); }
 
   block* blk = nullptr;
+  if (stream != legacy_stream && options_.mode == pool_mode::pool) {
+    // Stream order: a block this stream freed lately needs no fence for this stream's work.
+    blk = queue_.take_same_stream(stream, rounded);
+    if (blk != nullptr) {
+      ++stats_.same_stream_reuses;
+      if (tracing_) { record('a', blk->ptr, bytes, stream, static_cast<std::uint8_t>(tag)); }
+      return hand_out(blk, stream, tag);
+    }
+  }
   if (options_.mode == pool_mode::passthrough) {
     maintain();  // returns completed frees' segments to the driver
     blk = grow(rounded, true);
@@ -363,6 +383,7 @@ void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_
 
 void device_pool::deallocate_locked(block* blk, stream_handle stream)
 {
+  stream = stream == allocation_stream ? blk->alloc_stream : kept(stream);
   if (tracing_) { record('f', blk->ptr, blk->size, stream, blk->tag); }
   stats_.bytes_in_use -= blk->size;
   --stats_.blocks_in_use;
@@ -389,7 +410,7 @@ void device_pool::record_stream(device_ptr ptr, stream_handle stream)
   // One extra stream per block: a second, different one is fenced by the legacy stream only
   // if it is blocking. Keep the most recent, as the one a caller is most likely still using.
   // 0, the CUDA runtime's name for the default stream, means the legacy stream here.
-  it->second->also_fence = stream == 0 ? legacy_stream : stream;
+  it->second->also_fence = stream == 0 ? legacy_stream : kept(stream);
 }
 
 void device_pool::release_block(block* blk)

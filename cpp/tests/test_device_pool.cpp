@@ -319,6 +319,27 @@ TEST(streams_fence_independently)
   CHECK(got.count(pb) == 1);
 }
 
+TEST(same_stream_reuse_is_unfenced_and_stream_local)
+{
+  fixture f;
+  auto const p = f->allocate(big, stream_a);
+  f->deallocate(p, stream_a);
+  auto const records = f.drv.stats().event_records;
+  CHECK(f->allocate(big, stream_b) != p);        // another stream: only after the fence
+  CHECK(f->allocate(big) != p);                  // no stream named: likewise
+  CHECK_EQ(f->allocate(big, stream_a), p);       // the same stream: at once, stream order
+  CHECK_EQ(f->stats().same_stream_reuses, 1u);
+  CHECK_EQ(f->stats().bytes_waiting, 0u);
+  auto const q = f->allocate(big);               // a free that names no stream ...
+  f->deallocate(q);
+  CHECK(f->allocate(big, stream_a) != q);        // ... is never taken unfenced
+  auto const r = f->allocate(big, stream_a);
+  f->deallocate(r, allocation_stream);           // fenced on the allocation's stream
+  CHECK_EQ(f->allocate(big, stream_a), r);
+  CHECK(f.drv.stats().event_records >= records);
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(auto_complete_reuses_at_the_next_miss)
 {
   fixture f;

@@ -29,6 +29,9 @@ _MODES = ("pool", "passthrough")
 _PINNED = ("pool", "numba")
 _LOG_LEVELS = {"": None, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
 log = logging.getLogger("emmpool")
+# A library's logger stays silent unless the application (or EMMPOOL_LOG) configures logging:
+# without this, Python's last-resort handler would print every warning to stderr.
+log.addHandler(logging.NullHandler())
 # Options with a fixed set of values: the variable that sets them, and what it accepts.
 _CHOICES = {
     "mode": ("EMMPOOL_MODE", _MODES),
@@ -47,7 +50,7 @@ class Config:
     maximum_pool_fraction: float = 0.0  # of the device's memory; 0 means unused
     trace: str = ""  # CSV path: record every allocation and free, written at exit
     log: str = ""  # level of the "emmpool" logger: warning, info or debug; "" leaves it alone
-    pinned: str = "numba"  # pinned/mapped host memory for Numba: "pool" (emmpool's) or "numba"
+    pinned: str = "pool"  # pinned/mapped host memory for Numba: "pool" (emmpool's) or "numba"
     pinned_limit: int = 0  # bytes of pinned memory the pool may hold; 0: a quarter of RAM
 
 
@@ -101,7 +104,7 @@ def _from_environment() -> Config:
         )
     trace = env.get("EMMPOOL_TRACE", "").strip()
     level = env.get("EMMPOOL_LOG", "").strip().lower()
-    pinned = env.get("EMMPOOL_PINNED", "numba").strip().lower() or "numba"
+    pinned = env.get("EMMPOOL_PINNED", Config.pinned).strip().lower() or Config.pinned
     pinned_limit = 0
     if "EMMPOOL_PINNED_LIMIT" in env:
         pinned_limit = parse_size(env["EMMPOOL_PINNED_LIMIT"], "EMMPOOL_PINNED_LIMIT")
@@ -184,7 +187,8 @@ def _log_at(level: int) -> None:
     """Set the emmpool logger's level; print its records to stderr unless the application
     already handles them."""
     log.setLevel(level)
-    if not log.handlers and not logging.getLogger().handlers:
+    configured = [h for h in log.handlers if not isinstance(h, logging.NullHandler)]
+    if not configured and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("emmpool %(levelname)s: %(message)s"))
         log.addHandler(handler)
@@ -229,4 +233,4 @@ def config() -> Config:
     o = _core.configured_options()
     return Config(o["mode"], o["initial_size"], o["maximum_size"], o["maximum_fraction"],
                   _trace_path or "", logging.getLevelName(log.level).lower() if log.level else "",
-                  "numba", o["pinned_limit"])
+                  Config.pinned, o["pinned_limit"])

@@ -6,8 +6,10 @@ allocation. Neither library is needed by emmpool itself; each hook says what to 
 
 from __future__ import annotations
 
+import warnings
+
 from . import _core
-from ._config import ensure_configured
+from ._config import ensure_configured, log
 
 _installed: list = []  # keeps CuPy's allocator object alive
 
@@ -15,10 +17,13 @@ _installed: list = []  # keeps CuPy's allocator object alive
 def use_for_cupy() -> None:
     """Install emmpool as CuPy's allocator (``cupy.cuda.set_allocator``).
 
-    CuPy's C function allocator passes no stream, so frees are fenced on the legacy default
-    stream: safe for CuPy's default, per-thread default and blocking streams. Memory used on a
-    *non-blocking* CuPy stream must be declared with :func:`emmpool.record_stream` before it is
-    freed.
+    Each block belongs to CuPy's current stream at its allocation, as in CuPy's own pool: its
+    free is fenced on that stream, and a block freed on a stream can go straight to the next
+    allocation on the same stream. CuPy's C function allocator passes no stream, so emmpool asks
+    CuPy (``cupy.cuda.stream.get_current_stream_ptr``, a C function CuPy exports); should a
+    CuPy version not export it, blocks name no stream and frees are fenced on the legacy
+    default stream (safe for the null, per-thread and blocking streams; memory used on a
+    non-blocking stream then needs :func:`emmpool.record_stream` before its free).
     """
     try:
         import cupy
@@ -27,6 +32,7 @@ def use_for_cupy() -> None:
             "emmpool.use_for_cupy() needs CuPy: pip install 'emmpool[cupy]' (cupy-cuda13x)"
         ) from e
     ensure_configured()
+    _ask_cupy_for_its_stream(cupy)
     addresses = _core.c_function_addresses()
     allocator = cupy.cuda.memory.CFunctionAllocator(
         0, addresses["cupy_malloc"], addresses["cupy_free"], _core
@@ -44,6 +50,24 @@ def use_for_cupy() -> None:
 
     cupy.cuda.set_allocator(malloc)
     _installed.append(allocator)
+
+
+def _ask_cupy_for_its_stream(cupy) -> None:
+    capsule = getattr(cupy.cuda.stream, "__pyx_capi__", {}).get("get_current_stream_ptr")
+    try:
+        _core.set_cupy_stream_source(capsule)
+    except (ValueError, TypeError) as e:  # another signature in this CuPy version
+        capsule = None
+        _core.set_cupy_stream_source(None)
+        log.info("CuPy %s: %s", cupy.__version__, e)
+    if capsule is None:
+        warnings.warn(
+            f"CuPy {cupy.__version__} does not say which stream is current: emmpool fences "
+            "CuPy's frees on the legacy default stream (memory used on a non-blocking stream "
+            "needs emmpool.record_stream before its free)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def use_for_torch() -> None:

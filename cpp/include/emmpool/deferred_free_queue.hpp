@@ -22,6 +22,14 @@
  * users must say so with device_pool::record_stream(ptr, stream) (as PyTorch's record_stream),
  * which moves the block's free onto that stream's batch as well.
  *
+ * The one exception, stream order: a block freed on a stream S that the caller *named* (CuPy's
+ * current stream, PyTorch's stream; never legacy_stream, which stands for "no stream named")
+ * may go at once to a new allocation on the same S (take_same_stream). Work on one stream runs
+ * in issue order, so everything the old owner issued to S precedes whatever the new owner
+ * issues to S. This is the contract of CuPy's and PyTorch's own pools: memory used on another
+ * stream must be synchronized with S by the user, or declared with record_stream (such a block
+ * is never taken this way).
+ *
  * This class is not thread-safe: device_pool serializes access under its mutex.
  */
 #pragma once
@@ -45,6 +53,12 @@ class deferred_free_queue {
 
   /// @brief Add a freed block to the open batch of stream. Never calls CUDA.
   void push(detail::block* blk, stream_handle stream);
+
+  /// @brief Take back, unfenced, a block recently freed on `stream` (its open batch, or its
+  /// latest closed one, whose event may not have completed) of at least `size` bytes and at
+  /// most 1/8 more, for an allocation on that same stream; null if none among the last few. The caller guarantees `stream` is a named stream (not
+  /// legacy_stream). Blocks with a record_stream fence pending are never taken.
+  detail::block* take_same_stream(stream_handle stream, std::size_t size);
 
   /// @brief Record an event on the stream of each open batch, closing it. If recording on a
   /// stream other than the legacy one fails (the stream was destroyed, say), the device is

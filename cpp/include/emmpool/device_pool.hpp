@@ -38,6 +38,10 @@
 
 namespace emmpool {
 
+/// As the stream of a free: fence it on the stream named when the block was allocated (the
+/// CuPy entry point, whose free carries no stream, uses this). Never reaches the driver.
+inline constexpr stream_handle allocation_stream = ~stream_handle{0};
+
 enum class pool_mode : std::uint8_t { pool, passthrough };
 
 /// @brief How a pool grows and what it keeps.
@@ -86,7 +90,9 @@ class device_pool {
 
   /**
    * @brief Allocate `bytes` (rounded up to 256; 0 gives a distinct 256-byte block).
-   * @param stream the stream the caller will use first; frees on it fence on it.
+   * @param stream the stream the caller uses the block on; legacy_stream: none named. On a
+   *        named stream, a block freed on that same stream may be handed out again at once
+   *        (stream order; see deferred_free_queue.hpp). per_thread_stream counts as none.
    * @throws out_of_memory after the out-of-memory ladder: promote completed frees, grow, wait
    *         for pending frees, release wholly free segments, grow again.
    */
@@ -95,8 +101,10 @@ class device_pool {
 
   /**
    * @brief Free a block. It becomes reusable once an event recorded on `stream` after this call
-   * has completed (legacy_stream: after all blocking-stream work issued before the free).
-   * Never calls CUDA. @throws pool_error if ptr is not a live block of this pool.
+   * has completed (legacy_stream: after all blocking-stream work issued before the free), or at
+   * once for an allocation on that same named stream. `allocation_stream`: the stream named
+   * when the block was allocated. Never calls CUDA.
+   * @throws pool_error if ptr is not a live block of this pool.
    */
   void deallocate(device_ptr ptr, stream_handle stream = legacy_stream);
 
@@ -176,7 +184,7 @@ class device_pool {
   block* take_best_fit(std::size_t rounded);
   block* split(block* blk, std::size_t rounded);
   block* grow(std::size_t rounded, bool exact);
-  device_ptr hand_out(block* blk, stream_handle stream, alloc_tag tag);
+  device_ptr hand_out(block* blk, stream_handle stream, alloc_tag tag);  // free or pending
   void release_block(block* blk);             // from the queue: coalesce into free lists
   void maintain();                            // close open batches, promote completed
   std::size_t release_free_segments(bool large_only = false);

@@ -31,7 +31,12 @@ using stream_handle = std::uintptr_t;  ///< A CUstream, as an integer.
 using event_handle  = std::uintptr_t;  ///< A CUevent, as an integer.
 
 /// CU_STREAM_LEGACY: the legacy default stream, whatever the per-thread setting of the caller.
+/// To the pool it also means "no stream named": Numba's allocations and frees carry none.
 inline constexpr stream_handle legacy_stream = 0x1;
+/// CU_STREAM_PER_THREAD: a different stream on each thread under one handle. The pool never
+/// keeps it (a free may be fenced from another thread): callers map it to legacy_stream, which
+/// orders after every per-thread default stream.
+inline constexpr stream_handle per_thread_stream = 0x2;
 
 /// @brief The 64 opaque bytes of a CUipcMemHandle.
 using ipc_bytes = std::array<unsigned char, 64>;

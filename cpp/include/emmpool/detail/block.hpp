@@ -16,8 +16,9 @@ namespace emmpool::detail {
 
 struct segment;
 
-/// Where a block is in its life. A block moves allocated -> pending -> free, never back to
-/// allocated straight from pending: that is the reuse rule (see deferred_free_queue.hpp).
+/// Where a block is in its life. A block moves allocated -> pending -> free; straight from
+/// pending back to allocated only in the order of one named stream (deferred_free_queue.hpp,
+/// the reuse rule).
 enum class block_state : std::uint8_t { free, allocated, pending };
 
 /// @brief A contiguous range of a segment. Blocks of a segment form a doubly linked list in
@@ -34,6 +35,7 @@ struct block {
   /// on it first, then on the stream of the free. 0: none.
   stream_handle also_fence{};
   stream_handle freed_on{};  ///< the stream of the free, while waiting for also_fence
+  stream_handle alloc_stream{};  ///< the stream named at allocation (legacy_stream: none)
 };
 
 /// @brief One allocation from the driver, carved into blocks.
