@@ -98,7 +98,7 @@ py::dict stats_dict(pool_stats const& s)
   d["batches_closed"]      = s.batches_closed;
   d["same_stream_reuses"]  = s.same_stream_reuses;
   d["out_of_memory"]       = s.out_of_memory;
-  static char const* const names[alloc_tag_count] = {"other", "numba", "cupy", "torch"};
+  static char const* const names[alloc_tag_count] = {"other", "numba", "cupy", "torch", "rmm"};
   py::dict by_tag;
   for (std::size_t i = 0; i < alloc_tag_count; ++i) {
     py::dict t;

@@ -21,6 +21,7 @@ __all__ = [
     "configure",
     "record_stream",
     "reset_peak_stats",
+    "rmm_resource",
     "stats",
     "trim",
     "use_for_cupy",
@@ -50,6 +51,13 @@ def use_for_torch() -> None:
     from .hooks import use_for_torch as _use
 
     _use()
+
+
+def rmm_resource(device: int | None = None):
+    """An RMM memory resource over emmpool's pool (see :func:`emmpool.hooks.rmm_resource`)."""
+    from .hooks import rmm_resource as _make
+
+    return _make(device)
 
 
 def stats(device: int | None = None) -> dict:

@@ -11,8 +11,8 @@
 namespace emmpool {
 
 /// @brief Who asked for a block: statistics are broken down by library.
-enum class alloc_tag : std::uint8_t { other = 0, numba = 1, cupy = 2, torch = 3 };
-inline constexpr std::size_t alloc_tag_count = 4;
+enum class alloc_tag : std::uint8_t { other = 0, numba = 1, cupy = 2, torch = 3, rmm = 4 };
+inline constexpr std::size_t alloc_tag_count = 5;
 
 /// @brief A snapshot of one device pool. Sizes are in bytes, as the pool rounds them (256 B).
 struct pool_stats {

@@ -1,0 +1,86 @@
+"""emmpool and RMM in one process (GPU; skipped, with the reason, where RMM or a GPU is absent).
+
+Two ways an application that already uses RMM can combine the two (README, "RMM"): side by side,
+each with its own pool and budget; or RMM allocating from emmpool through emmpool.rmm_resource().
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.test_gpu_numba import check, run
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("rmm") is None, reason="needs RMM (rmm-cu13)"),
+]
+
+# RMM with its own pool (as RAPIDS sets it up), Numba through emmpool; arrays of each are used
+# by the other through the CUDA Array Interface; each pool counts only its own memory; both give
+# everything back.
+SIDE_BY_SIDE = r"""
+import gc, numpy as np, rmm
+from numba import cuda
+import emmpool
+emmpool.use_for_numba()
+rmm.reinitialize(pool_allocator=True, initial_pool_size=1 << 30, maximum_pool_size=4 << 30)
+stats = rmm.mr.StatisticsResourceAdaptor(rmm.mr.get_current_device_resource())
+rmm.mr.set_current_device_resource(stats)
+
+@cuda.jit
+def add(a, b, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = a[i] + b[i]
+
+n = 1 << 20
+buf = rmm.DeviceBuffer.to_device(np.arange(n, dtype=np.float64).tobytes())   # RMM memory
+a = cuda.as_cuda_array(buf).view(np.float64)
+b = cuda.to_device(np.ones(n))                                           # emmpool memory
+out = rmm.DeviceBuffer(size=8 * n)
+add[(n + 255) // 256, 256](a, b, cuda.as_cuda_array(out).view(np.float64))
+got = np.frombuffer(out.copy_to_host(), dtype=np.float64)
+assert (got == np.arange(n) + 1).all()
+assert stats.allocation_counts.current_bytes >= 16 * n
+s = emmpool.stats(0)
+assert s["by_library"]["numba"]["bytes_in_use"] == 8 * n, s          # RMM's buffers are not ours
+assert s["by_library"]["rmm"]["allocations"] == 0, s
+del a, b, buf, out; gc.collect()
+assert emmpool.stats(0)["bytes_in_use"] == 0
+assert stats.allocation_counts.current_bytes == 0
+print("OK")
+"""
+
+# RMM allocating from emmpool's pool: one pool for RMM, Numba (and CuPy/PyTorch) alike.
+RMM_ON_EMMPOOL = r"""
+import gc, numpy as np, rmm
+from numba import cuda
+import emmpool
+emmpool.use_for_numba()
+rmm.mr.set_current_device_resource(emmpool.rmm_resource())
+n = 1 << 20
+bufs = [rmm.DeviceBuffer.to_device(np.full(n, i, np.uint8).tobytes()) for i in range(8)]
+s = emmpool.stats(0)["by_library"]["rmm"]
+assert s["allocations"] == 8 and s["bytes_in_use"] == 8 * n, s
+x = cuda.to_device(np.arange(1000))
+for i, b in enumerate(bufs):
+    assert (np.frombuffer(b.copy_to_host(), np.uint8) == i).all()
+stream = rmm.pylibrmm.stream.Stream()                       # a stream of RMM's own
+for _ in range(100):
+    t = rmm.DeviceBuffer(size=n, stream=stream); del t
+s = emmpool.stats(0)
+assert s["same_stream_reuses"] >= 99, s                    # stream order, as RMM's own pools
+del bufs, x; gc.collect(); stream.synchronize()
+assert emmpool.stats(0)["bytes_in_use"] == 0, emmpool.stats(0)
+print("OK")
+"""
+
+
+def test_rmm_pool_and_emmpool_side_by_side():
+    check(run(SIDE_BY_SIDE, manager=None))
+
+
+def test_rmm_allocating_from_emmpool():
+    check(run(RMM_ON_EMMPOOL, manager=None))
