@@ -28,6 +28,7 @@ Allocations are made on the calling thread's current context, which Numba has
 made current (the device's primary context) before calling ``memalloc``.
 """
 
+import collections
 import functools
 
 from cuda.bindings import driver as cu
@@ -192,6 +193,7 @@ class NothingManager(_AnchorBase):
         self._capacity = 0  # its size; 0 until initialize() has run
         self._buffers = []  # every buffer made, freed on reset()
         self._host = None  # the mapped host buffer of memhostalloc()
+        self._mapped = collections.deque(maxlen=64)  # recent MappedMemory objects
 
     def initialize(self):
         if self._capacity == 0:
@@ -221,12 +223,19 @@ class NothingManager(_AnchorBase):
         if self._host is None or self._host.size < size:
             self._host = super().memhostalloc(max(size, self.BUFFER_BYTES // 4), mapped=True)
         ptr = self._host.host_pointer
-        cls = MappedMemory if mapped else PinnedMemory
-        return cls(self.context, ptr, size, owner=self._host, finalizer=_noop)
+        if not mapped:
+            return PinnedMemory(self.context, ptr, size, owner=self._host, finalizer=_noop)
+        # Numba wants the owned view of mapped memory (the buffer an ndarray wraps), which
+        # refers to the MappedMemory weakly: keep the last few alive, as Numba's own
+        # `allocations` does until their arrays die.
+        mem = MappedMemory(self.context, ptr, size, owner=self._host, finalizer=_noop)
+        self._mapped.append(mem)
+        return mem.own()
 
     def reset(self):
         super().reset()
         self._host = None
+        self._mapped.clear()
         buffers, self._buffers = self._buffers, []
         self._ptr, self._capacity = None, 0
         for ptr in buffers:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -73,25 +74,45 @@ if alloc.startswith("emmpool"):
 print("RESULT " + json.dumps(out))
 """
 
-CONFIGS = {"cupy": ("own", "floor", "emmpool", "emmpool-direct"), "torch": ("own", "floor", "emmpool")}
+CONFIGS = {
+    "cupy": ("own", "floor", "emmpool", "emmpool-direct"),
+    "torch": ("own", "floor", "emmpool"),
+}
+
+
+def _merge(rounds: list) -> dict:
+    """Per-size median over the rounds that succeeded; the rounds' figures are kept."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return rounds[-1]
+    merged = dict(ok[-1])
+    for size in [k for k in ok[-1] if k.isdigit()]:
+        merged[size] = statistics.median(r[size] for r in ok)
+        merged[f"{size}_rounds"] = [r[size] for r in ok]
+    return merged
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict = {}
-    for lib, allocs in CONFIGS.items():
-        for alloc in allocs:
-            p = subprocess.run(
-                [sys.executable, "-c", CHILD, lib, alloc], capture_output=True, text=True,
-                timeout=300,
-            )
-            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-            results[f"{lib}/{alloc}"] = (
-                json.loads(line[0][7:]) if line else {"error": p.stderr[-500:]}
-            )
+    # Interleaved rounds (own, floor, emmpool, ... then again): a drift of clocks or host load
+    # over the minute lands on every configuration alike; each cell is the median over rounds.
+    rounds: dict = {}
+    for _ in range(args.rounds):
+        for lib, allocs in CONFIGS.items():
+            for alloc in allocs:
+                p = subprocess.run(
+                    [sys.executable, "-c", CHILD, lib, alloc], capture_output=True, text=True,
+                    timeout=300,
+                )
+                line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+                rounds.setdefault(f"{lib}/{alloc}", []).append(
+                    json.loads(line[0][7:]) if line else {"error": p.stderr[-500:]}
+                )
+    results = {key: _merge(rs) for key, rs in rounds.items()}
     (args.out / "bench_shared.json").write_text(json.dumps(results, indent=1))
     sizes = ["256", str(1 << 16), str(1 << 22), str(1 << 26)]
     rows = ["| allocator | 256 B | 64 KiB | 4 MiB | 64 MiB | emmpool stats |",
@@ -107,7 +128,8 @@ def main() -> None:
             cells.append(f"{r[s]:.0f} ns{ratio}")
         stats = ", ".join(f"{k} {v}" for k, v in r.get("stats", {}).items())
         rows.append(f"| {key} | " + " | ".join(cells) + f" | {stats} |")
-    table = "empty()+del, median ns per op; in parentheses: ratio to the library's own pool\n\n"
+    table = (f"empty()+del, ns per op (median over {args.rounds} interleaved rounds of the median "
+             "of 9 timed blocks); in parentheses: ratio to the library's own pool\n\n")
     table += "\n".join(rows) + "\n"
     (args.out / "bench_shared.md").write_text(table)
     print(table)

@@ -44,7 +44,13 @@ with cuda.mapped(buf) as mb:
 assert (buf == 2).all()
 del h, back, d, m, mb; gc.collect()
 s = emmpool._core.pinned_pool(0).stats()
-assert s["bytes_in_use"] == 0 and s["bytes_registered"] == 0, s
+
+def still_alive():  # what keeps pinned memory in use, should the check below fail
+    from numba.cuda.cudadrv.driver import MappedMemory, PinnedMemory
+    return [(type(o).__name__, o.size, [type(r).__name__ for r in gc.get_referrers(o)])
+            for o in gc.get_objects() if isinstance(o, (MappedMemory, PinnedMemory))]
+
+assert s["bytes_in_use"] == 0 and s["bytes_registered"] == 0, (s, still_alive())
 for _ in range(100):
     x = cuda.pinned_array(1 << 20, dtype=np.uint8); del x
 s = emmpool._core.pinned_pool(0).stats()
