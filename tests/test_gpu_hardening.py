@@ -171,7 +171,8 @@ print("OK")
 FORK = r"""
 import gc, os, sys, tempfile, warnings, numpy as np
 # CUDA's own threads make the process multi-threaded; Python 3.12 warns about fork() then.
-warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks", category=DeprecationWarning)
+warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks",
+                        category=DeprecationWarning)
 from numba import cuda
 import emmpool
 from emmpool import _core

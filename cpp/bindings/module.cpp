@@ -169,7 +169,7 @@ PYBIND11_MODULE(_core, m)
   m.attr("LEGACY_STREAM")     = legacy_stream;
   m.attr("PER_THREAD_STREAM") = per_thread_stream;
   m.attr("ALLOCATION_STREAM") = allocation_stream;
-  m.attr("ALIGNMENT")     = device_pool::alignment;
+  m.attr("ALIGNMENT")         = device_pool::alignment;
 
   py::class_<host_driver>(m, "HostDriver",
                           "A driver with no GPU (fake address space, hand-completed events), for "

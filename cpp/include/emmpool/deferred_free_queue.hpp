@@ -56,8 +56,9 @@ class deferred_free_queue {
 
   /// @brief Take back, unfenced, a block recently freed on `stream` (its open batch, or its
   /// latest closed one, whose event may not have completed) of at least `size` bytes and at
-  /// most 1/8 more, for an allocation on that same stream; null if none among the last few. The caller guarantees `stream` is a named stream (not
-  /// legacy_stream). Blocks with a record_stream fence pending are never taken.
+  /// most 1/8 more, for an allocation on that same stream; null if none among the last few.
+  /// The caller guarantees `stream` is a named stream (not legacy_stream). Blocks with a
+  /// record_stream fence pending are never taken.
   detail::block* take_same_stream(stream_handle stream, std::size_t size);
 
   /// @brief Record an event on the stream of each open batch, closing it. If recording on a

@@ -34,7 +34,7 @@ struct block {
   /// A second stream the free must wait for (device_pool::record_stream): the block is fenced
   /// on it first, then on the stream of the free. 0: none.
   stream_handle also_fence{};
-  stream_handle freed_on{};  ///< the stream of the free, while waiting for also_fence
+  stream_handle freed_on{};      ///< the stream of the free, while waiting for also_fence
   stream_handle alloc_stream{};  ///< the stream named at allocation (legacy_stream: none)
 };
 
