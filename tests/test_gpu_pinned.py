@@ -47,8 +47,9 @@ s = emmpool._core.pinned_pool(0).stats()
 
 def still_alive():  # what keeps pinned memory in use, should the check below fail
     from numba.cuda.cudadrv.driver import MappedMemory, PinnedMemory
+    # type(), not isinstance(): a weak proxy whose object died raises on isinstance()
     return [(type(o).__name__, o.size, [type(r).__name__ for r in gc.get_referrers(o)])
-            for o in gc.get_objects() if isinstance(o, (MappedMemory, PinnedMemory))]
+            for o in gc.get_objects() if type(o) in (MappedMemory, PinnedMemory)]
 
 assert s["bytes_in_use"] == 0 and s["bytes_registered"] == 0, (s, still_alive())
 for _ in range(100):

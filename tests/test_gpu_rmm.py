@@ -72,7 +72,7 @@ for _ in range(100):
     t = rmm.DeviceBuffer(size=n, stream=stream); del t
 s = emmpool.stats(0)
 assert s["same_stream_reuses"] >= 99, s                    # stream order, as RMM's own pools
-del bufs, x; gc.collect(); stream.synchronize()
+del bufs, b, x; gc.collect(); stream.synchronize()
 assert emmpool.stats(0)["bytes_in_use"] == 0, emmpool.stats(0)
 print("OK")
 """
