@@ -557,6 +557,9 @@ def parent_main(args):
     os.makedirs(args.out, exist_ok=True)
     suite_managers, suite_cases, _, stem, _ = SUITES[args.suite]
     selected = [m for m in suite_managers if not args.managers or m[0] in args.managers]
+    if not selected:
+        sys.exit(f"none of {args.managers} runs in the {args.suite} suite "
+                 f"(it has: {', '.join(m for m, _ in suite_managers)})")
 
     # Managers run in interleaved rounds (A B C ... A B C ...) and each cell is the median
     # over rounds: a GPU's clocks and a host's load drift over minutes, and a drift must not

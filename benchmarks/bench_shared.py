@@ -49,6 +49,9 @@ else:
     if alloc == "emmpool":
         import emmpool; emmpool.use_for_torch()
     elif alloc == "floor":
+        # memset(ptr = size, c = device, n = stream): writes nothing only on device 0 with the
+        # default stream (0), which is what this child uses.
+        assert torch.cuda.current_device() == 0
         floor = torch.cuda.memory.CUDAPluggableAllocator("libc.so.6", "memset", "memset")
         torch.cuda.memory.change_current_allocator(floor)
     def op(n):
@@ -119,7 +122,7 @@ def main() -> None:
             "|---|---:|---:|---:|---:|---|"]
     for key, r in results.items():
         if "error" in r:
-            rows.append(f"| {key} | error: {r['error'][-120:]!r} | | | |")
+            rows.append(f"| {key} | error: {r['error'][-120:]!r} | | | | |")
             continue
         own = results[key.split("/")[0] + "/own"]
         cells = []

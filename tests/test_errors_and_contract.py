@@ -215,22 +215,23 @@ def test_cupy_stream_source_takes_only_cupys_current_stream_function():
 
     from emmpool import hooks
 
-    _core.set_cupy_stream_source(None)
-    with pytest.raises(TypeError):
-        _core.set_cupy_stream_source(42)
-    # A CuPy that does not export the function: frees fall back to the legacy fence, loudly.
-    fake = types.SimpleNamespace(__version__="0.0", cuda=types.SimpleNamespace(
-        stream=types.SimpleNamespace()))
-    with pytest.warns(RuntimeWarning, match="legacy default stream"):
-        hooks._ask_cupy_for_its_stream(fake)
     try:
-        import cupy.cuda.stream
-    except ImportError:
-        return
-    capi = cupy.cuda.stream.__pyx_capi__
-    with pytest.raises(ValueError, match="intptr_t \\(void\\)"):
-        _core.set_cupy_stream_source(capi["get_current_stream"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        hooks._ask_cupy_for_its_stream(cupy)     # this CuPy exports it: no warning
-    _core.set_cupy_stream_source(None)
+        with pytest.raises(TypeError):
+            _core.set_cupy_stream_source(42)
+        # A CuPy that does not export the function: frees fall back to the legacy fence, loudly.
+        fake = types.SimpleNamespace(__version__="0.0", cuda=types.SimpleNamespace(
+            stream=types.SimpleNamespace()))
+        with pytest.warns(RuntimeWarning, match="legacy default stream"):
+            hooks._ask_cupy_for_its_stream(fake)
+        try:
+            import cupy.cuda.stream
+        except ImportError:
+            return
+        capi = cupy.cuda.stream.__pyx_capi__
+        with pytest.raises(ValueError, match="intptr_t \\(void\\)"):
+            _core.set_cupy_stream_source(capi["get_current_stream"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            hooks._ask_cupy_for_its_stream(cupy)     # this CuPy exports it: no warning
+    finally:
+        _core.set_cupy_stream_source(None)

@@ -63,8 +63,10 @@ for d in range(ndev):
         for a in arrays[d]:
             ptr = a.__cuda_array_interface__["data"][0]
             owners = [e for e in range(ndev) if _core.pool(e).owns(ptr)]
-            report.append((d, current, a.size, hex(ptr), owners, ordinal_of(ptr)))
-            if len(owners) != 1 or owners[0] != report[-1][-1]:
+            ordinal = ordinal_of(ptr)
+            report.append((d, current, a.size, hex(ptr), owners, ordinal))
+            # on the device whose context is current, and owned by that device's pool alone
+            if ordinal != current or owners != [ordinal]:
                 wrong.append(report[-1])
             assert (a.copy_to_host() == 2 * (d + 1)).all(), (d, a.size)
 print("numba device, driver's current device, elements, pointer, owning pools, pointer's device")

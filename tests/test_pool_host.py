@@ -470,6 +470,29 @@ def test_sizes_far_from_the_freed_block_are_not_served_from_it(host):
     assert pool.allocate(8192 - 512, S) == p     # within 1/8
 
 
+def test_record_stream_of_the_null_stream_keeps_one_fence_and_stream_order(host):
+    # record_stream(p, 0) names the legacy default stream, which a free on the null stream
+    # already fences: the block keeps one fence and goes back to the null stream at once.
+    pool = make_pool(host)
+    p = pool.allocate(4096, 0)
+    pool.record_stream(p, 0)
+    pool.deallocate(p, 0)
+    assert pool.allocate(4096, 0) == p
+    with pytest.raises(ValueError, match="allocation_stream"):
+        pool.record_stream(p, _core.ALLOCATION_STREAM)
+
+
+def test_trace_names_every_library_tag(host):
+    from emmpool import trace
+
+    pool = make_pool(host)
+    pool.set_tracing(True)
+    for tag in range(len(_core.LIBRARIES)):
+        pool.deallocate_tagged(pool.allocate(256, S, tag), S, tag)
+    assert {r.library for r in trace.collect([pool])} == set(_core.LIBRARIES)
+    assert "rmm" in _core.LIBRARIES and pool.stats()["by_library"].keys() == set(_core.LIBRARIES)
+
+
 def test_recorded_stream_blocks_wait_for_their_fence(host):
     pool = make_pool(host)
     p = pool.allocate(4096, S)

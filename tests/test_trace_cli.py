@@ -19,7 +19,8 @@ def traced_workload():
     pool.set_tracing(True)
     live = []
     for i in range(300):
-        live.append(pool.allocate(1000 + 4096 * (i % 37), _core.LEGACY_STREAM, i % 4))
+        live.append(pool.allocate(1000 + 4096 * (i % 37), _core.LEGACY_STREAM,
+                                  i % len(trace.LIBRARIES)))
         if i % 3 == 2:
             pool.deallocate(live.pop(0))
     for p in live:

@@ -29,6 +29,9 @@ using namespace emmpool;
 // guard the C entry points call it through: it needs the GIL, which CuPy holds when it calls
 // its allocator; anywhere else the answer is "unknown" (-1), and the free is fenced on legacy.
 std::intptr_t (*cupy_get_current_stream_ptr)() = nullptr;
+
+// The names of the allocation tags (stats.hpp), in order: statistics and traces use them.
+constexpr char const* library_names[alloc_tag_count] = {"other", "numba", "cupy", "torch", "rmm"};
 constexpr char const* cupy_stream_signature = "intptr_t (void)";
 
 std::intptr_t cupy_stream_under_gil()
@@ -98,13 +101,12 @@ py::dict stats_dict(pool_stats const& s)
   d["batches_closed"]      = s.batches_closed;
   d["same_stream_reuses"]  = s.same_stream_reuses;
   d["out_of_memory"]       = s.out_of_memory;
-  static char const* const names[alloc_tag_count] = {"other", "numba", "cupy", "torch", "rmm"};
   py::dict by_tag;
   for (std::size_t i = 0; i < alloc_tag_count; ++i) {
     py::dict t;
     t["bytes_in_use"] = s.bytes_in_use_by_tag[i];
     t["allocations"]  = s.allocations_by_tag[i];
-    by_tag[names[i]]  = t;
+    by_tag[library_names[i]] = t;
   }
   d["by_library"] = by_tag;
   return d;
@@ -170,6 +172,11 @@ PYBIND11_MODULE(_core, m)
   m.attr("PER_THREAD_STREAM") = per_thread_stream;
   m.attr("ALLOCATION_STREAM") = allocation_stream;
   m.attr("ALIGNMENT")         = device_pool::alignment;
+  {
+    py::tuple names(alloc_tag_count);
+    for (std::size_t i = 0; i < alloc_tag_count; ++i) { names[i] = library_names[i]; }
+    m.attr("LIBRARIES") = names;
+  }
 
   py::class_<host_driver>(m, "HostDriver",
                           "A driver with no GPU (fake address space, hand-completed events), for "

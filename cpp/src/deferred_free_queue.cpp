@@ -58,9 +58,12 @@ detail::block* deferred_free_queue::take_same_stream(stream_handle stream, std::
     if (blk != nullptr) { return blk; }
     break;
   }
-  // A closed batch left empty stays until its event completes: promote_completed() then
-  // recycles the event.
-  for (auto b = closed_.rbegin(); b != closed_.rend(); ++b) {
+  // The latest closed batch of that stream, among the last few closed (a longer search would
+  // cost every allocation on a stream that has none). One left empty stays until its event
+  // completes: promote_completed() then recycles the event.
+  constexpr std::size_t recent = 8;
+  std::size_t seen             = 0;
+  for (auto b = closed_.rbegin(); b != closed_.rend() && seen < recent; ++b, ++seen) {
     if (b->stream == stream) { return take_from(*b); }
   }
   return nullptr;

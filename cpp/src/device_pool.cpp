@@ -264,6 +264,10 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
   if (forked_) { detail::throw_forked(); }
 
   block* blk = nullptr;
+  if (options_.mode == pool_mode::pool && queue_.has_open() &&
+      queue_.waiting_bytes() > options_.open_batch_limit) {
+    maintain();  // many frees waiting unfenced: fence them now, not at the next miss
+  }
   if (stream != legacy_stream && options_.mode == pool_mode::pool) {
     // Stream order: a block this stream freed lately needs no fence for this stream's work.
     blk = queue_.take_same_stream(stream, rounded);
@@ -277,7 +281,6 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
     maintain();  // returns completed frees' segments to the driver
     blk = grow(rounded, true);
   } else {
-    if (queue_.has_open() && queue_.waiting_bytes() > options_.open_batch_limit) { maintain(); }
     blk = take_best_fit(rounded);
     if (blk == nullptr) {
       // Ladder step 1: fence what was freed since the last miss, reuse what has completed.
@@ -389,7 +392,9 @@ void device_pool::deallocate_locked(block* blk, stream_handle stream)
   --stats_.blocks_in_use;
   ++stats_.frees;
   stats_.bytes_in_use_by_tag[blk->tag] -= blk->size;
-  if (blk->also_fence != 0 && blk->also_fence != stream) {
+  // The null stream (0) and legacy_stream fence on the same CUDA stream: one fence will do.
+  bool const same = blk->also_fence == stream || (blk->also_fence == legacy_stream && stream == 0);
+  if (blk->also_fence != 0 && !same) {
     blk->freed_on = stream;
     queue_.push(blk, blk->also_fence);
   } else {
@@ -400,6 +405,7 @@ void device_pool::deallocate_locked(block* blk, stream_handle stream)
 
 void device_pool::record_stream(device_ptr ptr, stream_handle stream)
 {
+  EMMPOOL_EXPECTS(stream != allocation_stream, "allocation_stream names no stream to record");
   std::lock_guard lock{mutex_};
   if (forked_) { detail::throw_forked(); }
   auto it = live_.find(ptr);

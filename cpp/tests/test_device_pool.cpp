@@ -334,9 +334,11 @@ TEST(same_stream_reuse_is_unfenced_and_stream_local)
   f->deallocate(q);
   CHECK(f->allocate(big, stream_a) != q);        // ... is never taken unfenced
   auto const r = f->allocate(big, stream_a);
-  f->deallocate(r, allocation_stream);           // fenced on the allocation's stream
-  CHECK_EQ(f->allocate(big, stream_a), r);
-  CHECK(f.drv.stats().event_records >= records);
+  f->deallocate(r, allocation_stream);           // queued on the allocation's stream ...
+  CHECK(f->allocate(big, stream_b) != r);
+  CHECK_EQ(f->allocate(big, stream_a), r);       // ... so stream_a, and only it, takes it back
+  CHECK_EQ(f->stats().same_stream_reuses, 2u);
+  CHECK(f.drv.stats().event_records > records);  // the other requests closed fences meanwhile
   CHECK_EQ(consistency(f), "");
 }
 

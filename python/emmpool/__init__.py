@@ -89,5 +89,6 @@ def record_stream(ptr: int, stream: int, device: int = 0) -> None:
     """Declare that ``stream`` (e.g. a non-blocking stream) uses the block at ``ptr``.
 
     Its free then also waits for the work issued to that stream before the free; without this,
-    only work on the freeing stream and on blocking streams is waited for."""
+    only work on the freeing stream is waited for (and, for frees that name no stream, as
+    Numba's, work on every blocking stream)."""
     _core.pool(device).record_stream(ptr, stream)

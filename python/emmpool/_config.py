@@ -231,6 +231,10 @@ def config() -> Config:
     if _applied is not None:
         return _applied
     o = _core.configured_options()
+    # The pinned choice is Python's alone (the C++ pools never see it): the environment's.
+    pinned = os.environ.get("EMMPOOL_PINNED", Config.pinned).strip().lower() or Config.pinned
+    if pinned not in _PINNED:
+        pinned = Config.pinned
     return Config(o["mode"], o["initial_size"], o["maximum_size"], o["maximum_fraction"],
                   _trace_path or "", logging.getLevelName(log.level).lower() if log.level else "",
-                  Config.pinned, o["pinned_limit"])
+                  pinned, o["pinned_limit"])

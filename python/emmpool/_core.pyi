@@ -5,6 +5,7 @@ from typing import Any
 LEGACY_STREAM: int
 PER_THREAD_STREAM: int
 ALLOCATION_STREAM: int
+LIBRARIES: tuple[str, ...]
 ALIGNMENT: int
 HOST_PORTABLE: int
 HOST_MAPPED: int

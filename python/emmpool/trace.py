@@ -19,7 +19,7 @@ from . import _core
 
 __all__ = ["TraceRecord", "start", "stop", "collect", "write_csv", "read_csv", "LIBRARIES"]
 
-LIBRARIES = ("other", "numba", "cupy", "torch")  # the pool's allocation tags, in order
+LIBRARIES: tuple[str, ...] = tuple(_core.LIBRARIES)  # the pool's allocation tags, in order
 FIELDS = ("time_ns", "device", "op", "ptr", "size", "stream", "library")
 
 
