@@ -221,10 +221,15 @@ PYBIND11_MODULE(_core, m)
          py::arg("maximum_fraction") = 0.0, py::arg("small_request") = pool_options{}.small_request,
          py::arg("small_segment") = pool_options{}.small_segment,
          py::arg("large_segment") = pool_options{}.large_segment, py::keep_alive<1, 2>())
+    // Every call that takes a pool's mutex lets go of the GIL first: a thread holding that
+    // mutex may be waiting for GPU work queued behind a host callback that needs the GIL. The
+    // hot pair first tries without letting go (try_allocate / try_deallocate: no wait for the
+    // mutex, no CUDA call), which saves a GIL hand-over per call when nothing contends.
     .def(
       "allocate",
       [](device_pool& p, std::size_t size, stream_handle stream, int tag) {
         auto const t = to_tag(tag);
+        if (auto const ptr = p.try_allocate(size, stream, t)) { return *ptr; }
         py::gil_scoped_release nogil;
         return p.allocate(size, stream, t);
       },
@@ -232,6 +237,7 @@ PYBIND11_MODULE(_core, m)
     .def(
       "deallocate",
       [](device_pool& p, device_ptr ptr, stream_handle stream, std::optional<std::uint64_t> gen) {
+        if (gen && p.try_deallocate(ptr, stream, *gen)) { return; }
         py::gil_scoped_release nogil;
         if (gen) {
           p.deallocate(ptr, stream, *gen);
@@ -251,8 +257,6 @@ PYBIND11_MODULE(_core, m)
       "The free of the CuPy/PyTorch entry points (no reset generation; see device_pool.hpp).")
     .def("record_stream", &device_pool::record_stream, py::arg("ptr"), py::arg("stream"),
          py::call_guard<py::gil_scoped_release>())
-    // Every call that takes a pool's mutex lets go of the GIL first: a thread holding that
-    // mutex may be waiting for GPU work queued behind a host callback that needs the GIL.
     .def("owns", &device_pool::owns, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
     .def(
       "ipc_handle",

@@ -252,14 +252,53 @@ device_ptr device_pool::hand_out(block* blk, stream_handle stream, alloc_tag tag
   return blk->ptr;
 }
 
-device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_tag tag)
+namespace {
+
+std::size_t checked_rounded_size(std::size_t bytes, stream_handle stream, alloc_tag tag)
 {
   EMMPOOL_EXPECTS(bytes <= std::numeric_limits<std::size_t>::max() / 2,
                   "allocation size is too large");
   EMMPOOL_EXPECTS(static_cast<std::size_t>(tag) < alloc_tag_count, "unknown allocation tag");
   EMMPOOL_EXPECTS(stream != allocation_stream, "allocation_stream names no stream to allocate on");
-  std::size_t const rounded = std::max(round_up(bytes, alignment), alignment);
-  stream = kept(stream);
+  return std::max(round_up(bytes, device_pool::alignment), device_pool::alignment);
+}
+
+}  // namespace
+
+device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_handle stream)
+{
+  if (options_.mode != pool_mode::pool) { return nullptr; }
+  if (stream != legacy_stream) {
+    // Stream order: a block this stream freed lately needs no fence for this stream's work.
+    if (auto* blk = queue_.take_same_stream(stream, rounded)) {
+      ++stats_.same_stream_reuses;
+      return blk;
+    }
+  }
+  return take_best_fit(rounded);
+}
+
+std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
+                                                    alloc_tag tag)
+{
+  std::size_t const rounded = checked_rounded_size(bytes, stream, tag);
+  stream                    = kept(stream);
+  std::unique_lock lock{mutex_, std::try_to_lock};
+  if (!lock.owns_lock() || forked_) { return std::nullopt; }
+  // Too many frees waiting unfenced: allocate() fences them (CUDA calls).
+  if (queue_.has_open() && queue_.waiting_bytes() > options_.open_batch_limit) {
+    return std::nullopt;
+  }
+  auto* blk = take_without_cuda(rounded, stream);
+  if (blk == nullptr) { return std::nullopt; }
+  if (tracing_) { record('a', blk->ptr, bytes, stream, static_cast<std::uint8_t>(tag)); }
+  return hand_out(blk, stream, tag);
+}
+
+device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_tag tag)
+{
+  std::size_t const rounded = checked_rounded_size(bytes, stream, tag);
+  stream                    = kept(stream);
   std::lock_guard lock{mutex_};
   if (forked_) { detail::throw_forked(); }
 
@@ -268,20 +307,11 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
       queue_.waiting_bytes() > options_.open_batch_limit) {
     maintain();  // many frees waiting unfenced: fence them now, not at the next miss
   }
-  if (stream != legacy_stream && options_.mode == pool_mode::pool) {
-    // Stream order: a block this stream freed lately needs no fence for this stream's work.
-    blk = queue_.take_same_stream(stream, rounded);
-    if (blk != nullptr) {
-      ++stats_.same_stream_reuses;
-      if (tracing_) { record('a', blk->ptr, bytes, stream, static_cast<std::uint8_t>(tag)); }
-      return hand_out(blk, stream, tag);
-    }
-  }
   if (options_.mode == pool_mode::passthrough) {
     maintain();  // returns completed frees' segments to the driver
     blk = grow(rounded, true);
   } else {
-    blk = take_best_fit(rounded);
+    blk = take_without_cuda(rounded, stream);  // stream order, then the free lists
     if (blk == nullptr) {
       // Ladder step 1: fence what was freed since the last miss, reuse what has completed.
       maintain();
@@ -336,6 +366,16 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream)
   std::lock_guard lock{mutex_};
   if (forked_) { return; }  // the parent's memory: nothing to do here
   free_live_locked(ptr, stream);
+}
+
+bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
+{
+  std::unique_lock lock{mutex_, std::try_to_lock};
+  if (!lock.owns_lock()) { return false; }
+  if (forked_) { return true; }                    // as deallocate(): nothing to do
+  if (generation != generation_) { return false; }  // a retired block: its free may call CUDA
+  free_live_locked(ptr, stream);
+  return true;
 }
 
 void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)

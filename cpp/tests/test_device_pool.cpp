@@ -342,6 +342,37 @@ TEST(same_stream_reuse_is_unfenced_and_stream_local)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(try_paths_take_no_cuda_call_and_leave_the_rest_to_the_full_calls)
+{
+  fixture f;
+  auto const before = f.drv.stats();
+  CHECK(!f->try_allocate(big, legacy_stream, alloc_tag::numba));  // would need a segment
+  CHECK_EQ(f.drv.stats().allocations, before.allocations);
+  auto const p = f->allocate(big, stream_a, alloc_tag::cupy);
+  CHECK(f->try_deallocate(p, stream_a, f->generation()));
+  auto const records = f.drv.stats().event_records;
+  auto const q       = f->try_allocate(big, stream_a, alloc_tag::cupy);  // stream order
+  CHECK(q.has_value() && *q == p);
+  CHECK(!f->try_allocate(big, stream_b, alloc_tag::cupy));  // another stream: needs a fence
+  CHECK_EQ(f.drv.stats().event_records, records);
+  // A block from before a reset: its free may call CUDA (its segment is retired), so no.
+  f->reset();
+  CHECK(!f->try_deallocate(p, stream_a, f->generation() - 1));
+  f->deallocate(p, stream_a, f->generation() - 1);
+  // Past the open-batch limit, fencing (CUDA) comes first: only allocate() does it.
+  pool_options o;
+  o.open_batch_limit = 1 * MiB;
+  fixture g{o};
+  auto const a = g->allocate(2 * MiB);
+  auto const b = g->allocate(64 * KiB);
+  g->deallocate(a);
+  CHECK(!g->try_allocate(64 * KiB, legacy_stream, alloc_tag::other));
+  CHECK(g->allocate(64 * KiB) != a);
+  g->deallocate(b);
+  CHECK_EQ(consistency(f, false), "");
+  CHECK_EQ(consistency(g), "");
+}
+
 TEST(auto_complete_reuses_at_the_next_miss)
 {
   fixture f;
@@ -1159,7 +1190,10 @@ TEST(stress_threads)
       };
       auto free_one = [&](device_ptr p) {
         unclaim(p);
-        pool.deallocate(p, rng() % 2 == 0 ? legacy_stream : own_stream);
+        auto const stream = rng() % 2 == 0 ? legacy_stream : own_stream;
+        // Half through the try path, as the Python binding does, falling back when it declines.
+        if (rng() % 2 == 0 && pool.try_deallocate(p, stream, pool.generation())) { return; }
+        pool.deallocate(p, stream);
       };
       try {
         for (int i = 0; i < ops; ++i) {
@@ -1167,7 +1201,9 @@ TEST(stress_threads)
           if (mine.size() < 8 || (r < 45 && mine.size() < 64)) {
             auto const n      = pick_size();
             auto const stream = rng() % 2 == 0 ? legacy_stream : own_stream;
-            auto const p      = pool.allocate(n, stream, static_cast<alloc_tag>(rng() % 4));
+            auto const tag    = static_cast<alloc_tag>(rng() % 4);
+            auto const fast   = rng() % 2 == 0 ? pool.try_allocate(n, stream, tag) : std::nullopt;
+            auto const p      = fast ? *fast : pool.allocate(n, stream, tag);
             if (p % device_pool::alignment != 0) { error("misaligned block"); }
             claim(p, n);
             if (rng() % 20 == 0) { pool.record_stream(p, 0x20000 + rng() % 4); }

@@ -100,6 +100,15 @@ class device_pool {
                                     alloc_tag tag = alloc_tag::other);
 
   /**
+   * @brief allocate(), when that takes neither a wait for the pool's lock nor a CUDA call (a
+   * block on the free lists, or one in stream order); std::nullopt otherwise: then call
+   * allocate(). For callers holding a lock of their own (Python's GIL), who must not wait for
+   * a thread that, holding the pool's lock, may be waiting for the GPU.
+   */
+  [[nodiscard]] std::optional<device_ptr> try_allocate(std::size_t bytes, stream_handle stream,
+                                                       alloc_tag tag);
+
+  /**
    * @brief Free a block. It becomes reusable once an event recorded on `stream` after this call
    * has completed (legacy_stream: after all blocking-stream work issued before the free), or at
    * once for an allocation on that same named stream. `allocation_stream`: the stream named
@@ -113,6 +122,11 @@ class device_pool {
    * from before a reset() never touches a block allocated after it, even at the same address.
    */
   void deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation);
+
+  /// @brief That free without waiting for the pool's lock and without a CUDA call (the block is
+  /// of the current generation); false if it could not be done so: then call deallocate().
+  [[nodiscard]] bool try_deallocate(device_ptr ptr, stream_handle stream,
+                                    std::uint64_t generation);
 
   /// @brief Free a block for a caller that knows its library but not its reset generation
   /// (the CuPy and PyTorch entry points): a retired block of that library at `ptr` is taken
@@ -182,6 +196,7 @@ class device_pool {
   [[nodiscard]] std::size_t max_reserved() const noexcept { return max_reserved_; }
   [[nodiscard]] free_set& free_list_for(std::size_t rounded) noexcept;
   block* take_best_fit(std::size_t rounded);
+  block* take_without_cuda(std::size_t rounded, stream_handle stream);  // stream order, best fit
   block* split(block* blk, std::size_t rounded);
   block* grow(std::size_t rounded, bool exact);
   device_ptr hand_out(block* blk, stream_handle stream, alloc_tag tag);  // free or pending
