@@ -29,17 +29,43 @@ assert type(info).__name__ == "MemoryInfo"
 print("OK")
 """
 
-IPC_PRODUCER = r"""
-import multiprocessing as mp, pickle, numpy as np
-from numba import cuda
+# The start of every IPC scenario: run_consumer(target, *args) runs target(*args, q) in a
+# spawned process and returns what it put on q (a consumer that dies without a result fails at
+# once, not after the timeout); read_handles is the consumer that copies back each handle's data.
+SPAWNED_CONSUMER = r"""
+import multiprocessing as mp, pickle, queue, time
 
-def consume(payload, q):
+def run_consumer(target, *args, timeout=120):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q))
+    p.start()
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            got = q.get(timeout=1)
+            break
+        except queue.Empty:
+            if p.exitcode is not None:
+                raise AssertionError(f"consumer exited {p.exitcode} without a result")
+            if time.monotonic() > end:
+                raise AssertionError("no result from the consumer")
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+    return got
+
+def read_handles(payload, q):
     from numba import cuda
     out = []
     for ph in pickle.loads(payload):
         with ph as d:
             out.append(d.copy_to_host())
     q.put(out)
+"""
+
+IPC_PRODUCER = SPAWNED_CONSUMER + r"""
+import numpy as np
+from numba import cuda
 
 if __name__ == "__main__":
     pad = cuda.device_array(12345, np.uint8)          # so that blocks start inside a segment
@@ -54,13 +80,7 @@ if __name__ == "__main__":
         assert offsets[2] != 0, offsets         # b lies inside a pooled segment
     else:
         assert offsets[0] == offsets[2] == 0, offsets  # passthrough: own segments
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=consume, args=(pickle.dumps(handles), q))
-    p.start()
-    got = q.get(timeout=120)
-    p.join(60)
-    assert p.exitcode == 0, p.exitcode
+    got = run_consumer(read_handles, pickle.dumps(handles))
     assert (got[0] == a.copy_to_host()).all()
     assert (got[1] == sl.copy_to_host()).all()
     assert (got[2] == b.copy_to_host()).all()
@@ -69,8 +89,8 @@ if __name__ == "__main__":
 
 # Two arrays from one pooled segment, both open at once in the consumer: their handles name the
 # same segment, which the consumer maps once per open.
-IPC_SAME_SEGMENT_OPEN_TOGETHER = r"""
-import multiprocessing as mp, pickle, numpy as np
+IPC_SAME_SEGMENT_OPEN_TOGETHER = SPAWNED_CONSUMER + r"""
+import numpy as np
 from numba import cuda
 
 def consume(payload, q):
@@ -86,12 +106,7 @@ if __name__ == "__main__":
     a = cuda.to_device(np.arange(4096, dtype=np.int64))
     b = cuda.to_device(np.arange(4096, dtype=np.int64) * 3)
     ha, hb = a.get_ipc_handle(), b.get_ipc_handle()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=consume, args=(pickle.dumps((ha, hb)), q))
-    p.start()
-    status, ga, gb = q.get(timeout=120)
-    p.join(60)
+    status, ga, gb = run_consumer(consume, pickle.dumps((ha, hb)))
     print("consumer:", status, ga if status == "error" else "")
     assert status == "ok", ga
     assert (ga == a.copy_to_host()).all() and (gb == b.copy_to_host()).all()
@@ -102,18 +117,10 @@ if __name__ == "__main__":
 # nonzero offset into a raw cuMemAlloc allocation, and (where CuPy is installed) an array from
 # CuPy's own pool, itself a block inside one of CuPy's segments. Their handles are Numba's own
 # (the whole driver allocation, with the view's offset in it); the consumer reads the right data.
-IPC_FOREIGN = r"""
-import importlib.util, multiprocessing as mp, pickle, numpy as np
+IPC_FOREIGN = SPAWNED_CONSUMER + r"""
+import importlib.util, numpy as np
 from numba import cuda
 from cuda.bindings import driver as drv
-
-def consume(payload, q):
-    from numba import cuda
-    out = []
-    for ph in pickle.loads(payload):
-        with ph as d:
-            out.append(d.copy_to_host())
-    q.put(out)
 
 class View:  # a foreign array: only the CUDA Array Interface
     def __init__(self, ptr, n):
@@ -138,13 +145,7 @@ if __name__ == "__main__":
         c = cupy.arange(n, dtype=cupy.int64) * 3
         handles.append(cuda.as_cuda_array(c).get_ipc_handle())
         expected.append(cupy.asnumpy(c))
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=consume, args=(pickle.dumps(handles), q))
-    p.start()
-    got = q.get(timeout=120)
-    p.join(60)
-    assert p.exitcode == 0, p.exitcode
+    got = run_consumer(read_handles, pickle.dumps(handles))
     for g, e in zip(got, expected):
         assert (g == e).all()
     del view

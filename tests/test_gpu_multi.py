@@ -7,6 +7,7 @@ import functools
 
 import pytest
 
+from tests import gpu_scripts
 from tests.test_gpu_numba import check, run
 
 pytestmark = pytest.mark.gpu
@@ -88,8 +89,8 @@ print("OK")
 # processes whose context is device 1, both ways Numba has, one consumer each: directly (peer
 # access, where the devices have it) and staged (opened on device 0, copied into memory
 # allocated on device 1 through the plugin). A consumer's failure comes back as its traceback.
-STAGED_IPC = r"""
-import multiprocessing as mp, os, pickle, queue, time, traceback, numpy as np
+STAGED_IPC = gpu_scripts.SPAWNED_CONSUMER + r"""
+import os, traceback, numpy as np
 from numba import cuda
 
 def consume(how, payload, q):
@@ -110,16 +111,6 @@ def consume(how, payload, q):
     except BaseException:
         q.put(("error", traceback.format_exc(), 0))
 
-def result(p, q, timeout=120):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            return q.get(timeout=1)
-        except queue.Empty:
-            if p.exitcode is not None:
-                raise AssertionError(f"consumer exited {p.exitcode} without a result")
-    raise AssertionError("no result from the consumer")
-
 if __name__ == "__main__":
     with cuda.gpus[0]:
         pad = cuda.device_array(4321, np.uint8)
@@ -128,13 +119,8 @@ if __name__ == "__main__":
         if os.environ["EMMPOOL_MODE"] == "pool":
             assert h.offset != 0, h.offset            # a block inside a pooled segment
         can_peer = cuda.current_context().can_access_peer(1)
-    ctx = mp.get_context("spawn")
     for how in ("direct", "staged") if can_peer else ("staged",):
-        q = ctx.Queue()
-        p = ctx.Process(target=consume, args=(how, pickle.dumps(h), q))
-        p.start()
-        status, got, allocs = result(p, q)
-        p.join(60)
+        status, got, allocs = run_consumer(consume, how, pickle.dumps(h))
         assert status == "ok", f"{how}: {got}"
         assert (got == np.arange(50_000)).all(), how
         if how == "staged":
