@@ -117,6 +117,8 @@ def test_parse_size_rejects(text):
             {"EMMPOOL_INITIAL_POOL_SIZE": "2GiB", "EMMPOOL_MAXIMUM_POOL_SIZE": "1GiB"},
             "exceeds",
         ),
+        ({"EMMPOOL_PINNED": "yes"}, "EMMPOOL_PINNED"),
+        ({"EMMPOOL_PINNED_LIMIT": "half"}, "EMMPOOL_PINNED_LIMIT"),
     ],
 )
 def test_bad_environment_is_named(monkeypatch, env, message):

@@ -137,18 +137,6 @@ def test_forked_child_gets_a_clear_error(host, pinned):
     pinned.deallocate(inherited)
 
 
-@pytest.mark.parametrize(
-    "env, message",
-    [({"EMMPOOL_PINNED": "yes"}, "EMMPOOL_PINNED"),
-     ({"EMMPOOL_PINNED_LIMIT": "half"}, "EMMPOOL_PINNED_LIMIT")],
-)
-def test_bad_pinned_configuration_is_named(monkeypatch, env, message):
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    with pytest.raises(ValueError, match=message):
-        _config._from_environment()
-
-
 def test_pinned_configuration(monkeypatch):
     monkeypatch.setenv("EMMPOOL_PINNED", "Pool")
     monkeypatch.setenv("EMMPOOL_PINNED_LIMIT", "8GiB")

@@ -91,9 +91,15 @@ def _parse_maximum(text: str, name: str) -> tuple[int, float]:
     return 0, frac
 
 
+def _env_choice(env, name: str) -> str:
+    """The environment's value of a fixed-choice option (see _CHOICES), or its default."""
+    default = getattr(Config, name)
+    return env.get(_CHOICES[name][0], default).strip().lower() or default
+
+
 def _from_environment() -> Config:
     env = os.environ
-    mode = env.get("EMMPOOL_MODE", "pool").strip().lower() or "pool"
+    mode = _env_choice(env, "mode")
     initial = 0
     if "EMMPOOL_INITIAL_POOL_SIZE" in env:
         initial = parse_size(env["EMMPOOL_INITIAL_POOL_SIZE"], "EMMPOOL_INITIAL_POOL_SIZE")
@@ -103,8 +109,8 @@ def _from_environment() -> Config:
             env["EMMPOOL_MAXIMUM_POOL_SIZE"], "EMMPOOL_MAXIMUM_POOL_SIZE"
         )
     trace = env.get("EMMPOOL_TRACE", "").strip()
-    level = env.get("EMMPOOL_LOG", "").strip().lower()
-    pinned = env.get("EMMPOOL_PINNED", Config.pinned).strip().lower() or Config.pinned
+    level = _env_choice(env, "log")
+    pinned = _env_choice(env, "pinned")
     pinned_limit = 0
     if "EMMPOOL_PINNED_LIMIT" in env:
         pinned_limit = parse_size(env["EMMPOOL_PINNED_LIMIT"], "EMMPOOL_PINNED_LIMIT")
@@ -232,7 +238,7 @@ def config() -> Config:
         return _applied
     o = _core.configured_options()
     # The pinned choice is Python's alone (the C++ pools never see it): the environment's.
-    pinned = os.environ.get("EMMPOOL_PINNED", Config.pinned).strip().lower() or Config.pinned
+    pinned = _env_choice(os.environ, "pinned")
     if pinned not in _PINNED:
         pinned = Config.pinned
     return Config(o["mode"], o["initial_size"], o["maximum_size"], o["maximum_fraction"],
