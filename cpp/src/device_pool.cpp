@@ -285,10 +285,7 @@ std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_ha
   stream                    = kept(stream);
   std::unique_lock lock{mutex_, std::try_to_lock};
   if (!lock.owns_lock() || forked_) { return std::nullopt; }
-  // Too many frees waiting unfenced: allocate() fences them (CUDA calls).
-  if (queue_.has_open() && queue_.waiting_bytes() > options_.open_batch_limit) {
-    return std::nullopt;
-  }
+  if (fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
   auto* blk = take_without_cuda(rounded, stream);
   if (blk == nullptr) { return std::nullopt; }
   if (tracing_) { record('a', blk->ptr, bytes, stream, static_cast<std::uint8_t>(tag)); }
@@ -303,9 +300,8 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
   if (forked_) { detail::throw_forked(); }
 
   block* blk = nullptr;
-  if (options_.mode == pool_mode::pool && queue_.has_open() &&
-      queue_.waiting_bytes() > options_.open_batch_limit) {
-    maintain();  // many frees waiting unfenced: fence them now, not at the next miss
+  if (options_.mode == pool_mode::pool && fence_due()) {
+    maintain();  // fence the waiting frees now, not at the next miss
   }
   if (options_.mode == pool_mode::passthrough) {
     maintain();  // returns completed frees' segments to the driver

@@ -197,6 +197,11 @@ class device_pool {
   [[nodiscard]] free_set& free_list_for(std::size_t rounded) noexcept;
   block* take_best_fit(std::size_t rounded);
   block* take_without_cuda(std::size_t rounded, stream_handle stream);  // stream order, best fit
+  /// More bytes wait unfenced in open batches than options().open_batch_limit.
+  [[nodiscard]] bool fence_due() const noexcept
+  {
+    return queue_.has_open() && queue_.waiting_bytes() > options_.open_batch_limit;
+  }
   block* split(block* blk, std::size_t rounded);
   block* grow(std::size_t rounded, bool exact);
   device_ptr hand_out(block* blk, stream_handle stream, alloc_tag tag);  // free or pending
