@@ -284,6 +284,18 @@ void bench_pool(std::vector<result>& out, std::string const& prefix, emmpool::de
     out.push_back(measure(prefix, "allocate+deallocate", n, quick,
                           [&] { pool.deallocate(pool.allocate(n)); }, fence));
   }
+  // CuPy's and PyTorch's path: a named stream (the null stream, 0), the free fenced on the
+  // allocation's stream; the block goes straight back to the next allocation on that stream.
+  for (auto n : sizes) {
+    out.push_back(measure(prefix + ", stream-ordered",
+                          "allocate(n, 0)+deallocate_tagged(p, allocation_stream)", n, quick,
+                          [&] {
+                            auto const tag = emmpool::alloc_tag::cupy;
+                            pool.deallocate_tagged(pool.allocate(n, 0, tag),
+                                                   emmpool::allocation_stream, tag);
+                          },
+                          fence));
+  }
 }
 
 std::string gpu_benchmarks(options const& o, std::vector<result>& out)
@@ -521,10 +533,10 @@ int main(int argc, char** argv)
       }
     }
     std::printf("device: %s\n", device.c_str());
-    std::printf("%-42s %9s %11s %11s %11s\n", "allocator", "size", "median ns", "min ns",
+    std::printf("%-52s %9s %11s %11s %11s\n", "allocator", "size", "median ns", "min ns",
                 "p90 ns");
     for (auto const& r : results) {
-      std::printf("%-42s %9s %11.0f %11.0f %11.0f\n", r.name.c_str(), size_label(r.size).c_str(),
+      std::printf("%-52s %9s %11.0f %11.0f %11.0f\n", r.name.c_str(), size_label(r.size).c_str(),
                   r.median_ns, r.min_ns, r.p90_ns);
     }
     if (!o.out.empty()) {

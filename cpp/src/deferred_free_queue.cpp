@@ -25,8 +25,25 @@ void deferred_free_queue::push(detail::block* blk, stream_handle stream)
   }
   batch b;
   b.stream = stream;
+  if (!spare_lists_.empty()) {
+    b.blocks = std::move(spare_lists_.back());
+    spare_lists_.pop_back();
+  }
   b.blocks.push_back(blk);
   open_.push_back(std::move(b));
+}
+
+void deferred_free_queue::recycle(std::vector<detail::block*>&& blocks) noexcept
+{
+  constexpr std::size_t keep = 16;  // one per stream in use, roughly; more would be hoarding
+  if (spare_lists_.size() < keep && blocks.capacity() > 0) {
+    try {
+      blocks.clear();
+      spare_lists_.push_back(std::move(blocks));
+    } catch (...) {
+      // No room to keep it: it is freed with the batch, as before.
+    }
+  }
 }
 
 detail::block* deferred_free_queue::take_same_stream(stream_handle stream, std::size_t size)
@@ -53,6 +70,7 @@ detail::block* deferred_free_queue::take_same_stream(stream_handle stream, std::
     auto* blk = take_from(*b);
     if (blk != nullptr && b->blocks.empty()) {
       if (b->event != 0) { spare_events_.push_back(b->event); }
+      recycle(std::move(b->blocks));
       open_.erase(b);
     }
     if (blk != nullptr) { return blk; }

@@ -104,12 +104,17 @@ class deferred_free_queue {
   template <class Release>
   void release_batch(batch& b, Release& release);
   [[nodiscard]] event_handle take_event();
+  void recycle(std::vector<detail::block*>&& blocks) noexcept;
+
 
   driver* driver_;
   int device_;
   std::vector<batch> open_;     // at most one per stream; few streams, so a vector
   std::deque<batch> closed_;    // in closing order
   std::vector<event_handle> spare_events_;
+  // Emptied block lists, kept with their capacity for the next batch: a stream that frees and
+  // allocates in turn empties and reopens its batch on every pair.
+  std::vector<std::vector<detail::block*>> spare_lists_;
   std::size_t waiting_bytes_{};
   std::size_t waiting_blocks_{};
   std::uint64_t batches_closed_{};
@@ -131,6 +136,7 @@ void deferred_free_queue::release_batch(batch& b, Release& release)
   }
   spare_events_.push_back(b.event);
   b.event = 0;
+  recycle(std::move(b.blocks));
 }
 
 template <class Release>
