@@ -211,7 +211,7 @@ def test_pool_errors_reach_numba_as_its_own_error_type():
     assert mapped.code == binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY  # the test error's code
 
 
-def test_cupy_stream_source_takes_only_cupys_current_stream_function():
+def test_cupy_stream_source_takes_only_cupys_stream_functions():
     import types
     import warnings
 
@@ -229,11 +229,16 @@ def test_cupy_stream_source_takes_only_cupys_current_stream_function():
             import cupy.cuda.stream
         except ImportError:
             return
+        import cupy_backends.cuda.stream
+
         capi = cupy.cuda.stream.__pyx_capi__
-        with pytest.raises(ValueError, match="intptr_t \\(void\\)"):
+        with pytest.raises(ValueError, match="intptr_t \\(int\\)' or 'intptr_t \\(void\\)"):
             _core.set_cupy_stream_source(capi["get_current_stream"])
+        _core.set_cupy_stream_source(capi["get_current_stream_ptr"])
+        _core.set_cupy_stream_source(cupy_backends.cuda.stream.__pyx_capi__["get_stream_ptr"])
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            hooks._ask_cupy_for_its_stream(cupy)     # this CuPy exports it: no warning
+            hooks._ask_cupy_for_its_stream(cupy)     # this CuPy exports them: no warning
+            hooks._ask_cupy_for_its_stream(cupy, cupy_backends.cuda.stream)
     finally:
         _core.set_cupy_stream_source(None)

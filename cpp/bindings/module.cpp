@@ -18,26 +18,33 @@ void* emmpool_cupy_malloc(void*, std::size_t, int);
 void emmpool_cupy_free(void*, void*, int);
 void* emmpool_torch_malloc(std::size_t, int, void*);
 void emmpool_torch_free(void*, std::size_t, int, void*);
-void emmpool_set_cupy_stream_source(std::intptr_t (*)());
+void emmpool_set_cupy_stream_source(std::intptr_t (*)(int));
 }
 
 namespace {
 
 using namespace emmpool;
 
-// CuPy's own `intptr_t get_current_stream_ptr(void)` (a Cython function it exports), and the
-// guard the C entry points call it through: it needs the GIL, which CuPy holds when it calls
-// its allocator; anywhere else the answer is "unknown" (-1), and the free is fenced on legacy.
-std::intptr_t (*cupy_get_current_stream_ptr)() = nullptr;
+// How to ask CuPy for its current stream: one of the Cython functions it exports, found by
+// emmpool.hooks, cheapest first (both read CuPy's thread-local state):
+//   "intptr_t (int)":  cupy_backends.cuda.stream.get_stream_ptr(device);
+//   "intptr_t (void)": cupy.cuda.stream.get_current_stream_ptr(), of the current device, which
+//                      asks the runtime for it and goes through one more thread-local lookup.
+// They need the GIL, which CuPy holds when it calls its allocator; anywhere else the answer is
+// "unknown" (-1), and the free is fenced on the legacy stream. Set and read under the GIL.
+std::intptr_t (*cupy_stream_of_device)(int) = nullptr;
+std::intptr_t (*cupy_stream_of_current_device)() = nullptr;
 
 // The names of the allocation tags (stats.hpp), in order: statistics and traces use them.
 constexpr char const* library_names[alloc_tag_count] = {"other", "numba", "cupy", "torch", "rmm"};
-constexpr char const* cupy_stream_signature = "intptr_t (void)";
+constexpr char const* cupy_stream_of_device_signature         = "intptr_t (int)";
+constexpr char const* cupy_stream_of_current_device_signature = "intptr_t (void)";
 
-std::intptr_t cupy_stream_under_gil()
+std::intptr_t cupy_stream_under_gil(int device)
 {
   if (PyGILState_Check() == 0) { return -1; }
-  std::intptr_t const s = cupy_get_current_stream_ptr();
+  std::intptr_t const s = cupy_stream_of_device != nullptr ? cupy_stream_of_device(device)
+                                                           : cupy_stream_of_current_device();
   if (s == -1 && PyErr_Occurred() != nullptr) {
     PyErr_Clear();
     return -1;
@@ -465,18 +472,28 @@ PYBIND11_MODULE(_core, m)
         emmpool_set_cupy_stream_source(nullptr);
         return;
       }
-      auto cap         = capsule.cast<py::capsule>();
-      char const* name = cap.name();
-      if (name == nullptr || std::string{name} != cupy_stream_signature) {
+      auto cap                = capsule.cast<py::capsule>();
+      std::string const name = cap.name() != nullptr ? cap.name() : "";
+      if (name != cupy_stream_of_device_signature &&
+          name != cupy_stream_of_current_device_signature) {
         throw std::invalid_argument{std::string{"expected a capsule of signature '"} +
-                                    cupy_stream_signature + "', got '" + (name ? name : "") +
+                                    cupy_stream_of_device_signature + "' or '" +
+                                    cupy_stream_of_current_device_signature + "', got '" + name +
                                     "'"};
       }
-      cupy_get_current_stream_ptr = reinterpret_cast<std::intptr_t (*)()>(cap.get_pointer());
+      emmpool_set_cupy_stream_source(nullptr);  // while the function pointers change
+      cupy_stream_of_device         = nullptr;
+      cupy_stream_of_current_device = nullptr;
+      if (name == cupy_stream_of_device_signature) {
+        cupy_stream_of_device = reinterpret_cast<std::intptr_t (*)(int)>(cap.get_pointer());
+      } else {
+        cupy_stream_of_current_device = reinterpret_cast<std::intptr_t (*)()>(cap.get_pointer());
+      }
       emmpool_set_cupy_stream_source(&cupy_stream_under_gil);
     },
     py::arg("capsule"),
     "Let the CuPy entry points ask CuPy's current stream (the capsule of "
-    "cupy.cuda.stream.get_current_stream_ptr); None: stop asking.");
+    "cupy_backends.cuda.stream.get_stream_ptr or cupy.cuda.stream.get_current_stream_ptr); "
+    "None: stop asking.");
   m.def("_raise_for_test", &raise_for_test, py::arg("kind"));
 }

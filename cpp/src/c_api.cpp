@@ -42,21 +42,22 @@ emmpool::stream_handle as_stream(void* s) noexcept
   return reinterpret_cast<emmpool::stream_handle>(s);
 }
 
-// CuPy's current stream, when the binding could find how to ask CuPy (emmpool.hooks); it returns
-// a negative value when it cannot say. Without it, CuPy's memory names no stream (legacy fence).
-std::atomic<std::intptr_t (*)()> cupy_stream_source{nullptr};
+// CuPy's current stream on a device, when the binding could find how to ask CuPy
+// (emmpool.hooks); it returns a negative value when it cannot say. Without it, CuPy's memory
+// names no stream (legacy fence).
+std::atomic<std::intptr_t (*)(int)> cupy_stream_source{nullptr};
 
-emmpool::stream_handle cupy_current_stream() noexcept
+emmpool::stream_handle cupy_current_stream(int device) noexcept
 {
   auto* source = cupy_stream_source.load(std::memory_order_acquire);
-  std::intptr_t const s = source != nullptr ? source() : -1;
+  std::intptr_t const s = source != nullptr ? source(device) : -1;
   return s < 0 ? emmpool::legacy_stream : static_cast<emmpool::stream_handle>(s);
 }
 
 }  // namespace
 
-/// How the CuPy entry points learn CuPy's current stream (null: they do not).
-EMMPOOL_C_API void emmpool_set_cupy_stream_source(std::intptr_t (*source)())
+/// How the CuPy entry points learn CuPy's current stream on a device (null: they do not).
+EMMPOOL_C_API void emmpool_set_cupy_stream_source(std::intptr_t (*source)(int device))
 {
   cupy_stream_source.store(source, std::memory_order_release);
 }
@@ -65,7 +66,7 @@ EMMPOOL_C_API void emmpool_set_cupy_stream_source(std::intptr_t (*source)())
 /// current stream, as in CuPy's own pool.
 EMMPOOL_C_API void* emmpool_cupy_malloc(void*, std::size_t size, int device)
 {
-  return allocate_tagged(size, device, cupy_current_stream(), emmpool::alloc_tag::cupy);
+  return allocate_tagged(size, device, cupy_current_stream(device), emmpool::alloc_tag::cupy);
 }
 
 /// CuPy: void free(void* param, void* ptr, int device_id). No stream is passed: the free is

@@ -20,10 +20,11 @@ def use_for_cupy() -> None:
     Each block belongs to CuPy's current stream at its allocation, as in CuPy's own pool: its
     free is fenced on that stream, and a block freed on a stream can go straight to the next
     allocation on the same stream. CuPy's C function allocator passes no stream, so emmpool asks
-    CuPy (``cupy.cuda.stream.get_current_stream_ptr``, a C function CuPy exports); should a
-    CuPy version not export it, blocks name no stream and frees are fenced on the legacy
-    default stream (safe for the null, per-thread and blocking streams; memory used on a
-    non-blocking stream then needs :func:`emmpool.record_stream` before its free).
+    CuPy (``cupy_backends.cuda.stream.get_stream_ptr``, or else
+    ``cupy.cuda.stream.get_current_stream_ptr``: C functions CuPy exports); should a CuPy
+    version export neither, blocks name no stream and frees are fenced on the legacy default
+    stream (safe for the null, per-thread and blocking streams; memory used on a non-blocking
+    stream then needs :func:`emmpool.record_stream` before its free).
     """
     try:
         import cupy
@@ -32,7 +33,11 @@ def use_for_cupy() -> None:
             "emmpool.use_for_cupy() needs CuPy: pip install 'emmpool[cupy]' (cupy-cuda13x)"
         ) from e
     ensure_configured()
-    _ask_cupy_for_its_stream(cupy)
+    try:
+        from cupy_backends.cuda import stream as backend_stream
+    except ImportError:
+        backend_stream = None
+    _ask_cupy_for_its_stream(cupy, backend_stream)
     addresses = _core.c_function_addresses()
     allocator = cupy.cuda.memory.CFunctionAllocator(
         0, addresses["cupy_malloc"], addresses["cupy_free"], _core
@@ -52,22 +57,32 @@ def use_for_cupy() -> None:
     _installed.append(allocator)
 
 
-def _ask_cupy_for_its_stream(cupy) -> None:
-    capsule = getattr(cupy.cuda.stream, "__pyx_capi__", {}).get("get_current_stream_ptr")
-    try:
-        _core.set_cupy_stream_source(capsule)
-    except (ValueError, TypeError) as e:  # another signature in this CuPy version
-        capsule = None
-        _core.set_cupy_stream_source(None)
-        log.info("CuPy %s: %s", cupy.__version__, e)
-    if capsule is None:
-        warnings.warn(
-            f"CuPy {cupy.__version__} does not say which stream is current: emmpool fences "
-            "CuPy's frees on the legacy default stream (memory used on a non-blocking stream "
-            "needs emmpool.record_stream before its free)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+def _ask_cupy_for_its_stream(cupy, backend_stream=None) -> None:
+    """Give the CuPy entry points the cheapest of CuPy's exported stream lookups that this
+    CuPy has with a signature emmpool knows; warn if there is none."""
+    candidates = [
+        (backend_stream, "get_stream_ptr"),               # by device: no runtime call
+        (cupy.cuda.stream, "get_current_stream_ptr"),     # of the current device
+    ]
+    for module, name in candidates:
+        capsule = getattr(module, "__pyx_capi__", {}).get(name)
+        if capsule is None:
+            continue
+        try:
+            _core.set_cupy_stream_source(capsule)
+        except (ValueError, TypeError) as e:  # another signature in this CuPy version
+            log.info("CuPy %s: %s.%s: %s", cupy.__version__, module.__name__, name, e)
+            continue
+        log.info("CuPy's current stream from %s.%s", module.__name__, name)
+        return
+    _core.set_cupy_stream_source(None)
+    warnings.warn(
+        f"CuPy {cupy.__version__} does not say which stream is current: emmpool fences "
+        "CuPy's frees on the legacy default stream (memory used on a non-blocking stream "
+        "needs emmpool.record_stream before its free)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def use_for_torch() -> None:
