@@ -475,7 +475,8 @@ def _markdown(report):
         f"- numba-cuda {report.get('numba_cuda', '?')}, "
         + ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items()
                     if k != "numba-cuda"),
-        f"- {report['timestamp']}, {'quick' if report['quick'] else 'full'} run",
+        f"- {report['timestamp']}, {'quick' if report['quick'] else 'full'} run, "
+        + (f"CPUs {report['cpus']} (near the GPU)" if report.get("cpus") else "CPUs not pinned"),
         "",
         f"µs per op: median over {report['rounds']} interleaved rounds (one process per "
         f"manager and round) of the median over {report['repeats']} timed blocks of the mean "
@@ -564,6 +565,11 @@ def parent_main(args):
     # Managers run in interleaved rounds (A B C ... A B C ...) and each cell is the median
     # over rounds: a GPU's clocks and a host's load drift over minutes, and a drift must not
     # land on one manager alone.
+    sys.path.insert(0, HERE)
+    import cpus
+
+    pinned_cpus = cpus.pin_near_gpu(args.cpus)  # the children inherit it
+    print(f"[bench] CPUs: {pinned_cpus or 'not pinned'}", file=sys.stderr, flush=True)
     rounds: dict[str, list] = {name: [] for name, _ in selected}
     for rnd in range(args.rounds):
         for name, extra_env in selected:
@@ -597,6 +603,7 @@ def parent_main(args):
         "budget_s_per_case": knobs["budget"],
         "repeats": knobs["repeats"],
         "rounds": args.rounds,
+        "cpus": pinned_cpus,
         "floor": FLOOR,
         "suite": args.suite,
         "cases": suite_cases,
@@ -626,6 +633,9 @@ def main(argv=None):
                    help="seconds per case per manager (default 1.0, quick 0.15)")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds over the managers; cells are medians (default 3)")
+    p.add_argument("--cpus", type=int, default=4,
+                   help="pin every process to this many CPUs near the GPU; 0: no pinning "
+                        "(default 4)")
     p.add_argument("--managers", nargs="+", metavar="NAME",
                    choices=sorted({m for ms, *_ in SUITES.values() for m, _ in ms}),
                    help="run only these managers")

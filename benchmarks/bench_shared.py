@@ -13,7 +13,9 @@ One child process per configuration (an allocator is fixed at a library's first 
 - ``emmpool-direct`` (CuPy): the same C functions without the hook's Python null check.
 
 Reports the median ns per empty()+del over timed blocks, and the ratio to the library's own
-pool. Writes DIR/bench_shared.json and DIR/bench_shared.md.
+pool. Every process runs on the same few CPUs near the GPU (``--cpus``, see cpus.py), and each
+round measures the sizes in another order (a round's first size must not always be the same
+one). Writes DIR/bench_shared.json and DIR/bench_shared.md.
 """
 
 from __future__ import annotations
@@ -25,9 +27,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpus  # noqa: E402
+
+SIZES = [256, 1 << 16, 1 << 22, 1 << 26]
+
 CHILD = r"""
 import ctypes, json, statistics, sys, time
-lib, alloc = sys.argv[1], sys.argv[2]
+lib, alloc, sizes = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3].split(",")]
 libc = ctypes.CDLL("libc.so.6")
 if lib == "cupy":
     import cupy
@@ -58,7 +65,7 @@ else:
         a = torch.empty(n, dtype=torch.uint8, device="cuda"); del a
     sync = torch.cuda.synchronize
 out = {}
-for n in (256, 1 << 16, 1 << 22, 1 << 26):
+for n in sizes:
     for _ in range(2000):
         op(n)
     sync()
@@ -99,25 +106,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--cpus", type=int, default=4,
+                    help="pin every process to this many CPUs near the GPU; 0: no pinning "
+                         "(default 4)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    pinned = cpus.pin_near_gpu(args.cpus)  # the children inherit it
     # Interleaved rounds (own, floor, emmpool, ... then again): a drift of clocks or host load
     # over the minute lands on every configuration alike; each cell is the median over rounds.
     rounds: dict = {}
-    for _ in range(args.rounds):
+    for rnd in range(args.rounds):
+        order = ",".join(str(n) for n in SIZES[rnd % len(SIZES):] + SIZES[:rnd % len(SIZES)])
         for lib, allocs in CONFIGS.items():
             for alloc in allocs:
                 p = subprocess.run(
-                    [sys.executable, "-c", CHILD, lib, alloc], capture_output=True, text=True,
-                    timeout=300,
+                    [sys.executable, "-c", CHILD, lib, alloc, order], capture_output=True,
+                    text=True, timeout=300,
                 )
                 line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
                 rounds.setdefault(f"{lib}/{alloc}", []).append(
                     json.loads(line[0][7:]) if line else {"error": p.stderr[-500:]}
                 )
     results = {key: _merge(rs) for key, rs in rounds.items()}
-    (args.out / "bench_shared.json").write_text(json.dumps(results, indent=1))
-    sizes = ["256", str(1 << 16), str(1 << 22), str(1 << 26)]
+    (args.out / "bench_shared.json").write_text(
+        json.dumps({"cpus": pinned, "rounds": args.rounds, **results}, indent=1))
+    sizes = [str(n) for n in SIZES]
     rows = ["| allocator | 256 B | 64 KiB | 4 MiB | 64 MiB | emmpool stats |",
             "|---|---:|---:|---:|---:|---|"]
     for key, r in results.items():
@@ -131,8 +144,9 @@ def main() -> None:
             cells.append(f"{r[s]:.0f} ns{ratio}")
         stats = ", ".join(f"{k} {v}" for k, v in r.get("stats", {}).items())
         rows.append(f"| {key} | " + " | ".join(cells) + f" | {stats} |")
+    where = f"CPUs {pinned} (near the GPU)" if pinned else "CPUs not pinned"
     table = (f"empty()+del, ns per op (median over {args.rounds} interleaved rounds of the median "
-             "of 9 timed blocks); in parentheses: ratio to the library's own pool\n\n")
+             f"of 9 timed blocks; {where}); in parentheses: ratio to the library's own pool\n\n")
     table += "\n".join(rows) + "\n"
     (args.out / "bench_shared.md").write_text(table)
     print(table)
