@@ -47,9 +47,24 @@ s = emmpool._core.pinned_pool(0).stats()
 
 def still_alive():  # what keeps pinned memory in use, should the check below fail
     from numba.cuda.cudadrv.driver import MappedMemory, PinnedMemory
+    import sys, types
+    def name(r):
+        if isinstance(r, types.FrameType):
+            return f"frame {r.f_code.co_name} {r.f_code.co_filename}:{r.f_lineno}"
+        return type(r).__name__
+    def holders(o, depth, seen):  # referrer chains up to `depth`, this function's own left out
+        if depth == 0:
+            return []
+        out = []
+        for r in gc.get_referrers(o):
+            if id(r) in seen or r is sys._getframe() or type(r) is list and len(r) > 1000:
+                continue
+            seen.add(id(r))
+            out.append((name(r), holders(r, depth - 1, seen)))
+        return out
     # type(), not isinstance(): a weak proxy whose object died raises on isinstance()
-    return [(type(o).__name__, o.size, [type(r).__name__ for r in gc.get_referrers(o)])
-            for o in gc.get_objects() if type(o) in (MappedMemory, PinnedMemory)]
+    live = [o for o in gc.get_objects() if type(o) in (MappedMemory, PinnedMemory)]
+    return [(type(o).__name__, o.size, o.refct, holders(o, 4, {id(live)})) for o in live]
 
 assert s["bytes_in_use"] == 0 and s["bytes_registered"] == 0, (s, still_alive())
 for _ in range(100):
