@@ -211,6 +211,33 @@ def test_pool_errors_reach_numba_as_its_own_error_type():
     assert mapped.code == binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY  # the test error's code
 
 
+def test_cupy_allocator_turns_a_null_pointer_into_cupys_out_of_memory_error():
+    class Memory:  # stands for the MemoryPointer of CuPy's CFunctionAllocator.malloc
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    class OutOfMemory(MemoryError):  # CuPy's OutOfMemoryError(size, total)
+        def __init__(self, size, total):
+            super().__init__(f"out of memory allocating {size} bytes")
+            self.size, self.total = size, total
+
+    def c_malloc(size):
+        if size < 0:
+            raise ValueError("negative")
+        return Memory(0 if size == 0 or size > 100 else 0x7000)
+
+    malloc = _core.cupy_checked_malloc(c_malloc, OutOfMemory)
+    assert malloc(64).ptr == 0x7000
+    assert malloc(0).ptr == 0                      # CuPy allocates nothing for size 0
+    with pytest.raises(OutOfMemory) as e:
+        malloc(1000)
+    assert (e.value.size, e.value.total) == (1000, -1)
+    with pytest.raises(ValueError, match="negative"):  # the allocator's own errors pass through
+        malloc(-1)
+    with pytest.raises(AttributeError):
+        _core.cupy_checked_malloc(lambda size: object(), OutOfMemory)(8)
+
+
 def test_cupy_stream_source_takes_only_cupys_stream_functions():
     import types
     import warnings

@@ -121,6 +121,14 @@ before = emmpool.stats(0)["same_stream_reuses"]
 for _ in range(1000):
     x = cupy.empty(1 << 20); del x
 assert emmpool.stats(0)["same_stream_reuses"] - before >= 999, emmpool.stats(0)
+try:                                          # more than the device: CuPy's own error
+    cupy.empty(1 << 50, dtype=cupy.uint8)
+except cupy.cuda.memory.OutOfMemoryError as e:
+    assert "1,125,899,906,842,624 bytes" in str(e), str(e)
+else:
+    raise AssertionError("no OutOfMemoryError")
+assert emmpool.stats(0)["out_of_memory"] >= 1
+assert float(cupy.ones(1000).sum()) == 1000.0  # and the pool still serves
 print("OK")
 """
 

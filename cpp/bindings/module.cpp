@@ -52,6 +52,42 @@ std::intptr_t cupy_stream_under_gil(int device)
   return s;
 }
 
+// CuPy's allocator as emmpool installs it: CFunctionAllocator.malloc (over the C entry points),
+// then a NULL pointer turned into CuPy's OutOfMemoryError, which CuPy itself does not do. A C
+// function, so that each cupy.empty runs no Python frame of ours. `self` is the tuple
+// (CFunctionAllocator.malloc, cupy.cuda.memory.OutOfMemoryError).
+PyObject* cupy_checked_malloc(PyObject* self, PyObject* size)
+{
+  PyObject* mem = PyObject_CallOneArg(PyTuple_GET_ITEM(self, 0), size);
+  if (mem == nullptr) { return nullptr; }
+  PyObject* ptr = PyObject_GetAttrString(mem, "ptr");
+  if (ptr == nullptr) {
+    Py_DECREF(mem);
+    return nullptr;
+  }
+  int const is_null = PyObject_Not(ptr);
+  Py_DECREF(ptr);
+  int const positive = is_null == 1 ? PyObject_IsTrue(size) : 0;  // size 0 gives ptr 0 too
+  if (is_null < 0 || positive < 0) {
+    Py_DECREF(mem);
+    return nullptr;
+  }
+  if (is_null == 1 && positive == 1) {
+    Py_DECREF(mem);  // holds no memory: CuPy frees nothing for ptr 0
+    PyObject* err = PyObject_CallFunction(PyTuple_GET_ITEM(self, 1), "On", size, Py_ssize_t{-1});
+    if (err != nullptr) {
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
+      Py_DECREF(err);
+    }
+    return nullptr;
+  }
+  return mem;
+}
+
+PyMethodDef cupy_checked_malloc_def = {
+  "emmpool_cupy_malloc", &cupy_checked_malloc, METH_O,
+  "CuPy's allocator over emmpool's pool (emmpool.use_for_cupy)."};
+
 pool_mode parse_mode(std::string const& mode)
 {
   if (mode == "pool") { return pool_mode::pool; }
@@ -457,6 +493,16 @@ PYBIND11_MODULE(_core, m)
       return py::make_tuple(i.free, i.total);
     },
     py::arg("device"));
+  m.def(
+    "cupy_checked_malloc",
+    [](py::object c_malloc, py::object out_of_memory) {
+      py::tuple const self = py::make_tuple(std::move(c_malloc), std::move(out_of_memory));
+      return py::reinterpret_steal<py::object>(
+        PyCFunction_New(&cupy_checked_malloc_def, self.ptr()));
+    },
+    py::arg("c_malloc"), py::arg("out_of_memory"),
+    "c_malloc(size), raising out_of_memory(size, -1) where it returns memory at address 0 for "
+    "a positive size (CuPy's CFunctionAllocator does not check the C function's result).");
   m.def("c_function_addresses", [] {
     py::dict d;
     d["cupy_malloc"]  = reinterpret_cast<std::uintptr_t>(&emmpool_cupy_malloc);

@@ -42,18 +42,12 @@ def use_for_cupy() -> None:
     allocator = cupy.cuda.memory.CFunctionAllocator(
         0, addresses["cupy_malloc"], addresses["cupy_free"], _core
     )
-    c_malloc = allocator.malloc
-    out_of_memory = cupy.cuda.memory.OutOfMemoryError
-
     # CuPy does not check the C function's result: a NULL from the pool (out of memory) would
-    # become a silent null pointer. This one comparison turns it into CuPy's own error.
-    def malloc(size):
-        mem = c_malloc(size)
-        if mem.ptr == 0 and size > 0:
-            raise out_of_memory(size, -1)
-        return mem
-
-    cupy.cuda.set_allocator(malloc)
+    # become a silent null pointer. The binding's wrapper (in C: no Python frame per
+    # allocation) turns it into CuPy's own OutOfMemoryError.
+    cupy.cuda.set_allocator(
+        _core.cupy_checked_malloc(allocator.malloc, cupy.cuda.memory.OutOfMemoryError)
+    )
     _installed.append(allocator)
 
 
