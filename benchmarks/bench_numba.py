@@ -478,8 +478,9 @@ def _markdown(report):
         f"- {report['timestamp']}, {'quick' if report['quick'] else 'full'} run, "
         + (f"CPUs {report['cpus']} (near the GPU)" if report.get("cpus") else "CPUs not pinned"),
         "",
-        f"µs per op: median over {report['rounds']} interleaved rounds (one process per "
-        f"manager and round) of the median over {report['repeats']} timed blocks of the mean "
+        f"µs per op: the best of {report['rounds']} interleaved rounds (one process per "
+        f"manager and round; medians over rounds in the JSON) of the median over "
+        f"{report['repeats']} timed blocks of the mean "
         "per-op time (device synchronised at block ends). In parentheses: "
         f"ratio to the `{FLOOR}` floor (Numba's own per-allocation overhead).",
         "",
@@ -544,7 +545,11 @@ def _merge_rounds(results):
             continue
         values = [c["us_per_op"] for c in timed]
         cell = dict(timed[-1])
-        cell["us_per_op"] = statistics.median(values)
+        # The best round: the host's noise comes per process (on the GPU hosts used, a whole
+        # process ran at the same speed or at half of it, the floor included) and only ever
+        # slows one down. The median is kept too.
+        cell["us_per_op"] = min(values)
+        cell["median_us"] = statistics.median(values)
         cell["rounds_us"] = values
         merged["cases"][case] = cell
     merged["rounds"] = len(ok)
@@ -632,7 +637,8 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=None,
                    help="seconds per case per manager (default 1.0, quick 0.15)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="interleaved rounds over the managers; cells are medians (default 3)")
+                   help="interleaved rounds over the managers; cells are the best round "
+                        "(default 3)")
     p.add_argument("--cpus", type=int, default=4,
                    help="pin every process to this many CPUs near the GPU; 0: no pinning "
                         "(default 4)")
