@@ -238,6 +238,47 @@ def test_cupy_allocator_turns_a_null_pointer_into_cupys_out_of_memory_error():
         _core.cupy_checked_malloc(lambda size: object(), OutOfMemory)(8)
 
 
+def test_cupy_entry_point_raises_its_failures_only_when_asked():
+    import ctypes
+
+    class OutOfMemory(MemoryError):
+        pass
+
+    # Called as CuPy calls it, with the GIL held (PYFUNCTYPE: the error flag is checked after).
+    malloc = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(
+        _core.c_function_addresses()["cupy_malloc"])
+    try:
+        _core.set_cupy_failure(OutOfMemory)
+        with pytest.raises(ValueError, match="device"):
+            malloc(None, 256, -1)
+        try:
+            _core.device_count()
+            refused = ValueError, "too large"   # the request itself
+        except emmpool.CudaError:
+            refused = RuntimeError, "driver"    # no pool without a driver: any other error
+        with pytest.raises(refused[0], match=refused[1]):
+            malloc(None, (1 << 64) - 1, 0)
+        _core.set_cupy_failure(None)
+        assert malloc(None, 256, -1) is None          # NULL, and nothing raised
+    finally:
+        _core.set_cupy_failure(None)
+
+
+def test_cupy_hook_lets_the_entry_point_raise_only_where_cupy_passes_it_on():
+    cupy = pytest.importorskip("cupy")
+    from emmpool import hooks
+
+    addresses = _core.c_function_addresses()
+    try:
+        _core.set_cupy_failure(cupy.cuda.memory.OutOfMemoryError)
+        raises = hooks._cupy_passes_errors_on(cupy, addresses)
+        _core.set_cupy_failure(None)
+        assert not hooks._cupy_passes_errors_on(cupy, addresses)  # NULL: nothing to pass on
+    finally:
+        _core.set_cupy_failure(None)
+    print(f"CuPy {cupy.__version__} passes the entry point's exceptions on: {raises}")
+
+
 def test_cupy_stream_source_takes_only_cupys_stream_functions():
     import types
     import warnings

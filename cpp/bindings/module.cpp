@@ -19,6 +19,7 @@ void emmpool_cupy_free(void*, void*, int);
 void* emmpool_torch_malloc(std::size_t, int, void*);
 void emmpool_torch_free(void*, std::size_t, int, void*);
 void emmpool_set_cupy_stream_source(std::intptr_t (*)(int));
+void emmpool_set_cupy_failure(void* (*)(std::size_t, int, int, char const*));
 }
 
 namespace {
@@ -82,6 +83,30 @@ PyObject* cupy_checked_malloc(PyObject* self, PyObject* size)
     return nullptr;
   }
   return mem;
+}
+
+// CuPy's OutOfMemoryError while the CuPy entry point raises (set_cupy_failure); a strong
+// reference, never released (the entry point may run until the process ends).
+PyObject* cupy_out_of_memory = nullptr;
+
+// The CuPy entry point's failure, as a Python exception (CuPy calls it with the GIL held):
+// CuPy's OutOfMemoryError(size, -1), ValueError for an invalid request, RuntimeError else; the
+// return value -1 is what CuPy's Cython wrapper (`cdef intptr_t _call_malloc`, exceptions
+// propagated, -1 their marker) takes for "look for an exception". Without the GIL: NULL.
+void* raise_cupy_failure(std::size_t size, int, int kind, char const* what)
+{
+  if (PyGILState_Check() == 0) { return nullptr; }
+  if (kind == 0 && cupy_out_of_memory != nullptr) {
+    PyObject* err = PyObject_CallFunction(cupy_out_of_memory, "nn",
+                                          static_cast<Py_ssize_t>(size), Py_ssize_t{-1});
+    if (err != nullptr) {
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
+      Py_DECREF(err);
+    }
+  } else {
+    PyErr_Format(kind == 1 ? PyExc_ValueError : PyExc_RuntimeError, "%s", what);
+  }
+  return reinterpret_cast<void*>(std::intptr_t{-1});
 }
 
 PyMethodDef cupy_checked_malloc_def = {
@@ -503,6 +528,19 @@ PYBIND11_MODULE(_core, m)
     py::arg("c_malloc"), py::arg("out_of_memory"),
     "c_malloc(size), raising out_of_memory(size, -1) where it returns memory at address 0 for "
     "a positive size (CuPy's CFunctionAllocator does not check the C function's result).");
+  m.def(
+    "set_cupy_failure",
+    [](py::object out_of_memory) {
+      emmpool_set_cupy_failure(nullptr);
+      if (out_of_memory.is_none()) { return; }
+      PyObject* old      = cupy_out_of_memory;
+      cupy_out_of_memory = out_of_memory.release().ptr();
+      Py_XDECREF(old);
+      emmpool_set_cupy_failure(&raise_cupy_failure);
+    },
+    py::arg("out_of_memory"),
+    "Make the CuPy entry point raise its failures (out_of_memory(size, -1) for lack of memory) "
+    "and return -1; None: return NULL, raising nothing.");
   m.def("c_function_addresses", [] {
     py::dict d;
     d["cupy_malloc"]  = reinterpret_cast<std::uintptr_t>(&emmpool_cupy_malloc);

@@ -1,13 +1,17 @@
 // Plain C entry points into the process-wide pools, for allocators that call C function
 // pointers with no Python in between: CuPy's CFunctionAllocator and PyTorch's
 // CUDAPluggableAllocator (which dlsym()s these names from this extension's .so).
-// They must not throw across the C boundary: failures return NULL (allocation) or are counted
-// and dropped (free), as neither caller has a way to receive a C++ exception.
+// They must not throw across the C boundary: failures return NULL (allocation; for CuPy, what
+// the binding's reporter says, see cupy_failure) or are dropped (free), as neither caller has a
+// way to receive a C++ exception.
+#include <emmpool/error.hpp>
 #include <emmpool/registry.hpp>
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <stdexcept>
 
 #define EMMPOOL_C_API extern "C" __attribute__((visibility("default")))
 
@@ -54,7 +58,27 @@ emmpool::stream_handle cupy_current_stream(int device) noexcept
   return s < 0 ? emmpool::legacy_stream : static_cast<emmpool::stream_handle>(s);
 }
 
+// What a failed CuPy allocation returns. By default NULL (CuPy cannot tell it from a pointer:
+// the hook then checks each result). The binding may install a reporter that sets a Python
+// exception (CuPy calls with the GIL held) and returns what makes CuPy's Cython layer pass that
+// exception on; emmpool.hooks installs it only after seeing this CuPy do so.
+using cupy_failure_fn = void* (*)(std::size_t size, int device, int kind, char const* what);
+std::atomic<cupy_failure_fn> cupy_failure{nullptr};
+
+void* cupy_failed(std::size_t size, int device, int kind, char const* what) noexcept
+{
+  auto* report = cupy_failure.load(std::memory_order_acquire);
+  return report != nullptr ? report(size, device, kind, what) : nullptr;
+}
+
 }  // namespace
+
+/// How a failed CuPy allocation is reported (see cupy_failure; null: it returns NULL). kind:
+/// 0 out of memory, 1 invalid argument, 2 any other error.
+EMMPOOL_C_API void emmpool_set_cupy_failure(cupy_failure_fn report)
+{
+  cupy_failure.store(report, std::memory_order_release);
+}
 
 /// How the CuPy entry points learn CuPy's current stream on a device (null: they do not).
 EMMPOOL_C_API void emmpool_set_cupy_stream_source(std::intptr_t (*source)(int device))
@@ -66,7 +90,18 @@ EMMPOOL_C_API void emmpool_set_cupy_stream_source(std::intptr_t (*source)(int de
 /// current stream, as in CuPy's own pool.
 EMMPOOL_C_API void* emmpool_cupy_malloc(void*, std::size_t size, int device)
 {
-  return allocate_tagged(size, device, cupy_current_stream(device), emmpool::alloc_tag::cupy);
+  try {
+    return reinterpret_cast<void*>(emmpool::pool_registry::instance().pool(device).allocate(
+      size, cupy_current_stream(device), emmpool::alloc_tag::cupy));
+  } catch (emmpool::out_of_memory const& e) {
+    return cupy_failed(size, device, 0, e.what());
+  } catch (std::invalid_argument const& e) {
+    return cupy_failed(size, device, 1, e.what());
+  } catch (std::exception const& e) {
+    return cupy_failed(size, device, 2, e.what());
+  } catch (...) {
+    return cupy_failed(size, device, 2, "unknown error");
+  }
 }
 
 /// CuPy: void free(void* param, void* ptr, int device_id). No stream is passed: the free is

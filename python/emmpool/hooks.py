@@ -43,12 +43,39 @@ def use_for_cupy() -> None:
         0, addresses["cupy_malloc"], addresses["cupy_free"], _core
     )
     # CuPy does not check the C function's result: a NULL from the pool (out of memory) would
-    # become a silent null pointer. The binding's wrapper (in C: no Python frame per
-    # allocation) turns it into CuPy's own OutOfMemoryError.
-    cupy.cuda.set_allocator(
-        _core.cupy_checked_malloc(allocator.malloc, cupy.cuda.memory.OutOfMemoryError)
-    )
+    # become a silent null pointer. Where this CuPy passes on an exception raised by the C
+    # function, the entry point raises CuPy's OutOfMemoryError itself; otherwise a wrapper of
+    # the binding's (in C) checks each result.
+    out_of_memory = cupy.cuda.memory.OutOfMemoryError
+    _core.set_cupy_failure(out_of_memory)
+    if _cupy_passes_errors_on(cupy, addresses):
+        malloc = allocator.malloc
+    else:
+        _core.set_cupy_failure(None)
+        malloc = _core.cupy_checked_malloc(allocator.malloc, out_of_memory)
+    log.info("CuPy %s: failed allocations %s", cupy.__version__,
+             "raise from the C entry point" if malloc is allocator.malloc else
+             "are checked by a wrapper")
+    cupy.cuda.set_allocator(malloc)
     _installed.append(allocator)
+
+
+def _cupy_passes_errors_on(cupy, addresses) -> bool:
+    """Whether this CuPy's C-function allocator passes on an exception raised by its C malloc
+    (CuPy's Cython wrapper does where it is compiled to propagate exceptions, with -1 as their
+    marker). Tried with a request emmpool refuses (device -1: ValueError) through the very
+    constructor CuPy's CFunctionAllocator.malloc uses; where the exception is not passed on,
+    Python reports a SystemError instead, and the probe's memory (address -1) frees nothing."""
+    memory = getattr(cupy.cuda.memory, "CFunctionAllocatorMemory", None)
+    if memory is None:
+        return False
+    try:
+        memory(256, 0, addresses["cupy_malloc"], addresses["cupy_free"], -1)
+    except ValueError as e:
+        return "device" in str(e)
+    except Exception:  # noqa: BLE001 - SystemError, or whatever another CuPy does
+        return False
+    return False
 
 
 def _ask_cupy_for_its_stream(cupy, backend_stream=None) -> None:
