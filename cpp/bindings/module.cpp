@@ -110,7 +110,7 @@ void* raise_cupy_failure(std::size_t size, int, int kind, char const* what)
 }
 
 PyMethodDef cupy_checked_malloc_def = {
-  "emmpool_cupy_malloc", &cupy_checked_malloc, METH_O,
+  "cupy_checked_malloc", &cupy_checked_malloc, METH_O,
   "CuPy's allocator over emmpool's pool (emmpool.use_for_cupy)."};
 
 pool_mode parse_mode(std::string const& mode)

@@ -104,8 +104,7 @@ class deferred_free_queue {
   template <class Release>
   void release_batch(batch& b, Release& release);
   [[nodiscard]] event_handle take_event();
-  void recycle(std::vector<detail::block*>&& blocks) noexcept;
-
+  void recycle(std::vector<detail::block*>&& blocks) noexcept;  // into spare_lists_
 
   driver* driver_;
   int device_;
