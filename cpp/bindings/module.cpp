@@ -53,6 +53,16 @@ std::intptr_t cupy_stream_under_gil(int device)
   return s;
 }
 
+// Raise `out_of_memory(size, -1)` (CuPy's OutOfMemoryError(size, total)).
+void set_out_of_memory(PyObject* out_of_memory, PyObject* size)
+{
+  PyObject* err = PyObject_CallFunction(out_of_memory, "On", size, Py_ssize_t{-1});
+  if (err != nullptr) {
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
+    Py_DECREF(err);
+  }
+}
+
 // CuPy's allocator as emmpool installs it: CFunctionAllocator.malloc (over the C entry points),
 // then a NULL pointer turned into CuPy's OutOfMemoryError, which CuPy itself does not do. A C
 // function, so that each cupy.empty runs no Python frame of ours. `self` is the tuple
@@ -75,11 +85,7 @@ PyObject* cupy_checked_malloc(PyObject* self, PyObject* size)
   }
   if (is_null == 1 && positive == 1) {
     Py_DECREF(mem);  // holds no memory: CuPy frees nothing for ptr 0
-    PyObject* err = PyObject_CallFunction(PyTuple_GET_ITEM(self, 1), "On", size, Py_ssize_t{-1});
-    if (err != nullptr) {
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
-      Py_DECREF(err);
-    }
+    set_out_of_memory(PyTuple_GET_ITEM(self, 1), size);
     return nullptr;
   }
   return mem;
@@ -97,11 +103,9 @@ void* raise_cupy_failure(std::size_t size, int, int kind, char const* what)
 {
   if (PyGILState_Check() == 0) { return nullptr; }
   if (kind == 0 && cupy_out_of_memory != nullptr) {
-    PyObject* err = PyObject_CallFunction(cupy_out_of_memory, "nn",
-                                          static_cast<Py_ssize_t>(size), Py_ssize_t{-1});
-    if (err != nullptr) {
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
-      Py_DECREF(err);
+    if (PyObject* n = PyLong_FromSize_t(size)) {
+      set_out_of_memory(cupy_out_of_memory, n);
+      Py_DECREF(n);
     }
   } else {
     PyErr_Format(kind == 1 ? PyExc_ValueError : PyExc_RuntimeError, "%s", what);

@@ -17,14 +17,27 @@
 
 namespace {
 
+// What a failed allocation returns: NULL, or what `report` (if any) makes of the failure.
+// kind: 0 out of memory, 1 invalid argument, 2 any other error.
+using failure_fn = void* (*)(std::size_t size, int device, int kind, char const* what);
+
 void* allocate_tagged(std::size_t size, int device, emmpool::stream_handle stream,
-                      emmpool::alloc_tag tag) noexcept
+                      emmpool::alloc_tag tag, failure_fn report = nullptr) noexcept
 {
+  auto failed = [&](int kind, char const* what) {
+    return report != nullptr ? report(size, device, kind, what) : nullptr;
+  };
   try {
     return reinterpret_cast<void*>(
       emmpool::pool_registry::instance().pool(device).allocate(size, stream, tag));
+  } catch (emmpool::out_of_memory const& e) {
+    return failed(0, e.what());
+  } catch (std::invalid_argument const& e) {
+    return failed(1, e.what());
+  } catch (std::exception const& e) {
+    return failed(2, e.what());
   } catch (...) {
-    return nullptr;
+    return failed(2, "unknown error");
   }
 }
 
@@ -58,24 +71,17 @@ emmpool::stream_handle cupy_current_stream(int device) noexcept
   return s < 0 ? emmpool::legacy_stream : static_cast<emmpool::stream_handle>(s);
 }
 
-// What a failed CuPy allocation returns. By default NULL (CuPy cannot tell it from a pointer:
-// the hook then checks each result). The binding may install a reporter that sets a Python
-// exception (CuPy calls with the GIL held) and returns what makes CuPy's Cython layer pass that
-// exception on; emmpool.hooks installs it only after seeing this CuPy do so.
-using cupy_failure_fn = void* (*)(std::size_t size, int device, int kind, char const* what);
-std::atomic<cupy_failure_fn> cupy_failure{nullptr};
-
-void* cupy_failed(std::size_t size, int device, int kind, char const* what) noexcept
-{
-  auto* report = cupy_failure.load(std::memory_order_acquire);
-  return report != nullptr ? report(size, device, kind, what) : nullptr;
-}
+// How a failed CuPy allocation is reported. By default not at all: NULL (CuPy cannot tell it
+// from a pointer: the hook then checks each result). The binding may install a reporter that
+// sets a Python exception (CuPy calls with the GIL held) and returns what makes CuPy's Cython
+// layer pass that exception on; emmpool.hooks installs it only after seeing this CuPy do so.
+std::atomic<failure_fn> cupy_failure{nullptr};
 
 }  // namespace
 
-/// How a failed CuPy allocation is reported (see cupy_failure; null: it returns NULL). kind:
-/// 0 out of memory, 1 invalid argument, 2 any other error.
-EMMPOOL_C_API void emmpool_set_cupy_failure(cupy_failure_fn report)
+/// How a failed CuPy allocation is reported (see cupy_failure and failure_fn; null: it returns
+/// NULL).
+EMMPOOL_C_API void emmpool_set_cupy_failure(failure_fn report)
 {
   cupy_failure.store(report, std::memory_order_release);
 }
@@ -90,18 +96,8 @@ EMMPOOL_C_API void emmpool_set_cupy_stream_source(std::intptr_t (*source)(int de
 /// current stream, as in CuPy's own pool.
 EMMPOOL_C_API void* emmpool_cupy_malloc(void*, std::size_t size, int device)
 {
-  try {
-    return reinterpret_cast<void*>(emmpool::pool_registry::instance().pool(device).allocate(
-      size, cupy_current_stream(device), emmpool::alloc_tag::cupy));
-  } catch (emmpool::out_of_memory const& e) {
-    return cupy_failed(size, device, 0, e.what());
-  } catch (std::invalid_argument const& e) {
-    return cupy_failed(size, device, 1, e.what());
-  } catch (std::exception const& e) {
-    return cupy_failed(size, device, 2, e.what());
-  } catch (...) {
-    return cupy_failed(size, device, 2, "unknown error");
-  }
+  return allocate_tagged(size, device, cupy_current_stream(device), emmpool::alloc_tag::cupy,
+                         cupy_failure.load(std::memory_order_acquire));
 }
 
 /// CuPy: void free(void* param, void* ptr, int device_id). No stream is passed: the free is
