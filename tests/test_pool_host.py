@@ -392,9 +392,9 @@ def test_a_failing_record_on_a_side_stream_does_not_wedge_the_pool(host):
     side = 0x5EED
     p = pool.allocate(4096, side)
     pool.deallocate(p, side)
-    host.fail_next_event_records(1)  # e.g. the stream was destroyed after the free
+    host.fail_next_event_records(1)  # a driver error on the live side stream
     for _ in range(3):
-        pool.allocate(2 << 20)  # misses: the queue is maintained each time
+        pool.allocate(2 << 20, side)  # misses on it: its batch is fenced each time
     assert host.stats()["device_syncs"] == 1  # fenced by synchronizing the device instead
     host.complete_all_events()
     pool.synchronize()

@@ -172,6 +172,7 @@ py::dict stats_dict(pool_stats const& s)
   d["segment_releases"]    = s.segment_releases;
   d["batches_closed"]      = s.batches_closed;
   d["same_stream_reuses"]  = s.same_stream_reuses;
+  d["dormant_fences"]      = s.dormant_fences;
   d["out_of_memory"]       = s.out_of_memory;
   py::dict by_tag;
   for (std::size_t i = 0; i < alloc_tag_count; ++i) {
@@ -262,6 +263,10 @@ PYBIND11_MODULE(_core, m)
     .def("fail_next_deallocations", &host_driver::fail_next_deallocations, py::arg("n"))
     .def("set_capacity", &host_driver::set_capacity, py::arg("device"), py::arg("bytes"))
     .def("invalidate_device", &host_driver::invalidate_device, py::arg("device"))
+    .def("create_stream", &host_driver::create_stream,
+         "A new stream (a destroyed stream's handle may be reused, as CUDA may).")
+    .def("destroy_stream", &host_driver::destroy_stream, py::arg("stream"),
+         "Destroy a stream: any later use of its handle raises (see host_driver.hpp).")
     .def("stats", [](host_driver const& d) {
       auto const c = d.stats();
       py::dict out;
@@ -275,6 +280,8 @@ PYBIND11_MODULE(_core, m)
       out["live_events"]    = c.live_events;
       out["context_releases"] = c.context_releases;
       out["device_syncs"]     = c.device_syncs;
+      out["stream_id_queries"] = c.stream_id_queries;
+      out["dead_stream_uses"]  = c.dead_stream_uses;
       return out;
     });
 
@@ -513,6 +520,16 @@ PYBIND11_MODULE(_core, m)
     return out;
   });
   m.def("driver_name", [] { return pool_registry::instance().get_driver().name(); });
+  m.def(
+    "_use_driver_for_all_pools",
+    [](py::object host) {
+      auto& drv = host.cast<host_driver&>();
+      pool_registry::instance().use_driver(drv);
+      host.inc_ref();  // the pools never die: neither may their driver
+    },
+    py::arg("host_driver"),
+    "For tests without a GPU: the process-wide pools (and so the CuPy and PyTorch entry "
+    "points) use this HostDriver. Only before the first pool exists.");
   m.def("device_count", [] { return cuda_driver().device_count(); });
   m.def("current_device", [] { return cuda_driver().current_device(); });
   m.def(

@@ -113,8 +113,11 @@ EMMPOOL_C_API void* emmpool_torch_malloc(std::size_t size, int device, void* str
   return allocate_tagged(size, device, as_stream(stream), emmpool::alloc_tag::torch);
 }
 
-/// PyTorch: void free(void* ptr, size_t size, int device, cudaStream_t stream).
-EMMPOOL_C_API void emmpool_torch_free(void* ptr, std::size_t, int device, void* stream)
+/// PyTorch: void free(void* ptr, size_t size, int device, cudaStream_t stream). PyTorch passes
+/// the stream of the allocation, which may have died since (torch.cuda.ExternalStream): the
+/// free is fenced on the allocation's stream as the pool knows it, and the handle passed here
+/// is never used (deferred_free_queue.hpp, "stream lifetime").
+EMMPOOL_C_API void emmpool_torch_free(void* ptr, std::size_t, int device, void*)
 {
-  free_on(ptr, device, as_stream(stream), emmpool::alloc_tag::torch);
+  free_on(ptr, device, emmpool::allocation_stream, emmpool::alloc_tag::torch);
 }

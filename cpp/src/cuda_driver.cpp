@@ -133,6 +133,17 @@ class cuda_driver_impl final : public driver {
     check(api_.cuCtxSynchronize(), "cuCtxSynchronize", EMMPOOL_WHERE);
   }
 
+  [[nodiscard]] std::uint64_t stream_id(int, stream_handle stream) override
+  {
+    // No context switch: a stream handle names its own context (context streams, which would
+    // need one, never come here), and this is on the allocation path of every named stream.
+    auto& a = load();
+    unsigned long long id{};
+    check(a.cuStreamGetId(reinterpret_cast<CUstream>(stream), &id), "cuStreamGetId",
+          EMMPOOL_WHERE);
+    return static_cast<std::uint64_t>(id);
+  }
+
   [[nodiscard]] ipc_bytes ipc_handle(int device, device_ptr segment_base) override
   {
     scoped_context ctx{*this, device};

@@ -12,19 +12,29 @@ deferred_free_queue::~deferred_free_queue()
   release_events();
 }
 
-void deferred_free_queue::push(detail::block* blk, stream_handle stream)
+deferred_free_queue::stream_ref deferred_free_queue::ref_of(stream_handle alive) const
+{
+  if (alive == per_thread_stream) { return {legacy_stream, 0}; }
+  if (is_context_stream(alive)) { return {alive, 0}; }
+  return {alive, driver_->stream_id(device_, alive)};
+}
+
+void deferred_free_queue::push(detail::block* blk, stream_ref stream)
 {
   blk->state = detail::block_state::pending;
   waiting_bytes_ += blk->size;
+  open_bytes_ += blk->size;
   ++waiting_blocks_;
   for (auto& b : open_) {
     if (b.stream == stream) {
       b.blocks.push_back(blk);
+      b.bytes += blk->size;
       return;
     }
   }
   batch b;
   b.stream = stream;
+  b.bytes  = blk->size;
   if (!spare_lists_.empty()) {
     b.blocks = std::move(spare_lists_.back());
     spare_lists_.pop_back();
@@ -46,8 +56,9 @@ void deferred_free_queue::recycle(std::vector<detail::block*>&& blocks) noexcept
   }
 }
 
-detail::block* deferred_free_queue::take_same_stream(stream_handle stream, std::size_t size)
+detail::block* deferred_free_queue::take_same_stream(stream_ref stream, std::size_t size)
 {
+  if (stream.handle == legacy_stream) { return nullptr; }  // "no stream named": no order to rely on
   // The newest frees of that stream first (its open batch, then its latest closed one), and
   // only a few of each: a loop that frees and allocates the same sizes finds its block at once,
   // and a miss costs a handful of comparisons.
@@ -57,8 +68,11 @@ detail::block* deferred_free_queue::take_same_stream(stream_handle stream, std::
     std::size_t const end        = blocks.size() > window ? blocks.size() - window : 0;
     for (std::size_t i = blocks.size(); i-- > end;) {
       auto* blk = blocks[i];
-      if (blk->also_fence != 0 || blk->size < size || blk->size - size > size / 8) { continue; }
+      if (!blk->also_fence.is_none() || blk->size < size || blk->size - size > size / 8) {
+        continue;
+      }
       blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
+      b.bytes -= blk->size;
       waiting_bytes_ -= blk->size;
       --waiting_blocks_;
       return blk;
@@ -68,10 +82,13 @@ detail::block* deferred_free_queue::take_same_stream(stream_handle stream, std::
   for (auto b = open_.begin(); b != open_.end(); ++b) {
     if (b->stream != stream) { continue; }
     auto* blk = take_from(*b);
-    if (blk != nullptr && b->blocks.empty()) {
-      if (b->event != 0) { spare_events_.push_back(b->event); }
-      recycle(std::move(b->blocks));
-      open_.erase(b);
+    if (blk != nullptr) {
+      open_bytes_ -= blk->size;
+      if (b->blocks.empty()) {
+        if (b->event != 0) { spare_events_.push_back(b->event); }
+        recycle(std::move(b->blocks));
+        open_.erase(b);
+      }
     }
     if (blk != nullptr) { return blk; }
     break;
@@ -97,25 +114,44 @@ event_handle deferred_free_queue::take_event()
   return driver_->create_event(device_);
 }
 
-std::size_t deferred_free_queue::close_open_batches()
+void deferred_free_queue::close(std::vector<batch>::iterator b)
 {
+  if (b->event == 0) { b->event = take_event(); }
+  try {
+    driver_->record_event(device_, b->event, b->stream.handle);
+  } catch (cuda_error const&) {
+    if (b->stream.handle == legacy_stream) { throw; }  // the batch stays open with its event
+    driver_->synchronize_device(device_);             // all work done, that stream's included
+    driver_->record_event(device_, b->event, legacy_stream);
+  }
+  open_bytes_ -= b->bytes;
+  closed_.push_back(std::move(*b));
+  open_.erase(b);
+  ++batches_closed_;
+}
+
+std::size_t deferred_free_queue::close_open_batches(stream_ref alive)
+{
+  // Only streams certain to be alive now: context streams, and `alive` (see "stream
+  // lifetime" in the header). The rest stay open, dormant.
   std::size_t closed = 0;
-  while (!open_.empty()) {
-    auto& b = open_.back();
-    if (b.event == 0) { b.event = take_event(); }
-    try {
-      driver_->record_event(device_, b.event, b.stream);
-    } catch (cuda_error const&) {
-      if (b.stream == legacy_stream) { throw; }  // the batch stays open with its event
-      driver_->synchronize_device(device_);      // all work done, that stream's included
-      driver_->record_event(device_, b.event, legacy_stream);
-    }
-    closed_.push_back(std::move(b));
-    open_.pop_back();
+  for (std::size_t i = open_.size(); i-- > 0;) {
+    auto const& s = open_[i].stream;
+    if (!s.is_context() && s != alive) { continue; }
+    close(open_.begin() + static_cast<std::ptrdiff_t>(i));
     ++closed;
-    ++batches_closed_;
   }
   return closed;
+}
+
+void deferred_free_queue::close_now(stream_ref alive)
+{
+  for (auto b = open_.begin(); b != open_.end(); ++b) {
+    if (b->stream == alive) {
+      close(b);
+      return;
+    }
+  }
 }
 
 std::vector<detail::block*> deferred_free_queue::abandon()
@@ -132,6 +168,7 @@ std::vector<detail::block*> deferred_free_queue::abandon()
   closed_.clear();
   waiting_bytes_  = 0;
   waiting_blocks_ = 0;
+  open_bytes_     = 0;
   return blocks;
 }
 

@@ -18,11 +18,11 @@ constexpr std::size_t large_granularity = 2 * mib;  // the driver's own allocati
 
 constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
 
-// One handle, a different stream on each thread: the pool keeps the legacy stream instead, which
-// orders after every per-thread default stream (see driver.hpp).
-constexpr stream_handle kept(stream_handle s) noexcept
+// The null stream and the legacy one are the same CUDA stream: one fence serves both.
+constexpr bool same_fence(detail::stream_ref a, detail::stream_ref b) noexcept
 {
-  return s == per_thread_stream ? legacy_stream : s;
+  return a == b || (a.is_context() && b.is_context() && a.handle != per_thread_stream &&
+                    b.handle != per_thread_stream);
 }
 
 std::string human(std::size_t bytes)
@@ -233,13 +233,13 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
   return blk;
 }
 
-device_ptr device_pool::hand_out(block* blk, stream_handle stream, alloc_tag tag)
+device_ptr device_pool::hand_out(block* blk, stream_ref stream, alloc_tag tag)
 {
   // A pending block (same-stream reuse) still counts in its segment's live blocks.
   if (blk->state != detail::block_state::pending) { ++blk->seg->live_blocks; }
   blk->state        = detail::block_state::allocated;
   blk->tag          = static_cast<std::uint8_t>(tag);
-  blk->also_fence   = 0;
+  blk->also_fence   = stream_ref::none();
   blk->alloc_stream = stream;
   live_.emplace(blk->ptr, blk);
 
@@ -265,15 +265,13 @@ std::size_t checked_rounded_size(std::size_t bytes, stream_handle stream, alloc_
 
 }  // namespace
 
-device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_handle stream)
+device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
 {
   if (options_.mode != pool_mode::pool) { return nullptr; }
-  if (stream != legacy_stream) {
-    // Stream order: a block this stream freed lately needs no fence for this stream's work.
-    if (auto* blk = queue_.take_same_stream(stream, rounded)) {
-      ++stats_.same_stream_reuses;
-      return blk;
-    }
+  // Stream order: a block this stream freed lately needs no fence for this stream's work.
+  if (auto* blk = queue_.take_same_stream(stream, rounded)) {
+    ++stats_.same_stream_reuses;
+    return blk;
   }
   return take_best_fit(rounded);
 }
@@ -282,35 +280,35 @@ std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_ha
                                                     alloc_tag tag)
 {
   std::size_t const rounded = checked_rounded_size(bytes, stream, tag);
-  stream                    = kept(stream);
+  auto const ref            = queue_.ref_of(stream);  // the stream is alive: we allocate on it
   std::unique_lock lock{mutex_, std::try_to_lock};
   if (!lock.owns_lock() || forked_) { return std::nullopt; }
   if (fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
-  auto* blk = take_without_cuda(rounded, stream);
+  auto* blk = take_without_cuda(rounded, ref);
   if (blk == nullptr) { return std::nullopt; }
-  if (tracing_) { record('a', blk->ptr, bytes, stream, static_cast<std::uint8_t>(tag)); }
-  return hand_out(blk, stream, tag);
+  if (tracing_) { record('a', blk->ptr, bytes, ref.handle, static_cast<std::uint8_t>(tag)); }
+  return hand_out(blk, ref, tag);
 }
 
 device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_tag tag)
 {
   std::size_t const rounded = checked_rounded_size(bytes, stream, tag);
-  stream                    = kept(stream);
+  auto const ref            = queue_.ref_of(stream);  // the stream is alive: we allocate on it
   std::lock_guard lock{mutex_};
   if (forked_) { detail::throw_forked(); }
 
   block* blk = nullptr;
   if (options_.mode == pool_mode::pool && fence_due()) {
-    maintain();  // fence the waiting frees now, not at the next miss
+    maintain(ref);  // fence the waiting frees now, not at the next miss
   }
   if (options_.mode == pool_mode::passthrough) {
-    maintain();  // returns completed frees' segments to the driver
+    maintain(ref);  // returns completed frees' segments to the driver
     blk = grow(rounded, true);
   } else {
-    blk = take_without_cuda(rounded, stream);  // stream order, then the free lists
+    blk = take_without_cuda(rounded, ref);  // stream order, then the free lists
     if (blk == nullptr) {
       // Ladder step 1: fence what was freed since the last miss, reuse what has completed.
-      maintain();
+      maintain(ref);
       blk = take_best_fit(rounded);
     }
     if (blk == nullptr) {
@@ -337,13 +335,22 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
     throw out_of_memory{"emmpool: out of memory allocating " + human(bytes) + "; " +
                         describe_locked()};
   }
-  if (tracing_) { record('a', blk->ptr, bytes, stream, static_cast<std::uint8_t>(tag)); }
-  return hand_out(blk, stream, tag);
+  if (tracing_) { record('a', blk->ptr, bytes, ref.handle, static_cast<std::uint8_t>(tag)); }
+  return hand_out(blk, ref, tag);
 }
 
 // ---- free ---------------------------------------------------------------------------------
 
-void device_pool::free_live_locked(device_ptr ptr, stream_handle stream)
+std::optional<detail::stream_ref> device_pool::free_stream(stream_handle stream) const
+{
+  // allocation_stream: the block's own stream_ref, from its allocation; the stream itself may
+  // be gone by now and is never asked. Any other stream is named by the caller, who vouches
+  // for it during the call: its id is taken now, outside the lock.
+  if (stream == allocation_stream) { return std::nullopt; }
+  return queue_.ref_of(stream);
+}
+
+device_pool::block* device_pool::take_live_locked(device_ptr ptr)
 {
   auto it = live_.find(ptr);
   if (it == live_.end()) {
@@ -354,34 +361,41 @@ void device_pool::free_live_locked(device_ptr ptr, stream_handle stream)
   }
   auto* blk = it->second;
   live_.erase(it);
-  deallocate_locked(blk, stream);
+  return blk;
 }
 
 void device_pool::deallocate(device_ptr ptr, stream_handle stream)
 {
+  auto const ref = free_stream(stream);
   std::lock_guard lock{mutex_};
   if (forked_) { return; }  // the parent's memory: nothing to do here
-  free_live_locked(ptr, stream);
+  deallocate_locked(take_live_locked(ptr), ref);
 }
 
 bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
 {
+  if (!is_context_stream(stream) && stream != allocation_stream) { return false; }  // an id to ask
   std::unique_lock lock{mutex_, std::try_to_lock};
   if (!lock.owns_lock()) { return false; }
   if (forked_) { return true; }                    // as deallocate(): nothing to do
   if (generation != generation_) { return false; }  // a retired block: its free may call CUDA
-  free_live_locked(ptr, stream);
+  auto it = live_.find(ptr);
+  // A record_stream fence is recorded in the free (a CUDA call); a bad pointer gets its error
+  // from deallocate().
+  if (it == live_.end() || !it->second->also_fence.is_none()) { return false; }
+  deallocate_locked(take_live_locked(ptr), free_stream(stream));
   return true;
 }
 
 void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
 {
+  auto const ref = free_stream(stream);
   // One lock for the generation check and the free: a reset() in between could otherwise let
   // this free a block of the next generation at the same address.
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
   if (generation == generation_) {
-    free_live_locked(ptr, stream);
+    deallocate_locked(take_live_locked(ptr), ref);
     return;
   }
   auto it = retired_live_.find({generation, ptr});
@@ -396,6 +410,7 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t
 
 void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag)
 {
+  auto const ref = free_stream(stream);
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
   auto const t = static_cast<std::uint8_t>(tag);
@@ -417,31 +432,34 @@ void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_
   }
   auto* blk = it->second;
   live_.erase(it);
-  deallocate_locked(blk, stream);
+  deallocate_locked(blk, ref);
 }
 
-void device_pool::deallocate_locked(block* blk, stream_handle stream)
+void device_pool::deallocate_locked(block* blk, std::optional<stream_ref> stream)
 {
-  stream = stream == allocation_stream ? blk->alloc_stream : kept(stream);
-  if (tracing_) { record('f', blk->ptr, blk->size, stream, blk->tag); }
+  auto const freed_on = stream ? *stream : blk->alloc_stream;
+  if (tracing_) { record('f', blk->ptr, blk->size, freed_on.handle, blk->tag); }
   stats_.bytes_in_use -= blk->size;
   --stats_.blocks_in_use;
   ++stats_.frees;
   stats_.bytes_in_use_by_tag[blk->tag] -= blk->size;
-  // The null stream (0) and legacy_stream fence on the same CUDA stream: one fence will do.
-  bool const same = blk->also_fence == stream || (blk->also_fence == legacy_stream && stream == 0);
-  if (blk->also_fence != 0 && !same) {
-    blk->freed_on = stream;
+  if (!blk->also_fence.is_none() && !same_fence(blk->also_fence, freed_on)) {
+    // Fence 1, on the recorded stream, now: record_stream's caller keeps that stream alive
+    // until the free, not after it (deferred_free_queue.hpp, "stream lifetime").
+    blk->freed_on = freed_on;
     queue_.push(blk, blk->also_fence);
+    queue_.close_now(blk->also_fence);
   } else {
-    blk->also_fence = 0;
-    queue_.push(blk, stream);
+    blk->also_fence = stream_ref::none();
+    queue_.push(blk, freed_on);
   }
 }
 
 void device_pool::record_stream(device_ptr ptr, stream_handle stream)
 {
   EMMPOOL_EXPECTS(stream != allocation_stream, "allocation_stream names no stream to record");
+  // 0, the CUDA runtime's name for the default stream, means the legacy stream here.
+  auto const ref = queue_.ref_of(stream == 0 ? legacy_stream : stream);
   std::lock_guard lock{mutex_};
   if (forked_) { detail::throw_forked(); }
   auto it = live_.find(ptr);
@@ -451,15 +469,14 @@ void device_pool::record_stream(device_ptr ptr, stream_handle stream)
   }
   // One extra stream per block: a second, different one is fenced by the legacy stream only
   // if it is blocking. Keep the most recent, as the one a caller is most likely still using.
-  // 0, the CUDA runtime's name for the default stream, means the legacy stream here.
-  it->second->also_fence = stream == 0 ? legacy_stream : kept(stream);
+  it->second->also_fence = ref;
 }
 
 void device_pool::release_block(block* blk)
 {
-  if (blk->also_fence != 0) {
+  if (!blk->also_fence.is_none()) {
     // First fence (the recorded stream) done; now fence on the stream of the free.
-    blk->also_fence = 0;
+    blk->also_fence = stream_ref::none();
     queue_.push(blk, blk->freed_on);
     return;
   }
@@ -497,10 +514,14 @@ void device_pool::release_block(block* blk)
   insert_free(blk);
 }
 
-void device_pool::maintain()
+void device_pool::maintain(stream_ref alive)
 {
-  queue_.close_open_batches();
-  queue_.promote_completed([this](block* b) { release_block(b); });
+  auto release = [this](block* b) { release_block(b); };
+  queue_.close_open_batches(alive);
+  // What is left open belongs to streams that may be gone: past the limit, one device
+  // synchronization fences them all (deferred_free_queue.hpp, "stream lifetime").
+  if (queue_.dormant_due(options_.open_batch_limit)) { queue_.fence_dormant(release); }
+  queue_.promote_completed(release);
 }
 
 // ---- giving memory back ---------------------------------------------------------------------
@@ -580,7 +601,7 @@ void device_pool::reset()
   } catch (...) {
     // The context is already unusable: pending blocks can't be fenced; nothing uses them now.
     for (auto* b : queue_.abandon()) {
-      b->also_fence = 0;
+      b->also_fence = stream_ref::none();
       release_block(b);
     }
   }
@@ -689,6 +710,7 @@ pool_stats device_pool::stats() const
   pool_stats s     = stats_;
   s.bytes_waiting  = queue_.waiting_bytes();
   s.batches_closed = queue_.batches_closed();
+  s.dormant_fences = queue_.dormant_fences();
   std::size_t best = 0;
   if (!small_free_.empty()) { best = (*small_free_.rbegin())->size; }
   if (!large_free_.empty()) { best = std::max(best, (*large_free_.rbegin())->size); }

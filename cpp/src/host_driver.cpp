@@ -171,10 +171,63 @@ void host_driver::destroy_event(int, event_handle event)
   }
 }
 
-void host_driver::record_event(int device, event_handle event, stream_handle)
+stream_handle host_driver::create_stream()
+{
+  std::lock_guard lock{mutex_};
+  stream_handle s{};
+  if (!reusable_handles_.empty()) {
+    s = reusable_handles_.back();
+    reusable_handles_.pop_back();
+    dead_streams_.erase(s);
+  } else {
+    s = next_stream_;
+    next_stream_ += 0x100;
+  }
+  streams_[s] = next_stream_id_++;
+  return s;
+}
+
+void host_driver::destroy_stream(stream_handle stream)
+{
+  std::lock_guard lock{mutex_};
+  if (is_context_stream(stream) || dead_streams_.count(stream) != 0) {
+    ++counters_.dead_stream_uses;
+    throw dead_stream_error{"host_driver: destroy_stream of stream " + std::to_string(stream) +
+                            ", a context stream or one already destroyed"};
+  }
+  streams_.erase(stream);
+  dead_streams_.insert(stream);
+  reusable_handles_.push_back(stream);
+}
+
+std::uint64_t host_driver::live_stream_id(stream_handle stream, char const* call)
+{
+  if (dead_streams_.count(stream) != 0) {
+    ++counters_.dead_stream_uses;
+    throw dead_stream_error{std::string{"host_driver: "} + call + " on stream " +
+                            std::to_string(stream) + " after it was destroyed"};
+  }
+  auto [it, fresh] = streams_.try_emplace(stream, next_stream_id_);
+  if (fresh) { ++next_stream_id_; }  // a made-up handle: a live stream from now on
+  return it->second;
+}
+
+std::uint64_t host_driver::stream_id(int device, stream_handle stream)
 {
   std::lock_guard lock{mutex_};
   check_device(device);
+  if (is_context_stream(stream)) {
+    throw std::logic_error{"host_driver: stream_id of a context stream (the pool never asks)"};
+  }
+  ++counters_.stream_id_queries;
+  return live_stream_id(stream, "stream_id");
+}
+
+void host_driver::record_event(int device, event_handle event, stream_handle stream)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  if (!is_context_stream(stream)) { (void)live_stream_id(stream, "record_event"); }
   if (fail_event_records_ > 0) {
     --fail_event_records_;
     throw cuda_error{"cuEventRecord", injected_code, "CUDA_ERROR_UNKNOWN", EMMPOOL_WHERE};

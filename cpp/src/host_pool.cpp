@@ -164,12 +164,13 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags)
 
 void host_pool::deallocate(void* ptr, stream_handle stream)
 {
+  auto const ref = queue_.ref_of(stream);  // the caller vouches for the stream during the call
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
-  free_live_locked(ptr, stream);
+  free_live_locked(ptr, ref);
 }
 
-void host_pool::free_live_locked(void* ptr, stream_handle stream)
+void host_pool::free_live_locked(void* ptr, detail::stream_ref stream)
 {
   auto it = live_.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == live_.end()) {
@@ -180,15 +181,19 @@ void host_pool::free_live_locked(void* ptr, stream_handle stream)
   live_.erase(it);
   stats_.bytes_in_use -= b->size;
   queue_.push(b, stream);
+  // No allocation here names a stream, so a named stream would never be seen alive again:
+  // its fence is recorded now, while the caller vouches for it (deferred_free_queue.hpp).
+  if (!stream.is_context()) { queue_.close_now(stream); }
 }
 
 void host_pool::deallocate(void* ptr, stream_handle stream, std::uint64_t generation)
 {
+  auto const ref = queue_.ref_of(stream);
   // One lock for the generation check and the free (see device_pool::deallocate).
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
   if (generation == generation_) {
-    free_live_locked(ptr, stream);
+    free_live_locked(ptr, ref);
     return;
   }
   auto it = retired_.find({generation, reinterpret_cast<std::uintptr_t>(ptr)});

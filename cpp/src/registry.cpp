@@ -55,6 +55,15 @@ void pool_registry::configure(pool_options options)
   options_ = options;
 }
 
+void pool_registry::use_driver(driver& drv)
+{
+  std::lock_guard lock{mutex_};
+  if (!existing<device_pool>(pools_).empty() || !existing<host_pool>(pinned_).empty()) {
+    throw std::logic_error{"emmpool: pools exist already; choose the driver before the first"};
+  }
+  driver_ = &drv;
+}
+
 pool_options pool_registry::options() const
 {
   std::lock_guard lock{mutex_};

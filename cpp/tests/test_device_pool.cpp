@@ -286,10 +286,10 @@ TEST(event_must_be_recorded_after_the_free)
   fixture f;
   auto const p1 = f->allocate(big);
   auto const p2 = f->allocate(big);
-  f->deallocate(p1, stream_a);
+  f->deallocate(p1);
   auto const m1 = f->allocate(big);  // miss: records E1 covering p1 only
   CHECK(m1 != p1);
-  f->deallocate(p2, stream_a);         // freed after E1 was recorded
+  f->deallocate(p2);                   // freed after E1 was recorded
   f.drv.complete_all_events();          // E1 completes
   auto const m2 = f->allocate(big);    // miss: records E2 (incomplete) for p2, promotes p1
   CHECK_EQ(m2, p1);
@@ -304,19 +304,28 @@ TEST(event_must_be_recorded_after_the_free)
 
 TEST(streams_fence_independently)
 {
+  // A stream's frees are fenced on that stream, at an allocation on it (the moment it is sure
+  // to be alive): an allocation elsewhere leaves them open (deferred_free_queue.hpp).
   fixture f;
   auto const pa = f->allocate(big, stream_a);
   auto const pb = f->allocate(big, stream_b);
   f->deallocate(pa, stream_a);
   f->deallocate(pb, stream_b);
   auto const before = f.drv.stats().event_records;
-  (void)f->allocate(big);  // miss: one event per stream with frees
+  auto const m = f->allocate(big);  // miss on the legacy stream: neither stream is touched
+  CHECK_EQ(f.drv.stats().event_records - before, 0u);
+  auto const ma = f->allocate(big + 256 * KiB, stream_a);  // miss on stream_a: its fence only
+  CHECK_EQ(f.drv.stats().event_records - before, 1u);
+  auto const mb = f->allocate(big + 256 * KiB, stream_b);  // and stream_b's
   CHECK_EQ(f.drv.stats().event_records - before, 2u);
   CHECK_EQ(f->stats().batches_closed, 2u);
   f.drv.complete_all_events();
   std::set<device_ptr> got{f->allocate(big), f->allocate(big)};
   CHECK(got.count(pa) == 1);
   CHECK(got.count(pb) == 1);
+  for (auto q : got) { f->deallocate(q); }
+  for (auto q : {m, ma, mb}) { f->deallocate(q); }
+  CHECK_EQ(consistency(f), "");
 }
 
 TEST(same_stream_reuse_is_unfenced_and_stream_local)
@@ -349,7 +358,8 @@ TEST(try_paths_take_no_cuda_call_and_leave_the_rest_to_the_full_calls)
   CHECK(!f->try_allocate(big, legacy_stream, alloc_tag::numba));  // would need a segment
   CHECK_EQ(f.drv.stats().allocations, before.allocations);
   auto const p = f->allocate(big, stream_a, alloc_tag::cupy);
-  CHECK(f->try_deallocate(p, stream_a, f->generation()));
+  CHECK(!f->try_deallocate(p, stream_a, f->generation()));  // naming a stream asks its id
+  CHECK(f->try_deallocate(p, allocation_stream, f->generation()));
   auto const records = f.drv.stats().event_records;
   auto const q       = f->try_allocate(big, stream_a, alloc_tag::cupy);  // stream order
   CHECK(q.has_value() && *q == p);
@@ -417,12 +427,12 @@ TEST(record_stream_needs_two_fences)
   }
   auto const p = f->allocate(big);
   f->record_stream(p, stream_b);
-  f->deallocate(p, legacy_stream);
   auto const records0 = f.drv.stats().event_records;
-
-  auto const m1 = f->allocate(big);  // miss: fence 1 recorded on stream_b
-  CHECK(m1 != p);
+  f->deallocate(p, legacy_stream);  // fence 1 recorded on stream_b in the free itself
   CHECK_EQ(f.drv.stats().event_records - records0, 1u);
+
+  auto const m1 = f->allocate(big);  // miss: fence 1 not complete
+  CHECK(m1 != p);
   f.drv.complete_all_events();       // first completion: stream_b caught up
   auto const m2 = f->allocate(big);  // miss: fence 1 promoted -> queued for the legacy fence
   CHECK(m2 != p);                    // NOT reusable after the first completion
@@ -443,8 +453,11 @@ TEST(record_stream_on_the_stream_of_the_free_is_one_fence)
   fixture f;
   auto const p = f->allocate(big, stream_a);
   f->record_stream(p, stream_a);
+  auto const records0 = f.drv.stats().event_records;
   f->deallocate(p, stream_a);
-  (void)f->allocate(big);  // fence recorded
+  CHECK_EQ(f.drv.stats().event_records, records0);  // not in the free: one fence, later
+  (void)f->allocate(big + 256 * KiB, stream_a);      // a miss on stream_a records it
+  CHECK_EQ(f.drv.stats().event_records - records0, 1u);
   f.drv.complete_all_events();
   CHECK_EQ(f->allocate(big), p);
 }
@@ -736,6 +749,298 @@ TEST(fault_random_injection_loses_nothing)
     f.pool.reset();  // destroying the pool destroys its events
     CHECK_EQ(f.drv.stats().live_events, 0u);
     (void)ooms;
+  }
+}
+
+// ---- stream lifetime: a stream reaches the driver only while it is sure to be alive ---------------
+//
+// host_driver throws dead_stream_error (which the pool never catches) on any use of a destroyed
+// stream's handle, and create_stream() reuses the last destroyed handle: each test below would
+// fail on the first touch of a dead stream (deferred_free_queue.hpp, "stream lifetime").
+
+namespace {
+
+/// Allocate on a new stream, destroy the stream, then free as CuPy and PyTorch do (the free
+/// names no stream, or the allocation's: allocation_stream).
+device_ptr allocate_on_a_stream_that_dies(fixture& f, std::size_t n, alloc_tag tag)
+{
+  auto const s = f.drv.create_stream();
+  auto const p = f->allocate(n, s, tag);
+  f.drv.destroy_stream(s);
+  f->deallocate_tagged(p, allocation_stream, tag);
+  return p;
+}
+
+}  // namespace
+
+TEST(destroyed_stream_is_never_touched_cupy_and_torch_frees)
+{
+  for (auto mode : {pool_mode::pool, pool_mode::passthrough}) {
+    pool_options o;
+    o.mode = mode;
+    fixture f{o};
+    auto const pc = allocate_on_a_stream_that_dies(f, big, alloc_tag::cupy);
+    auto const pt = allocate_on_a_stream_that_dies(f, 64 * KiB, alloc_tag::torch);
+    auto const syncs = f.drv.stats().device_syncs;
+    // Misses on the legacy stream, the null stream and a live stream: none may fence the dead
+    // streams' batches on their handles, and the blocks stay pending (no fence covers them).
+    auto const live = f.drv.create_stream();
+    std::vector<device_ptr> got;
+    for (auto s : {legacy_stream, stream_handle{0}, live}) {
+      got.push_back(f->allocate(big, s));
+      got.push_back(f->allocate(64 * KiB, s));
+    }
+    f.drv.complete_all_events();
+    got.push_back(f->allocate(big));
+    got.push_back(f->allocate(64 * KiB));
+    CHECK(std::find(got.begin(), got.end(), pc) == got.end());
+    CHECK(std::find(got.begin(), got.end(), pt) == got.end());
+    CHECK_EQ(f.drv.stats().device_syncs, syncs);
+    for (auto q : got) { f->deallocate(q); }
+    f->synchronize();  // fences them with one device synchronization
+    CHECK_EQ(f.drv.stats().device_syncs, syncs + 1);
+    CHECK_EQ(f->stats().bytes_waiting, 0u);
+    if (mode == pool_mode::pool) {
+      CHECK_EQ(f->stats().dormant_fences, 1u);
+      CHECK_EQ(f->allocate(big), pc);  // reusable now
+    }
+    CHECK_EQ(f.drv.stats().dead_stream_uses, 0u);
+    CHECK_EQ(consistency(f), "");
+  }
+}
+
+TEST(reused_stream_handle_is_another_stream)
+{
+  fixture f;
+  auto const s1 = f.drv.create_stream();
+  auto const p  = f->allocate(big, s1, alloc_tag::cupy);
+  f->deallocate_tagged(p, allocation_stream, alloc_tag::cupy);  // pending on s1
+  f.drv.destroy_stream(s1);
+  auto const s2 = f.drv.create_stream();
+  CHECK_EQ(s2, s1);  // the driver reused the handle
+  auto const records = f.drv.stats().event_records;
+  // s2's work does not follow s1's: no stream order, and no event on s2 for s1's frees.
+  auto const q = f->allocate(big, s2, alloc_tag::cupy);
+  CHECK(q != p);
+  CHECK_EQ(f->stats().same_stream_reuses, 0u);
+  CHECK_EQ(f.drv.stats().event_records, records);
+  // s2's own frees do go back to s2 in stream order.
+  f->deallocate_tagged(q, allocation_stream, alloc_tag::cupy);
+  CHECK_EQ(f->allocate(big, s2, alloc_tag::cupy), q);
+  CHECK_EQ(f->stats().same_stream_reuses, 1u);
+  f->deallocate(q, s2);  // a free that names s2 (alive)
+  f.drv.destroy_stream(s2);
+  f->synchronize();
+  CHECK_EQ(f.drv.stats().dead_stream_uses, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(stream_order_needs_the_stream_alive_at_the_allocation)
+{
+  // The RMM pattern: the free names its (live) stream; the stream dies later; a block pending
+  // on it is fenced only by the device synchronization, and is taken by nobody before that.
+  fixture f;
+  auto const s = f.drv.create_stream();
+  auto const p = f->allocate(big, s, alloc_tag::rmm);
+  f->deallocate(p, s);
+  f.drv.destroy_stream(s);
+  auto const q = f->allocate(big, stream_a);
+  CHECK(q != p);
+  f->deallocate(q, stream_a);
+  f->trim();
+  CHECK_EQ(f.drv.stats().dead_stream_uses, 0u);
+  CHECK_EQ(f->stats().bytes_waiting, 0u);
+}
+
+TEST(dormant_frees_are_fenced_by_one_device_sync_past_the_limits)
+{
+  {  // past max_dormant streams
+    fixture f;
+    std::vector<device_ptr> freed;
+    for (std::size_t i = 0; i <= deferred_free_queue::max_dormant; ++i) {
+      freed.push_back(allocate_on_a_stream_that_dies(f, 4 * KiB, alloc_tag::cupy));
+    }
+    CHECK_EQ(f->stats().dormant_fences, 0u);
+    auto const p = f->allocate(big);  // a miss: the dormant batches are too many
+    CHECK_EQ(f->stats().dormant_fences, 1u);
+    CHECK_EQ(f->stats().bytes_waiting, 0u);
+    CHECK(std::find(freed.begin(), freed.end(), f->allocate(4 * KiB)) != freed.end());
+    f->deallocate(p);
+    CHECK_EQ(f.drv.stats().dead_stream_uses, 0u);
+  }
+  {  // past open_batch_limit bytes, at any allocation (not only a miss)
+    pool_options o;
+    o.open_batch_limit = 1 * MiB;
+    fixture f{o};
+    auto const keep = f->allocate(4 * KiB);
+    (void)allocate_on_a_stream_that_dies(f, 2 * MiB, alloc_tag::torch);
+    CHECK_EQ(f->stats().dormant_fences, 0u);
+    f->deallocate(keep);
+    f.drv.complete_all_events();
+    (void)f->allocate(4 * KiB);  // not a miss (keep's block is back), but the limit is passed
+    CHECK_EQ(f->stats().dormant_fences, 1u);
+    CHECK_EQ(f->stats().bytes_waiting, 0u);
+    CHECK_EQ(f.drv.stats().dead_stream_uses, 0u);
+  }
+}
+
+TEST(out_of_memory_ladder_fences_dormant_frees)
+{
+  fixture f{{}, 3 * big};
+  std::vector<device_ptr> held;
+  held.push_back(f->allocate(big));
+  held.push_back(f->allocate(big));
+  auto const p = allocate_on_a_stream_that_dies(f, big, alloc_tag::cupy);
+  CHECK_EQ(f->allocate(big), p);  // full: only waiting for every free makes room
+  CHECK_EQ(f->stats().dormant_fences, 1u);
+  CHECK_EQ(f.drv.stats().dead_stream_uses, 0u);
+}
+
+TEST(record_stream_fence_is_recorded_at_the_free)
+{
+  // record_stream's stream must live until the free, not after: its fence is recorded in the
+  // free, and the stream may die right after.
+  fixture f;
+  auto const s = f.drv.create_stream();
+  auto const p = f->allocate(big);
+  f->record_stream(p, s);
+  auto const records = f.drv.stats().event_records;
+  f->deallocate(p);
+  CHECK_EQ(f.drv.stats().event_records - records, 1u);
+  f.drv.destroy_stream(s);
+  std::vector<device_ptr> got;
+  for (int i = 0; i < 4; ++i) {  // misses; both fences complete in turn
+    got.push_back(f->allocate(big));
+    f.drv.complete_all_events();
+  }
+  got.push_back(f->allocate(big));
+  CHECK(std::find(got.begin(), got.end(), p) != got.end());
+  CHECK_EQ(f.drv.stats().dead_stream_uses, 0u);
+  for (auto q : got) { f->deallocate(q); }
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(stream_lifetime_fuzz_no_dead_stream_use_no_early_reuse)
+{
+  // Clients as they behave: CuPy and PyTorch allocate on live streams (null, or their own)
+  // and free naming none; RMM frees on a live stream it names; Numba on the legacy stream;
+  // record_stream on a live stream that then lives until the free. Streams die at any time,
+  // with their blocks alive or pending, and their handles are reused. Events never complete
+  // by themselves, so a freed block may come back only (a) in the order of the very stream
+  // instance it was freed on, while that stream is alive, or (b) after a device
+  // synchronization issued after its free. Any other reuse, and any use of a dead stream
+  // (dead_stream_error), fails.
+  for (auto mode : {pool_mode::pool, pool_mode::passthrough}) {
+    for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+      pool_options o;
+      o.mode             = mode;
+      o.open_batch_limit = 8 * MiB;
+      fixture f{o};
+      std::mt19937_64 rng{seed};
+      struct stream_inst {
+        stream_handle handle;
+        bool alive;
+        int pinned;  // record_stream'ed live blocks: must outlive their free
+      };
+      std::vector<stream_inst> streams{{0, true, 0}};  // instance 0: the null stream
+      struct live_block {
+        device_ptr p;
+        std::size_t n;
+        std::size_t inst;      // allocation stream instance; SIZE_MAX: legacy (Numba)
+        std::size_t recorded;  // record_stream instance, or SIZE_MAX
+      };
+      constexpr std::size_t none = SIZE_MAX;
+      struct pending_block {
+        std::size_t n;
+        std::size_t freed_inst;  // stream instance of the free, or none (legacy)
+        std::uint64_t syncs;     // device syncs at the free
+      };
+      std::vector<live_block> live;
+      std::map<device_ptr, pending_block> pending;
+      std::size_t early = 0, checked = 0;
+      auto live_streams = [&] {
+        std::vector<std::size_t> v;
+        for (std::size_t i = 0; i < streams.size(); ++i) {
+          if (streams[i].alive) { v.push_back(i); }
+        }
+        return v;
+      };
+      for (int step = 0; step < 4000; ++step) {
+        auto const r = rng() % 100;
+        if (r < 4 && streams.size() < 400) {
+          streams.push_back({f.drv.create_stream(), true, 0});
+        } else if (r < 8) {
+          auto v = live_streams();
+          auto const i = v[rng() % v.size()];
+          if (i != 0 && streams[i].pinned == 0) {
+            f.drv.destroy_stream(streams[i].handle);
+            streams[i].alive = false;
+          }
+        } else if (r < 10) {
+          f->synchronize();
+          pending.clear();  // everything fenced
+        } else if (r < 55 || live.empty()) {
+          auto v                = live_streams();
+          bool const numba      = rng() % 4 == 0;
+          std::size_t const ins = numba ? none : v[rng() % v.size()];
+          std::size_t const n   = rounded(std::size_t{256} << (rng() % 13));  // 256 B .. 1 MiB
+          auto const h          = numba ? legacy_stream : streams[ins].handle;
+          auto const q          = f->allocate(n, h, numba ? alloc_tag::numba : alloc_tag::cupy);
+          auto const syncs      = f.drv.stats().device_syncs;
+          for (auto it = pending.begin(); it != pending.end();) {
+            auto const& b = it->second;
+            bool const overlaps = it->first < q + n && q < it->first + b.n;
+            if (!overlaps) { ++it; continue; }
+            ++checked;
+            bool const fenced      = syncs > b.syncs;
+            bool const stream_order = it->first == q && b.freed_inst != none &&
+                                      b.freed_inst == ins && streams[ins].alive;
+            if (!fenced && !stream_order) { ++early; }
+            it = pending.erase(it);
+          }
+          std::size_t recorded = none;
+          if (rng() % 8 == 0) {
+            auto const j = v[rng() % v.size()];
+            f->record_stream(q, streams[j].handle);
+            if (streams[j].handle != 0) { ++streams[j].pinned; }
+            recorded = j;
+          }
+          live.push_back({q, n, ins, recorded});
+        } else {
+          auto const k = rng() % live.size();
+          auto const b = live[k];
+          live[k]      = live.back();
+          live.pop_back();
+          std::size_t freed_inst = b.inst;
+          if (b.inst == none) {
+            f->deallocate(b.p);  // Numba: legacy
+          } else if (rng() % 3 == 0 && streams[b.inst].alive) {
+            f->deallocate(b.p, streams[b.inst].handle);  // RMM: names its live stream
+          } else {
+            f->deallocate_tagged(b.p, allocation_stream, alloc_tag::cupy);
+          }
+          if (b.recorded != none) {
+            // Two fences: never taken in stream order; one if it recorded the stream of the
+            // free itself.
+            if (b.recorded != freed_inst) { freed_inst = none; }
+            if (streams[b.recorded].handle != 0) { --streams[b.recorded].pinned; }
+          }
+          pending[b.p] = {b.n, freed_inst, f.drv.stats().device_syncs};
+        }
+        if (step % 101 == 0) {
+          auto const problems = consistency(f);
+          CHECK_EQ(problems, "");
+          if (!problems.empty()) { break; }
+        }
+      }
+      CHECK_EQ(early, 0u);
+      CHECK(checked > 0 || mode == pool_mode::passthrough);
+      CHECK_EQ(f.drv.stats().dead_stream_uses, 0u);
+      for (auto& b : live) { f->deallocate(b.p); }
+      f->trim();
+      CHECK_EQ(f.drv.stats().live_segments, 0u);
+      CHECK_EQ(consistency(f), "");
+    }
   }
 }
 

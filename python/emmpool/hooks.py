@@ -126,7 +126,7 @@ def use_for_torch() -> None:
     _installed.append(allocator)
 
 
-_TAG_RMM = 4
+_TAG_RMM = _core.LIBRARIES.index("rmm")
 
 
 def rmm_resource(device: int | None = None):
@@ -136,7 +136,9 @@ def rmm_resource(device: int | None = None):
 
     It is RMM's ``CallbackMemoryResource``: one Python call per allocation and free (a few µs),
     negligible for RAPIDS-sized buffers, not for millions of tiny ones. The stream RMM passes is
-    honoured as PyTorch's is (the free is fenced on it; blocks go straight back to that stream).
+    honoured: the free is fenced on it, and blocks go straight back to that stream. RMM
+    guarantees that stream alive during the call (its buffers hold their stream); emmpool
+    never uses it afterwards, so it may be destroyed at any time after.
     """
     try:
         import rmm.mr
@@ -147,7 +149,12 @@ def rmm_resource(device: int | None = None):
     ensure_configured()
     if device is None:
         device = max(_core.current_device(), 0)
-    pool = _core.pool(device)
+    return rmm.mr.CallbackMemoryResource(*_rmm_callbacks(_core.pool(device)))
+
+
+def _rmm_callbacks(pool):
+    """The allocate and deallocate callbacks of :func:`rmm_resource` over ``pool`` (RMM passes
+    objects with ``__cuda_stream__``), apart so that tests can drive them without RMM."""
     allocate, deallocate = pool.allocate, pool.deallocate_tagged
 
     def alloc(size, stream):
@@ -156,4 +163,4 @@ def rmm_resource(device: int | None = None):
     def free(ptr, size, stream):
         deallocate(ptr, stream.__cuda_stream__()[1], _TAG_RMM)
 
-    return rmm.mr.CallbackMemoryResource(alloc, free)
+    return alloc, free

@@ -11,7 +11,8 @@
  * fence has completed: the mode for compute-sanitizer and for code that assumes one allocation
  * per cuMemAlloc.
  *
- * Thread-safe: one mutex per pool. Frees never call CUDA.
+ * Thread-safe: one mutex per pool. Frees call CUDA only to identify a stream the caller names
+ * and to record a record_stream fence; those of Numba, CuPy and PyTorch do neither.
  *
  * Fork: CUDA cannot be used in a child forked after its parent used the GPU. Every pool takes
  * its mutex around fork() (so the child never inherits one held by another thread); in the
@@ -53,7 +54,8 @@ struct pool_options {
   std::size_t small_request{1u << 20};  ///< requests up to this size use small segments
   std::size_t small_segment{2u << 20};  ///< size of a small segment
   std::size_t large_segment{20u << 20}; ///< minimum size of a large segment
-  std::size_t open_batch_limit{64u << 20};  ///< close the open batch past this many bytes
+  std::size_t open_batch_limit{64u << 20};  ///< fence freed blocks past this many bytes
+                                            ///< unfenced (dormant streams: one device sync)
   bool trace{false};                    ///< record every allocation and free (set_tracing)
   std::size_t pinned_limit{0};          ///< host_pool: cap on pinned bytes held; 0: RAM / 4
 };
@@ -92,7 +94,8 @@ class device_pool {
    * @brief Allocate `bytes` (rounded up to 256; 0 gives a distinct 256-byte block).
    * @param stream the stream the caller uses the block on; legacy_stream: none named. On a
    *        named stream, a block freed on that same stream may be handed out again at once
-   *        (stream order; see deferred_free_queue.hpp). per_thread_stream counts as none.
+   *        (stream order; see deferred_free_queue.hpp). per_thread_stream counts as none. The
+   *        stream is alive during the call (its id is asked: cuStreamGetId).
    * @throws out_of_memory after the out-of-memory ladder: promote completed frees, grow, wait
    *         for pending frees, release wholly free segments, grow again.
    */
@@ -100,8 +103,9 @@ class device_pool {
                                     alloc_tag tag = alloc_tag::other);
 
   /**
-   * @brief allocate(), when that takes neither a wait for the pool's lock nor a CUDA call (a
-   * block on the free lists, or one in stream order); std::nullopt otherwise: then call
+   * @brief allocate(), when that takes neither a wait for the pool's lock nor a CUDA call that
+   * may wait for the GPU (a named stream's id is asked: that never waits); a block on the free
+   * lists, or one in stream order; std::nullopt otherwise: then call
    * allocate(). For callers holding a lock of their own (Python's GIL), who must not wait for
    * a thread that, holding the pool's lock, may be waiting for the GPU.
    */
@@ -112,7 +116,9 @@ class device_pool {
    * @brief Free a block. It becomes reusable once an event recorded on `stream` after this call
    * has completed (legacy_stream: after all blocking-stream work issued before the free), or at
    * once for an allocation on that same named stream. `allocation_stream`: the stream named
-   * when the block was allocated. Never calls CUDA.
+   * when the block was allocated (which may be gone by now: it is never passed to CUDA on
+   * this free's account). Any other stream must be alive during the call (its id is asked).
+   * Calls CUDA only for that id, and to record a record_stream fence (see record_stream).
    * @throws pool_error if ptr is not a live block of this pool.
    */
   void deallocate(device_ptr ptr, stream_handle stream = legacy_stream);
@@ -124,7 +130,8 @@ class device_pool {
   void deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation);
 
   /// @brief That free without waiting for the pool's lock and without a CUDA call (the block is
-  /// of the current generation); false if it could not be done so: then call deallocate().
+  /// of the current generation, has no record_stream fence, and `stream` is a context stream
+  /// or allocation_stream); false if it could not be done so: then call deallocate().
   [[nodiscard]] bool try_deallocate(device_ptr ptr, stream_handle stream,
                                     std::uint64_t generation);
 
@@ -137,7 +144,9 @@ class device_pool {
   [[nodiscard]] std::uint64_t generation() const;
 
   /// @brief Declare that `stream` (e.g. a non-blocking stream) uses the block: its free then
-  /// also waits for the work issued to `stream` before the free. @throws pool_error
+  /// also waits for the work issued to `stream` before the free. As with PyTorch's
+  /// record_stream, `stream` must stay alive until the block is freed: the free records an
+  /// event on it. @throws pool_error
   void record_stream(device_ptr ptr, stream_handle stream);
 
   /// @brief Whether ptr is a live block of this pool (the start of one).
@@ -182,8 +191,9 @@ class device_pool {
   [[nodiscard]] pool_options const& options() const noexcept { return options_; }
 
  private:
-  using block   = detail::block;
-  using segment = detail::segment;
+  using block      = detail::block;
+  using segment    = detail::segment;
+  using stream_ref = detail::stream_ref;
   struct by_size {
     bool operator()(block const* a, block const* b) const noexcept
     {
@@ -196,17 +206,17 @@ class device_pool {
   [[nodiscard]] std::size_t max_reserved() const noexcept { return max_reserved_; }
   [[nodiscard]] free_set& free_list_for(std::size_t rounded) noexcept;
   block* take_best_fit(std::size_t rounded);
-  block* take_without_cuda(std::size_t rounded, stream_handle stream);  // stream order, best fit
+  block* take_without_cuda(std::size_t rounded, stream_ref stream);  // stream order, best fit
   /// More bytes wait unfenced in open batches than options().open_batch_limit.
   [[nodiscard]] bool fence_due() const noexcept
   {
-    return queue_.has_open() && queue_.waiting_bytes() > options_.open_batch_limit;
+    return queue_.open_bytes() > options_.open_batch_limit;
   }
   block* split(block* blk, std::size_t rounded);
   block* grow(std::size_t rounded, bool exact);
-  device_ptr hand_out(block* blk, stream_handle stream, alloc_tag tag);  // free or pending
+  device_ptr hand_out(block* blk, stream_ref stream, alloc_tag tag);  // free or pending
   void release_block(block* blk);             // from the queue: coalesce into free lists
-  void maintain();                            // close open batches, promote completed
+  void maintain(stream_ref alive);            // fence frees (alive: the allocating stream)
   std::size_t release_free_segments(bool large_only = false);
   void release_segment(segment* seg);
   void erase_free(block* blk);
@@ -219,8 +229,11 @@ class device_pool {
   std::size_t max_reserved_{};
   mutable std::mutex mutex_;
   deferred_free_queue queue_;
-  void deallocate_locked(block* blk, stream_handle stream);
-  void free_live_locked(device_ptr ptr, stream_handle stream);  // or pool_error if not live
+  /// The stream_ref a free is queued on; std::nullopt: the block's allocation stream. Called
+  /// without the lock (it may ask the driver for a stream id).
+  [[nodiscard]] std::optional<stream_ref> free_stream(stream_handle stream) const;
+  void deallocate_locked(block* blk, std::optional<stream_ref> stream);
+  block* take_live_locked(device_ptr ptr);  // off live_, or pool_error if not live
   void free_retired(block* blk);
 
   std::map<device_ptr, std::unique_ptr<segment>> segments_;  // by base: IPC lookups

@@ -15,7 +15,11 @@
  *  - failures throw `cuda_error` (or `out_of_memory` for an allocation the driver refused for
  *    lack of memory), never return silently;
  *  - streams are opaque integers; `legacy_stream` names CUDA's legacy default stream, which
- *    orders after all work previously issued to blocking streams of the context.
+ *    orders after all work previously issued to blocking streams of the context;
+ *  - a stream handle other than the null, legacy and per-thread ones (which live as long as
+ *    the context) is passed only while its owner guarantees it alive: using a destroyed
+ *    stream's handle is undefined (a real driver may crash; the host driver fails loudly).
+ *    The pool's rule for this is in deferred_free_queue.hpp ("stream lifetime").
  */
 #pragma once
 
@@ -37,6 +41,14 @@ inline constexpr stream_handle legacy_stream = 0x1;
 /// keeps it (a free may be fenced from another thread): callers map it to legacy_stream, which
 /// orders after every per-thread default stream.
 inline constexpr stream_handle per_thread_stream = 0x2;
+
+/// @brief Whether a handle names a stream that lives as long as its context: the null stream
+/// (0), the legacy one and the per-thread one. Any other stream may be destroyed at any time
+/// by its owner, and its handle then reused for a new stream.
+[[nodiscard]] constexpr bool is_context_stream(stream_handle s) noexcept
+{
+  return s <= per_thread_stream;
+}
 
 /// @brief The 64 opaque bytes of a CUipcMemHandle.
 using ipc_bytes = std::array<unsigned char, 64>;
@@ -83,8 +95,13 @@ class driver {
   [[nodiscard]] virtual bool event_completed(int device, event_handle event) = 0;
   /// @brief Block until the event has completed.
   virtual void synchronize_event(int device, event_handle event) = 0;
-  /// @brief Block until all work of the device's context has completed (cuCtxSynchronize).
+  /// @brief Block until all work of the device's context has completed (cuCtxSynchronize),
+  /// on every stream, destroyed ones included.
   virtual void synchronize_device(int device) = 0;
+  /// @brief cuStreamGetId: an id unique to this stream for the life of the process, so that a
+  /// new stream that reuses a destroyed stream's handle is not mistaken for it. Only for a
+  /// stream its owner guarantees alive during the call (not a context stream); never 0.
+  [[nodiscard]] virtual std::uint64_t stream_id(int device, stream_handle stream) = 0;
 
   /// @brief Drop what the driver holds of the device's context (the CUDA implementation's
   /// retain of the primary context), because the caller is about to reset it. The next call

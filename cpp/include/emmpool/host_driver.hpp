@@ -5,6 +5,13 @@
  * It lets CI run the pool logic (splitting, coalescing, deferred reuse, the out-of-memory
  * ladder, threads) without a GPU. Device "memory" is address space only: nothing may be
  * dereferenced, which is all a pool needs. Faults can be injected at chosen calls.
+ *
+ * Streams: any handle other than the context streams is a live stream the first time it is
+ * seen (tests may use made-up handles), with an id of its own. create_stream() and
+ * destroy_stream() model a client's stream lifetime: a destroyed stream's handle may be handed
+ * to the next created stream, as CUDA may, and any use of a destroyed stream's handle
+ * (stream_id, record_event) counts in stats().dead_stream_uses and throws
+ * dead_stream_error, which no pool code catches: the test fails loudly.
  */
 #pragma once
 
@@ -13,10 +20,17 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace emmpool {
+
+/// @brief A destroyed stream's handle reached the host driver: on a GPU, undefined behaviour.
+struct dead_stream_error : std::logic_error {
+  using std::logic_error::logic_error;
+};
 
 class host_driver final : public driver {
  public:
@@ -41,6 +55,12 @@ class host_driver final : public driver {
   /// @brief Pretend the device's context was reset: every live segment becomes invalid (its
   /// buffer id reads 0) and freeing one is an error, as with a real context reset.
   void invalidate_device(int device);
+  /// @brief A new stream: the handle of the most recently destroyed stream if there is one
+  /// (handles get reused), a new handle otherwise; always a new id.
+  [[nodiscard]] stream_handle create_stream();
+  /// @brief Destroy a stream: from now on its handle must not be used, until a new stream
+  /// gets it. @throws dead_stream_error if it is a context stream or already destroyed
+  void destroy_stream(stream_handle stream);
 
   struct counters {
     std::uint64_t allocations, deallocations, event_records, event_queries, event_syncs;
@@ -49,6 +69,8 @@ class host_driver final : public driver {
     std::size_t live_events;      ///< events created and not destroyed
     std::uint64_t context_releases;
     std::uint64_t device_syncs;
+    std::uint64_t stream_id_queries;
+    std::uint64_t dead_stream_uses;  ///< must stay 0: see the file comment
   };
   [[nodiscard]] counters stats() const;
 
@@ -65,6 +87,7 @@ class host_driver final : public driver {
   [[nodiscard]] bool event_completed(int device, event_handle event) override;
   void synchronize_event(int device, event_handle event) override;
   void synchronize_device(int device) override;
+  [[nodiscard]] std::uint64_t stream_id(int device, stream_handle stream) override;
   void release_context(int device) override;
   [[nodiscard]] ipc_bytes ipc_handle(int device, device_ptr segment_base) override;
   [[nodiscard]] memory_info memory_info_of(int device) override;
@@ -81,6 +104,7 @@ class host_driver final : public driver {
     std::uint64_t id;
   };
   void check_device(int device) const;
+  std::uint64_t live_stream_id(stream_handle stream, char const* call);  // mutex_ held
 
   mutable std::mutex mutex_;
   int devices_;
@@ -91,6 +115,11 @@ class host_driver final : public driver {
   std::unordered_map<event_handle, bool> events_;  // event -> completed
   std::unordered_map<void*, std::size_t> host_allocations_;
   std::map<std::uintptr_t, std::size_t> host_registrations_;
+  std::unordered_map<stream_handle, std::uint64_t> streams_;  // live stream -> id
+  std::unordered_set<stream_handle> dead_streams_;
+  std::vector<stream_handle> reusable_handles_;  // destroyed, newest last
+  stream_handle next_stream_ = 0x7000'0000;
+  std::uint64_t next_stream_id_ = 1;
   std::uint64_t next_event_ = 1;
   std::uint64_t next_buffer_id_ = 1;
   bool auto_complete_ = false;

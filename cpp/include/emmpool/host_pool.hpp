@@ -66,6 +66,8 @@ class host_pool {
   /// @throws out_of_memory past the limit or when the driver has none, after the ladder
   [[nodiscard]] void* allocate(std::size_t bytes, unsigned flags);
   /// @brief Free a block: reusable once an event recorded on `stream` after now completes.
+  /// A stream other than the null/legacy/per-thread one must be alive during the call: its
+  /// event is recorded in it.
   /// @throws pool_error for a pointer that is not a live block of this pool
   void deallocate(void* ptr, stream_handle stream = legacy_stream);
   /// @brief The same, for a block handed out before reset() `generation`: never reused.
@@ -94,7 +96,7 @@ class host_pool {
   void release_cached(std::size_t needed);  // return cached blocks until `needed` fits
   void free_to_driver(block* blk);
   void on_fenced(block* blk);
-  void free_live_locked(void* ptr, stream_handle stream);  // or pool_error if not live
+  void free_live_locked(void* ptr, detail::stream_ref stream);  // or pool_error if not live
   void maintain();
 
   driver* driver_;

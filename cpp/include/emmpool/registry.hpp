@@ -61,6 +61,11 @@ class pool_registry {
 
   [[nodiscard]] driver& get_driver() const noexcept { return *driver_; }
 
+  /// @brief For tests without a GPU: make every pool from now on use `drv` (a host_driver),
+  /// so that the C entry points of CuPy and PyTorch run over it. `drv` must outlive the
+  /// process's use of the pools. @throws std::logic_error if a pool already exists
+  void use_driver(driver& drv);
+
  private:
   explicit pool_registry(driver& drv) : driver_{&drv} {}
   device_pool& create(int device);

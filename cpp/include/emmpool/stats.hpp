@@ -31,6 +31,8 @@ struct pool_stats {
   std::uint64_t segment_releases{};
   std::uint64_t batches_closed{};    ///< events recorded to fence freed blocks
   std::uint64_t same_stream_reuses{};  ///< blocks handed out again in stream order, unfenced
+  std::uint64_t dormant_fences{};    ///< device synchronizations that fenced frees of streams
+                                     ///< that may be gone (deferred_free_queue.hpp)
   std::uint64_t out_of_memory{};     ///< requests that failed after the whole ladder
   std::array<std::size_t, alloc_tag_count> bytes_in_use_by_tag{};
   std::array<std::uint64_t, alloc_tag_count> allocations_by_tag{};

@@ -16,6 +16,27 @@ namespace emmpool::detail {
 
 struct segment;
 
+/// @brief A stream as the pool remembers it: the handle, and the driver's id of the stream
+/// behind it (stream_id), taken while its owner guaranteed it alive. Context streams (null,
+/// legacy) never die and carry id 0. Two refs name the same stream only if both parts match:
+/// once a stream is destroyed, a new stream may get its handle.
+struct stream_ref {
+  stream_handle handle{legacy_stream};
+  std::uint64_t id{};
+
+  [[nodiscard]] constexpr bool is_context() const noexcept { return is_context_stream(handle); }
+  [[nodiscard]] constexpr bool is_none() const noexcept { return handle == 0 && id == none_id; }
+  friend constexpr bool operator==(stream_ref a, stream_ref b) noexcept
+  {
+    return a.handle == b.handle && a.id == b.id;
+  }
+  friend constexpr bool operator!=(stream_ref a, stream_ref b) noexcept { return !(a == b); }
+
+  /// No stream (record_stream not used): an id no driver hands out with the null handle.
+  static constexpr std::uint64_t none_id = ~std::uint64_t{0};
+  static constexpr stream_ref none() noexcept { return {0, none_id}; }
+};
+
 /// Where a block is in its life. A block moves allocated -> pending -> free; straight from
 /// pending back to allocated only in the order of one named stream (deferred_free_queue.hpp,
 /// the reuse rule).
@@ -32,10 +53,10 @@ struct block {
   block_state state{block_state::free};
   std::uint8_t tag{};  ///< which library allocated it (stats)
   /// A second stream the free must wait for (device_pool::record_stream): the block is fenced
-  /// on it first, then on the stream of the free. 0: none.
-  stream_handle also_fence{};
-  stream_handle freed_on{};      ///< the stream of the free, while waiting for also_fence
-  stream_handle alloc_stream{};  ///< the stream named at allocation (legacy_stream: none)
+  /// on it first (an event recorded at the free), then on the stream of the free.
+  stream_ref also_fence{stream_ref::none()};
+  stream_ref freed_on{};      ///< the stream of the free, while waiting for also_fence
+  stream_ref alloc_stream{};  ///< the stream named at allocation (legacy_stream: none)
 };
 
 /// @brief One allocation from the driver, carved into blocks.
