@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""CuPy's own test suite, once with CuPy's pool and once with emmpool's, compared by test name.
+
+    python3 .ci/cupy_suite.py [--tests .cupy-tests] [--out DIR] [--jobs N] [--timeout S]
+                              [--subset PATH ...] [--label GPU-DATE]
+
+The tests come from CuPy's repository at the release installed here (``bash .ci/gpu-cupy-tests``
+puts them in .cupy-tests/). Both runs start at the same time, each with half of ``--jobs``
+pytest-xdist workers; the emmpool run loads a small pytest plugin that calls
+``emmpool.use_for_cupy()`` in every worker at configure time and records, at the end, how many
+allocations CuPy made through emmpool in that worker (proof that the run used it).
+
+Written to --out: ``cupy-<run>.xml`` (JUnit), ``cupy-<run>.log``, and ``<label>-cupy-suite.txt``:
+counts per run and every test that passes with CuPy's pool and does not pass with emmpool (a
+regression: failed, errored, crashed its worker, or did not run while the other run ran it).
+Exit status 0 only when there is none and both runs ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+SUBSET = [
+    "tests/cupy_tests/core_tests",
+    "tests/cupy_tests/creation_tests",
+    "tests/cupy_tests/manipulation_tests",
+    "tests/cupy_tests/indexing_tests",
+    "tests/cupy_tests/sorting_tests",
+    "tests/cupy_tests/statistics_tests",
+    "tests/cupy_tests/linalg_tests",
+    "tests/cupy_tests/cuda_tests/test_stream.py",
+]
+
+PLUGIN = textwrap.dedent(
+    '''
+    """Loaded with -p in every pytest(-xdist) process of the emmpool run."""
+    import json, os
+
+    def pytest_configure(config):
+        if os.environ.get("EMMPOOL_CUPY_SUITE") == "emmpool":
+            import emmpool
+            emmpool.use_for_cupy()
+
+    def pytest_sessionfinish(session, exitstatus):
+        if os.environ.get("EMMPOOL_CUPY_SUITE") != "emmpool":
+            return
+        import cupy, emmpool
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        stats = emmpool.stats()
+        record = {
+            "worker": worker,
+            "allocator": repr(cupy.cuda.get_allocator()),
+            "cupy_allocations": sum(s["by_library"]["cupy"]["allocations"] for s in stats.values()),
+            "dormant_fences": sum(s["dormant_fences"] for s in stats.values()),
+            "same_stream_reuses": sum(s["same_stream_reuses"] for s in stats.values()),
+        }
+        path = os.path.join(os.environ["EMMPOOL_CUPY_SUITE_OUT"], f"emmpool-worker-{worker}.json")
+        with open(path, "w") as f:
+            json.dump(record, f)
+    '''
+)
+
+
+def outcomes(xml_path: Path) -> dict[str, str]:
+    """Test id -> passed / failed / error / skipped / xfailed, from a JUnit file."""
+    if not xml_path.exists():
+        return {}
+    try:
+        root = ET.parse(xml_path).getroot()
+    except ET.ParseError:
+        return {}
+    out: dict[str, str] = {}
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        status = "passed"
+        for child in case:
+            if child.tag == "failure":
+                status = "failed"
+            elif child.tag == "error":
+                status = "error"
+            elif child.tag == "skipped":
+                status = "xfailed" if "xfail" in (child.get("type") or "") else "skipped"
+        # A test may appear twice (a teardown error after a pass): the worse outcome wins.
+        if out.get(name) in ("failed", "error"):
+            continue
+        out[name] = status
+    return out
+
+
+def crashed_workers(log: Path) -> list[str]:
+    if not log.exists():
+        return []
+    return [line.strip() for line in log.read_text(errors="replace").splitlines()
+            if "crashed while running" in line or "node down" in line]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tests", default=".cupy-tests", help="root holding CuPy's tests/ [.cupy-tests]")
+    ap.add_argument("--out", default="cupy-suite-out")
+    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 2))
+    ap.add_argument("--timeout", type=int, default=480, help="seconds per run (both run at once)")
+    ap.add_argument("--test-timeout", type=int, default=120, help="pytest-timeout per test")
+    ap.add_argument("--subset", nargs="*", default=SUBSET)
+    ap.add_argument("--label", default=None, help="results file prefix [<GPU>-<date>]")
+    args = ap.parse_args()
+
+    root = Path(args.tests).resolve()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    import cupy  # noqa: F401 - fail early and clearly if CuPy is missing
+
+    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode().replace(" ", "-")
+    label = args.label or f"{gpu}-{datetime.date.today().isoformat()}"
+    tag = (root / "TAG").read_text().strip() if (root / "TAG").exists() else "?"
+    plugin_dir = Path(tempfile.mkdtemp(prefix="emmpool-cupy-suite-"))
+    (plugin_dir / "emmpool_cupy_suite_plugin.py").write_text(PLUGIN)
+
+    runs = {"cupy-pool": "cupy", "emmpool": "emmpool"}
+    procs = {}
+    per_run_jobs = max(1, args.jobs // len(runs))
+    for run, how in runs.items():
+        env = dict(os.environ, EMMPOOL_CUPY_SUITE=how, EMMPOOL_CUPY_SUITE_OUT=str(out),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(plugin_dir), os.environ.get("PYTHONPATH")])),
+                   CUPY_CACHE_DIR=str(plugin_dir / f"kernel-cache-{run}"))
+        cmd = [sys.executable, "-m", "pytest", "-p", "emmpool_cupy_suite_plugin",
+               "-p", "no:cacheprovider", "-n", str(per_run_jobs), "-q", "-rN",
+               f"--timeout={args.test_timeout}", f"--junitxml={out / f'cupy-{run}.xml'}",
+               *args.subset]
+        log = open(out / f"cupy-{run}.log", "w")
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        procs[run] = (subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True), log, time.monotonic())
+    status = {}
+    for run, (p, log, t0) in procs.items():
+        try:
+            rc = p.wait(timeout=max(1, args.timeout - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 15)
+            try:
+                rc = p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+                rc = p.wait()
+            rc = f"timeout ({rc})"
+        log.close()
+        status[run] = (rc, round(time.monotonic() - t0))
+
+    results = {run: outcomes(out / f"cupy-{run}.xml") for run in runs}
+    base, ours = results["cupy-pool"], results["emmpool"]
+    regressions = []
+    for name, st in sorted(base.items()):
+        if st != "passed":
+            continue
+        got = ours.get(name, "not run")
+        if got != "passed":
+            regressions.append((name, got))
+    fixed = sorted(n for n, st in ours.items() if st == "passed" and base.get(n) not in (None, "passed"))
+    workers = [json.loads(p.read_text()) for p in sorted(out.glob("emmpool-worker-*.json"))]
+
+    lines = [
+        f"# CuPy {tag}'s test suite: CuPy's own pool vs emmpool ({label})",
+        "",
+        f"command: python3 .ci/cupy_suite.py --jobs {args.jobs} --timeout {args.timeout}"
+        f" (each run {per_run_jobs} xdist workers, both at once)",
+        f"subset: {' '.join(args.subset)}",
+        "",
+    ]
+    for run in runs:
+        c = Counter(results[run].values())
+        rc, secs = status[run]
+        lines.append(f"{run:10s} exit {rc} in {secs} s: {len(results[run])} tests, "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+        for crash in crashed_workers(out / f"cupy-{run}.log"):
+            lines.append(f"    {crash}")
+    lines += [
+        "",
+        f"emmpool workers that reported (use_for_cupy active): {len(workers)}; CuPy allocations "
+        f"through emmpool: {sum(w['cupy_allocations'] for w in workers)}; dormant fences: "
+        f"{sum(w['dormant_fences'] for w in workers)}; same-stream reuses: "
+        f"{sum(w['same_stream_reuses'] for w in workers)}",
+        "",
+        f"REGRESSIONS (pass with CuPy's pool, not with emmpool): {len(regressions)}",
+        *[f"  {name}: {got}" for name, got in regressions],
+        "",
+        f"pass with emmpool, not with CuPy's pool: {len(fixed)}",
+        *[f"  {name}: {base.get(name)}" for name in fixed[:50]],
+    ]
+    text = "\n".join(lines) + "\n"
+    (out / f"{label}-cupy-suite.txt").write_text(text)
+    print(text[:6000])
+    both_ran = all(results[r] for r in runs) and all(w["cupy_allocations"] > 0 for w in workers) and workers
+    return 0 if both_ran and not regressions else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
