@@ -10,10 +10,14 @@ pytest-xdist workers; the emmpool run loads a small pytest plugin that calls
 ``emmpool.use_for_cupy()`` in every worker at configure time and records, at the end, how many
 allocations CuPy made through emmpool in that worker (proof that the run used it).
 
-Written to --out: ``cupy-<run>.xml`` (JUnit), ``cupy-<run>.log``, and ``<label>-cupy-suite.txt``:
-counts per run and every test that passes with CuPy's pool and does not pass with emmpool (a
-regression: failed, errored, crashed its worker, or did not run while the other run ran it).
-Exit status 0 only when there is none and both runs ran.
+Written to --out: ``cupy-<run>.log`` (pytest -v: one line per test, so a run cut short by
+--timeout still counts what it ran), and ``<label>-cupy-suite.txt``: counts per run and every
+test that passes with CuPy's pool and does not pass with emmpool (a regression: failed,
+errored, or crashed its worker). Tests that only one run reached before the timeout are
+counted apart as "not reached", not as regressions. Both runs share one CuPy kernel cache, so
+that each kernel is compiled once (the cache is content-addressed and written atomically).
+Exit status 0 only when there is no regression, both runs ran, and every emmpool worker used
+emmpool.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import sys
 import tempfile
 import textwrap
 import time
-import xml.etree.ElementTree as ET
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -72,25 +76,23 @@ PLUGIN = textwrap.dedent(
 )
 
 
-def outcomes(xml_path: Path) -> dict[str, str]:
-    """Test id -> passed / failed / error / skipped / xfailed, from a JUnit file."""
-    if not xml_path.exists():
-        return {}
-    try:
-        root = ET.parse(xml_path).getroot()
-    except ET.ParseError:
-        return {}
+# pytest-xdist -v: "[gw3] [ 12%] PASSED tests/x.py::T::test_y" (a crashed worker's test is
+# reported as FAILED by xdist)
+_LINE = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S.*?)\s*$")
+_STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
+           "XFAIL": "xfailed", "XPASS": "xpassed"}
+
+
+def outcomes(log: Path) -> dict[str, str]:
+    """Test id -> passed / failed / error / skipped / xfailed / xpassed, from a -v log."""
     out: dict[str, str] = {}
-    for case in root.iter("testcase"):
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        status = "passed"
-        for child in case:
-            if child.tag == "failure":
-                status = "failed"
-            elif child.tag == "error":
-                status = "error"
-            elif child.tag == "skipped":
-                status = "xfailed" if "xfail" in (child.get("type") or "") else "skipped"
+    if not log.exists():
+        return out
+    for line in log.read_text(errors="replace").splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        status, name = _STATUS[m.group(1)], m.group(2)
         # A test may appear twice (a teardown error after a pass): the worse outcome wins.
         if out.get(name) in ("failed", "error"):
             continue
@@ -129,15 +131,15 @@ def main() -> int:
 
     runs = {"cupy-pool": "cupy", "emmpool": "emmpool"}
     procs = {}
+    cache = plugin_dir / "kernel-cache"
     per_run_jobs = max(1, args.jobs // len(runs))
     for run, how in runs.items():
         env = dict(os.environ, EMMPOOL_CUPY_SUITE=how, EMMPOOL_CUPY_SUITE_OUT=str(out),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(plugin_dir), os.environ.get("PYTHONPATH")])),
-                   CUPY_CACHE_DIR=str(plugin_dir / f"kernel-cache-{run}"))
+                   CUPY_CACHE_DIR=str(cache))
         cmd = [sys.executable, "-m", "pytest", "-p", "emmpool_cupy_suite_plugin",
-               "-p", "no:cacheprovider", "-n", str(per_run_jobs), "-q", "-rN",
-               f"--timeout={args.test_timeout}", f"--junitxml={out / f'cupy-{run}.xml'}",
-               *args.subset]
+               "-p", "no:cacheprovider", "-n", str(per_run_jobs), "-v", "-rN",
+               f"--timeout={args.test_timeout}", *args.subset]
         log = open(out / f"cupy-{run}.log", "w")
         log.write(" ".join(cmd) + "\n")
         log.flush()
@@ -158,15 +160,18 @@ def main() -> int:
         log.close()
         status[run] = (rc, round(time.monotonic() - t0))
 
-    results = {run: outcomes(out / f"cupy-{run}.xml") for run in runs}
+    results = {run: outcomes(out / f"cupy-{run}.log") for run in runs}
     base, ours = results["cupy-pool"], results["emmpool"]
-    regressions = []
+    regressions, not_reached = [], []
     for name, st in sorted(base.items()):
         if st != "passed":
             continue
-        got = ours.get(name, "not run")
-        if got != "passed":
+        got = ours.get(name)
+        if got is None:
+            not_reached.append(name)
+        elif got != "passed":
             regressions.append((name, got))
+    compared = sum(1 for n in base if n in ours)
     fixed = sorted(n for n, st in ours.items() if st == "passed" and base.get(n) not in (None, "passed"))
     workers = [json.loads(p.read_text()) for p in sorted(out.glob("emmpool-worker-*.json"))]
 
@@ -191,6 +196,10 @@ def main() -> int:
         f"through emmpool: {sum(w['cupy_allocations'] for w in workers)}; dormant fences: "
         f"{sum(w['dormant_fences'] for w in workers)}; same-stream reuses: "
         f"{sum(w['same_stream_reuses'] for w in workers)}",
+        "",
+        f"compared by name (reached by both runs): {compared}; passed with CuPy's pool but not "
+        f"reached by the emmpool run before its timeout: {len(not_reached)}; reached only by the "
+        f"emmpool run: {sum(1 for n in ours if n not in base)}",
         "",
         f"REGRESSIONS (pass with CuPy's pool, not with emmpool): {len(regressions)}",
         *[f"  {name}: {got}" for name, got in regressions],

@@ -156,7 +156,7 @@ for i in range(300):
     s = cuda.stream()                # Numba's streams are ordinary (blocking) streams
     a = cuda.device_array(1 << 16)
     fill[64, 1024, s](a, float(i))
-    emmpool.record_stream(a.device_ctypes_pointer.value, s.handle.value)
+    emmpool.record_stream(a.__cuda_array_interface__["data"][0], int(s.handle))
     host = a.copy_to_host(stream=s)
     s.synchronize()
     bad += int((host != i).sum())
