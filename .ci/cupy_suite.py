@@ -51,12 +51,24 @@ PLUGIN = textwrap.dedent(
     """Loaded with -p in every pytest(-xdist) process of the emmpool run."""
     import json, os
 
+    _done = [0]
+
     def pytest_configure(config):
         if os.environ.get("EMMPOOL_CUPY_SUITE") == "emmpool":
             import emmpool
             emmpool.use_for_cupy()
+            _report()
+
+    def pytest_runtest_logfinish(nodeid, location):
+        # Now and then, not only at the end: a run cut short by the timeout never ends.
+        _done[0] += 1
+        if _done[0] % 50 == 0:
+            _report()
 
     def pytest_sessionfinish(session, exitstatus):
+        _report()
+
+    def _report():
         if os.environ.get("EMMPOOL_CUPY_SUITE") != "emmpool":
             return
         import cupy, emmpool
@@ -64,14 +76,16 @@ PLUGIN = textwrap.dedent(
         stats = emmpool.stats()
         record = {
             "worker": worker,
+            "tests": _done[0],
             "allocator": repr(cupy.cuda.get_allocator()),
             "cupy_allocations": sum(s["by_library"]["cupy"]["allocations"] for s in stats.values()),
             "dormant_fences": sum(s["dormant_fences"] for s in stats.values()),
             "same_stream_reuses": sum(s["same_stream_reuses"] for s in stats.values()),
         }
         path = os.path.join(os.environ["EMMPOOL_CUPY_SUITE_OUT"], f"emmpool-worker-{worker}.json")
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump(record, f)
+        os.replace(path + ".tmp", path)
     '''
 )
 
@@ -173,7 +187,8 @@ def main() -> int:
             regressions.append((name, got))
     compared = sum(1 for n in base if n in ours)
     fixed = sorted(n for n, st in ours.items() if st == "passed" and base.get(n) not in (None, "passed"))
-    workers = [json.loads(p.read_text()) for p in sorted(out.glob("emmpool-worker-*.json"))]
+    # The xdist workers' records (the controller runs no test and allocates nothing).
+    workers = [json.loads(p.read_text()) for p in sorted(out.glob("emmpool-worker-gw*.json"))]
 
     lines = [
         f"# CuPy {tag}'s test suite: CuPy's own pool vs emmpool ({label})",
