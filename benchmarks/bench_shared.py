@@ -10,7 +10,7 @@ One child process per configuration (an allocator is fixed at a library's first 
   CuPy, the size itself for PyTorch; nothing touches the memory of an ``empty``), i.e. what
   CuPy's CFunctionAllocator and PyTorch's CUDAPluggableAllocator cost by themselves;
 - ``emmpool``: ``emmpool.use_for_cupy()`` / ``use_for_torch()``;
-- ``emmpool-direct`` (CuPy): the same C functions without the hook's null check.
+- ``emmpool-direct`` (CuPy): the same C functions without the hook's C wrapper (the size rounded to 512 bytes, and the null check where CuPy needs it).
 
 Reports, per configuration and size, the median ns per empty()+del over timed blocks (the best
 round of those), and the ratio to the library's own pool. Every process runs on the same few CPUs near the GPU (``--cpus``, see cpus.py), and each

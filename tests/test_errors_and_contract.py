@@ -221,21 +221,29 @@ def test_cupy_allocator_turns_a_null_pointer_into_cupys_out_of_memory_error():
             super().__init__(f"out of memory allocating {size} bytes")
             self.size, self.total = size, total
 
-    def c_malloc(size):
-        if size < 0:
-            raise ValueError("negative")
-        return Memory(0 if size == 0 or size > 100 else 0x7000)
+    seen = []
 
-    malloc = _core.cupy_checked_malloc(c_malloc, OutOfMemory)
+    def c_malloc(size):
+        seen.append(size)
+        if size == 1536:
+            raise ValueError("the allocator's own error")
+        return Memory(0 if size == 0 or size > 1024 else 0x7000)
+
+    malloc = _core.cupy_malloc(c_malloc, OutOfMemory)
     assert malloc(64).ptr == 0x7000
     assert malloc(0).ptr == 0                      # CuPy allocates nothing for size 0
+    assert seen == [512, 0]                        # rounded to CuPy's unit, as its pool does
     with pytest.raises(OutOfMemory) as e:
-        malloc(1000)
-    assert (e.value.size, e.value.total) == (1000, -1)
-    with pytest.raises(ValueError, match="negative"):  # the allocator's own errors pass through
+        malloc(2000)
+    assert (e.value.size, e.value.total) == (2000, -1)  # the size asked for
+    with pytest.raises(ValueError, match="own error"):  # the allocator's own errors pass through
+        malloc(1025)
+    with pytest.raises(OverflowError):             # as CuPy's malloc(size_t)
         malloc(-1)
     with pytest.raises(AttributeError):
-        _core.cupy_checked_malloc(lambda size: object(), OutOfMemory)(8)
+        _core.cupy_malloc(lambda size: object(), OutOfMemory)(8)
+    unchecked = _core.cupy_malloc(c_malloc)        # where the entry point raises by itself
+    assert unchecked(2000).ptr == 0 and seen[-1] == 2048
 
 
 def test_cupy_entry_point_raises_its_failures_only_when_asked():

@@ -63,14 +63,26 @@ void set_out_of_memory(PyObject* out_of_memory, PyObject* size)
   }
 }
 
-// CuPy's allocator as emmpool installs it: CFunctionAllocator.malloc (over the C entry points),
-// then a NULL pointer turned into CuPy's OutOfMemoryError, which CuPy itself does not do. A C
-// function, so that each cupy.empty runs no Python frame of ours. `self` is the tuple
-// (CFunctionAllocator.malloc, cupy.cuda.memory.OutOfMemoryError).
-PyObject* cupy_checked_malloc(PyObject* self, PyObject* size)
+// CuPy's allocator as emmpool installs it: CFunctionAllocator.malloc (over the C entry points)
+// of the size rounded up to CuPy's allocation unit (512 bytes), as CuPy's own pool reports it
+// in `Memory.size`, which CuPy code may rely on (its own test_percentile_memory_access does);
+// then, where `out_of_memory` is given, a NULL pointer turned into CuPy's OutOfMemoryError,
+// which CuPy itself does not do. A C function, so that each cupy.empty runs no Python frame of
+// ours. `self` is the tuple (CFunctionAllocator.malloc, OutOfMemoryError or None).
+constexpr std::size_t cupy_allocation_unit = 512;
+
+PyObject* cupy_malloc(PyObject* self, PyObject* size)
 {
-  PyObject* mem = PyObject_CallOneArg(PyTuple_GET_ITEM(self, 0), size);
-  if (mem == nullptr) { return nullptr; }
+  std::size_t const n = PyLong_AsSize_t(size);
+  if (n == static_cast<std::size_t>(-1) && PyErr_Occurred() != nullptr) { return nullptr; }
+  std::size_t const rounded =
+    n > SIZE_MAX - cupy_allocation_unit ? n : (n + cupy_allocation_unit - 1) / cupy_allocation_unit * cupy_allocation_unit;
+  PyObject* rounded_size = rounded == n ? (Py_INCREF(size), size) : PyLong_FromSize_t(rounded);
+  if (rounded_size == nullptr) { return nullptr; }
+  PyObject* mem = PyObject_CallOneArg(PyTuple_GET_ITEM(self, 0), rounded_size);
+  Py_DECREF(rounded_size);
+  PyObject* const out_of_memory = PyTuple_GET_ITEM(self, 1);
+  if (mem == nullptr || out_of_memory == Py_None) { return mem; }
   PyObject* ptr = PyObject_GetAttrString(mem, "ptr");
   if (ptr == nullptr) {
     Py_DECREF(mem);
@@ -78,14 +90,13 @@ PyObject* cupy_checked_malloc(PyObject* self, PyObject* size)
   }
   int const is_null = PyObject_Not(ptr);
   Py_DECREF(ptr);
-  int const positive = is_null == 1 ? PyObject_IsTrue(size) : 0;  // size 0 gives ptr 0 too
-  if (is_null < 0 || positive < 0) {
+  if (is_null < 0) {
     Py_DECREF(mem);
     return nullptr;
   }
-  if (is_null == 1 && positive == 1) {
+  if (is_null == 1 && n > 0) {  // size 0 gives ptr 0 too
     Py_DECREF(mem);  // holds no memory: CuPy frees nothing for ptr 0
-    set_out_of_memory(PyTuple_GET_ITEM(self, 1), size);
+    set_out_of_memory(out_of_memory, size);
     return nullptr;
   }
   return mem;
@@ -113,8 +124,8 @@ void* raise_cupy_failure(std::size_t size, int, int kind, char const* what)
   return reinterpret_cast<void*>(std::intptr_t{-1});
 }
 
-PyMethodDef cupy_checked_malloc_def = {
-  "cupy_checked_malloc", &cupy_checked_malloc, METH_O,
+PyMethodDef cupy_malloc_def = {
+  "cupy_malloc", &cupy_malloc, METH_O,
   "CuPy's allocator over emmpool's pool (emmpool.use_for_cupy)."};
 
 pool_mode parse_mode(std::string const& mode)
@@ -540,15 +551,15 @@ PYBIND11_MODULE(_core, m)
     },
     py::arg("device"));
   m.def(
-    "cupy_checked_malloc",
+    "cupy_malloc",
     [](py::object c_malloc, py::object out_of_memory) {
       py::tuple const self = py::make_tuple(std::move(c_malloc), std::move(out_of_memory));
-      return py::reinterpret_steal<py::object>(
-        PyCFunction_New(&cupy_checked_malloc_def, self.ptr()));
+      return py::reinterpret_steal<py::object>(PyCFunction_New(&cupy_malloc_def, self.ptr()));
     },
-    py::arg("c_malloc"), py::arg("out_of_memory"),
-    "c_malloc(size), raising out_of_memory(size, -1) where it returns memory at address 0 for "
-    "a positive size (CuPy's CFunctionAllocator does not check the C function's result).");
+    py::arg("c_malloc"), py::arg("out_of_memory") = py::none(),
+    "c_malloc(size rounded up to 512 bytes, CuPy's allocation unit); with out_of_memory, "
+    "raising out_of_memory(size, -1) where c_malloc returns memory at address 0 for a "
+    "positive size (CuPy's CFunctionAllocator does not check the C function's result).");
   m.def(
     "set_cupy_failure",
     [](py::object out_of_memory) {

@@ -42,20 +42,22 @@ def use_for_cupy() -> None:
     allocator = cupy.cuda.memory.CFunctionAllocator(
         0, addresses["cupy_malloc"], addresses["cupy_free"], _core
     )
-    # CuPy does not check the C function's result: a NULL from the pool (out of memory) would
-    # become a silent null pointer. Where this CuPy passes on an exception raised by the C
-    # function, the entry point raises CuPy's OutOfMemoryError itself; otherwise a wrapper of
-    # the binding's (in C) checks each result.
+    # Sizes are rounded up to CuPy's allocation unit (512 bytes), as CuPy's own pool does and
+    # reports in Memory.size. CuPy does not check the C function's result: a NULL from the pool
+    # (out of memory) would become a silent null pointer. Where this CuPy passes on an exception
+    # raised by the C function, the entry point raises CuPy's OutOfMemoryError itself;
+    # otherwise the wrapper (in C) checks each result.
     out_of_memory = cupy.cuda.memory.OutOfMemoryError
     _core.set_cupy_failure(out_of_memory)
     if _cupy_passes_errors_on(cupy, addresses):
-        malloc = allocator.malloc
+        malloc = _core.cupy_malloc(allocator.malloc)
+        checked = False
     else:
         _core.set_cupy_failure(None)
-        malloc = _core.cupy_checked_malloc(allocator.malloc, out_of_memory)
+        malloc = _core.cupy_malloc(allocator.malloc, out_of_memory)
+        checked = True
     log.info("CuPy %s: failed allocations %s", cupy.__version__,
-             "raise from the C entry point" if malloc is allocator.malloc else
-             "are checked by a wrapper")
+             "are checked by the wrapper" if checked else "raise from the C entry point")
     cupy.cuda.set_allocator(malloc)
     _installed.append(allocator)
 
