@@ -8,7 +8,7 @@ import ctypes
 import pytest
 
 import emmpool
-from emmpool import _config, _core
+from emmpool import _core
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -135,10 +135,3 @@ def test_forked_child_gets_a_clear_error(host, pinned):
 
     assert _fork(child) == 0
     pinned.deallocate(inherited)
-
-
-def test_pinned_configuration(monkeypatch):
-    monkeypatch.setenv("EMMPOOL_PINNED", "Pool")
-    monkeypatch.setenv("EMMPOOL_PINNED_LIMIT", "8GiB")
-    cfg = _config._from_environment()
-    assert cfg.pinned == "pool" and cfg.pinned_limit == 8 << 30
