@@ -121,7 +121,7 @@ def test_double_free_is_an_error(pinned):
 
 
 def test_forked_child_gets_a_clear_error(host, pinned):
-    from tests.test_pool_host import _fork
+    from tests.test_device_pool_host import _fork
 
     inherited = pinned.allocate(4096)
 
