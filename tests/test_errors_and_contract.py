@@ -34,6 +34,14 @@ def test_cuda_error_carries_code_and_call():
     assert issubclass(emmpool.OutOfMemoryError, MemoryError)
 
 
+def test_version_is_written_once():
+    # pyproject.toml reads __version__ (scikit-build-core's regex provider): the installed
+    # distribution and the package must agree.
+    import importlib.metadata
+
+    assert emmpool.__version__ == importlib.metadata.version("emmpool")
+
+
 def test_import_touches_no_gpu():
     # A fresh interpreter: importing emmpool must not load libcuda (numba.cuda, which the
     # plugin imports, may load it by itself where a driver exists).

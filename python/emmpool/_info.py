@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from . import _config, _core
+from . import __version__, _config, _core
 
 MiB = 1 << 20
 
@@ -39,7 +39,7 @@ def print_report(out: TextIO = sys.stdout) -> int:
     def say(line: str = "") -> None:
         print(line, file=out)
 
-    say(f"emmpool {_version(('emmpool',)) or 'not installed'} ({Path(__file__).parent})")
+    say(f"emmpool {__version__} ({Path(__file__).parent})")
 
     say("\nconfiguration in force:")
     try:
