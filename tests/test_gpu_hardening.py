@@ -1,6 +1,6 @@
 """Hardening on a real GPU: threads, out-of-memory, fork and interpreter exit (skipped, with the
 reason, where there is no GPU). The same situations over the host driver run in CI
-(test_pool_host.py and the C++ tests); these check them against the CUDA driver.
+(test_device_pool_host.py and the C++ tests); these check them against the CUDA driver.
 
 Each scenario runs in a fresh interpreter (tests.test_gpu_numba.run) and must print OK with
 nothing on stderr."""

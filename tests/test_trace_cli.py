@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-import emmpool
-from emmpool import _config, _core, replay, trace
+from emmpool import _core, replay, trace
 
 
 def traced_workload():
@@ -88,13 +87,6 @@ def test_from_slots_builds_a_churn():
                    ("free", 0, 0), ("alloc", 3, 40)]
 
 
-def test_trace_environment_variable_names_an_unwritable_path(monkeypatch):
-    monkeypatch.setenv("EMMPOOL_TRACE", "/nonexistent-dir/trace.csv")
-    monkeypatch.setattr(_config, "_applied", None)
-    with pytest.raises(ValueError, match="EMMPOOL_TRACE"):
-        emmpool.configure()
-
-
 def run_cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "emmpool", *args], capture_output=True,
                           text=True, timeout=120, env=env)
@@ -108,14 +100,55 @@ def test_cli_replay(tmp_path):
     assert "600 operations" in p.stdout and "| emmpool-host |" in p.stdout
 
 
-def test_cli_info_and_gpu_commands_without_gpu():
+def _environment(**variables):
+    """This process's environment without emmpool's or Numba's manager settings, plus these."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("EMMPOOL_") and k != "NUMBA_CUDA_MEMORY_MANAGER"}
+    return {**env, **variables}
+
+
+def test_cli_info_says_what_is_in_force_and_where_it_came_from():
+    from tests.conftest import gpu_unavailable_reason
+
+    p = run_cli("info", env=_environment(EMMPOOL_MODE="passthrough",
+                                         EMMPOOL_INITIAL_POOL_SIZE="1GiB",
+                                         NUMBA_CUDA_MEMORY_MANAGER="emmpool.plugin"))
+    lines = {line.split()[0]: line for line in p.stdout.splitlines() if line.startswith("  ")}
+    assert " passthrough " in lines["mode"], p.stdout
+    assert lines["mode"].endswith("from EMMPOOL_MODE='passthrough'")
+    assert " 1 GiB (1073741824 bytes) " in lines["initial_pool_size"]
+    assert lines["initial_pool_size"].endswith("from EMMPOOL_INITIAL_POOL_SIZE='1GiB'")
+    assert " no cap but the device's memory " in lines["maximum_pool_size"]
+    assert lines["maximum_pool_size"].endswith("from default")
+    assert " a quarter of physical memory, " in lines["pinned_limit"]
+    assert lines["numba-cuda"].split()[1][0].isdigit()  # a version
+    assert "Numba: emmpool (NUMBA_CUDA_MEMORY_MANAGER=emmpool.plugin)" in p.stdout
+    if gpu_unavailable_reason() is None:
+        assert "driver: CUDA, " in p.stdout and p.returncode == 0, p.stdout + p.stderr
+    else:
+        assert "driver: unavailable: No NVIDIA driver" in p.stdout or \
+            "driver: unavailable: The NVIDIA driver" in p.stdout, p.stdout
+        assert p.returncode == 1
+
+
+def test_cli_info_reports_a_bad_environment_and_goes_on():
+    p = run_cli("info", env=_environment(EMMPOOL_MODE="bogus"))
+    assert "  error: EMMPOOL_MODE='bogus': expected 'pool' or 'passthrough'" in p.stdout
+    assert "numba-cuda" in p.stdout and "driver: " in p.stdout and p.returncode == 1, p.stderr
+
+
+def test_info_names_what_this_process_installed():
+    code = "import emmpool, emmpool._info; emmpool.use_for_numba(); emmpool._info.print_report()"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=_environment())
+    assert "Numba: emmpool (installed in this process)" in p.stdout, p.stdout + p.stderr
+
+
+def test_cli_gpu_commands_without_gpu():
     from tests.conftest import gpu_unavailable_reason
 
     if gpu_unavailable_reason() is None:
         pytest.skip("a GPU is present: tests/test_gpu_cli.py covers the commands there")
-    p = run_cli("info")
-    assert "emmpool" in p.stdout and "driver: unavailable" in p.stdout and p.returncode == 1
-    assert "mode='pool'" in p.stdout
     for command in ("selftest", "bench"):
         p = run_cli(command)
         assert p.returncode == 1 and "libcuda" in (p.stdout + p.stderr)

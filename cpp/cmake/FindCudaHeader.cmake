@@ -1,37 +1,40 @@
-# Locate cuda.h, the only CUDA file the build needs (the driver is dlopen'ed at run time).
-# Looked for, in order: EMMPOOL_CUDA_INCLUDE_DIR, a CUDA toolkit (CUDA_HOME, CUDA_PATH,
-# /usr/local/cuda, nvcc on PATH), then the headers of pip's NVIDIA CUDA wheels
-# (nvidia-cuda-runtime: site-packages/nvidia/cu13/include or nvidia/cuda_runtime/include).
-set(_emmpool_hints "")
-foreach(_v CUDA_HOME CUDA_PATH CUDAToolkit_ROOT)
-  if(DEFINED ENV{${_v}})
-    list(APPEND _emmpool_hints "$ENV{${_v}}/include")
+# Locate cuda.h, the only CUDA file the build needs (the driver is dlopen'ed at run time, and
+# nothing links against a CUDA library). Looked for, in order:
+#   1. -DEMMPOOL_CUDA_INCLUDE_DIR=/path/to/include
+#   2. a CUDA toolkit: find_package(CUDAToolkit) (nvcc on PATH, CUDAToolkit_ROOT, CUDA_PATH,
+#      /usr/local/cuda), with CUDA_HOME as its root where set;
+#   3. the headers of pip's nvidia-cuda-runtime wheel in the building Python's environment
+#      (nvidia/cu13/include). `pip install .` builds in an isolated environment, which has the
+#      wheel only if asked for it: EMMPOOL_CUDA_HEADERS=pip (pyproject.toml's override).
+if(NOT EMMPOOL_CUDA_INCLUDE_DIR)
+  if(NOT DEFINED CUDAToolkit_ROOT AND DEFINED ENV{CUDA_HOME})
+    set(CUDAToolkit_ROOT "$ENV{CUDA_HOME}")
   endif()
-endforeach()
-find_program(_emmpool_nvcc nvcc)
-if(_emmpool_nvcc)
-  get_filename_component(_emmpool_nvcc_dir "${_emmpool_nvcc}" DIRECTORY)
-  list(APPEND _emmpool_hints "${_emmpool_nvcc_dir}/../include")
-endif()
-list(APPEND _emmpool_hints /usr/local/cuda/include /opt/cuda/include)
-
-find_package(Python 3.9 COMPONENTS Interpreter QUIET)
-if(Python_EXECUTABLE)
-  execute_process(
-    COMMAND "${Python_EXECUTABLE}" -c
-      "import site,sys; print(';'.join(site.getsitepackages()+[site.getusersitepackages()]+sys.path))"
-    OUTPUT_VARIABLE _emmpool_paths OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-  foreach(_p ${_emmpool_paths})
-    list(APPEND _emmpool_hints "${_p}/nvidia/cu13/include" "${_p}/nvidia/cu12/include"
-         "${_p}/nvidia/cuda_runtime/include")
-  endforeach()
+  find_package(CUDAToolkit QUIET)
+  if(CUDAToolkit_FOUND)
+    find_path(EMMPOOL_CUDA_INCLUDE_DIR cuda.h HINTS ${CUDAToolkit_INCLUDE_DIRS} NO_DEFAULT_PATH)
+  endif()
 endif()
 
-find_path(EMMPOOL_CUDA_INCLUDE_DIR cuda.h HINTS ${_emmpool_hints})
+if(NOT EMMPOOL_CUDA_INCLUDE_DIR)
+  find_package(Python 3.9 COMPONENTS Interpreter QUIET)
+  if(Python_EXECUTABLE)
+    execute_process(
+      COMMAND "${Python_EXECUTABLE}" -c "import sys; print(';'.join(sys.path))"
+      OUTPUT_VARIABLE _emmpool_paths OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    set(_emmpool_hints "")
+    foreach(_p ${_emmpool_paths})
+      list(APPEND _emmpool_hints "${_p}/nvidia/cu13/include" "${_p}/nvidia/cuda_runtime/include")
+    endforeach()
+    find_path(EMMPOOL_CUDA_INCLUDE_DIR cuda.h HINTS ${_emmpool_hints} NO_DEFAULT_PATH)
+  endif()
+endif()
+
 if(NOT EMMPOOL_CUDA_INCLUDE_DIR)
   message(FATAL_ERROR
-    "emmpool needs cuda.h to build (it does not link against CUDA). Either install a CUDA "
-    "toolkit (and set CUDA_HOME), or `pip install nvidia-cuda-runtime` (which ships the headers) "
-    "into the build environment, or pass -DEMMPOOL_CUDA_INCLUDE_DIR=/path/to/include.")
+    "emmpool needs cuda.h to build (only the header: it links against no CUDA library), and "
+    "found none. Either install a CUDA toolkit (found through nvcc on PATH, CUDA_HOME or "
+    "/usr/local/cuda), or let pip fetch the header with the nvidia-cuda-runtime wheel: "
+    "EMMPOOL_CUDA_HEADERS=pip pip install . (or pass -DEMMPOOL_CUDA_INCLUDE_DIR=/path/to/include).")
 endif()
 message(STATUS "emmpool: cuda.h from ${EMMPOOL_CUDA_INCLUDE_DIR}")

@@ -252,31 +252,34 @@ class cuda_driver_impl final : public driver {
   api& load()
   {
     std::call_once(loaded_, [this] { load_once(); });
-    if (!load_error_.empty()) {
-      throw driver_unavailable{"load CUDA driver", load_code_, load_error_, EMMPOOL_WHERE};
-    }
+    if (!load_error_.empty()) { throw driver_unavailable{load_call_, load_code_, load_error_}; }
     return api_;
   }
 
+  // Each failure gets one sentence (driver_unavailable): what is missing, what it means for
+  // this process, what to do.
   void load_once()
   {
     handle_ = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (handle_ == nullptr) {
-      char const* why = ::dlerror();
+      char const* why = ::dlerror();  // "libcuda.so.1: cannot open shared object file: ..."
+      load_call_      = "dlopen";
       load_code_      = static_cast<int>(CUDA_ERROR_NO_DEVICE);
-      load_error_     = std::string{"no CUDA driver: dlopen(\"libcuda.so.1\") failed ("} +
-                    (why ? why : "unknown") +
-                    "); install the NVIDIA driver, or run on a machine with a GPU";
+      load_error_     = std::string{"No NVIDIA driver found ("} + (why ? why : "libcuda.so.1") +
+                    "), so emmpool cannot use a GPU in this process: install the NVIDIA "
+                    "driver, or run on a machine with an NVIDIA GPU.";
       return;
     }
-#define EMMPOOL_API(fn)                                                              \
-  api_.fn = reinterpret_cast<decltype(api_.fn)>(::dlsym(handle_, EMMPOOL_STRINGIFY(fn))); \
-  if (api_.fn == nullptr) {                                                          \
-    load_code_  = static_cast<int>(CUDA_ERROR_NOT_FOUND);                            \
-    load_error_ = std::string{"the CUDA driver lacks "} + EMMPOOL_STRINGIFY(fn) +      \
-                  ": it is older than CUDA " + std::to_string(CUDA_VERSION / 1000) + \
-                  " needs; update the NVIDIA driver";                               \
-    return;                                                                          \
+#define EMMPOOL_API(fn)                                                                    \
+  api_.fn = reinterpret_cast<decltype(api_.fn)>(::dlsym(handle_, EMMPOOL_STRINGIFY(fn)));  \
+  if (api_.fn == nullptr) {                                                                \
+    load_call_  = "dlsym";                                                                 \
+    load_code_  = static_cast<int>(CUDA_ERROR_NOT_FOUND);                                  \
+    load_error_ = std::string{"The NVIDIA driver is older than CUDA "} +                   \
+                  std::to_string(CUDA_VERSION / 1000) + " (it lacks " +                   \
+                  EMMPOOL_STRINGIFY(fn) + "), so emmpool cannot use the GPU: update the " \
+                  "NVIDIA driver.";                                                        \
+    return;                                                                                \
   }
 #include "cuda_driver_api.inc"
 #undef EMMPOOL_API
@@ -284,9 +287,13 @@ class cuda_driver_impl final : public driver {
     if (r != CUDA_SUCCESS) {
       char const* name = nullptr;
       api_.cuGetErrorName(r, &name);
+      load_call_  = "cuInit";
       load_code_  = static_cast<int>(r);
-      load_error_ = std::string{"cuInit failed: "} + (name ? name : "unknown error") +
-                    " (no usable GPU, or the driver does not match this machine)";
+      load_error_ = std::string{"The NVIDIA driver is installed but cannot start ("} +
+                    (name ? name : "cuInit failed") +
+                    "), so emmpool cannot use a GPU in this process: check that a GPU is "
+                    "visible (nvidia-smi, CUDA_VISIBLE_DEVICES) and that the driver matches "
+                    "its kernel module.";
       return;
     }
     std::atexit([] { exiting.store(true); });
@@ -313,6 +320,7 @@ class cuda_driver_impl final : public driver {
   std::once_flag loaded_;
   void* handle_ = nullptr;
   api api_{};
+  std::string load_call_;
   std::string load_error_;
   int load_code_ = 0;
   std::mutex contexts_mutex_;

@@ -1,5 +1,5 @@
 // Tests of the pinned-host cache over host_driver (real malloc'ed memory; no GPU). The pool's
-// Python-level behaviour is also tested in tests/test_host_pool.py; these run under the
+// Python-level behaviour is also tested in tests/test_pinned_pool_host.py; these run under the
 // sanitizers, the stress test under TSan in particular.
 #include "check.hpp"
 

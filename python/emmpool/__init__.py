@@ -31,11 +31,15 @@ __all__ = [
 
 
 def use_for_numba() -> None:
-    """Make Numba allocate device memory from emmpool (call before Numba's first CUDA use)."""
+    """Make Numba allocate device memory from emmpool (call before Numba's first CUDA use).
+
+    Applies the configuration (``EMMPOOL_*``, or :func:`configure` before): a bad value raises
+    ``ValueError`` here rather than at Numba's first allocation."""
     from numba import cuda
 
     from .plugin import EmmPoolManager
 
+    _config.ensure_configured()
     cuda.set_memory_manager(EmmPoolManager)
 
 

@@ -1,6 +1,7 @@
 """python -m emmpool {info, selftest, bench, replay}
 
-  info      the driver, devices, configuration and versions
+  info      what is in force and why: configuration (and where each value came from), the
+            driver, devices, library versions, who allocates from emmpool
   selftest  a quick check on the GPU: Numba through the plugin, data round trips, a kernel,
             statistics back to zero, trim
   bench     allocation+free through Numba: emmpool against Numba's default manager, with a
@@ -12,56 +13,21 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-from . import _core, replay, trace
-from ._config import config
+from . import _core, _info, replay, trace
 
 MiB = 1 << 20
 
 
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 # ---- info ------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
-    print(f"emmpool {_version('emmpool')} ({Path(__file__).parent})")
-    for dist in ("numba-cuda", "numba", "cuda-bindings", "numpy", "cupy-cuda13x", "torch"):
-        print(f"  {dist:14s} {_version(dist)}")
-    print("configuration: " + ", ".join(f"{k}={v!r}" for k, v in asdict(config()).items()))
-    try:
-        n = _core.device_count()
-    except _core.CudaError as e:
-        print(f"driver: unavailable: {e}")
-        return 1
-    print(f"driver: CUDA, {n} device(s)")
-    names = {}
-    try:
-        from numba import cuda
-
-        names = {d.id: d.name.decode() if isinstance(d.name, bytes) else d.name
-                 for d in cuda.list_devices()}
-    except Exception:  # names are a nicety; the driver facts above are what matter
-        pass
-    for d in range(n):
-        free, total = _core.memory_info(d)
-        print(f"  device {d}: {names.get(d, '?')}, {total / 2**30:.1f} GiB, "
-              f"{free / 2**30:.1f} GiB free")
-    for dev, s in sorted({p.device: p.stats() for p in _core.pools()}.items()):
-        print(f"  pool {dev}: {s['bytes_reserved'] / MiB:.1f} MiB reserved, "
-              f"{s['bytes_in_use'] / MiB:.1f} MiB in use")
-    return 0
+    return _info.print_report()
 
 
 # ---- selftest --------------------------------------------------------------------------------
@@ -268,7 +234,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m emmpool", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="driver, devices, configuration, versions")
+    sub.add_parser("info", help="configuration in force, driver, devices, versions, hooks")
     sub.add_parser("selftest", help="a quick GPU check")
     b = sub.add_parser("bench", help="emmpool vs Numba's default manager")
     b.add_argument("--out", default=".", help="folder for emmpool-bench.{md,json,png}")

@@ -1,8 +1,11 @@
 """Configuration of the process-wide pools: environment variables and :func:`configure`.
 
-Every variable is validated when the first pool is about to be created (or when
-:func:`configure` is called), and a bad value raises ``ValueError`` naming the variable and
-the accepted form. See the table in README.md.
+One table (``_OPTIONS``) gives each option its variable and its parser, and the environment and
+:func:`configure` go through the same parsers: ``'512MiB'`` or ``'80%'`` mean the same in both.
+The environment is read and checked when emmpool is installed into a library (``use_for_*``,
+``import emmpool.plugin``) and when the first pool is configured; a bad value raises
+``ValueError`` naming the variable and the accepted form. :func:`config` and :func:`report`
+say what is in force and where each value came from.
 """
 
 from __future__ import annotations
@@ -11,12 +14,45 @@ import logging
 import os
 import re
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, NamedTuple
 
 from . import _core
 
-__all__ = ["Config", "configure", "config", "ensure_configured", "parse_size"]
+__all__ = [
+    "Config",
+    "check_environment",
+    "config",
+    "configure",
+    "ensure_configured",
+    "parse_fraction",
+    "parse_maximum",
+    "parse_size",
+    "report",
+]
 
+log = logging.getLogger("emmpool")
+# A library's logger stays silent unless the application (or EMMPOOL_LOG) configures logging:
+# without this, Python's last-resort handler would print every warning to stderr.
+log.addHandler(logging.NullHandler())
+
+
+@dataclass(frozen=True)
+class Config:
+    """Options of the process-wide pools (one per device). ``None`` means "not set": what then
+    holds is said in the comment (and by :func:`report`)."""
+
+    mode: str = "pool"  # "pool" or "passthrough"
+    initial_pool_size: int = 0  # bytes reserved when a device's pool is created
+    maximum_pool_size: int | None = None  # bytes; None (and no fraction): no cap but the device
+    maximum_pool_fraction: float | None = None  # of the device's memory, in (0, 1]
+    trace: str = ""  # CSV path: record every allocation and free, written at exit; "": off
+    log: str = ""  # level of the "emmpool" logger; "": left to the application
+    pinned: str = "pool"  # Numba's pinned/mapped host memory: "pool" (emmpool's) or "numba"
+    pinned_limit: int | None = None  # bytes the pinned cache may hold; None: RAM / 4
+
+
+# ---- parsers: one per kind of value, shared by the environment and configure() --------------
 _UNITS = {
     "": 1, "b": 1,
     "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
@@ -25,162 +61,214 @@ _UNITS = {
     "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
 }  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_MODES = ("pool", "passthrough")
-_PINNED = ("pool", "numba")
-_LOG_LEVELS = {"": None, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
-log = logging.getLogger("emmpool")
-# A library's logger stays silent unless the application (or EMMPOOL_LOG) configures logging:
-# without this, Python's last-resort handler would print every warning to stderr.
-log.addHandler(logging.NullHandler())
-# Options with a fixed set of values: the variable that sets them, and what it accepts.
-_CHOICES = {
-    "mode": ("EMMPOOL_MODE", _MODES),
-    "log": ("EMMPOOL_LOG", tuple(_LOG_LEVELS)),  # "" leaves the logger alone
-    "pinned": ("EMMPOOL_PINNED", _PINNED),
-}
+_SIZE_FORM = "bytes, e.g. 1073741824 or '4GiB' (units: B, KiB, MiB, GiB, TiB; K/M/G/T and " \
+             "KB/MB/GB/TB mean the same)"
+_FRACTION_FORM = "a fraction of the device's memory in (0, 1], e.g. 0.8 or '80%'"
 
 
-@dataclass(frozen=True)
-class Config:
-    """Options of the process-wide pools (one per device)."""
-
-    mode: str = "pool"
-    initial_pool_size: int = 0
-    maximum_pool_size: int = 0  # bytes; 0 means no cap but the device
-    maximum_pool_fraction: float = 0.0  # of the device's memory; 0 means unused
-    trace: str = ""  # CSV path: record every allocation and free, written at exit
-    log: str = ""  # level of the "emmpool" logger: warning, info or debug; "" leaves it alone
-    pinned: str = "pool"  # pinned/mapped host memory for Numba: "pool" (emmpool's) or "numba"
-    pinned_limit: int = 0  # bytes of pinned memory the pool may hold; 0: a quarter of RAM
-
-
-def parse_size(text: str, name: str) -> int:
-    """Parse ``"1073741824"``, ``"512MiB"``, ``"2 GB"`` (binary units) into bytes."""
-    m = _SIZE.match(text)
+def parse_size(value: int | str, name: str) -> int:
+    """Bytes: a non-negative ``int``, or a string ``"1073741824"``, ``"512MiB"``, ``"1.5 GiB"``
+    (binary units)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"{name}={value!r}: a size cannot be negative")
+        return value
+    m = _SIZE.match(value) if isinstance(value, str) else None
     unit = m.group(2).lower() if m else None
-    if m is not None and _UNITS.get(unit) == 1 and "." in m.group(1):
-        raise ValueError(f"{name}={text!r}: a number of bytes must be whole (or give a unit, "
-                         f"e.g. '1.5GiB')")
     if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"{name}={text!r} is not a size: expected bytes as an integer, optionally with a "
-            f"unit (B, KiB, MiB, GiB, TiB; K/M/G/T and KB/MB/GB/TB mean the same), e.g. '4GiB'"
-        )
+        raise ValueError(f"{name}={value!r} is not a size: expected {_SIZE_FORM}")
+    if _UNITS[unit] == 1 and "." in m.group(1):
+        raise ValueError(f"{name}={value!r}: a number of bytes must be whole (or give a unit, "
+                         f"e.g. '1.5GiB')")
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def _parse_maximum(text: str, name: str) -> tuple[int, float]:
-    """A maximum is a size, or a fraction of the device's memory: '0.8' or '80%'.
+def _is_fraction(value: object) -> bool:
+    """A float, or a string with a percent sign or a decimal point and no unit: a fraction."""
+    if isinstance(value, float):
+        return True
+    return isinstance(value, str) and re.fullmatch(r"\s*(\d*\.\d*|[^%]*%)\s*", value) is not None
 
-    A plain number with a decimal point is a fraction; an integer is bytes."""
-    t = text.strip()
+
+def parse_fraction(value: float | str, name: str) -> float:
+    """A fraction in (0, 1]: ``0.8``, ``"0.8"`` or ``"80%"``."""
     try:
-        if t.endswith("%"):
-            frac = float(t[:-1]) / 100.0
-        elif re.fullmatch(r"\d*\.\d*", t):
-            frac = float(t)
+        if isinstance(value, str) and value.strip().endswith("%"):
+            fraction = float(value.strip()[:-1]) / 100.0
+        elif isinstance(value, (float, str)):
+            fraction = float(value)
         else:
-            return parse_size(t, name), 0.0
+            fraction = -1.0
     except ValueError:
-        frac = -1.0
-    if not 0.0 < frac <= 1.0:
-        raise ValueError(
-            f"{name}={text!r}: a fraction of the device's memory must lie in (0, 1] "
-            f"(e.g. '0.8' or '80%'), or give a size such as '16GiB'"
-        )
-    return 0, frac
+        fraction = -1.0
+    if not 0.0 < fraction <= 1.0:  # also refuses nan
+        raise ValueError(f"{name}={value!r}: expected {_FRACTION_FORM}")
+    return fraction
 
 
-def _env_choice(env, name: str) -> str:
-    """The environment's value of a fixed-choice option (see _CHOICES), or its default."""
-    default = getattr(Config, name)
-    return env.get(_CHOICES[name][0], default).strip().lower() or default
+def parse_maximum(value: int | float | str | None, name: str) -> tuple[int | None, float | None]:
+    """A cap on the pool: a size (bytes, ``"16GiB"``) or a fraction of the device's memory
+    (``0.8``, ``"80%"``); ``None`` for no cap. Returns ``(bytes, fraction)``, one of them None."""
+    if value is None:
+        return None, None
+    if _is_fraction(value):
+        return None, parse_fraction(value, name)
+    try:
+        size = parse_size(value, name)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is neither a size nor a fraction: expected "
+                         f"{_FRACTION_FORM}, or {_SIZE_FORM}") from None
+    if size == 0:
+        raise ValueError(f"{name}=0 would leave the pool no memory: leave it unset for no cap")
+    return size, None
 
 
-def _from_environment() -> Config:
-    env = os.environ
-    mode = _env_choice(env, "mode")
-    initial = 0
-    if "EMMPOOL_INITIAL_POOL_SIZE" in env:
-        initial = parse_size(env["EMMPOOL_INITIAL_POOL_SIZE"], "EMMPOOL_INITIAL_POOL_SIZE")
-    maximum, fraction = 0, 0.0
-    if "EMMPOOL_MAXIMUM_POOL_SIZE" in env:
-        maximum, fraction = _parse_maximum(
-            env["EMMPOOL_MAXIMUM_POOL_SIZE"], "EMMPOOL_MAXIMUM_POOL_SIZE"
-        )
-    trace = env.get("EMMPOOL_TRACE", "").strip()
-    level = _env_choice(env, "log")
-    pinned = _env_choice(env, "pinned")
-    pinned_limit = 0
-    if "EMMPOOL_PINNED_LIMIT" in env:
-        pinned_limit = parse_size(env["EMMPOOL_PINNED_LIMIT"], "EMMPOOL_PINNED_LIMIT")
-    return _validated(
-        Config(mode, initial, maximum, fraction, trace, level, pinned, pinned_limit)
-    )
+def _positive_size(value: int | str | None, name: str) -> int | None:
+    if value is None:
+        return None
+    size = parse_size(value, name)
+    if size == 0:
+        raise ValueError(f"{name}=0 would allow no pinned memory: leave it unset for the "
+                         f"default, or set EMMPOOL_PINNED=numba for Numba's own")
+    return size
 
 
-def _validated(cfg: Config) -> Config:
-    for name, (variable, accepted) in _CHOICES.items():
-        value = getattr(cfg, name)
-        if value not in accepted:
-            expected = " or ".join(repr(a) for a in accepted if a)
-            raise ValueError(f"{variable} / {name}={value!r}: expected {expected}")
-    for name in ("initial_pool_size", "maximum_pool_size", "pinned_limit"):
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}={value!r}: expected a non-negative number of bytes")
-    f = cfg.maximum_pool_fraction
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
-        raise ValueError(f"maximum_pool_fraction={f!r}: expected a number in [0, 1]")
-    if not isinstance(cfg.trace, str):
-        raise ValueError(f"trace={cfg.trace!r}: expected a file path (str), or '' for none")
-    if cfg.trace:
-        try:
-            open(cfg.trace, "a").close()  # fail now, naming the variable, not at exit
-        except OSError as e:
-            raise ValueError(
-                f"EMMPOOL_TRACE / trace={cfg.trace!r}: cannot write there ({e.strerror})"
-            ) from None
-    if cfg.maximum_pool_size and cfg.initial_pool_size > cfg.maximum_pool_size:
-        raise ValueError(
-            f"initial_pool_size ({cfg.initial_pool_size}) exceeds maximum_pool_size "
-            f"({cfg.maximum_pool_size})"
-        )
+def _choice(*accepted: str) -> Callable[[str, str], str]:
+    def parse(value: str, name: str) -> str:
+        text = value.strip().lower() if isinstance(value, str) else None
+        if text not in accepted:
+            raise ValueError(f"{name}={value!r}: expected "
+                             + " or ".join(repr(a) for a in accepted if a))
+        return text
+
+    return parse
+
+
+def _path(value: str, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name}={value!r}: expected a file path (str), or '' for none")
+    path = value.strip()
+    if path:
+        # Fail now, naming the option, rather than at exit when the trace is written; without
+        # creating the file, so that checking the environment leaves nothing behind.
+        folder = os.path.dirname(os.path.abspath(path))
+        target = path if os.path.exists(path) else folder
+        if not os.path.isdir(folder) or not os.access(target, os.W_OK):
+            raise ValueError(f"{name}={value!r}: cannot write there")
+    return path
+
+
+_LOG_LEVELS = {"": None, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
+
+
+# ---- the options ----------------------------------------------------------------------------
+class _Option(NamedTuple):
+    variable: str  # the environment variable that sets it
+    parse: Callable  # (value, name) -> {Config field: value}
+
+
+def _one(field: str, parse: Callable) -> Callable:
+    return lambda value, name: {field: parse(value, name)}
+
+
+def _maximum(value, name):
+    size, fraction = parse_maximum(value, name)
+    return {"maximum_pool_size": size, "maximum_pool_fraction": fraction}
+
+
+def _fraction_only(value, name):
+    return {"maximum_pool_size": None,
+            "maximum_pool_fraction": None if value is None else parse_fraction(value, name)}
+
+
+# configure()'s keywords. maximum_pool_size takes a size or a fraction, as its variable does;
+# maximum_pool_fraction is the same cap given as a fraction only.
+_OPTIONS = {
+    "mode": _Option("EMMPOOL_MODE", _one("mode", _choice("pool", "passthrough"))),
+    "initial_pool_size": _Option("EMMPOOL_INITIAL_POOL_SIZE",
+                                 _one("initial_pool_size", parse_size)),
+    "maximum_pool_size": _Option("EMMPOOL_MAXIMUM_POOL_SIZE", _maximum),
+    "maximum_pool_fraction": _Option("EMMPOOL_MAXIMUM_POOL_SIZE", _fraction_only),
+    "trace": _Option("EMMPOOL_TRACE", _one("trace", _path)),
+    "log": _Option("EMMPOOL_LOG", _one("log", _choice(*_LOG_LEVELS))),
+    "pinned": _Option("EMMPOOL_PINNED", _one("pinned", _choice("pool", "numba"))),
+    "pinned_limit": _Option("EMMPOOL_PINNED_LIMIT", _one("pinned_limit", _positive_size)),
+}
+_FIELDS = [f.name for f in fields(Config)]
+_DEFAULT = "default"
+_CONFIGURE = "configure()"
+
+
+def _checked(cfg: Config) -> Config:
+    """What holds across options."""
+    if cfg.maximum_pool_size is not None and cfg.initial_pool_size > cfg.maximum_pool_size:
+        raise ValueError(f"initial_pool_size ({cfg.initial_pool_size}) exceeds "
+                         f"maximum_pool_size ({cfg.maximum_pool_size})")
     return cfg
+
+
+def _read_environment() -> tuple[Config, dict[str, str]]:
+    """The options the environment sets, and for each field where its value came from.
+
+    A variable set to an empty string counts as unset."""
+    values, sources = {}, dict.fromkeys(_FIELDS, _DEFAULT)
+    for key, option in _OPTIONS.items():
+        text = os.environ.get(option.variable, "")
+        if key == "maximum_pool_fraction" or not text.strip():
+            continue  # the fraction shares EMMPOOL_MAXIMUM_POOL_SIZE, read once as the maximum
+        parsed = option.parse(text, option.variable)
+        values.update(parsed)
+        sources.update(dict.fromkeys(parsed, f"{option.variable}={text!r}"))
+    return _checked(Config(**values)), sources
+
+
+def check_environment() -> None:
+    """Raise ``ValueError`` now, naming the variable, if an ``EMMPOOL_*`` value is bad."""
+    _read_environment()
 
 
 _lock = threading.Lock()
 _applied: Config | None = None
+_applied_sources: dict[str, str] = {}
 
 
 def configure(**options) -> Config:
     """Set the options of the process-wide pools. Only before the first allocation.
 
-    Keyword arguments are the fields of :class:`Config`; those not given keep their value from
-    the environment (``EMMPOOL_*``), or the default. Raises ``ValueError`` for a bad value and
-    ``RuntimeError`` once a pool exists.
+    Keyword arguments are the fields of :class:`Config`, in the forms the environment
+    variables take (``initial_pool_size='512MiB'``, ``maximum_pool_size='80%'``) or as numbers
+    (bytes; a float for a fraction); those not given keep their value from an earlier call, or
+    from the environment (``EMMPOOL_*``), or the default. Raises ``ValueError`` for a bad value
+    and ``RuntimeError`` once a pool exists.
     """
-    global _applied
-    unknown = set(options) - set(Config.__dataclass_fields__)
+    global _applied, _applied_sources
+    unknown = set(options) - set(_OPTIONS)
     if unknown:
-        raise TypeError(
-            f"unknown option(s) {sorted(unknown)}; known: {sorted(Config.__dataclass_fields__)}"
-        )
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    if "maximum_pool_size" in options and "maximum_pool_fraction" in options:
+        raise TypeError("give maximum_pool_size or maximum_pool_fraction, not both")
     with _lock:
-        base = asdict(_applied) if _applied is not None else asdict(_from_environment())
-        base.update(options)
-        cfg = _validated(Config(**base))
+        if _applied is not None:
+            base, sources = _applied, dict(_applied_sources)
+        else:
+            base, sources = _read_environment()
+        values = asdict(base)
+        for key, value in options.items():
+            parsed = _OPTIONS[key].parse(value, key)
+            values.update(parsed)
+            sources.update(dict.fromkeys(parsed, _CONFIGURE))
+        cfg = _checked(Config(**values))
         try:
             _core.configure(
                 mode=cfg.mode,
                 initial_size=cfg.initial_pool_size,
-                maximum_size=cfg.maximum_pool_size,
-                maximum_fraction=float(cfg.maximum_pool_fraction),
-                pinned_limit=cfg.pinned_limit,
+                maximum_size=cfg.maximum_pool_size or 0,  # the core's "no cap"
+                maximum_fraction=cfg.maximum_pool_fraction or 0.0,
+                pinned_limit=cfg.pinned_limit or 0,  # the core's "a quarter of RAM"
             )
         except RuntimeError as e:  # std::logic_error: a pool exists
             raise RuntimeError(str(e)) from None
-        _applied = cfg
+        _applied, _applied_sources = cfg, sources
         if cfg.log:
             _log_at(_LOG_LEVELS[cfg.log])
         if cfg.trace:
@@ -227,20 +315,82 @@ def ensure_configured() -> Config:
     try:
         return configure()
     except RuntimeError:
-        # A pool already exists (e.g. created through the CuPy/PyTorch C hooks before any
+        # A pool already exists (e.g. created through the C entry points before any
         # Python-level configuration): it keeps the options it was created with.
         return config()
 
 
-def config() -> Config:
-    """The options in force (or that will be, for pools not yet created)."""
+_BEFORE_CONFIGURATION = "the core's default: a pool was created before configuration"
+
+
+def _in_force() -> tuple[Config, dict[str, str]]:
     if _applied is not None:
-        return _applied
+        return _applied, _applied_sources
+    cfg, sources = _read_environment()
+    if not (_core.pools() or _core.pinned_pools()):
+        return cfg, sources  # what the first pool will get
+    # Pools made before any configuration keep the core's options; the Python-side options
+    # (pinned, log, trace) are still the environment's, as ensure_configured() leaves them.
     o = _core.configured_options()
-    # The pinned choice is Python's alone (the C++ pools never see it): the environment's.
-    pinned = _env_choice(os.environ, "pinned")
-    if pinned not in _PINNED:
-        pinned = Config.pinned
-    return Config(o["mode"], o["initial_size"], o["maximum_size"], o["maximum_fraction"],
-                  _trace_path or "", logging.getLevelName(log.level).lower() if log.level else "",
-                  pinned, o["pinned_limit"])
+    core = {
+        "mode": o["mode"],
+        "initial_pool_size": o["initial_size"],
+        "maximum_pool_size": o["maximum_size"] or None,
+        "maximum_pool_fraction": o["maximum_fraction"] or None,
+        "pinned_limit": o["pinned_limit"] or None,
+    }
+    sources.update(dict.fromkeys(core, _BEFORE_CONFIGURATION))
+    return Config(**{**asdict(cfg), **core}), sources
+
+
+def config() -> Config:
+    """The options in force (or that will be, for pools not yet created).
+
+    Raises ``ValueError`` if an ``EMMPOOL_*`` variable that would apply has a bad value."""
+    return _in_force()[0]
+
+
+class Setting(NamedTuple):
+    """One line of :func:`report`."""
+
+    option: str  # the Config field
+    value: str  # what is in force, in words
+    source: str  # "default", "EMMPOOL_MODE='passthrough'", "configure()", ...
+
+
+def report() -> list[Setting]:
+    """Every option: the value in force, in words, and where it came from."""
+    cfg, sources = _in_force()
+    maximum = "no cap but the device's memory"
+    if cfg.maximum_pool_fraction is not None:
+        maximum = f"{cfg.maximum_pool_fraction * 100:g}% of the device's memory"
+    elif cfg.maximum_pool_size is not None:
+        maximum = _bytes(cfg.maximum_pool_size)
+    words = {
+        "mode": cfg.mode,
+        "initial_pool_size": _bytes(cfg.initial_pool_size),
+        "maximum_pool_size": maximum,
+        "trace": cfg.trace or "off",
+        "log": cfg.log or "not set (the application's logging configuration)",
+        "pinned": {"pool": "pool (emmpool's pinned cache)",
+                   "numba": "numba (Numba's own pinned memory)"}[cfg.pinned],
+        "pinned_limit": _bytes(cfg.pinned_limit) if cfg.pinned_limit is not None
+        else f"a quarter of physical memory, {_human(_physical_memory() // 4)} here",
+    }
+    return [Setting(name, text, sources[name]) for name, text in words.items()]
+
+
+def _physical_memory() -> int:
+    # The same sysconf query as the pinned cache's default (cpp/src/host_pool.cpp).
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _human(n: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.4g} {unit}"
+    return f"{n} bytes"
+
+
+def _bytes(n: int) -> str:
+    return _human(n) if n < 1024 else f"{_human(n)} ({n} bytes)"

@@ -27,7 +27,11 @@ from numba.cuda.cudadrv.driver import MappedMemory, PinnedMemory
 from numba.cuda.cudadrv.driver import CudaAPIError, GetIpcHandleMixin, binding
 
 from . import _core
-from ._config import ensure_configured, log
+from ._config import check_environment, ensure_configured, log
+
+# NUMBA_CUDA_MEMORY_MANAGER=emmpool.plugin imports this module: a bad EMMPOOL_* value fails
+# here, naming the variable, not at the first allocation. (Nothing here may touch CUDA.)
+check_environment()
 
 __all__ = ["EmmPoolManager"]
 

@@ -22,9 +22,7 @@ namespace emmpool {
 class cuda_error : public std::runtime_error {
  public:
   cuda_error(std::string call, int code, std::string const& name, std::string const& where)
-    : std::runtime_error{call + " failed: " + name + " (" + std::to_string(code) + ") at " + where},
-      call_{std::move(call)},
-      code_{code}
+    : cuda_error{call, code, call + " failed: " + name + " (" + std::to_string(code) + ") at " + where}
   {
   }
   /// @brief The driver function that failed, e.g. "cuMemAlloc".
@@ -32,15 +30,32 @@ class cuda_error : public std::runtime_error {
   /// @brief The CUresult value.
   [[nodiscard]] int code() const noexcept { return code_; }
 
+ protected:
+  /// @brief With a message of its own (see driver_unavailable).
+  cuda_error(std::string call, int code, std::string const& message)
+    : std::runtime_error{message}, call_{std::move(call)}, code_{code}
+  {
+  }
+
  private:
   std::string call_;
   int code_;
 };
 
 /// @brief No usable CUDA driver: libcuda.so.1 missing, too old, or cuInit failed.
+///
+/// Its message is for whoever meets it first, often on a machine without a GPU: one sentence
+/// saying what is missing, what that means and what to do, with no error number or source
+/// location (the code stays available as code()).
 class driver_unavailable : public cuda_error {
  public:
-  using cuda_error::cuda_error;
+  /// @param call the step that failed: "dlopen", "dlsym" or "cuInit"
+  /// @param code a CUresult for code()
+  /// @param sentence the whole message
+  driver_unavailable(std::string call, int code, std::string const& sentence)
+    : cuda_error{std::move(call), code, sentence}
+  {
+  }
 };
 
 /// @brief The pool could not satisfy a request, even after the whole out-of-memory ladder.

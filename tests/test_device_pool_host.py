@@ -1,4 +1,4 @@
-"""The pool logic through the Python binding, on the host driver (no GPU needed).
+"""The device pool logic through the Python binding, on the host driver (no GPU needed).
 
 The C++ suite (cpp/tests) covers the same logic more exhaustively, under sanitizers; these tests
 check that the binding exposes it faithfully."""

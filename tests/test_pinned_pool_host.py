@@ -8,7 +8,7 @@ import ctypes
 import pytest
 
 import emmpool
-from emmpool import _config, _core
+from emmpool import _core
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -121,7 +121,7 @@ def test_double_free_is_an_error(pinned):
 
 
 def test_forked_child_gets_a_clear_error(host, pinned):
-    from tests.test_pool_host import _fork
+    from tests.test_device_pool_host import _fork
 
     inherited = pinned.allocate(4096)
 
@@ -135,10 +135,3 @@ def test_forked_child_gets_a_clear_error(host, pinned):
 
     assert _fork(child) == 0
     pinned.deallocate(inherited)
-
-
-def test_pinned_configuration(monkeypatch):
-    monkeypatch.setenv("EMMPOOL_PINNED", "Pool")
-    monkeypatch.setenv("EMMPOOL_PINNED_LIMIT", "8GiB")
-    cfg = _config._from_environment()
-    assert cfg.pinned == "pool" and cfg.pinned_limit == 8 << 30

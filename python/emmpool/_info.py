@@ -1,0 +1,131 @@
+"""``python -m emmpool info``: the first thing to run when something is off.
+
+Says what is in force and why: the configuration and where each value came from, the driver
+(found, or why not), the devices, the versions of the libraries emmpool works with, and which
+of them allocate from emmpool.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from . import __version__, _config, _core
+
+MiB = 1 << 20
+
+# (name shown, distributions that provide it, first installed wins)
+_LIBRARIES = [
+    ("numba-cuda", ("numba-cuda",)),
+    ("numba", ("numba",)),
+    ("numba-cuda-mlir", ("numba-cuda-mlir",)),
+    ("cuda-bindings", ("cuda-bindings",)),
+    ("numpy", ("numpy",)),
+    ("cupy", ("cupy-cuda13x", "cupy-cuda12x", "cupy")),
+    ("torch", ("torch",)),
+    ("rmm", ("rmm-cu13", "rmm-cu12", "rmm")),
+    ("dask", ("dask",)),
+    ("dask-cuda", ("dask-cuda",)),
+]
+
+
+def print_report(out: TextIO = sys.stdout) -> int:
+    """Print the report; return 0 if emmpool can work here, else 1 (the report says why)."""
+    ok = True
+
+    def say(line: str = "") -> None:
+        print(line, file=out)
+
+    say(f"emmpool {__version__} ({Path(__file__).parent})")
+
+    say("\nconfiguration in force:")
+    try:
+        settings = _config.report()
+    except ValueError as e:
+        say(f"  error: {e}")
+        ok = False
+    else:
+        names = max(len(s.option) for s in settings)
+        values = max(len(s.value) for s in settings)
+        for s in settings:
+            say(f"  {s.option:{names}}  {s.value:{values}}  from {s.source}")
+
+    say()
+    ok &= _print_driver(say)
+
+    say("\nlibraries:")
+    for name, dists in _LIBRARIES:
+        version = _version(dists)
+        say(f"  {name:15} {version or 'not installed'}")
+
+    say("\nwho allocates from emmpool:")
+    for line in _hooks():
+        say(f"  {line}")
+    return 0 if ok else 1
+
+
+def _print_driver(say) -> bool:
+    try:
+        n = _core.device_count()
+    except _core.DriverUnavailableError as e:
+        say(f"driver: unavailable: {e}")
+        return False
+    except _core.CudaError as e:
+        say(f"driver: error: {e}")
+        return False
+    say(f"driver: CUDA, {n} device(s)")
+    names = {}
+    try:
+        from numba import cuda
+
+        names = {d.id: d.name.decode() if isinstance(d.name, bytes) else d.name
+                 for d in cuda.list_devices()}
+    except Exception:  # names are a nicety; the driver's own facts are what matter
+        pass
+    for d in range(n):
+        free, total = _core.memory_info(d)
+        say(f"  device {d}: {names.get(d, '?')}, {total / 2**30:.1f} GiB, "
+            f"{free / 2**30:.1f} GiB free")
+    return n > 0
+
+
+def _version(dists: tuple[str, ...]) -> str | None:
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _hooks() -> list[str]:
+    """Which libraries use emmpool: Numba's manager (by environment, or installed in this
+    process), the hooks installed in this process, and what each pool has served."""
+    lines = []
+    manager = os.environ.get("NUMBA_CUDA_MEMORY_MANAGER", "")
+    numba_driver = sys.modules.get("numba.cuda.cudadrv.driver")
+    installed = getattr(numba_driver, "_memory_manager", None)
+    if installed is not None and installed.__module__ == "emmpool.plugin":
+        lines.append("Numba: emmpool (installed in this process)")
+    elif manager == "emmpool.plugin":
+        lines.append("Numba: emmpool (NUMBA_CUDA_MEMORY_MANAGER=emmpool.plugin)")
+    elif manager:
+        lines.append(f"Numba: {manager} (NUMBA_CUDA_MEMORY_MANAGER)")
+    else:
+        lines.append("Numba: its own manager, unless the program calls emmpool.use_for_numba() "
+                     "(or set NUMBA_CUDA_MEMORY_MANAGER=emmpool.plugin)")
+    hooks = sys.modules.get("emmpool.hooks")
+    libraries = sorted({type(a).__module__.split(".")[0] for a in getattr(hooks, "_installed", [])})
+    lines.append(f"hooks installed in this process: {', '.join(libraries) or 'none'} "
+                 f"(CuPy, PyTorch: emmpool.use_for_cupy() / use_for_torch() in the program)")
+    for pool in _core.pools():
+        s = pool.stats()
+        served = ", ".join(f"{lib} {t['allocations']}" for lib, t in s["by_library"].items()
+                           if t["allocations"]) or "none"
+        lines.append(f"pool of device {pool.device}: {s['bytes_reserved'] / MiB:.1f} MiB "
+                     f"reserved, {s['bytes_in_use'] / MiB:.1f} MiB in use; allocations by library: "
+                     f"{served}")
+    return lines
