@@ -115,7 +115,7 @@ def test_cli_info_and_gpu_commands_without_gpu():
         pytest.skip("a GPU is present: tests/test_gpu_cli.py covers the commands there")
     p = run_cli("info")
     assert "emmpool" in p.stdout and "driver: unavailable" in p.stdout and p.returncode == 1
-    assert "mode='pool'" in p.stdout
+    assert "mode='pool'" in p.stdout and "numba-cuda-mlir" in p.stdout
     for command in ("selftest", "bench"):
         p = run_cli(command)
         assert p.returncode == 1 and "libcuda" in (p.stdout + p.stderr)

@@ -37,8 +37,9 @@ def _version(dist: str) -> str:
 # ---- info ------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
     print(f"emmpool {_version('emmpool')} ({Path(__file__).parent})")
-    for dist in ("numba-cuda", "numba", "cuda-bindings", "numpy", "cupy-cuda13x", "torch"):
-        print(f"  {dist:14s} {_version(dist)}")
+    for dist in ("numba-cuda", "numba-cuda-mlir", "numba", "cuda-bindings", "numpy",
+                 "cupy-cuda13x", "torch"):
+        print(f"  {dist:15s} {_version(dist)}")
     print("configuration: " + ", ".join(f"{k}={v!r}" for k, v in asdict(config()).items()))
     try:
         n = _core.device_count()
