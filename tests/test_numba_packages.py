@@ -63,6 +63,9 @@ with manager.defer_cleanup():
 import emmpool.plugin
 assert emmpool.plugin._numba_memory_manager is cls   # the only package: the default too
 assert emmpool.plugin.manager_for({numba_package.name!r}) is cls
+names = {{}}
+exec("from emmpool.plugin import *", names)  # only the installed package's class
+assert sorted(n for n in names if n != "__builtins__") == sorted([cls.__name__, "manager_for"])
 print(cls.__name__)
 """, absent=_others(numba_package), plugin_by_environment=True)
     expected = {"numba-cuda": "EmmPoolManager", "numba-cuda-mlir": "EmmPoolMlirManager"}

@@ -23,8 +23,8 @@ driver module's ``_ensure_memory_manager()``, so one module attribute answers bo
 computed on access (a module ``__getattr__``, PEP 562) from the module asking: numba-cuda's
 driver gets numba-cuda's class, numba-cuda-mlir's gets numba-cuda-mlir's. Any other caller gets
 the class of the preferred installed package (numba-cuda, else numba-cuda-mlir). The classes are
-made on first use, so a process that uses one package never imports the other. A manager used
-by the other package's context says so at its first allocation instead of mixing the two.
+made on first use, so a process that uses one package never imports the other. A manager that
+a context of the other package uses says so at once instead of mixing the two.
 
 Device memory comes from the process-wide pool of the context's device (shared with CuPy and
 PyTorch when their hooks are installed). Pinned and mapped host memory are Numba's own
@@ -53,13 +53,15 @@ from ._config import ensure_configured, log
 if not packages.installed():
     raise packages.missing_error()
 
-__all__ = ["EmmPoolManager", "EmmPoolMlirManager", "manager_for"]
-
-_LEGACY = _core.LEGACY_STREAM
-_TAG_NUMBA = 1
 # The public name of each package's class (numba-cuda's is the one emmpool always had).
 _CLASS_NAMES = {packages.NUMBA_CUDA.name: "EmmPoolManager",
                 packages.NUMBA_CUDA_MLIR.name: "EmmPoolMlirManager"}
+# Only the installed packages' classes: the others would raise ImportError when looked up.
+_AVAILABLE = [_CLASS_NAMES[p.name] for p in packages.installed()]
+__all__ = [*_AVAILABLE, "manager_for"]
+
+_LEGACY = _core.LEGACY_STREAM
+_TAG_NUMBA = 1
 
 
 class _EmmPoolManager:
@@ -301,4 +303,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_CLASS_NAMES.values()) | {"_numba_memory_manager"})
+    return sorted({*globals(), *_AVAILABLE, "_numba_memory_manager"})
