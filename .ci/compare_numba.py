@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Compare Numba CUDA test-suite runs: Numba's default memory manager vs. an EMM plugin.
 
-Reads the ``-v`` output of ``python -m numba.runtests`` (serial or ``-m N`` parallel), one or
+Reads the ``-v`` output of ``python -m numba.runtests`` (numba-cuda's suite, serial or ``-m N``
+parallel) or of ``pytest -v`` (numba-cuda-mlir's suite, with or without pytest-xdist), one or
 more logs per side, and answers: does every test that passes with Numba's own manager also pass
 with the plugin?  Tests are named by their full unittest id
-(``numba.cuda.tests.cudapy.test_ipc.TestIpcMemory.test_ipc_handle``).
+(``numba.cuda.tests.cudapy.test_ipc.TestIpcMemory.test_ipc_handle``) or pytest node id
+(``tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::test_host_alloc_pinned``).
 
 Usage::
 
@@ -29,7 +31,10 @@ subprocess-test log after it: tests such as test_ipc break under -m and the seri
 Outcomes: ok, expected failure (both "pass"), skipped, FAIL, ERROR, unexpected success, and
 unknown (a test header with no status: the run ended inside that test, or its output swallowed
 the status).  Setup errors (``setUpClass (mod.Class) ... ERROR``) and import failures
-(``unittest.loader._FailedTest``) count as tests named ``mod.Class.setUpClass`` etc.
+(``unittest.loader._FailedTest``) count as tests named ``mod.Class.setUpClass`` etc.; in pytest
+logs a module that fails to collect counts as a test named by its path.  A pytest-xdist run cut
+off (no final summary line) leaves tests in flight on its workers: those count as not run, not
+as unknown, and the log makes the comparison inconclusive.
 
 Exit status: 0 no unexpected regression and every log complete; 1 unexpected regressions;
 2 usage error; 3 no regression found but a log is missing or incomplete (inconclusive).
@@ -44,10 +49,14 @@ import sys
 from collections import Counter, OrderedDict
 
 # ---------------------------------------------------------------------------------------------
-# Known differences (numba-cuda 0.30.4)
+# Known differences (numba-cuda 0.30.4: unittest ids; numba-cuda-mlir 0.6.0: pytest node ids)
 
-# Skipped by numba-cuda whenever NUMBA_CUDA_MEMORY_MANAGER != "default"
-# (numba.cuda.testing.skip_if_external_memmgr).
+_MLIR_DEALLOC = "tests/numba_cuda_tests/cudadrv/test_deallocations.py::TestDeallocation::"
+
+# Tests of Numba's own deferred-deallocation bookkeeping, which any external manager bypasses:
+# skipped whenever NUMBA_CUDA_MEMORY_MANAGER != "default" (testing.skip_if_external_memmgr),
+# except numba-cuda-mlir's test_ownership, which lost that decorator and fails instead (it
+# counts entries in the manager's `deallocations`, which only Numba's own memalloc adds).
 KNOWN_EXTERNAL_SKIPS = (
     "numba.cuda.tests.cudadrv.test_deallocations.TestDeallocation.test_max_pending_count",
     "numba.cuda.tests.cudadrv.test_deallocations.TestDeallocation.test_max_pending_bytes",
@@ -55,12 +64,19 @@ KNOWN_EXTERNAL_SKIPS = (
     "numba.cuda.tests.cudadrv.test_deallocations.TestDeallocation.test_nested_defer_cleanup",
     "numba.cuda.tests.cudadrv.test_deallocations.TestDeallocation.test_exception",
     "numba.cuda.tests.cudapy.test_cuda_array_interface.TestCudaArrayInterface.test_ownership",
+    _MLIR_DEALLOC + "test_max_pending_count",
+    _MLIR_DEALLOC + "test_max_pending_bytes",
+    _MLIR_DEALLOC + "test_defer_cleanup",
+    _MLIR_DEALLOC + "test_nested_defer_cleanup",
+    _MLIR_DEALLOC + "test_exception",
+    "tests/numba_cuda_tests/cudapy/test_cuda_array_interface.py::TestCudaArrayInterface::test_ownership",
 )
 
 # Assume one cuMemAlloc per allocation: may fail in a sub-allocating mode (DESIGN.md).
 KNOWN_SUBALLOC_FAILS = (
     "numba.cuda.tests.cudapy.test_ipc.TestIpcMemory.test_ipc_handle",
     "numba.cuda.tests.cudadrv.test_host_alloc.TestHostAlloc.test_host_alloc_pinned",
+    "tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::test_host_alloc_pinned",
 )
 SUBALLOC_MODES = ("pool",)
 
@@ -84,7 +100,33 @@ _BLOCK = re.compile(r"^(ERROR|FAIL|UNEXPECTED SUCCESS): (?P<meth>[A-Za-z_][\w.]*
 _RAN = re.compile(r"^Ran (\d+) tests? in ([\d.]+)s\s*$")
 _FINAL = re.compile(r"^(OK|FAILED)(?: \((.*)\))?\s*$")
 _PARALLEL = re.compile(r"^Parallel: (\d+)\. Serial: (\d+)\s*$")
-_CI_RC = re.compile(r"^\[\.ci/gpu\] .*\brc=(\d+)")
+_CI_RC = re.compile(r"^\[\.ci/gpu[\w-]*\] .*\brc=(\d+)")
+
+# pytest -v, with pytest-xdist or without (a node id may hold spaces, in its parameters):
+# "[gw3] [ 12%] PASSED tests/test_x.py::TestX::test_y"
+# "tests/test_x.py::TestX::test_y PASSED                                    [ 12%]"
+# "[gw1] [ 66%] SUBFAILED(i='1') tests/test_x.py::TestX::test_sub"        (a failing subtest)
+# "tests/test_x.py::TestX::test_y"        (a test starting: its status comes on a later line)
+# "______ ERROR collecting tests/test_x.py ______"                  (a module that cannot load)
+# "== 5 failed, 1200 passed, 3 skipped in 201.12s (0:03:21) =="
+_PT_SESSION = re.compile(r"^=+ test session starts =+$", re.M)
+_PT_NODE = r"(?P<nid>[^\s\[\]]+\.py(?:::.*?)?)"
+_PT_XDIST = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (?P<status>[A-Z]+)(?P<detail>.*?) " + _PT_NODE + r"\s*$")
+_PT_SERIAL = re.compile(r"^" + _PT_NODE + r" (?P<status>[A-Z]+)(?P<detail>.*?)\s+\[\s*\d+%\]$")
+_PT_START = re.compile(r"^(?P<nid>[^\s\[\]]+\.py::\S.*?)\s*$")
+_PT_COLLECT = re.compile(r"^_+ ERROR collecting (?P<nid>\S+) _+$")
+# The short summary (-rfE, pytest's default): without xdist, a failing unittest subTest shows
+# only there ("SUBFAILED(i=1) tests/test_x.py::TestX::test_sub - AssertionError: ...").
+_PT_SUMMARY = re.compile(r"^(?P<status>FAILED|ERROR|XPASS|SUBFAILED)(?P<detail>[\[(].*?)? "
+                         + _PT_NODE + r"(?: - .*)?$")
+_PT_WORKERS = re.compile(r"^(?:created: (\d+)/\d+ workers?|(\d+) workers? \[\d+ items?\])\s*$")
+_PT_FINAL = re.compile(r"^=+ (?P<body>.*?) in (?P<secs>[\d.]+)s(?: \([\d:]+\))? =+$")
+_PT_COUNT = re.compile(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?)\b")
+# A status word: its outcome, or None for one that decides nothing (a passing subtest, a rerun).
+_PT_STATUS = {"PASSED": "ok", "FAILED": "FAIL", "ERROR": "ERROR", "SKIPPED": "skipped",
+              "XFAIL": "expected failure", "XPASS": "unexpected success", "SUBFAILED": "FAIL",
+              "SUBPASSED": None, "SUBSKIPPED": None, "SUBXFAIL": None, "SUBXPASS": None,
+              "RERUN": None}
 
 
 def _test_id(meth: str, paren: str) -> str:
@@ -116,6 +158,8 @@ class LogResult:
         self.parallel: tuple[int, int] | None = None
         self.ci_rc: int | None = None
         self.missing = False
+        self.workers: int | None = None  # pytest-xdist workers
+        self.in_flight: list[str] = []  # tests a cut-off pytest-xdist run was running
 
     @property
     def complete(self) -> bool:
@@ -204,6 +248,57 @@ class LogResult:
                 self.outcomes[tid] = "unknown"
         return self
 
+    def parse_pytest(self, text: str) -> "LogResult":
+        started = []  # tests seen starting (xdist prints that), in order
+        for raw in text.splitlines():
+            line = raw.rstrip("\r\n")
+            m = _PT_XDIST.match(line) or _PT_SERIAL.match(line)
+            if m and m.group("status") in _PT_STATUS:
+                tid, status = m.group("nid"), _PT_STATUS[m.group("status")]
+                if tid not in self.outcomes:
+                    self.outcomes[tid] = None
+                if status is not None:
+                    self._set(tid, status)
+                    if status == "skipped" and m.group("detail").strip():
+                        self.skip_reasons[tid] = m.group("detail").strip()
+                continue
+            m = _PT_START.match(line)
+            if m:
+                started.append(m.group("nid"))
+                continue
+            m = _PT_SUMMARY.match(line)
+            if m:
+                self._set(m.group("nid"), _PT_STATUS[m.group("status")])
+                continue
+            m = _PT_COLLECT.match(line)
+            if m:
+                self._set(m.group("nid"), "ERROR")
+                continue
+            m = _PT_WORKERS.match(line)
+            if m:
+                self.workers = int(m.group(1) or m.group(2))
+                continue
+            m = _PT_FINAL.match(line)
+            if m:
+                self.final = m.group("body")
+                self.ran = sum(int(n) for n, _ in _PT_COUNT.findall(m.group("body")))
+                self.seconds = float(m.group("secs"))
+                continue
+            m = _CI_RC.match(line)
+            if m:
+                self.ci_rc = int(m.group(1))
+        for tid in started:
+            self.outcomes.setdefault(tid, None)
+        for tid, status in list(self.outcomes.items()):
+            if status is None:
+                if self.workers and self.ran is None:
+                    # Cut off with N workers busy: N tests in flight prove nothing either way.
+                    del self.outcomes[tid]
+                    self.in_flight.append(tid)
+                else:
+                    self.outcomes[tid] = "unknown"
+        return self
+
     def describe(self) -> str:
         name = os.path.basename(self.path)
         if self.missing:
@@ -211,6 +306,8 @@ class LogResult:
         bits = [f"{len(self.outcomes)} parsed"]
         if self.parallel:
             bits.append(f"parallel {self.parallel[0]} / serial {self.parallel[1]}")
+        if self.workers:
+            bits.append(f"{self.workers} pytest-xdist workers")
         if self.ran is not None:
             bits.append(f"Ran {self.ran} in {self.seconds:.0f}s")
             if self.final:
@@ -219,10 +316,15 @@ class LogResult:
             bits.append("INCOMPLETE (no 'Ran N tests' line)")
         if self.ci_rc is not None:
             bits.append(f"rc={self.ci_rc}" + (" (timeout)" if self.ci_rc in (124, 137) else ""))
+        if self.in_flight:
+            bits.append(f"{len(self.in_flight)} tests in flight when it ended (not run)")
         return f"{name}: " + "; ".join(bits)
 
 
 def parse_text(text: str, path: str = "<text>") -> LogResult:
+    """A numba.runtests log, or a pytest one (it has pytest's session header)."""
+    if _PT_SESSION.search(text):
+        return LogResult(path).parse_pytest(text)
     return LogResult(path).parse(text)
 
 
@@ -243,6 +345,8 @@ def parse_logs(paths):
 
 
 def module_of(tid: str) -> str:
+    if "::" in tid or tid.endswith(".py"):  # a pytest node id: its file
+        return tid.split("::", 1)[0]
     parts = tid.split(".")
     return ".".join(parts[:-2]) if len(parts) > 2 else tid
 
@@ -262,7 +366,7 @@ def compare(base_logs, base, plug_logs, plug, mode=None, full_scope=False, expec
         return full_scope or module_of(tid) in plug_modules
 
     res = {k: [] for k in ("unexpected", "known_skip", "known_suballoc", "expected_fail",
-                           "not_run", "new_pass", "new_fail", "other")}
+                           "not_run", "not_reached", "new_pass", "new_fail", "other")}
     out_of_scope = 0
     for tid, b in base.items():
         p = plug.get(tid)
@@ -299,7 +403,7 @@ def compare(base_logs, base, plug_logs, plug, mode=None, full_scope=False, expec
             if any(fnmatch.fnmatchcase(tid, pat) for pat in allowed):
                 res["expected_fail"].append((tid, "not run", p))
             else:
-                res["new_fail"].append((tid, "not run", p))
+                res["new_fail" if base_complete else "not_reached"].append((tid, "not run", p))
         elif p in PASS:
             res["new_pass"].append((tid, "not run", p))
     # Known tests for the record, also when they pass.
@@ -346,6 +450,7 @@ def report(label, base_logs, base, plug_logs, plug, res, full_scope) -> tuple[st
         f"{' (allowed in this mode)' if res['suballoc'] else ''}; "
         f"allowed by --expect-fail: {len(res['expected_fail'])}; "
         f"not run (plugin log incomplete): {len(res['not_run'])}; "
+        f"failing with plugin, not reached by the incomplete base: {len(res['not_reached'])}; "
         f"pass only with plugin: {len(res['new_pass'])}"
     )
     L.append("RESULT: " + verdict)
@@ -360,11 +465,13 @@ def report(label, base_logs, base, plug_logs, plug, res, full_scope) -> tuple[st
 
     section("UNEXPECTED: pass with default, not with plugin", res["unexpected"])
     section("UNEXPECTED: fail with plugin, absent from base logs", res["new_fail"])
-    section("known: skipped by numba-cuda for any external manager (skip_if_external_memmgr)", res["known_skip"])
+    section("known: Numba's own deallocation bookkeeping, skipped for any external manager "
+            "(skip_if_external_memmgr; numba-cuda-mlir's test_ownership fails instead)", res["known_skip"])
     section("known: assume one cuMemAlloc per allocation (DESIGN.md), " +
             ("expected in this mode" if res["suballoc"] else "NOT expected in this mode"), res["known_suballoc"])
     section("allowed by --expect-fail", res["expected_fail"])
     section("not run with plugin (its log is incomplete)", res["not_run"])
+    section("fail with plugin, not reached by the base run (its log is incomplete)", res["not_reached"])
     section("pass with plugin, not with default", res["new_pass"])
     section("other differences (neither side passes)", res["other"])
     section("status of the known tests (base -> plugin)", res["known_status"])
@@ -486,6 +593,95 @@ Ran 2 tests in 0.002s
 FAILED (errors=1)
 """
 
+# pytest -v with pytest-xdist (pytest 9.2, xdist 3.8), as numba-cuda-mlir's suite is run by
+# .ci/gpu-numba-mlir: the default manager, complete; the plugin, complete; the plugin, cut off.
+_MLIR_HA = "tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::"
+_SAMPLE_PYTEST_BASE = """\
+============================= test session starts ==============================
+platform linux -- Python 3.12.3, pytest-9.2.0, pluggy-1.7.0 -- /usr/bin/python3
+rootdir: /tmp/mlir-tests
+configfile: pyproject.toml
+plugins: xdist-3.8.0
+created: 3/3 workers
+3 workers [9 items]
+
+scheduling tests via LoadScopeScheduling
+tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::test_host_alloc_pinned 
+tests/test_array.py::test_param[a b] 
+tests/numba_cuda_tests/cudadrv/test_deallocations.py::TestDeallocation::test_max_pending_count 
+[gw0] [ 11%] PASSED tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::test_host_alloc_pinned 
+[gw1] [ 22%] PASSED tests/test_array.py::test_param[a b] 
+[gw2] [ 33%] PASSED tests/numba_cuda_tests/cudadrv/test_deallocations.py::TestDeallocation::test_max_pending_count 
+tests/test_array.py::test_param[x::y] 
+[gw1] [ 44%] PASSED tests/test_array.py::test_param[x::y] 
+tests/numba_cuda_tests/cudapy/test_cuda_array_interface.py::TestCudaArrayInterface::test_ownership 
+[gw2] [ 55%] PASSED tests/numba_cuda_tests/cudapy/test_cuda_array_interface.py::TestCudaArrayInterface::test_ownership 
+tests/test_array.py::TestSub::test_sub 
+[gw1] [ 66%] SUBPASSED(i='0') tests/test_array.py::TestSub::test_sub 
+[gw1] [ 66%] PASSED tests/test_array.py::TestSub::test_sub 
+tests/test_numpy.py::test_np_elementwise_ops 
+[gw0] [ 77%] SUBPASSED[add] (shape=(3,)) tests/test_numpy.py::test_np_elementwise_ops 
+[gw0] [ 77%] PASSED tests/test_numpy.py::test_np_elementwise_ops 
+tests/test_array.py::test_gone 
+[gw1] [ 88%] PASSED tests/test_array.py::test_gone 
+tests/test_array.py::test_skipme 
+[gw1] [100%] SKIPPED tests/test_array.py::test_skipme 
+
+==================================== ERRORS ====================================
+__________ ERROR collecting tests/numba_cuda_tests/cudapy/test_bfloat16.py __________
+E   ModuleNotFoundError: No module named 'ml_dtypes'
+=========================== short test summary info ============================
+ERROR tests/numba_cuda_tests/cudapy/test_bfloat16.py - ModuleNotFoundError: No module named 'ml_dtypes'
+SKIPPED [1] tests/test_array.py:40: needs two GPUs
+= 8 passed, 1 skipped, 1 error, 2 subtests passed in 61.20s (0:01:01) =
+"""
+
+_SAMPLE_PYTEST_PLUGIN = """\
+============================= test session starts ==============================
+created: 3/3 workers
+3 workers [9 items]
+[gw0] [ 11%] FAILED tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::test_host_alloc_pinned 
+[gw1] [ 22%] FAILED tests/test_array.py::test_param[a b] 
+[gw2] [ 33%] SKIPPED tests/numba_cuda_tests/cudadrv/test_deallocations.py::TestDeallocation::test_max_pending_count 
+[gw1] [ 44%] PASSED tests/test_array.py::test_param[x::y] 
+[gw2] [ 55%] FAILED tests/numba_cuda_tests/cudapy/test_cuda_array_interface.py::TestCudaArrayInterface::test_ownership 
+[gw1] [ 66%] SUBFAILED(i='0') tests/test_array.py::TestSub::test_sub 
+[gw1] [ 66%] PASSED tests/test_array.py::TestSub::test_sub 
+[gw0] [ 77%] PASSED tests/test_numpy.py::test_np_elementwise_ops 
+[gw1] [ 88%] ERROR tests/test_array.py::test_gone 
+[gw1] [100%] SKIPPED tests/test_array.py::test_skipme 
+__________ ERROR collecting tests/numba_cuda_tests/cudapy/test_bfloat16.py __________
+= 4 failed, 3 passed, 2 skipped, 2 errors in 64.00s (0:01:04) =
+"""
+
+# Without xdist: a failing unittest subTest shows only in the short summary.
+_SAMPLE_PYTEST_SERIAL = """\
+============================= test session starts ==============================
+collecting ... collected 3 items / 1 error
+
+tests/test_array.py::TestSub::test_sub 
+tests/test_array.py::TestSub::test_sub PASSED                            [ 33%]
+tests/test_array.py::test_param[a b] PASSED                              [ 66%]
+tests/test_array.py::test_skipme SKIPPED (needs two GPUs)                [100%]
+
+=========================== short test summary info ============================
+SUBFAILED(i=1) tests/test_array.py::TestSub::test_sub - AssertionError: 1 != 0
+ERROR tests/numba_cuda_tests/cudapy/test_bfloat16.py
+SKIPPED [1] tests/test_array.py:40: needs two GPUs
+= 1 failed, 2 passed, 1 skipped, 1 error in 0.07s =
+"""
+
+_SAMPLE_PYTEST_CUT = """\
+============================= test session starts ==============================
+created: 3/3 workers
+3 workers [9 items]
+tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::test_host_alloc_pinned 
+tests/test_array.py::test_param[a b] 
+[gw1] [ 22%] PASSED tests/test_array.py::test_param[a b] 
+tests/test_array.py::test_param[x::y] 
+[.ci/gpu-numba-mlir] pool: rc=124 after 300s (timeout)
+"""
+
 
 def _selftest() -> int:
     import tempfile
@@ -576,6 +772,63 @@ def _selftest() -> int:
         rc = main([paths["bp"], paths["bs"], "--", paths["pp"], paths["ps"], "--mode", "pool"],
                   out=open(os.devnull, "w"))
         assert rc == 1, rc
+
+    # pytest logs (numba-cuda-mlir's suite)
+    pb = parse_text(_SAMPLE_PYTEST_BASE, "mlir-base")
+    arr = "tests/test_array.py::"
+    assert pb.complete and pb.ran == 10 and pb.workers == 3, pb.describe()
+    assert pb.outcomes[arr + "test_param[a b]"] == "ok" and pb.outcomes[arr + "test_param[x::y]"] == "ok"
+    assert pb.outcomes[arr + "test_skipme"] == "skipped"
+    assert pb.outcomes["tests/numba_cuda_tests/cudapy/test_bfloat16.py"] == "ERROR"
+    assert pb.outcomes["tests/test_numpy.py::test_np_elementwise_ops"] == "ok"
+    assert len(pb.outcomes) == 10, pb.outcomes
+    pq = parse_text(_SAMPLE_PYTEST_PLUGIN, "mlir-pool")
+    assert pq.complete and pq.ran == 11, pq.describe()
+    assert pq.outcomes[arr + "TestSub::test_sub"] == "FAIL"  # a failing subtest fails its test
+    assert pq.outcomes[arr + "test_param[a b]"] == "FAIL"
+    ps = parse_text(_SAMPLE_PYTEST_SERIAL, "mlir-serial")
+    assert ps.complete and ps.workers is None and ps.ran == 5, ps.describe()
+    assert ps.outcomes == {arr + "TestSub::test_sub": "FAIL", arr + "test_param[a b]": "ok",
+                           arr + "test_skipme": "skipped",
+                           "tests/numba_cuda_tests/cudapy/test_bfloat16.py": "ERROR"}, ps.outcomes
+    assert ps.skip_reasons[arr + "test_skipme"] == "(needs two GPUs)"
+    assert parse_text("== test session starts ==\ncreated: 1/1 worker\n", "one").workers == 1
+    pc = parse_text(_SAMPLE_PYTEST_CUT, "mlir-cut")
+    assert not pc.complete and pc.ci_rc == 124 and pc.workers == 3
+    assert pc.outcomes == {arr + "test_param[a b]": "ok"}, pc.outcomes
+    assert sorted(pc.in_flight) == [_MLIR_HA + "test_host_alloc_pinned", arr + "test_param[x::y]"]
+    assert "2 tests in flight" in pc.describe()
+    assert module_of(arr + "test_param[x::y]") == "tests/test_array.py"
+    with tempfile.TemporaryDirectory() as d:
+        paths = {}
+        for name, text in (("base", _SAMPLE_PYTEST_BASE), ("plug", _SAMPLE_PYTEST_PLUGIN),
+                           ("cut", _SAMPLE_PYTEST_CUT)):
+            paths[name] = os.path.join(d, name + ".txt")
+            with open(paths[name], "w") as f:
+                f.write(text)
+        base_logs, base = parse_logs([paths["base"]])
+        plug_logs, plug = parse_logs([paths["plug"]])
+        res = compare(base_logs, base, plug_logs, plug, mode="pool", full_scope=True)
+        assert {t for t, _, _ in res["unexpected"]} == {
+            arr + "test_param[a b]", arr + "TestSub::test_sub", arr + "test_gone"}, res["unexpected"]
+        assert {t for t, _, _ in res["known_skip"]} == {
+            _MLIR_DEALLOC + "test_max_pending_count",
+            "tests/numba_cuda_tests/cudapy/test_cuda_array_interface.py::TestCudaArrayInterface::test_ownership"}
+        assert {t for t, _, _ in res["known_suballoc"]} == {_MLIR_HA + "test_host_alloc_pinned"}
+        text, code = report("mlir", base_logs, base, plug_logs, plug, res, True)
+        assert code == 1, text
+        # cut off: what finished is compared, what was in flight or not reached is not run
+        cut_logs, cut = parse_logs([paths["cut"]])
+        res = compare(base_logs, base, cut_logs, cut, mode="pool", full_scope=True)
+        assert not res["unexpected"] and len(res["not_run"]) == 5, res
+        text, code = report("mlir-cut", base_logs, base, cut_logs, cut, res, True)
+        assert code == 3 and "INCONCLUSIVE" in text, text
+        # the base cut off: a plugin failure it never reached is no regression, nor a pass
+        res = compare(cut_logs, cut, plug_logs, plug, mode="pool", full_scope=True)
+        assert {t for t, _, _ in res["unexpected"]} == {arr + "test_param[a b]"}, res
+        assert arr + "test_gone" in {t for t, _, _ in res["not_reached"]} and not res["new_fail"]
+        text, code = report("base-cut", cut_logs, cut, plug_logs, plug, res, True)
+        assert code == 1, text
     print("compare_numba.py selftest: OK")
     return 0
 

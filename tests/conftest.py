@@ -38,6 +38,23 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+def installed_or_skip(name: str):
+    """The package (emmpool._numba_packages.Package) that provides Numba's CUDA target under
+    this name, or skip the test, saying what to install."""
+    from emmpool import _numba_packages as packages
+
+    package = packages.by_name(name)
+    if package not in packages.installed():
+        pytest.skip(f"{name} is not installed (pip install 'emmpool[{package.extra}]')")
+    return package
+
+
+@pytest.fixture(params=["numba-cuda", "numba-cuda-mlir"])
+def numba_package(request):
+    """Each package that provides Numba's CUDA target, where installed."""
+    return installed_or_skip(request.param)
+
+
 @pytest.fixture
 def host():
     """A fake driver with one device of 1 GiB whose events the test completes."""

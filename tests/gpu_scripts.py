@@ -1,13 +1,21 @@
 """Scenarios the GPU tests run in fresh interpreters (the memory manager must be chosen before
-Numba creates a context, so each scenario gets its own process). Each prints 'OK' on success."""
+Numba creates a context, so each scenario gets its own process). Each prints 'OK' on success.
+
+Each takes Numba's CUDA target from the package EMMPOOL_TEST_CUDA names (``numba.cuda``, the
+default, or ``numba_cuda_mlir.cuda``; tests.test_gpu_numba.run sets it), and reaches the
+driver module as ``cuda.cudadrv.driver``, which both packages provide."""
 
 from __future__ import annotations
 
 import sys
 
-ALLOC_SIZES = r"""
+IMPORT_CUDA = (
+    "import importlib, os\n"
+    "cuda = importlib.import_module(os.environ.get('EMMPOOL_TEST_CUDA', 'numba.cuda'))\n"
+)
+
+ALLOC_SIZES = IMPORT_CUDA + r"""
 import gc, numpy as np
-from numba import cuda
 import emmpool
 rng = np.random.default_rng(0)
 for n in [1, 255, 256, 4097, (1 << 20) + 3, 5 << 20, 64 << 20]:
@@ -32,7 +40,7 @@ print("OK")
 # The start of every IPC scenario: run_consumer(target, *args) runs target(*args, q) in a
 # spawned process and returns what it put on q (a consumer that dies without a result fails at
 # once, not after the timeout); read_handles is the consumer that copies back each handle's data.
-SPAWNED_CONSUMER = r"""
+SPAWNED_CONSUMER = IMPORT_CUDA + r"""
 import multiprocessing as mp, pickle, queue, time
 
 def run_consumer(target, *args, timeout=120):
@@ -55,7 +63,6 @@ def run_consumer(target, *args, timeout=120):
     return got
 
 def read_handles(payload, q):
-    from numba import cuda
     out = []
     for ph in pickle.loads(payload):
         with ph as d:
@@ -65,7 +72,6 @@ def read_handles(payload, q):
 
 IPC_PRODUCER = SPAWNED_CONSUMER + r"""
 import numpy as np
-from numba import cuda
 
 if __name__ == "__main__":
     pad = cuda.device_array(12345, np.uint8)          # so that blocks start inside a segment
@@ -91,10 +97,8 @@ if __name__ == "__main__":
 # same segment, which the consumer maps once per open.
 IPC_SAME_SEGMENT_OPEN_TOGETHER = SPAWNED_CONSUMER + r"""
 import numpy as np
-from numba import cuda
 
 def consume(payload, q):
-    from numba import cuda
     ha, hb = pickle.loads(payload)
     try:
         with ha as a, hb as b:
@@ -119,7 +123,6 @@ if __name__ == "__main__":
 # (the whole driver allocation, with the view's offset in it); the consumer reads the right data.
 IPC_FOREIGN = SPAWNED_CONSUMER + r"""
 import importlib.util, numpy as np
-from numba import cuda
 from cuda.bindings import driver as drv
 
 class View:  # a foreign array: only the CUDA Array Interface
@@ -154,9 +157,8 @@ if __name__ == "__main__":
     print("OK")
 """
 
-RESET_WITH_LIVE_ARRAYS = r"""
+RESET_WITH_LIVE_ARRAYS = IMPORT_CUDA + r"""
 import gc, numpy as np
-from numba import cuda
 import emmpool
 keep = cuda.to_device(np.arange(1000, dtype=np.float32))
 old = [cuda.device_array(1 << 16, np.uint8) for _ in range(10)]
@@ -177,9 +179,8 @@ live_at_exit = cuda.device_array(1 << 20)   # and one left alive at interpreter 
 print("OK")
 """
 
-DEFER_CLEANUP = r"""
+DEFER_CLEANUP = IMPORT_CUDA + r"""
 import gc, numpy as np
-from numba import cuda
 import emmpool
 cuda.device_array(1)  # create the pool
 pool = cuda.current_context().memory_manager.pool
@@ -198,9 +199,8 @@ print("OK")
 # A kernel on stream A reads `a` long after `a` is freed; meanwhile a same-sized array is
 # allocated and overwritten on stream B. With a pool that reuses at once, B's write lands in
 # A's input before A reads it.
-CROSS_STREAM = r"""
+CROSS_STREAM = IMPORT_CUDA + r"""
 import gc, sys, numpy as np
-from numba import cuda
 if len(sys.argv) > 1 and sys.argv[1] == "naive":
     sys.path.insert(0, sys.argv[2])
     import naive_pool
@@ -242,11 +242,10 @@ print("reused-address" if same else "fresh-address", result)
 print("OK" if result == n else "CORRUPTED")
 """
 
-OUT_OF_MEMORY = r"""
+OUT_OF_MEMORY = IMPORT_CUDA + r"""
 import numpy as np
-from numba import cuda
-from numba.cuda.cudadrv.driver import CudaAPIError
 import emmpool
+CudaAPIError = cuda.cudadrv.driver.CudaAPIError
 total = cuda.current_context().get_memory_info().total
 try:
     cuda.device_array(2 * total, np.uint8)
@@ -260,10 +259,9 @@ assert (a.copy_to_host() == np.arange(1000)).all()
 print("OK")
 """
 
-PASSTHROUGH_ONE_SEGMENT_EACH = r"""
+PASSTHROUGH_ONE_SEGMENT_EACH = IMPORT_CUDA + r"""
 import numpy as np
-from numba import cuda
-from numba.cuda.cudadrv import driver
+driver = cuda.cudadrv.driver
 arrays = [cuda.device_array(n, np.uint8) for n in (1000, 4096, 12345, 1 << 20)]
 for a in arrays:
     base, end = driver.device_extents(a.gpu_data)

@@ -1,15 +1,19 @@
 """A deliberately unsafe Numba plugin: it reuses a freed block at once, whatever work may still
-use it. Only for showing that tests/test_gpu_numba.py's cross-stream test can fail."""
+use it. Only for showing that tests/test_gpu_numba.py's cross-stream test can fail. For the
+package the scenario uses (EMMPOOL_TEST_CUDA, as in tests/gpu_scripts.py)."""
 
 from __future__ import annotations
 
+import importlib
+import os
 import weakref
 
-from numba.cuda import HostOnlyCUDAMemoryManager, MemoryInfo, MemoryPointer
-from numba.cuda.cudadrv.driver import GetIpcHandleMixin, driver
+_cuda = importlib.import_module(os.environ.get("EMMPOOL_TEST_CUDA", "numba.cuda"))
+_emm = _cuda.cudadrv.driver
+MemoryInfo, MemoryPointer, driver = _emm.MemoryInfo, _emm.MemoryPointer, _emm.driver
 
 
-class NaivePool(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
+class NaivePool(_emm.GetIpcHandleMixin, _emm.HostOnlyCUDAMemoryManager):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._free: dict[int, list[int]] = {}

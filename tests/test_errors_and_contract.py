@@ -9,6 +9,7 @@ import pytest
 
 import emmpool
 from emmpool import _core
+from tests.conftest import installed_or_skip
 
 
 @pytest.mark.parametrize(
@@ -53,29 +54,27 @@ def test_import_touches_no_gpu():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_plugin_contract_without_context():
-    from numba import cuda
+def test_plugin_contract_without_context(numba_package):
+    from emmpool import _numba_packages as packages
+    from emmpool.plugin import manager_for
 
-    from emmpool.plugin import EmmPoolManager, _numba_memory_manager
-
-    assert _numba_memory_manager is EmmPoolManager
-    mgr = EmmPoolManager(context=None)  # what set_memory_manager does: must touch no CUDA
+    cls = manager_for(numba_package.name)
+    mgr = cls(context=None)  # what set_memory_manager does: must touch no CUDA
     assert mgr.interface_version == 1
     mgr.reset()  # before initialize(): harmless
     with mgr.defer_cleanup():
         pass
-    cuda.set_memory_manager(EmmPoolManager)
+    packages.emm_api(numba_package).set_memory_manager(cls)
 
 
-def test_use_for_numba_sets_the_manager():
-    code = (
-        "import emmpool\n"
-        "from numba.cuda.cudadrv import driver\n"
-        "emmpool.use_for_numba()\n"
-        "from emmpool.plugin import EmmPoolManager\n"
-        "assert driver._memory_manager is EmmPoolManager\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+def test_numba_cuda_keeps_its_manager_name():
+    installed_or_skip("numba-cuda")
+    from numba.cuda import HostOnlyCUDAMemoryManager
+
+    from emmpool.plugin import EmmPoolManager, _numba_memory_manager
+
+    assert _numba_memory_manager is EmmPoolManager  # numba-cuda is preferred where installed
+    assert issubclass(EmmPoolManager, HostOnlyCUDAMemoryManager)
 
 
 def test_no_driver_error_is_one_sentence_saying_what_to_do():
@@ -100,14 +99,6 @@ def test_no_driver_error_is_one_sentence_saying_what_to_do():
     assert str(again.value) == message
 
 
-def test_numba_gets_its_own_out_of_memory_error_type():
-    from numba.cuda.cudadrv.driver import CudaAPIError, binding
-
-    from emmpool import plugin
-
-    assert plugin._OOM == binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY
-    e = CudaAPIError(plugin._OOM, "x")
-    assert e.code == 2
 
 
 def test_hooks_say_what_to_install_when_missing(monkeypatch):
@@ -135,19 +126,19 @@ def test_stats_names_only_existing_pools():
         emmpool.stats(63)
 
 
-def test_pool_errors_reach_numba_as_its_own_error_type():
-    from numba.cuda.cudadrv.driver import CudaAPIError, binding
-
+def test_pool_errors_reach_numba_as_its_own_error_type(numba_package):
+    from emmpool import _numba_packages as packages
     from emmpool import plugin
 
-    oom = plugin._as_numba_error(emmpool.OutOfMemoryError("pool holds 1 GiB"))
-    assert isinstance(oom, CudaAPIError) and oom.code == 2 and "holds" in str(oom)
+    emm = packages.emm_api(numba_package)
+    oom = plugin._as_numba_error(emm, emmpool.OutOfMemoryError("pool holds 1 GiB"))
+    assert isinstance(oom, emm.CudaAPIError) and oom.code == 2 and "holds" in str(oom)
     try:
         _core._raise_for_test("cuda")
     except emmpool.CudaError as e:
-        mapped = plugin._as_numba_error(e)
-    assert isinstance(mapped, CudaAPIError)
-    assert mapped.code == binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY  # the test error's code
+        mapped = plugin._as_numba_error(emm, e)
+    assert isinstance(mapped, emm.CudaAPIError)
+    assert mapped.code == emm.binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY  # the test error's code
 
 
 def test_cupy_allocator_turns_a_null_pointer_into_cupys_out_of_memory_error():

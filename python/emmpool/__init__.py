@@ -31,16 +31,20 @@ __all__ = [
 
 
 def use_for_numba() -> None:
-    """Make Numba allocate device memory from emmpool (call before Numba's first CUDA use).
+    """Make Numba allocate device memory from emmpool: every installed package that provides
+    Numba's CUDA target (numba-cuda, numba-cuda-mlir) gets its manager class from
+    :mod:`emmpool.plugin`. Call before that package's first CUDA use.
 
     Applies the configuration (``EMMPOOL_*``, or :func:`configure` before): a bad value raises
-    ``ValueError`` here rather than at Numba's first allocation."""
-    from numba import cuda
+    ``ValueError`` here rather than at Numba's first allocation.
 
-    from .plugin import EmmPoolManager
+    Raises ImportError saying what to install when neither package is installed."""
+    from . import _numba_packages, plugin
 
     _config.ensure_configured()
-    cuda.set_memory_manager(EmmPoolManager)
+    for package in _numba_packages.installed():
+        manager = plugin.manager_for(package.name)
+        _numba_packages.emm_api(package).set_memory_manager(manager)
 
 
 def use_for_cupy() -> None:

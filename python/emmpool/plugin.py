@@ -1,9 +1,30 @@
 """Numba External Memory Management (EMM) plugin backed by emmpool's C++ pools.
 
-Enable it with either::
+It serves numba-cuda (``numba.cuda``) and numba-cuda-mlir (``numba_cuda_mlir.cuda``), either or
+both. Enable it with either::
 
-    numba.cuda.set_memory_manager(emmpool.plugin.EmmPoolManager)   # before any CUDA use
+    emmpool.use_for_numba()                        # every installed package, before any CUDA use
     NUMBA_CUDA_MEMORY_MANAGER=emmpool.plugin python ...
+
+or by hand, per package: ``numba.cuda.set_memory_manager(emmpool.plugin.EmmPoolManager)``,
+``numba_cuda_mlir.cuda.set_memory_manager(emmpool.plugin.EmmPoolMlirManager)``.
+
+**One class per package.** An EMM plugin derives from its package's ``HostOnlyCUDAMemoryManager``
+and hands out that package's ``MemoryPointer``, ``IpcHandle`` and ``CudaAPIError``, and the two
+packages' are distinct classes. So the implementation is written once (``_EmmPoolManager``) and
+:func:`manager_for` puts it in front of each package's bases, with that package's names
+(``_numba_packages.emm_api``). Every class allocates from the same per-device pools (the C++
+registry in ``emmpool._core``): arrays of both packages in one process share one pool per GPU,
+and nothing here keeps per-package state but the class.
+
+**Which class ``_numba_memory_manager`` is.** Both packages read NUMBA_CUDA_MEMORY_MANAGER and
+load the plugin the same way, ``importlib.import_module(name)._numba_memory_manager`` in their
+driver module's ``_ensure_memory_manager()``, so one module attribute answers both. It is
+computed on access (a module ``__getattr__``, PEP 562) from the module asking: numba-cuda's
+driver gets numba-cuda's class, numba-cuda-mlir's gets numba-cuda-mlir's. Any other caller gets
+the class of the preferred installed package (numba-cuda, else numba-cuda-mlir). The classes are
+made on first use, so a process that uses one package never imports the other. A manager that
+a context of the other package uses says so at once instead of mixing the two.
 
 Device memory comes from the process-wide pool of the context's device (shared with CuPy and
 PyTorch when their hooks are installed). Pinned and mapped host memory are Numba's own
@@ -20,33 +41,45 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import threading
+import types
 import weakref
 
-from numba.cuda import MemoryInfo, MemoryPointer, HostOnlyCUDAMemoryManager, IpcHandle
-from numba.cuda.cudadrv.driver import MappedMemory, PinnedMemory
-from numba.cuda.cudadrv.driver import CudaAPIError, GetIpcHandleMixin, binding
-
 from . import _core
+from . import _numba_packages as packages
 from ._config import check_environment, ensure_configured, log
 
 # NUMBA_CUDA_MEMORY_MANAGER=emmpool.plugin imports this module: a bad EMMPOOL_* value fails
 # here, naming the variable, not at the first allocation. (Nothing here may touch CUDA.)
 check_environment()
 
-__all__ = ["EmmPoolManager"]
+if not packages.installed():
+    raise packages.missing_error()
+
+# The public name of each package's class (numba-cuda's is the one emmpool always had).
+_CLASS_NAMES = {packages.NUMBA_CUDA.name: "EmmPoolManager",
+                packages.NUMBA_CUDA_MLIR.name: "EmmPoolMlirManager"}
+# Only the installed packages' classes: the others would raise ImportError when looked up.
+_AVAILABLE = [_CLASS_NAMES[p.name] for p in packages.installed()]
+__all__ = [*_AVAILABLE, "manager_for"]
 
 _LEGACY = _core.LEGACY_STREAM
 _TAG_NUMBA = 1
-_OOM = binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY
 
 
-class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
+class _EmmPoolManager:
     """Numba memory manager whose device allocations come from emmpool's pool.
 
-    Numba makes one instance per context. ``__init__`` touches no CUDA (Numba instantiates the
-    class with ``context=None`` just to read ``interface_version``); the pool is bound on the
-    first ``initialize()``.
+    The implementation of every package's class: :func:`manager_for` derives a class from it
+    and the package's ``GetIpcHandleMixin`` and ``HostOnlyCUDAMemoryManager``, with the
+    package's EMM names as ``_emm``. Numba makes one instance per context. ``__init__`` touches
+    no CUDA (Numba instantiates the class with ``context=None`` just to read
+    ``interface_version``); the pool is bound on the first ``initialize()``.
     """
+
+    _emm = None  # the package's EMM names (_numba_packages.emm_api), set by manager_for
+    _package = ""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -59,6 +92,13 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
             self._bind()
 
     def _bind(self):
+        if not isinstance(self.context, self._emm.Context):
+            # The other package's class, set by hand: its MemoryPointer would not be this
+            # package's, so refuse before the first allocation rather than mix the two.
+            raise TypeError(
+                f"{type(self).__name__} is emmpool's memory manager for {self._package}, but "
+                f"a {type(self.context).__module__} context is using it: give each package "
+                f"its own (emmpool.use_for_numba(), or emmpool.plugin.manager_for(package))")
         cfg = ensure_configured()
         dev = self.context.device
         # A Numba Device, or a bare CUdevice for contexts attached from a third party.
@@ -91,9 +131,9 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
                 self._bind()
             ptr = self._allocate(size, _LEGACY, _TAG_NUMBA)
         except (_core.OutOfMemoryError, _core.CudaError) as e:
-            raise _as_numba_error(e) from None
+            raise _as_numba_error(self._emm, e) from None
         finalizer = functools.partial(self._free, ptr, _LEGACY, self._generation)
-        return MemoryPointer(self._ctx, ptr, size, finalizer=finalizer)
+        return self._emm.MemoryPointer(self._ctx, ptr, size, finalizer=finalizer)
 
     def memhostalloc(self, size, mapped=False, portable=False, wc=False):
         """Pinned (or mapped) host memory from emmpool's pinned cache (EMMPOOL_PINNED=pool),
@@ -109,14 +149,14 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         try:
             ptr = self._pinned.allocate(size, flags)
         except (_core.OutOfMemoryError, _core.CudaError) as e:
-            raise _as_numba_error(e) from None
+            raise _as_numba_error(self._emm, e) from None
         finalizer = _host_finalizer(self, self._pinned.deallocate, ptr, mapped,
                                     self._pinned_generation)
         if mapped:
-            mem = MappedMemory(self._ctx, ptr, size, finalizer=finalizer)
+            mem = self._emm.MappedMemory(self._ctx, ptr, size, finalizer=finalizer)
             self.allocations[ptr] = mem
             return mem.own()
-        return PinnedMemory(self._ctx, ptr, size, finalizer=finalizer)
+        return self._emm.PinnedMemory(self._ctx, ptr, size, finalizer=finalizer)
 
     def mempin(self, owner, pointer, size, mapped=False):
         """Page-lock caller memory through emmpool's core (EMMPOOL_PINNED=pool); unpinned as
@@ -128,16 +168,17 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         self._pinned.register_memory(pointer, size, _core.HOST_MAPPED if mapped else 0)
         finalizer = _host_finalizer(self, self._pinned.unregister_memory, pointer, mapped)
         if mapped:
-            mem = MappedMemory(self._ctx, pointer, size, owner=owner, finalizer=finalizer)
+            mem = self._emm.MappedMemory(self._ctx, pointer, size, owner=owner,
+                                         finalizer=finalizer)
             self.allocations[pointer] = mem
             return mem.own()
-        return PinnedMemory(self._ctx, pointer, size, owner=owner, finalizer=finalizer)
+        return self._emm.PinnedMemory(self._ctx, pointer, size, owner=owner, finalizer=finalizer)
 
     def get_memory_info(self):
         """Driver's free memory plus what the pool holds free, and the device's total."""
         self.initialize()
         free, total = _core.memory_info(self._device)
-        return MemoryInfo(free=free + self._pool.stats()["bytes_free"], total=total)
+        return self._emm.MemoryInfo(free=free + self._pool.stats()["bytes_free"], total=total)
 
     def get_ipc_handle(self, memory):
         """IPC handle of the pool segment holding ``memory``, with the block's offset in it.
@@ -150,10 +191,10 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         if info is None:
             return super().get_ipc_handle(memory)
         handle_bytes, base, _segment_size, offset = info
-        handle = binding.CUipcMemHandle()
+        handle = self._emm.binding.CUipcMemHandle()
         handle.reserved = handle_bytes
         source_info = self.context.device.get_device_identity()
-        return IpcHandle(memory, handle, memory.size, source_info, offset=offset)
+        return self._emm.IpcHandle(memory, handle, memory.size, source_info, offset=offset)
 
     def reset(self):
         """Numba resets the context (e.g. ``cuda.close()``): wait for pending frees, return
@@ -188,18 +229,19 @@ class EmmPoolManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         return 1
 
 
-def _as_numba_error(e: Exception) -> CudaAPIError:
-    """The error Numba's own manager would raise: CudaAPIError with the driver's code, and
-    CUDA_ERROR_OUT_OF_MEMORY when the pool is out of memory (its message says what the pool
-    holds), so that callers' handlers keep working."""
+def _as_numba_error(emm, e: Exception) -> Exception:
+    """The error the package's own manager would raise (``emm``: its EMM names): its
+    CudaAPIError with the driver's code, and CUDA_ERROR_OUT_OF_MEMORY when the pool is out of
+    memory (its message says what the pool holds), so that callers' handlers keep working."""
+    result = emm.binding.CUresult
     if isinstance(e, _core.OutOfMemoryError):
         log.warning("%s", e)
-        return CudaAPIError(_OOM, str(e))
+        return emm.CudaAPIError(result.CUDA_ERROR_OUT_OF_MEMORY, str(e))
     try:
-        code = binding.CUresult(e.code)
+        code = result(e.code)
     except (ValueError, AttributeError):
-        code = binding.CUresult.CUDA_ERROR_UNKNOWN
-    return CudaAPIError(code, str(e))
+        code = result.CUDA_ERROR_UNKNOWN
+    return emm.CudaAPIError(code, str(e))
 
 
 def _host_finalizer(manager, release, ptr, mapped, generation=None):
@@ -227,4 +269,42 @@ def _as_size(size) -> int:
         ) from None
 
 
-_numba_memory_manager = EmmPoolManager
+_made: dict[str, type] = {}
+_making = threading.Lock()
+
+
+def manager_for(package: str) -> type:
+    """emmpool's memory manager class for ``package`` ("numba-cuda" or "numba-cuda-mlir"): a
+    subclass of that package's ``HostOnlyCUDAMemoryManager``, made on first use.
+
+    Raises ImportError saying what to install when the package is missing."""
+    pkg = packages.by_name(package)
+    with _making:
+        cls = _made.get(pkg.name)
+        if cls is None:
+            emm = packages.emm_api(pkg)
+            name = _CLASS_NAMES[pkg.name]
+            body = {"__module__": __name__, "__qualname__": name, "_emm": emm,
+                    "_package": pkg.name, "__doc__": f"emmpool's EMM plugin for {pkg.name}."}
+            # new_class, not type(): the bases' metaclass (ABCMeta) makes the class.
+            cls = types.new_class(
+                name, (_EmmPoolManager, emm.GetIpcHandleMixin, emm.HostOnlyCUDAMemoryManager),
+                exec_body=lambda ns: ns.update(body))
+            _made[pkg.name] = cls
+        return cls
+
+
+def __getattr__(name: str):
+    if name == "_numba_memory_manager":
+        # Asked by a package's driver (NUMBA_CUDA_MEMORY_MANAGER): that package's class.
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        pkg = packages.of_module(caller) or packages.installed()[0]
+        return manager_for(pkg.name)
+    for package, class_name in _CLASS_NAMES.items():
+        if name == class_name:
+            return manager_for(package)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_AVAILABLE, "_numba_memory_manager"})
