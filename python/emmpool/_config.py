@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from . import _core
 
-__all__ = ["Config", "configure", "config", "ensure_configured", "parse_size"]
+__all__ = ["Config", "configure", "config", "ensure_configured", "parse_size", "resolve"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -84,11 +84,47 @@ def _parse_maximum(text: str, name: str) -> tuple[int, float]:
     except ValueError:
         frac = -1.0
     if not 0.0 < frac <= 1.0:
-        raise ValueError(
-            f"{name}={text!r}: a fraction of the device's memory must lie in (0, 1] "
-            f"(e.g. '0.8' or '80%'), or give a size such as '16GiB'"
-        )
+        raise _bad_fraction(name, text)
     return 0, frac
+
+
+def _bad_fraction(name: str, value) -> ValueError:
+    return ValueError(
+        f"{name}={value!r}: a fraction of the device's memory must lie in (0, 1] "
+        f"(e.g. '0.8' or '80%'), or give a size such as '16GiB'"
+    )
+
+
+def _as_fields(options: dict) -> dict:
+    """configure()'s keywords as Config fields.
+
+    Sizes may come as the variables take them ('4GiB'), and maximum_pool_size also as a
+    fraction of the device's memory (0.8, '80%'): then it sets maximum_pool_fraction, as
+    EMMPOOL_MAXIMUM_POOL_SIZE does. Other values pass unchanged, for _validated to judge."""
+    fields = dict(options)
+    for name in ("initial_pool_size", "pinned_limit"):
+        if isinstance(fields.get(name), str):
+            fields[name] = parse_size(fields[name], name)
+    maximum = fields.get("maximum_pool_size")
+    if isinstance(maximum, float):
+        if not 0.0 < maximum <= 1.0:
+            raise _bad_fraction("maximum_pool_size", maximum)
+        size, fraction = 0, maximum
+    elif isinstance(maximum, str):
+        size, fraction = _parse_maximum(maximum, "maximum_pool_size")
+    else:
+        return fields
+    if not fraction:
+        fields["maximum_pool_size"] = size
+    elif "maximum_pool_fraction" in fields:
+        raise ValueError(
+            f"maximum_pool_size={maximum!r} is a fraction, and maximum_pool_fraction="
+            f"{fields['maximum_pool_fraction']!r} is given too: give the fraction once"
+        )
+    else:
+        del fields["maximum_pool_size"]
+        fields["maximum_pool_fraction"] = fraction
+    return fields
 
 
 def _env_choice(env, name: str) -> str:
@@ -153,23 +189,38 @@ _lock = threading.Lock()
 _applied: Config | None = None
 
 
-def configure(**options) -> Config:
-    """Set the options of the process-wide pools. Only before the first allocation.
+def resolve(options: dict, base: Config | None = None) -> Config:
+    """The options ``configure(**options)`` would apply, checked; applies nothing.
 
-    Keyword arguments are the fields of :class:`Config`; those not given keep their value from
-    the environment (``EMMPOOL_*``), or the default. Raises ``ValueError`` for a bad value and
-    ``RuntimeError`` once a pool exists.
+    Options not given take their value from ``base``: by default the options in force, else
+    the environment's (``EMMPOOL_*``), as for :func:`configure`. ``Config()`` checks the given
+    options alone, e.g. on a Dask client for workers whose environment it cannot see.
+    Raises ``TypeError`` for an unknown option and ``ValueError`` for a bad value.
     """
-    global _applied
     unknown = set(options) - set(Config.__dataclass_fields__)
     if unknown:
         raise TypeError(
             f"unknown option(s) {sorted(unknown)}; known: {sorted(Config.__dataclass_fields__)}"
         )
+    if base is None:
+        base = _applied if _applied is not None else _from_environment()
+    fields = asdict(base)
+    fields.update(_as_fields(options))
+    return _validated(Config(**fields))
+
+
+def configure(**options) -> Config:
+    """Set the options of the process-wide pools. Only before the first allocation.
+
+    Keyword arguments are the fields of :class:`Config`; those not given keep their value from
+    the environment (``EMMPOOL_*``), or the default. Sizes may also be strings as the variables
+    take them (``'4GiB'``), and ``maximum_pool_size`` a fraction of the device's memory
+    (``0.8``, ``'80%'``). Raises ``ValueError`` for a bad value and ``RuntimeError`` once a
+    pool exists.
+    """
+    global _applied
     with _lock:
-        base = asdict(_applied) if _applied is not None else asdict(_from_environment())
-        base.update(options)
-        cfg = _validated(Config(**base))
+        cfg = resolve(options)
         try:
             _core.configure(
                 mode=cfg.mode,
