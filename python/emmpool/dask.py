@@ -74,9 +74,12 @@ class EmmPool(WorkerPlugin):
     pool anew where it does not exist yet, finds the same options where it does, and installs
     emmpool for each library once per process. Setup fails, naming the worker, where a pool
     exists with other options, where Numba made its CUDA context before, or where another
-    allocator (e.g. RMM's, set by dask-cuda) serves Numba or CuPy already: emmpool does not
-    replace another library's choice. The pool and the installed allocators stay for the
-    worker's life; unregistering the plugin does not remove them.
+    allocator serves Numba or CuPy already (RMM's, say: for CuPy by dask-cuda's
+    ``rmm_allocator_external_lib_list``, for Numba by ``NUMBA_CUDA_MEMORY_MANAGER``): emmpool
+    does not replace another library's choice. A registration that failed stays registered, as any
+    worker plugin does in distributed: register a corrected one (same name), or
+    ``client.unregister_worker_plugin("emmpool")``. The pool and the installed allocators stay
+    for the worker's life; unregistering the plugin does not remove them.
     """
 
     name = "emmpool"
@@ -258,7 +261,10 @@ def _plugin_options(params: dict) -> dict:
 def dask_setup(worker, **params) -> None:
     """``dask worker --preload emmpool.dask``: :class:`EmmPool`'s setup on this worker.
 
-    Options not given keep the worker's ``EMMPOOL_*`` values, or the defaults."""
+    Options not given keep the worker's ``EMMPOOL_*`` values, or the defaults. A preload runs
+    before the worker's own plugins: under ``dask cuda worker``, a library that
+    ``--set-rmm-allocator-for-libs`` names is given to RMM afterwards, so leave it out here
+    (``--no-emmpool-cupy``)."""
     if not isinstance(worker, Worker):
         raise TypeError(
             f"emmpool.dask is a worker preload (dask worker --preload emmpool.dask), not one "
