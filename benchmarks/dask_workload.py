@@ -312,15 +312,13 @@ def _versions() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="output directory")
-    p.add_argument("--devices", default="0,1",
-                   help="GPUs, one worker each (CUDA_VISIBLE_DEVICES form) [0,1]")
+    p.add_argument("--devices", help="GPUs, one worker each, e.g. 0,1 [every GPU]")
     p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--elements", type=int, default=2**26, help="float64 elements [2**26]")
     p.add_argument("--chunk", type=int, default=2**22, help="elements per chunk [2**22]")
     p.add_argument("--rmm-pool-size", default="4GiB", help="dask-cuda's rmm_pool_size [4GiB]")
     args = p.parse_args(argv)
-    args.devices = [int(d) for d in args.devices.split(",")]
     if args.elements % args.chunk or args.elements > 2**26:
         p.error("--elements must be a multiple of --chunk and at most 2**26 (exact sums)")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -331,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     import pynvml
 
     pynvml.nvmlInit()
+    args.devices = ([int(d) for d in args.devices.split(",")] if args.devices else
+                    list(range(pynvml.nvmlDeviceGetCount())))
     nvml = {}
     for d in args.devices:
         h = pynvml.nvmlDeviceGetHandleByIndex(d)
