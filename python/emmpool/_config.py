@@ -29,6 +29,7 @@ __all__ = [
     "parse_maximum",
     "parse_size",
     "report",
+    "resolve",
 ]
 
 log = logging.getLogger("emmpool")
@@ -232,6 +233,40 @@ _applied: Config | None = None
 _applied_sources: dict[str, str] = {}
 
 
+def _merged(options: dict, base: Config | None) -> tuple[Config, dict[str, str]]:
+    """``base`` (default: the options in force, else the environment's) with ``options`` parsed
+    over it, checked; and where each value comes from. Call with _lock held."""
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    if "maximum_pool_size" in options and "maximum_pool_fraction" in options:
+        raise TypeError("give maximum_pool_size or maximum_pool_fraction, not both")
+    if base is not None:
+        sources = {}
+    elif _applied is not None:
+        base, sources = _applied, dict(_applied_sources)
+    else:
+        base, sources = _read_environment()
+    values = asdict(base)
+    for key, value in options.items():
+        parsed = _OPTIONS[key].parse(value, key)
+        values.update(parsed)
+        sources.update(dict.fromkeys(parsed, _CONFIGURE))
+    return _checked(Config(**values)), sources
+
+
+def resolve(options: dict, base: Config | None = None) -> Config:
+    """The options ``configure(**options)`` would apply, checked; applies nothing.
+
+    Options not given take their value from ``base``: by default the options in force, else the
+    environment's (``EMMPOOL_*``), as for :func:`configure`. ``Config()`` checks the given
+    options alone, e.g. on a Dask client for workers whose environment it cannot see. Raises
+    ``TypeError`` for an unknown option and ``ValueError`` for a bad value.
+    """
+    with _lock:
+        return _merged(options, base)[0]
+
+
 def configure(**options) -> Config:
     """Set the options of the process-wide pools. Only before the first allocation.
 
@@ -242,22 +277,8 @@ def configure(**options) -> Config:
     and ``RuntimeError`` once a pool exists.
     """
     global _applied, _applied_sources
-    unknown = set(options) - set(_OPTIONS)
-    if unknown:
-        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
-    if "maximum_pool_size" in options and "maximum_pool_fraction" in options:
-        raise TypeError("give maximum_pool_size or maximum_pool_fraction, not both")
     with _lock:
-        if _applied is not None:
-            base, sources = _applied, dict(_applied_sources)
-        else:
-            base, sources = _read_environment()
-        values = asdict(base)
-        for key, value in options.items():
-            parsed = _OPTIONS[key].parse(value, key)
-            values.update(parsed)
-            sources.update(dict.fromkeys(parsed, _CONFIGURE))
-        cfg = _checked(Config(**values))
+        cfg, sources = _merged(options, None)
         try:
             _core.configure(
                 mode=cfg.mode,

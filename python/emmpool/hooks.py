@@ -12,6 +12,7 @@ from . import _core
 from ._config import ensure_configured, log
 
 _installed: list = []  # keeps CuPy's allocator object alive
+_cupy_malloc = None  # the function use_for_cupy() gave CuPy last: tells emmpool's from another
 
 
 def use_for_cupy() -> None:
@@ -32,6 +33,7 @@ def use_for_cupy() -> None:
         raise ImportError(
             "emmpool.use_for_cupy() needs CuPy: pip install 'emmpool[cupy]' (cupy-cuda13x)"
         ) from e
+    global _cupy_malloc
     ensure_configured()
     try:
         from cupy_backends.cuda import stream as backend_stream
@@ -60,6 +62,7 @@ def use_for_cupy() -> None:
              "are checked by the wrapper" if checked else "raise from the C entry point")
     cupy.cuda.set_allocator(malloc)
     _installed.append(allocator)
+    _cupy_malloc = malloc
 
 
 def _cupy_passes_errors_on(cupy, addresses) -> bool:

@@ -1,0 +1,373 @@
+"""A Dask workload on every GPU of a LocalCUDACluster: emmpool's plugin against dask-cuda's RMM
+setup and against no pool setup, in one run.
+
+    python benchmarks/dask_workload.py --out DIR [--devices 0,1] [--rounds 5]
+
+Needs dask, distributed, dask-cuda, CuPy, numba-cuda, nvidia-ml-py (and RMM for the rmm setups).
+One worker per GPU, each seeing its own GPU as device 0 (CUDA_VISIBLE_DEVICES). The workload,
+per round: a Dask array of CuPy chunks (cupy.arange), a Numba kernel over each chunk through
+map_blocks (y = 2x + 1, written into an array Numba allocates), and a CuPy check of every element
+of y and of its sum against the closed form; the client receives NumPy only, so it makes no
+CUDA context. Each setup runs in a cluster of its own (an allocator is fixed per process):
+
+- ``emmpool``: ``client.register_plugin(emmpool.dask.EmmPool(numba=True, cupy=True))``;
+- ``rmm``: dask-cuda's ``rmm_pool_size`` with ``rmm_allocator_external_lib_list=["cupy"]``, and
+  Numba on RMM's EMM plugin (a worker plugin here: dask-cuda sets no Numba manager) -- one pool;
+- ``rmm-cupy``: the same dask-cuda setup alone, as dask-cuda does it: Numba keeps its own
+  allocator (a cuMemAlloc per array) next to RMM's pool;
+- ``none``: no setup: CuPy's default memory pool and Numba's default allocator.
+
+Measured per setup: the cluster's start (plugins included), the wall time of each round (the
+first includes Numba's compilation on every worker), and per worker the time its tasks ran
+(distributed's task stream). Memory, per GPU: NVML's used memory of the device -- every
+process's memory on it, the worker's CUDA context included -- sampled every 5 ms by a thread of
+this process from before the cluster starts until it has closed; the table gives its peak minus
+its value before the start. A pool reserved at start (RMM's rmm_pool_size) counts in full.
+Next to it, where the allocator says: emmpool's peak reserved bytes (emmpool.stats), the bytes
+CuPy's default pool holds at the end (none), RMM's pool size as configured.
+
+Checked, else the exit status is 1: every round's results; under emmpool, that each worker has
+one pool, on its device 0, that served Numba and CuPy, and that the workers' devices are
+distinct GPUs -- the one their CUDA_VISIBLE_DEVICES puts first (by UUID, Numba's against NVML's).
+Writes DIR/dask_workload.md (also printed) and DIR/dask_workload.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata as md
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+from distributed import WorkerPlugin
+from numba import cuda  # makes no CUDA context: the client never launches or allocates
+
+SETUPS = ("emmpool", "rmm", "rmm-cupy", "none")
+A, B = 2.0, 1.0  # y = A x + B
+
+# ---------------------------------------------------------------------------------------------
+# Run on the workers. main() imports this file as the module dask_workload, so that tasks name
+# these functions (the workers import it: spawned processes inherit sys.path) and each worker
+# compiles the kernel once.
+
+
+@cuda.jit
+def axpb(x, out, a, b):
+    i = cuda.grid(1)
+    if i < x.size:
+        out[i] = a * x[i] + b
+
+
+def arange_block(block_info=None):
+    """The chunk of 0, 1, ..., n-1 this block holds, made by CuPy."""
+    import cupy
+
+    ((start, stop),) = block_info[None]["array-location"]
+    return cupy.arange(start, stop, dtype=cupy.float64)
+
+
+def numba_axpb(x, a, b):
+    """a x + b by a Numba kernel, into an array Numba allocates; returned as a CuPy view."""
+    import cupy
+
+    out = cuda.device_array(x.shape, dtype=np.float64)
+    threads = 256
+    axpb[(x.size + threads - 1) // threads, threads](x, out, a, b)
+    return cupy.asarray(out)
+
+
+def check_block(y, block_info=None):
+    """[sum of y, number of elements that differ from A i + B], on the host."""
+    import cupy
+
+    ((start, stop),) = block_info[0]["array-location"]
+    expected = A * cupy.arange(start, stop, dtype=cupy.float64) + B
+    wrong = int(cupy.count_nonzero(y != expected))
+    return np.array([[float(y.sum()), wrong]])
+
+
+def worker_device() -> dict:
+    """The worker's CUDA_VISIBLE_DEVICES and the UUID of its device 0, as Numba sees it."""
+    return {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            "uuid": str(cuda.get_current_device().uuid)}
+
+
+def cupy_pool_bytes() -> int:
+    import cupy
+
+    return int(cupy.get_default_memory_pool().total_bytes())
+
+
+class RmmForNumba(WorkerPlugin):
+    """Numba on RMM's EMM plugin: what a user of dask-cuda's RMM pool adds for Numba."""
+
+    name = "rmm-for-numba"
+
+    def setup(self, worker):
+        from rmm.allocators.numba import RMMNumbaManager
+
+        cuda.set_memory_manager(RMMNumbaManager)
+
+
+# ---------------------------------------------------------------------------------------------
+# The client.
+
+
+def one_round(client, elements: int, chunk: int) -> tuple[float, bool]:
+    """One workload round: its wall time and whether every result was right."""
+    import dask.array as da
+
+    blocks = elements // chunk
+    # meta: the chunks are CuPy arrays, described by NumPy ones so that the client needs no
+    # CuPy (a CuPy meta would make a CUDA context on the client's GPU 0)
+    x = da.map_blocks(arange_block, chunks=((chunk,) * blocks,), dtype=np.float64,
+                      meta=np.empty((0,)))
+    y = x.map_blocks(numba_axpb, A, B, dtype=np.float64, meta=np.empty((0,)))
+    checks = y.map_blocks(check_block, chunks=((1,) * blocks, (2,)), new_axis=1,
+                          dtype=np.float64, meta=np.empty((0, 0)))
+    t = time.perf_counter()
+    result = client.compute(checks).result()
+    wall = time.perf_counter() - t
+    n = blocks * chunk
+    expected_sum = A * n * (n - 1) / 2 + B * n  # exact in float64 for n <= 2**26
+    return wall, bool(result[:, 0].sum() == expected_sum and not result[:, 1].any())
+
+
+class PeakSampler:
+    """NVML's used memory of some GPUs, sampled by a thread: the peak above the first sample."""
+
+    def __init__(self, handles: list, period: float = 0.005):
+        import pynvml
+
+        self._used = lambda h: pynvml.nvmlDeviceGetMemoryInfo(h).used
+        self._handles = handles
+        self._period = period
+        self.baseline = [self._used(h) for h in handles]
+        self._peak = list(self.baseline)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            for i, h in enumerate(self._handles):
+                self._peak[i] = max(self._peak[i], self._used(h))
+
+    def stop(self) -> list[int]:
+        self._stop.set()
+        self._thread.join()
+        return [p - b for p, b in zip(self._peak, self.baseline)]
+
+
+def run_setup(name: str, args, nvml: dict) -> dict:
+    """One setup in a cluster of its own: timings, per-worker figures and checks."""
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client, get_task_stream
+
+    import emmpool.dask
+
+    cluster_options: dict = {}
+    plugins: list = []
+    if name == "emmpool":
+        plugins = [emmpool.dask.EmmPool(numba=True, cupy=True)]
+    elif name.startswith("rmm"):
+        cluster_options = {"rmm_pool_size": args.rmm_pool_size,
+                           "rmm_allocator_external_lib_list": ["cupy"]}
+        if name == "rmm":
+            plugins = [RmmForNumba()]
+    sampler = PeakSampler([nvml[d]["handle"] for d in args.devices])
+    t0 = time.perf_counter()
+    try:
+        with LocalCUDACluster(CUDA_VISIBLE_DEVICES=args.devices, n_workers=len(args.devices),
+                              threads_per_worker=1, dashboard_address=None,
+                              **cluster_options) as cluster, Client(cluster) as client:
+            client.wait_for_workers(len(args.devices), timeout=120)
+            for plugin in plugins:
+                client.register_plugin(plugin)
+            start = time.perf_counter() - t0
+            rounds = []
+            with get_task_stream(client) as stream:
+                for _ in range(args.rounds):
+                    rounds.append(one_round(client, args.elements, args.chunk))
+            devices = client.run(worker_device)
+            pool_stats = emmpool.dask.stats(client) if name == "emmpool" else None
+            cupy_held = client.run(cupy_pool_bytes) if name == "none" else None
+    finally:
+        peaks = sampler.stop()
+    task_time: dict[str, float] = {}
+    for task in stream.data:
+        for ss in task["startstops"]:
+            if ss["action"] == "compute":
+                task_time[task["worker"]] = task_time.get(task["worker"], 0.0) + (
+                    ss["stop"] - ss["start"])
+    peak_by_gpu = dict(zip(args.devices, peaks))
+    by_uuid = {v["uuid"]: d for d, v in nvml.items()}
+    workers, problems = {}, []
+    for address, dev in sorted(devices.items()):
+        gpu = by_uuid.get(dev["uuid"])
+        first = dev["cuda_visible_devices"].split(",")[0]
+        if gpu is None or str(gpu) != first:
+            problems.append(f"{address}: device 0 is {dev['uuid']} (NVML GPU {gpu}), but "
+                            f"CUDA_VISIBLE_DEVICES={dev['cuda_visible_devices']}")
+        w = {"cuda_visible_devices": dev["cuda_visible_devices"], "gpu": gpu,
+             "uuid": dev["uuid"], "task_time_s": task_time.get(address, 0.0),
+             "nvml_peak_above_baseline": peak_by_gpu.get(gpu)}
+        if pool_stats is not None:
+            pools = pool_stats[address]
+            w["emmpool"] = pools
+            s = pools.get(0)
+            if set(pools) != {0}:
+                problems.append(f"{address}: emmpool pools on devices {sorted(pools)}, not on "
+                                f"device 0 alone")
+            elif not (s["by_library"]["numba"]["allocations"]
+                      and s["by_library"]["cupy"]["allocations"]):
+                problems.append(f"{address}: the pool did not serve both Numba and CuPy: "
+                                f"{s['by_library']}")
+        if cupy_held is not None:
+            w["cupy_pool_bytes_at_end"] = cupy_held[address]
+        workers[address] = w
+    if len({w["gpu"] for w in workers.values()}) != len(workers):
+        problems.append("two workers share a GPU")
+    if not all(ok for _, ok in rounds):
+        problems.append("wrong results in round(s) "
+                        f"{[i + 1 for i, (_, ok) in enumerate(rounds) if not ok]}")
+    return {"setup": name, "cluster_start_s": start, "rounds_s": [w for w, _ in rounds],
+            "results_ok": all(ok for _, ok in rounds), "workers": workers,
+            "summary": emmpool.dask.summary(pool_stats) if pool_stats is not None else None,
+            "problems": problems}
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def markdown(results: list[dict], header: dict, args) -> str:
+    n, chunk = args.elements, args.chunk
+    lines = [
+        f"## Dask workload, {len(args.devices)} × {header['gpu']} (LocalCUDACluster), "
+        f"{header['date']}",
+        "",
+        f"{n:,} float64 ({n * 8 / 2**20:,.0f} MiB per array) in {n // chunk} chunks of "
+        f"{chunk * 8 / 2**20:,.0f} MiB; per round: CuPy arange per chunk, Numba kernel y = 2x + 1 "
+        f"into a Numba array (map_blocks), CuPy check of every element and the sum. "
+        f"{args.rounds} rounds per setup; round 1 includes Numba's compilation. Peak: NVML used "
+        f"memory of the GPU (the worker's CUDA context included) above its value before the "
+        f"cluster started, sampled every 5 ms. Versions: {header['versions']}.",
+        "",
+        "| setup | cluster start (s) | round 1 (s) | best later round (s) | results | worker → GPU "
+        "| task time (s) | peak used above baseline (GiB, NVML) | allocator's own figure (GiB) |",
+        "|---|---:|---:|---:|---|---|---:|---:|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['setup']} | failed: {r['error']} |||||||")
+            continue
+        later = r["rounds_s"][1:] or r["rounds_s"]
+        for i, (address, w) in enumerate(sorted(r["workers"].items())):
+            if "emmpool" in w:
+                own = "emmpool peak reserved " + _gib(
+                    w["emmpool"].get(0, {}).get("peak_bytes_reserved"))
+            elif "cupy_pool_bytes_at_end" in w:
+                own = "CuPy pool holds at end " + _gib(w["cupy_pool_bytes_at_end"])
+            elif r["setup"].startswith("rmm"):
+                own = f"rmm_pool_size {args.rmm_pool_size}"
+            else:
+                own = "-"
+            setup = [r["setup"], f"{r['cluster_start_s']:.1f}", f"{r['rounds_s'][0]:.2f}",
+                     f"{min(later):.2f}", "ok" if r["results_ok"] else "WRONG"]
+            worker = [f"{address} → GPU {w['gpu']}", f"{w['task_time_s']:.2f}",
+                      _gib(w["nvml_peak_above_baseline"]), own]
+            cells = (setup if i == 0 else [""] * len(setup)) + worker
+            lines.append("| " + " | ".join(cells) + " |")
+    for r in results:
+        if r.get("summary"):
+            lines += ["", f"emmpool per worker ({r['setup']}, emmpool.dask.summary):", "",
+                      "```", r["summary"], "```"]
+    problems = [f"- {r['setup']}: {p}" for r in results for p in r["problems"]]
+    lines += ["", "Checks: " + ("all passed (results; emmpool: one pool per worker, on its own "
+                                "GPU, serving Numba and CuPy)" if not problems else "FAILED")]
+    lines += problems
+    return "\n".join(lines) + "\n"
+
+
+def _versions() -> str:
+    names = ["emmpool", "dask", "distributed", "dask-cuda", "cupy-cuda13x", "numba-cuda",
+             "rmm-cu13"]
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            pass
+    return ", ".join(found)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--devices", help="GPUs, one worker each, e.g. 0,1 [every GPU]")
+    p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--elements", type=int, default=2**26, help="float64 elements [2**26]")
+    p.add_argument("--chunk", type=int, default=2**22, help="elements per chunk [2**22]")
+    p.add_argument("--rmm-pool-size", default="4GiB", help="dask-cuda's rmm_pool_size [4GiB]")
+    args = p.parse_args(argv)
+    if args.elements % args.chunk or args.elements > 2**26:
+        p.error("--elements must be a multiple of --chunk and at most 2**26 (exact sums)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    # CUDA numbers GPUs fastest first, NVML by PCI bus: one order for both (the workers inherit
+    # it), so that CUDA_VISIBLE_DEVICES and NVML's indices name the same GPUs.
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+
+    import pynvml
+
+    pynvml.nvmlInit()
+    args.devices = ([int(d) for d in args.devices.split(",")] if args.devices else
+                    list(range(pynvml.nvmlDeviceGetCount())))
+    nvml = {}
+    for d in args.devices:
+        h = pynvml.nvmlDeviceGetHandleByIndex(d)
+        uuid, name = pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetName(h)
+        nvml[d] = {"handle": h, "uuid": uuid if isinstance(uuid, str) else uuid.decode(),
+                   "name": name if isinstance(name, str) else name.decode()}
+    header = {"gpu": nvml[args.devices[0]]["name"], "versions": _versions(),
+              "date": datetime.date.today().isoformat()}
+
+    results = []
+    for name in args.setups:
+        print(f"[dask_workload] {name} ...", flush=True)
+        try:
+            r = run_setup(name, args, nvml)
+        except Exception as e:  # noqa: BLE001 - reported; the other setups still run
+            traceback.print_exc()
+            r = {"setup": name, "error": f"{type(e).__name__}: {e}".replace("\n", " ")[:300]}
+            r["problems"] = [r["error"]]
+        else:
+            print(f"[dask_workload] {name}: start {r['cluster_start_s']:.1f} s, rounds "
+                  f"{', '.join(f'{t:.2f}' for t in r['rounds_s'])} s", flush=True)
+        print(f"[dask_workload] {name}: problems: {r['problems'] or 'none'}", flush=True)
+        results.append(r)
+    text = markdown(results, header, args)
+    (args.out / "dask_workload.md").write_text(text)
+    (args.out / "dask_workload.json").write_text(json.dumps(
+        {"header": header, "args": {k: (str(v) if isinstance(v, Path) else v)
+                                    for k, v in vars(args).items()},
+         "results": results}, indent=1, default=str))
+    print(text)
+    return 1 if any(r["problems"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    # Run as a script, this file is __main__, whose functions Dask would ship by value: import
+    # it under its own name instead, so that tasks name dask_workload.* and the workers import it.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import dask_workload
+
+    sys.exit(dask_workload.main())

@@ -1,0 +1,298 @@
+"""emmpool on every Dask worker: a worker plugin, a worker preload, per-worker statistics.
+
+From a client, for the workers present and those that join later::
+
+    from emmpool.dask import EmmPool, stats, summary
+    client.register_plugin(EmmPool(maximum_pool_size="80%", cupy=True))
+    ...
+    print(summary(stats(client)))
+
+or on the command line (the options of :class:`EmmPool`; those not given come from the
+worker's ``EMMPOOL_*`` variables)::
+
+    dask worker SCHEDULER --preload emmpool.dask --emmpool-maximum-pool-size=80% --emmpool-cupy
+
+Why a WorkerPlugin, and no NannyPlugin: nothing has to be in a worker's environment before its
+process starts. The plugin's setup runs inside the worker process before the worker's first
+task (on a worker present at registration at once; on one that joins later as it registers,
+before the scheduler can send it a task). There it calls :func:`emmpool.configure`, which
+precedes the first pool (emmpool reads its variables only then), and
+``numba.cuda.set_memory_manager``, which does what ``NUMBA_CUDA_MEMORY_MANAGER`` does until Numba
+makes its CUDA context. What no plugin can change is a worker that has used the GPU already: a
+pool keeps the options it was made with, a Numba context its memory manager. setup() reports
+that as an error naming the worker; ``client.restart()`` gives fresh workers, which run the
+plugin as they join.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import fields
+
+try:
+    import click
+    from dask.utils import format_bytes
+    from distributed import Worker, WorkerPlugin
+except ImportError as e:
+    raise ImportError(
+        "emmpool.dask needs Dask's distributed scheduler: pip install 'emmpool[dask]' "
+        "(dask-cuda on top for LocalCUDACluster)"
+    ) from e
+
+from . import _config, config, configure, hooks, use_for_cupy, use_for_numba, use_for_torch
+from . import stats as _pool_stats
+
+__all__ = ["EmmPool", "dask_setup", "stats", "summary"]
+
+_log = _config.log.getChild("dask")
+
+
+class EmmPool(WorkerPlugin):
+    """Configure emmpool on every worker and make Numba, CuPy and PyTorch allocate from it.
+
+    Register it with ``client.register_plugin(EmmPool(...))``: it runs on every worker present
+    and on every worker that joins later.
+
+    Parameters
+    ----------
+    mode, initial_pool_size, maximum_pool_size, pinned, pinned_limit, log
+        As :func:`emmpool.configure` takes them: sizes as bytes or strings such as ``'4GiB'``,
+        ``maximum_pool_size`` also as a fraction of the device's memory (``0.8``, ``'80%'``).
+        An option not given (None) keeps the worker's ``EMMPOOL_*`` value, or the default.
+    numba, cupy, torch : bool
+        The libraries that allocate from emmpool on the workers (default: Numba alone).
+
+    Raises
+    ------
+    ValueError, TypeError
+        At construction, on the client, for a bad option: before anything is sent.
+
+    Notes
+    -----
+    Registering again (the same or other options) is harmless: the plugin has one name, so the
+    new one replaces the old and its setup runs again on every worker, which configures the
+    pool anew where it does not exist yet, finds the same options where it does, and installs
+    emmpool for each library once per process. Setup fails, naming the worker, where a pool
+    exists with other options, where Numba made its CUDA context before, or where another
+    allocator serves Numba or CuPy already (RMM's, say: for CuPy by dask-cuda's
+    ``rmm_allocator_external_lib_list``, for Numba by ``NUMBA_CUDA_MEMORY_MANAGER``): emmpool
+    does not replace another library's choice. A registration that failed stays registered, as any
+    worker plugin does in distributed: register a corrected one (same name), or
+    ``client.unregister_worker_plugin("emmpool")``. The pool and the installed allocators stay
+    for the worker's life; unregistering the plugin does not remove them.
+    """
+
+    name = "emmpool"
+    # False: registering again replaces the plugin, so changed options reach the workers
+    # (True would make the scheduler keep the first plugin and drop the new one unseen).
+    idempotent = False
+
+    def __init__(
+        self,
+        *,
+        mode: str | None = None,
+        initial_pool_size: int | str | None = None,
+        maximum_pool_size: int | float | str | None = None,
+        pinned: str | None = None,
+        pinned_limit: int | str | None = None,
+        log: str | None = None,
+        numba: bool = True,
+        cupy: bool = False,
+        torch: bool = False,
+    ):
+        given = dict(mode=mode, initial_pool_size=initial_pool_size,
+                     maximum_pool_size=maximum_pool_size, pinned=pinned,
+                     pinned_limit=pinned_limit, log=log)
+        self.options = {k: v for k, v in given.items() if v is not None}
+        # Checked against the defaults: the client cannot see the workers' environment.
+        _config.resolve(self.options, _config.Config())
+        chosen = dict(numba=numba, cupy=cupy, torch=torch)
+        for library, on in chosen.items():
+            if not isinstance(on, bool):
+                raise TypeError(f"{library}={on!r}: expected True or False")
+        self.libraries = tuple(library for library, on in chosen.items() if on)
+
+    def __repr__(self) -> str:
+        args = [f"{k}={v!r}" for k, v in self.options.items()]
+        args += [f"{library}={library in self.libraries}" for library in _INSTALL]
+        return f"EmmPool({', '.join(args)})"
+
+    def setup(self, worker: Worker) -> None:
+        _install(self.options, self.libraries, f"worker {worker.address}")
+
+
+# Several workers may share a process (LocalCluster(processes=False)): what is installed is
+# the process's, and one setup at a time installs it.
+_lock = threading.Lock()
+_installed: set[str] = set()
+
+
+def _install(options: dict, libraries: tuple[str, ...], where: str) -> None:
+    with _lock:
+        _configure(options, where)
+        for library in libraries:
+            if library not in _installed:
+                _INSTALL[library](where)
+                _installed.add(library)
+    _log.info("%s: %s; emmpool allocates for %s", where, config(),
+              ", ".join(sorted(_installed)) or "no library")
+
+
+def _configure(options: dict, where: str) -> None:
+    """configure(**options); or nothing where a pool made with these options exists (setup
+    ran before and the worker has allocated since)."""
+    try:
+        configure(**options)
+    except RuntimeError:  # a pool exists
+        in_force, wanted = config(), _config.resolve(options)
+        if in_force != wanted:
+            changes = ", ".join(
+                f"{f.name}={getattr(wanted, f.name)!r}" for f in fields(_config.Config)
+                if getattr(in_force, f.name) != getattr(wanted, f.name)
+            )
+            raise RuntimeError(
+                f"{where}: emmpool's pool exists already (the worker has used the GPU), made "
+                f"with {in_force}; it cannot take {changes}. Register the plugin before the "
+                f"first GPU task, or restart the workers (client.restart()): they run it as "
+                f"they join"
+            ) from None
+
+
+def _for_numba(where: str) -> None:
+    from numba.cuda.cudadrv import driver
+
+    from .plugin import EmmPoolManager
+
+    conflict = _numba_conflict(driver, EmmPoolManager)
+    if conflict:
+        raise RuntimeError(f"{where}: {conflict}")
+    use_for_numba()
+
+
+def _numba_conflict(driver, ours: type) -> str | None:
+    """Why Numba would not, or should not, allocate from emmpool on this worker; None if it
+    will. numba-cuda has no public getter for its manager: this reads its module's state."""
+    for device in driver.driver.devices.values():
+        context = device.primary_context
+        if context is not None and not isinstance(context.memory_manager, ours):
+            return (
+                f"Numba has made its CUDA context already, with "
+                f"{_name(type(context.memory_manager))} as memory manager, and keeps it. "
+                f"Register the plugin before the first GPU task, or restart the workers "
+                f"(client.restart()): they run it as they join"
+            )
+    chosen = driver._memory_manager  # set by set_memory_manager, or at Numba's first context
+    variable = driver.config.CUDA_MEMORY_MANAGER
+    if chosen is not None and chosen is not driver.NumbaCUDAMemoryManager:
+        other = None if issubclass(chosen, ours) else _name(chosen)
+    else:
+        other = None if variable in ("default", "emmpool.plugin") else variable
+    if other is None:
+        return None
+    return (
+        f"Numba's memory manager is {other} already; emmpool does not replace another "
+        f"library's choice: leave Numba to it (EmmPool(numba=False)), or drop that setting"
+    )
+
+
+def _for_cupy(where: str) -> None:
+    try:
+        import cupy
+    except ImportError:
+        cupy = None  # use_for_cupy() says what to install
+    if cupy is not None:
+        current = cupy.cuda.get_allocator()
+        if current is not hooks._cupy_malloc and current != cupy.get_default_memory_pool().malloc:
+            raise RuntimeError(
+                f"{where}: CuPy allocates through {_name(current)} already (RMM's where "
+                f"dask-cuda's rmm_allocator_external_lib_list names 'cupy'); emmpool does not "
+                f"replace another library's choice: leave CuPy to it (EmmPool(cupy=False)), "
+                f"or drop that setting"
+            )
+    use_for_cupy()
+
+
+def _for_torch(where: str) -> None:
+    # PyTorch refuses by itself to swap an allocator that has allocated already.
+    use_for_torch()
+
+
+_INSTALL = {"numba": _for_numba, "cupy": _for_cupy, "torch": _for_torch}
+
+
+def _name(obj) -> str:
+    return f"{getattr(obj, '__module__', None) or '?'}.{getattr(obj, '__qualname__', obj)}"
+
+
+class _SetupCommand(click.Command):
+    """The preload's command line, checked as a whole once parsed.
+
+    distributed parses a preload's arguments when ``dask worker`` parses its own, and again as
+    each worker starts: a bad option stops ``dask worker`` with a usage error before any worker
+    starts, where an error in dask_setup itself would only be logged by the worker."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        rest = super().parse_args(ctx, args)
+        try:
+            EmmPool(**_plugin_options(ctx.params))
+        except (TypeError, ValueError) as e:
+            raise click.UsageError(f"emmpool.dask: {e}", ctx) from None
+        return rest
+
+
+def _plugin_options(params: dict) -> dict:
+    return {name.removeprefix("emmpool_"): value for name, value in params.items()}
+
+
+@click.command(cls=_SetupCommand)
+@click.option("--emmpool-mode", help="pool or passthrough (as EMMPOOL_MODE)")
+@click.option("--emmpool-initial-pool-size", help="bytes, or a size such as 4GiB")
+@click.option("--emmpool-maximum-pool-size",
+              help="a size, or a fraction of the device's memory: 0.8 or 80%")
+@click.option("--emmpool-pinned", help="pool or numba (as EMMPOOL_PINNED)")
+@click.option("--emmpool-pinned-limit", help="a size: pinned bytes the cache may hold")
+@click.option("--emmpool-log", help="warning, info or debug")
+@click.option("--emmpool-numba/--no-emmpool-numba", default=True, show_default=True,
+              help="Numba allocates from emmpool")
+@click.option("--emmpool-cupy/--no-emmpool-cupy", default=False, show_default=True,
+              help="CuPy allocates from emmpool")
+@click.option("--emmpool-torch/--no-emmpool-torch", default=False, show_default=True,
+              help="PyTorch allocates from emmpool")
+def dask_setup(worker, **params) -> None:
+    """``dask worker --preload emmpool.dask``: :class:`EmmPool`'s setup on this worker.
+
+    Options not given keep the worker's ``EMMPOOL_*`` values, or the defaults. A preload runs
+    before the worker's own plugins: under ``dask cuda worker``, a library that
+    ``--set-rmm-allocator-for-libs`` names is given to RMM afterwards, so leave it out here
+    (``--no-emmpool-cupy``)."""
+    if not isinstance(worker, Worker):
+        raise TypeError(
+            f"emmpool.dask is a worker preload (dask worker --preload emmpool.dask), not one "
+            f"for a {type(worker).__name__}"
+        )
+    EmmPool(**_plugin_options(params)).setup(worker)
+
+
+def stats(client) -> dict[str, dict[int, dict]]:
+    """:func:`emmpool.stats` of every worker of ``client``'s cluster, by worker address.
+
+    A worker that has not allocated through emmpool yet reports ``{}``. Under dask-cuda's
+    LocalCUDACluster each worker sees its own GPU as device 0 (CUDA_VISIBLE_DEVICES)."""
+    return client.run(_pool_stats)
+
+
+def summary(per_worker: dict[str, dict[int, dict]]) -> str:
+    """:func:`stats`' result as a table: a row per worker and device."""
+    rows = [("worker", "device", "in use", "peak in use", "reserved", "peak reserved",
+             "allocations")]
+    for worker, pools in sorted(per_worker.items()):
+        if not pools:
+            rows.append((worker, "-", "no pool yet", "", "", "", ""))
+        for device, s in sorted(pools.items()):
+            by_library = ", ".join(f"{library} {t['allocations']}"
+                                   for library, t in s["by_library"].items() if t["allocations"])
+            rows.append((worker, str(device), *(format_bytes(s[k]) for k in (
+                "bytes_in_use", "peak_bytes_in_use", "bytes_reserved", "peak_bytes_reserved")),
+                by_library or "0"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
