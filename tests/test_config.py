@@ -212,3 +212,19 @@ def test_bad_environment_fails_where_emmpool_is_installed(install, variable, val
         assert p.returncode == 0, p.stderr
     else:
         assert p.returncode == 1 and f"ValueError: {message}" in p.stderr, p.stderr
+
+
+def test_resolve_checks_options_and_applies_nothing():
+    # What the Dask plugin asks on the client: the options checked against the defaults alone
+    # (not the client's environment), nothing applied.
+    defaults = _config.Config()
+    cfg = _config.resolve({"initial_pool_size": "64MiB", "maximum_pool_size": "80%"}, defaults)
+    assert cfg == _config.Config(initial_pool_size=64 * MiB, maximum_pool_fraction=0.8)
+    assert _config.resolve({"maximum_pool_size": "16GiB"}, defaults).maximum_pool_size == 16 * GiB
+    with pytest.raises(ValueError, match="exceeds"):
+        _config.resolve({"initial_pool_size": "2GiB", "maximum_pool_size": "1GiB"}, defaults)
+    with pytest.raises(TypeError, match="unknown option"):
+        _config.resolve({"colour": "blue"}, defaults)
+    before = _core.configured_options()
+    assert _config.resolve({"initial_pool_size": "3MiB"}).initial_pool_size == 3 * MiB
+    assert _core.configured_options() == before

@@ -71,7 +71,7 @@ def test_bad_options_fail_on_the_client():
         EmmPool(mode="fast")
     with pytest.raises(ValueError, match="maximum_pool_size='4Gx'"):
         EmmPool(maximum_pool_size="4Gx")
-    with pytest.raises(ValueError, match=r"maximum_pool_size=1.5: a fraction"):
+    with pytest.raises(ValueError, match=r"maximum_pool_size=1.5: expected a fraction"):
         EmmPool(maximum_pool_size=1.5)
     with pytest.raises(ValueError, match="exceeds maximum_pool_size"):
         EmmPool(initial_pool_size="2GiB", maximum_pool_size="1GiB")
@@ -248,7 +248,7 @@ def test_preload_takes_its_options_and_the_workers_environment():
 @pytest.mark.parametrize("argv, message", [
     (["--emmpool-initial-pool-size=2GiB", "--emmpool-maximum-pool-size=1GiB"],
      "emmpool.dask: initial_pool_size (2147483648) exceeds maximum_pool_size"),
-    (["--emmpool-mode=fast"], "emmpool.dask: EMMPOOL_MODE / mode='fast'"),
+    (["--emmpool-mode=fast"], "emmpool.dask: mode='fast'"),
 ])
 def test_preload_bad_options_stop_dask_worker_before_it_starts(argv, message):
     # The scheduler address is never reached: the command line is refused first.

@@ -99,43 +99,6 @@ def test_no_driver_error_is_one_sentence_saying_what_to_do():
     assert str(again.value) == message
 
 
-
-
-def test_configure_takes_sizes_as_the_variables_do():
-    defaults = _config.Config()
-    cfg = _config.resolve(
-        {"initial_pool_size": "64MiB", "maximum_pool_size": "80%", "pinned_limit": "1GiB"},
-        defaults,
-    )
-    assert cfg == _config.Config(initial_pool_size=64 << 20, maximum_pool_fraction=0.8,
-                                 pinned_limit=1 << 30)
-    assert _config.resolve({"maximum_pool_size": 0.5}, defaults).maximum_pool_fraction == 0.5
-    assert _config.resolve({"maximum_pool_size": "16GiB"}, defaults).maximum_pool_size == 16 << 30
-    with pytest.raises(ValueError, match="maximum_pool_size='4Gx': .* or give a size"):
-        _config.resolve({"maximum_pool_size": "4Gx"}, defaults)
-    with pytest.raises(ValueError, match=r"maximum_pool_size=1.5: a fraction .* \(0, 1\]"):
-        _config.resolve({"maximum_pool_size": 1.5}, defaults)
-    with pytest.raises(ValueError, match="give the fraction once"):
-        _config.resolve({"maximum_pool_size": "50%", "maximum_pool_fraction": 0.5}, defaults)
-    with pytest.raises(ValueError, match="exceeds maximum_pool_size"):
-        _config.resolve({"initial_pool_size": "2GiB", "maximum_pool_size": "1GiB"}, defaults)
-    with pytest.raises(TypeError, match="unknown option"):
-        _config.resolve({"colour": "blue"}, defaults)
-
-
-def test_resolve_applies_nothing_and_configure_takes_strings():
-    before = emmpool.config()
-    assert _config.resolve({"initial_pool_size": "3MiB"}).initial_pool_size == 3 << 20
-    assert emmpool.config() == before and _core.configured_options()["initial_size"] == (
-        before.initial_pool_size
-    )
-    try:
-        emmpool.configure(initial_pool_size="3MiB")
-        assert _core.configured_options()["initial_size"] == 3 << 20
-    finally:
-        emmpool.configure(initial_pool_size=before.initial_pool_size)
-
-
 def test_hooks_say_what_to_install_when_missing(monkeypatch):
     import builtins
 
