@@ -17,8 +17,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def readme_dask_example() -> str:
-    """The first Python block of README's section "## Dask"."""
-    section = README.read_text().split("\n## Dask\n", 1)[1].split("\n## ", 1)[0]
+    """The first Python block of README's section "### Dask"."""
+    section = README.read_text().split("\n### Dask\n", 1)[1].split("\n## ", 1)[0]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
