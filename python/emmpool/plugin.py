@@ -65,7 +65,7 @@ _AVAILABLE = [_CLASS_NAMES[p.name] for p in packages.installed()]
 __all__ = [*_AVAILABLE, "manager_for"]
 
 _LEGACY = _core.LEGACY_STREAM
-_TAG_NUMBA = 1
+_TAG_NUMBA = _core.LIBRARIES.index("numba")
 
 
 class _EmmPoolManager:
