@@ -133,14 +133,20 @@ class cuda_driver_impl final : public driver {
     check(api_.cuCtxSynchronize(), "cuCtxSynchronize", EMMPOOL_WHERE);
   }
 
-  [[nodiscard]] std::uint64_t stream_id(int, stream_handle stream) override
+  [[nodiscard]] std::uint64_t stream_id(int device, stream_handle stream) override
   {
-    // No context switch: a stream handle names its own context (context streams, which would
-    // need one, never come here), and this is on the allocation path of every named stream.
-    auto& a = load();
+    (void)load();
+    if (stream_get_id_ == nullptr) { return 0; }
     unsigned long long id{};
-    check(a.cuStreamGetId(reinterpret_cast<CUstream>(stream), &id), "cuStreamGetId",
-          EMMPOOL_WHERE);
+    // A stream handle names its own context, and this is on the allocation path of every named
+    // stream: no context switch, unless the driver asks for one (a free from a thread with no
+    // context current, say).
+    auto r = stream_get_id_(reinterpret_cast<CUstream>(stream), &id);
+    if (r == CUDA_ERROR_INVALID_CONTEXT) {
+      scoped_context ctx{*this, device};
+      r = stream_get_id_(reinterpret_cast<CUstream>(stream), &id);
+    }
+    check(r, "cuStreamGetId", EMMPOOL_WHERE);
     return static_cast<std::uint64_t>(id);
   }
 
@@ -283,6 +289,10 @@ class cuda_driver_impl final : public driver {
   }
 #include "cuda_driver_api.inc"
 #undef EMMPOOL_API
+    // Optional (CUDA 12.0+): without it the pool cannot tell a new stream from a destroyed one
+    // under the same handle, and so never names a stream after the call that passed it.
+    stream_get_id_ = reinterpret_cast<decltype(&::cuStreamGetId)>(
+      ::dlsym(handle_, EMMPOOL_STRINGIFY(cuStreamGetId)));
     auto const r = api_.cuInit(0);
     if (r != CUDA_SUCCESS) {
       char const* name = nullptr;
@@ -320,6 +330,7 @@ class cuda_driver_impl final : public driver {
   std::once_flag loaded_;
   void* handle_ = nullptr;
   api api_{};
+  decltype(&::cuStreamGetId) stream_get_id_ = nullptr;
   std::string load_call_;
   std::string load_error_;
   int load_code_ = 0;

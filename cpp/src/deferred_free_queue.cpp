@@ -58,7 +58,9 @@ void deferred_free_queue::recycle(std::vector<detail::block*>&& blocks) noexcept
 
 detail::block* deferred_free_queue::take_same_stream(stream_ref stream, std::size_t size)
 {
-  if (stream.handle == legacy_stream) { return nullptr; }  // "no stream named": no order to rely on
+  // legacy_stream is "no stream named": no order to rely on; an unidentified stream may be a
+  // new one under a dead one's handle.
+  if (stream.handle == legacy_stream || !stream.identified()) { return nullptr; }
   // The newest frees of that stream first (its open batch, then its latest closed one), and
   // only a few of each: a loop that frees and allocates the same sizes finds its block at once,
   // and a miss costs a handful of comparisons.
@@ -137,7 +139,7 @@ std::size_t deferred_free_queue::close_open_batches(stream_ref alive)
   std::size_t closed = 0;
   for (std::size_t i = open_.size(); i-- > 0;) {
     auto const& s = open_[i].stream;
-    if (!s.is_context() && s != alive) { continue; }
+    if (!s.is_context() && (s != alive || !s.identified())) { continue; }
     close(open_.begin() + static_cast<std::ptrdiff_t>(i));
     ++closed;
   }
@@ -146,6 +148,7 @@ std::size_t deferred_free_queue::close_open_batches(stream_ref alive)
 
 void deferred_free_queue::close_now(stream_ref alive)
 {
+  if (!alive.identified()) { return; }  // its batch may hold a dead stream's frees: dormant
   for (auto b = open_.begin(); b != open_.end(); ++b) {
     if (b->stream == alive) {
       close(b);

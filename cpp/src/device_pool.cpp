@@ -280,9 +280,9 @@ std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_ha
                                                     alloc_tag tag)
 {
   std::size_t const rounded = checked_rounded_size(bytes, stream, tag);
-  auto const ref            = queue_.ref_of(stream);  // the stream is alive: we allocate on it
   std::unique_lock lock{mutex_, std::try_to_lock};
   if (!lock.owns_lock() || forked_) { return std::nullopt; }
+  auto const ref = queue_.ref_of(stream);  // alive: we allocate on it (cuStreamGetId never waits)
   if (fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
   auto* blk = take_without_cuda(rounded, ref);
   if (blk == nullptr) { return std::nullopt; }
@@ -293,9 +293,9 @@ std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_ha
 device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_tag tag)
 {
   std::size_t const rounded = checked_rounded_size(bytes, stream, tag);
-  auto const ref            = queue_.ref_of(stream);  // the stream is alive: we allocate on it
   std::lock_guard lock{mutex_};
   if (forked_) { detail::throw_forked(); }
+  auto const ref = queue_.ref_of(stream);  // alive: we allocate on it (cuStreamGetId never waits)
 
   block* blk = nullptr;
   if (options_.mode == pool_mode::pool && fence_due()) {
@@ -345,7 +345,9 @@ std::optional<detail::stream_ref> device_pool::free_stream(stream_handle stream)
 {
   // allocation_stream: the block's own stream_ref, from its allocation; the stream itself may
   // be gone by now and is never asked. Any other stream is named by the caller, who vouches
-  // for it during the call: its id is taken now, outside the lock.
+  // for it during the call: its id is taken now, once the free is known to be a live block's
+  // (a block retired by a reset, or a forked child's, never needs one: its stream may be gone
+  // with the context).
   if (stream == allocation_stream) { return std::nullopt; }
   return queue_.ref_of(stream);
 }
@@ -366,9 +368,9 @@ device_pool::block* device_pool::take_live_locked(device_ptr ptr)
 
 void device_pool::deallocate(device_ptr ptr, stream_handle stream)
 {
-  auto const ref = free_stream(stream);
   std::lock_guard lock{mutex_};
   if (forked_) { return; }  // the parent's memory: nothing to do here
+  auto const ref = free_stream(stream);  // first: if it throws, the block stays live
   deallocate_locked(take_live_locked(ptr), ref);
 }
 
@@ -389,12 +391,12 @@ bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, std::uint
 
 void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
 {
-  auto const ref = free_stream(stream);
   // One lock for the generation check and the free: a reset() in between could otherwise let
   // this free a block of the next generation at the same address.
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
   if (generation == generation_) {
+    auto const ref = free_stream(stream);  // first: if it throws, the block stays live
     deallocate_locked(take_live_locked(ptr), ref);
     return;
   }
@@ -410,7 +412,6 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t
 
 void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag)
 {
-  auto const ref = free_stream(stream);
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
   auto const t = static_cast<std::uint8_t>(tag);
@@ -430,7 +431,8 @@ void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_
     throw pool_error{"emmpool: pointer " + std::to_string(ptr) +
                      " is not a live allocation of this library in this pool"};
   }
-  auto* blk = it->second;
+  auto const ref = free_stream(stream);  // before the block leaves live_: it may throw
+  auto* blk      = it->second;
   live_.erase(it);
   deallocate_locked(blk, ref);
 }
@@ -458,10 +460,10 @@ void device_pool::deallocate_locked(block* blk, std::optional<stream_ref> stream
 void device_pool::record_stream(device_ptr ptr, stream_handle stream)
 {
   EMMPOOL_EXPECTS(stream != allocation_stream, "allocation_stream names no stream to record");
-  // 0, the CUDA runtime's name for the default stream, means the legacy stream here.
-  auto const ref = queue_.ref_of(stream == 0 ? legacy_stream : stream);
   std::lock_guard lock{mutex_};
   if (forked_) { detail::throw_forked(); }
+  // 0, the CUDA runtime's name for the default stream, means the legacy stream here.
+  auto const ref = queue_.ref_of(stream == 0 ? legacy_stream : stream);
   auto it = live_.find(ptr);
   if (it == live_.end()) {
     throw pool_error{"emmpool: record_stream of pointer " + std::to_string(ptr) +

@@ -164,10 +164,9 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags)
 
 void host_pool::deallocate(void* ptr, stream_handle stream)
 {
-  auto const ref = queue_.ref_of(stream);  // the caller vouches for the stream during the call
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
-  free_live_locked(ptr, ref);
+  free_live_locked(ptr, queue_.ref_of(stream));  // the caller vouches for the stream now
 }
 
 void host_pool::free_live_locked(void* ptr, detail::stream_ref stream)
@@ -188,12 +187,11 @@ void host_pool::free_live_locked(void* ptr, detail::stream_ref stream)
 
 void host_pool::deallocate(void* ptr, stream_handle stream, std::uint64_t generation)
 {
-  auto const ref = queue_.ref_of(stream);
   // One lock for the generation check and the free (see device_pool::deallocate).
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
   if (generation == generation_) {
-    free_live_locked(ptr, ref);
+    free_live_locked(ptr, queue_.ref_of(stream));
     return;
   }
   auto it = retired_.find({generation, reinterpret_cast<std::uintptr_t>(ptr)});

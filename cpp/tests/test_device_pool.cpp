@@ -920,6 +920,29 @@ TEST(record_stream_fence_is_recorded_at_the_free)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(without_stream_ids_no_stream_is_named_after_its_call)
+{
+  // A driver without cuStreamGetId: a new stream under a dead one's handle cannot be told
+  // apart, so no stream order, and no event on such a stream but in the call that names it.
+  fixture f;
+  f.drv.set_stream_ids(false);
+  auto const s1 = f.drv.create_stream();
+  auto const p  = f->allocate(big, s1, alloc_tag::cupy);
+  f->deallocate_tagged(p, allocation_stream, alloc_tag::cupy);
+  CHECK(f->allocate(big, s1, alloc_tag::cupy) != p);  // even on the same live stream
+  CHECK_EQ(f->stats().same_stream_reuses, 0u);
+  f.drv.destroy_stream(s1);
+  auto const s2 = f.drv.create_stream();  // s1's handle
+  auto const q  = f->allocate(big + 256 * KiB, s2, alloc_tag::cupy);  // a miss on s2
+  CHECK(q != p);
+  f->record_stream(q, s2);
+  f->deallocate(q);  // record_stream's fence: not on s2 either (its batch may hold s1's)
+  f.drv.destroy_stream(s2);
+  f->synchronize();  // the device synchronization fences them all
+  CHECK_EQ(f->stats().bytes_waiting, 0u);
+  CHECK_EQ(f.drv.stats().dead_stream_uses, 0u);
+}
+
 TEST(stream_lifetime_fuzz_no_dead_stream_use_no_early_reuse)
 {
   // Clients as they behave: CuPy and PyTorch allocate on live streams (null, or their own)

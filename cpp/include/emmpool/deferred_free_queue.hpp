@@ -236,15 +236,20 @@ void deferred_free_queue::fence_dormant(Release&& release)
   if (open_.empty() && closed_.empty()) { return; }
   driver_->synchronize_device(device_);  // everything issued so far, on every stream, is done
   ++dormant_fences_;
-  // Move the batches out first: a release may queue a block again (record_stream's second
-  // fence), and that new free is not covered by the synchronization above.
-  std::vector<batch> open = std::move(open_);
+  // Every block here was freed before the synchronization, so its record_stream stream's work
+  // is done too: no second fence (which, on a dead stream, would cost another synchronization).
+  auto release_fenced = [&release](detail::block* blk) {
+    blk->also_fence = stream_ref::none();
+    release(blk);
+  };
+  // Move the batches out first: releases must not meet the containers being walked.
+  std::vector<batch> open  = std::move(open_);
   std::deque<batch> closed = std::move(closed_);
   open_.clear();
   closed_.clear();
   open_bytes_ = 0;
-  for (auto& b : closed) { release_batch(b, release); }
-  for (auto& b : open) { release_batch(b, release); }
+  for (auto& b : closed) { release_batch(b, release_fenced); }
+  for (auto& b : open) { release_batch(b, release_fenced); }
 }
 
 template <class Release>

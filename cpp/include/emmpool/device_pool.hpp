@@ -207,10 +207,11 @@ class device_pool {
   [[nodiscard]] free_set& free_list_for(std::size_t rounded) noexcept;
   block* take_best_fit(std::size_t rounded);
   block* take_without_cuda(std::size_t rounded, stream_ref stream);  // stream order, best fit
-  /// More bytes wait unfenced in open batches than options().open_batch_limit.
+  /// More bytes wait unfenced in open batches than options().open_batch_limit, or more streams
+  /// than deferred_free_queue::max_dormant have open batches.
   [[nodiscard]] bool fence_due() const noexcept
   {
-    return queue_.open_bytes() > options_.open_batch_limit;
+    return queue_.dormant_due(options_.open_batch_limit);
   }
   block* split(block* blk, std::size_t rounded);
   block* grow(std::size_t rounded, bool exact);
@@ -229,8 +230,8 @@ class device_pool {
   std::size_t max_reserved_{};
   mutable std::mutex mutex_;
   deferred_free_queue queue_;
-  /// The stream_ref a free is queued on; std::nullopt: the block's allocation stream. Called
-  /// without the lock (it may ask the driver for a stream id).
+  /// The stream_ref a free is queued on; std::nullopt: the block's allocation stream. Asks the
+  /// driver for a named stream's id: only for a live block's free, never a retired one's.
   [[nodiscard]] std::optional<stream_ref> free_stream(stream_handle stream) const;
   void deallocate_locked(block* blk, std::optional<stream_ref> stream);
   block* take_live_locked(device_ptr ptr);  // off live_, or pool_error if not live

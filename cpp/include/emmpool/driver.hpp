@@ -100,7 +100,9 @@ class driver {
   virtual void synchronize_device(int device) = 0;
   /// @brief cuStreamGetId: an id unique to this stream for the life of the process, so that a
   /// new stream that reuses a destroyed stream's handle is not mistaken for it. Only for a
-  /// stream its owner guarantees alive during the call (not a context stream); never 0.
+  /// stream its owner guarantees alive during the call (not a context stream). 0 where the
+  /// driver cannot say (older than CUDA 12.0): the pool then treats the stream as one it can
+  /// never name again (no stream order; its frees wait for a device synchronization).
   [[nodiscard]] virtual std::uint64_t stream_id(int device, stream_handle stream) = 0;
 
   /// @brief Drop what the driver holds of the device's context (the CUDA implementation's

@@ -61,6 +61,8 @@ class host_driver final : public driver {
   /// @brief Destroy a stream: from now on its handle must not be used, until a new stream
   /// gets it. @throws dead_stream_error if it is a context stream or already destroyed
   void destroy_stream(stream_handle stream);
+  /// @brief Off: stream_id() answers 0, as a driver without cuStreamGetId (before CUDA 12).
+  void set_stream_ids(bool on);
 
   struct counters {
     std::uint64_t allocations, deallocations, event_records, event_queries, event_syncs;
@@ -123,6 +125,7 @@ class host_driver final : public driver {
   std::uint64_t next_event_ = 1;
   std::uint64_t next_buffer_id_ = 1;
   bool auto_complete_ = false;
+  bool stream_ids_ = true;
   int fail_allocations_ = 0;
   int fail_event_records_ = 0;
   int fail_deallocations_ = 0;

@@ -25,6 +25,10 @@ struct stream_ref {
   std::uint64_t id{};
 
   [[nodiscard]] constexpr bool is_context() const noexcept { return is_context_stream(handle); }
+  /// Whether this ref names one stream for sure: a context stream, or one with its driver id
+  /// (a driver without cuStreamGetId gives 0: then a reused handle cannot be told apart, and
+  /// the pool never records on such a stream after the call that named it).
+  [[nodiscard]] constexpr bool identified() const noexcept { return is_context() || id != 0; }
   [[nodiscard]] constexpr bool is_none() const noexcept { return handle == 0 && id == none_id; }
   friend constexpr bool operator==(stream_ref a, stream_ref b) noexcept
   {
