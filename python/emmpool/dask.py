@@ -159,7 +159,11 @@ def _configure(options: dict, where: str) -> None:
 
 
 def _for_numba(where: str) -> None:
-    from numba.cuda.cudadrv import driver
+    try:
+        from numba.cuda.cudadrv import driver
+    except ImportError:  # numba-cuda-mlir alone (or neither: use_for_numba() says what to install)
+        use_for_numba()
+        return
 
     from .plugin import EmmPoolManager
 
