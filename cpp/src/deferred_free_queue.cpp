@@ -84,16 +84,14 @@ detail::block* deferred_free_queue::take_same_stream(stream_ref stream, std::siz
   for (auto b = open_.begin(); b != open_.end(); ++b) {
     if (b->stream != stream) { continue; }
     auto* blk = take_from(*b);
-    if (blk != nullptr) {
-      open_bytes_ -= blk->size;
-      if (b->blocks.empty()) {
-        if (b->event != 0) { spare_events_.push_back(b->event); }
-        recycle(std::move(b->blocks));
-        open_.erase(b);
-      }
+    if (blk == nullptr) { break; }
+    open_bytes_ -= blk->size;
+    if (b->blocks.empty()) {
+      if (b->event != 0) { spare_events_.push_back(b->event); }
+      recycle(std::move(b->blocks));
+      open_.erase(b);
     }
-    if (blk != nullptr) { return blk; }
-    break;
+    return blk;
   }
   // The latest closed batch of that stream, among the last few closed (a longer search would
   // cost every allocation on a stream that has none). One left empty stays until its event

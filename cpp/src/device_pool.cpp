@@ -18,11 +18,11 @@ constexpr std::size_t large_granularity = 2 * mib;  // the driver's own allocati
 
 constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
 
-// The null stream and the legacy one are the same CUDA stream: one fence serves both.
+// The null stream and the legacy one are the same CUDA stream: one fence serves both. (No
+// stream_ref holds the per-thread handle: ref_of() makes it the legacy one.)
 constexpr bool same_fence(detail::stream_ref a, detail::stream_ref b) noexcept
 {
-  return a == b || (a.is_context() && b.is_context() && a.handle != per_thread_stream &&
-                    b.handle != per_thread_stream);
+  return a == b || (a.is_context() && b.is_context());
 }
 
 std::string human(std::size_t bytes)
@@ -366,12 +366,17 @@ device_pool::block* device_pool::take_live_locked(device_ptr ptr)
   return blk;
 }
 
+void device_pool::free_live_locked(device_ptr ptr, stream_handle stream)
+{
+  auto const ref = free_stream(stream);  // first: if it throws, the block stays live
+  deallocate_locked(take_live_locked(ptr), ref);
+}
+
 void device_pool::deallocate(device_ptr ptr, stream_handle stream)
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }  // the parent's memory: nothing to do here
-  auto const ref = free_stream(stream);  // first: if it throws, the block stays live
-  deallocate_locked(take_live_locked(ptr), ref);
+  free_live_locked(ptr, stream);
 }
 
 bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
@@ -385,7 +390,9 @@ bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, std::uint
   // A record_stream fence is recorded in the free (a CUDA call); a bad pointer gets its error
   // from deallocate().
   if (it == live_.end() || !it->second->also_fence.is_none()) { return false; }
-  deallocate_locked(take_live_locked(ptr), free_stream(stream));
+  auto* blk = it->second;
+  live_.erase(it);
+  deallocate_locked(blk, free_stream(stream));  // a context stream or allocation_stream: no call
   return true;
 }
 
@@ -396,8 +403,7 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
   if (generation == generation_) {
-    auto const ref = free_stream(stream);  // first: if it throws, the block stays live
-    deallocate_locked(take_live_locked(ptr), ref);
+    free_live_locked(ptr, stream);
     return;
   }
   auto it = retired_live_.find({generation, ptr});

@@ -235,6 +235,7 @@ class device_pool {
   [[nodiscard]] std::optional<stream_ref> free_stream(stream_handle stream) const;
   void deallocate_locked(block* blk, std::optional<stream_ref> stream);
   block* take_live_locked(device_ptr ptr);  // off live_, or pool_error if not live
+  void free_live_locked(device_ptr ptr, stream_handle stream);  // a current-generation free
   void free_retired(block* blk);
 
   std::map<device_ptr, std::unique_ptr<segment>> segments_;  // by base: IPC lookups
