@@ -26,6 +26,9 @@ its value before the start. A pool reserved at start (RMM's rmm_pool_size) count
 Next to it, where the allocator says: emmpool's peak reserved bytes (emmpool.stats), the bytes
 CuPy's default pool holds at the end (none), RMM's pool size as configured.
 
+Before the setups, an unreported warm-up cluster (the ``none`` setup, one round) takes the run's
+cold start, so that it does not land on the first setup (``--no-warmup`` skips it).
+
 Checked, else the exit status is 1: every round's results; under emmpool, that each worker has
 one pool, on its device 0, that served Numba and CuPy, and that the workers' devices are
 distinct GPUs -- the one their CUDA_VISIBLE_DEVICES puts first (by UUID, Numba's against NVML's).
@@ -318,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--elements", type=int, default=2**26, help="float64 elements [2**26]")
     p.add_argument("--chunk", type=int, default=2**22, help="elements per chunk [2**22]")
     p.add_argument("--rmm-pool-size", default="4GiB", help="dask-cuda's rmm_pool_size [4GiB]")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the unreported warm-up cluster (one round of the `none` setup)")
     args = p.parse_args(argv)
     if args.elements % args.chunk or args.elements > 2**26:
         p.error("--elements must be a multiple of --chunk and at most 2**26 (exact sums)")
@@ -340,6 +345,15 @@ def main(argv: list[str] | None = None) -> int:
     header = {"gpu": nvml[args.devices[0]]["name"], "versions": _versions(),
               "date": datetime.date.today().isoformat()}
 
+    if args.warmup:
+        # The first cluster of a run pays what every later one finds warm (imports, Numba's
+        # compilation cache on disk, the driver's first contexts): without this, that cost lands
+        # on whichever setup runs first. Its figures are not reported.
+        print("[dask_workload] warm-up (none, 1 round, not reported) ...", flush=True)
+        try:
+            run_setup("none", argparse.Namespace(**{**vars(args), "rounds": 1}), nvml)
+        except Exception:  # noqa: BLE001 - the setups below report their own failures
+            traceback.print_exc()
     results = []
     for name in args.setups:
         print(f"[dask_workload] {name} ...", flush=True)
