@@ -18,13 +18,6 @@ constexpr std::size_t large_granularity = 2 * mib;  // the driver's own allocati
 
 constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
 
-// The null stream and the legacy one are the same CUDA stream: one fence serves both. (No
-// stream_ref holds the per-thread handle: ref_of() makes it the legacy one.)
-constexpr bool same_fence(detail::stream_ref a, detail::stream_ref b) noexcept
-{
-  return a == b || (a.is_context() && b.is_context());
-}
-
 std::string human(std::size_t bytes)
 {
   char buf[32];
@@ -41,17 +34,23 @@ std::string human(std::size_t bytes)
   return buf;
 }
 
-}  // namespace
-
-
-bool device_pool::forked() const
+std::size_t checked_rounded_size(std::size_t bytes, alloc_tag tag)
 {
-  std::lock_guard lock{mutex_};
-  return forked_;
+  EMMPOOL_EXPECTS(bytes <= std::numeric_limits<std::size_t>::max() / 2,
+                  "allocation size is too large");
+  EMMPOOL_EXPECTS(static_cast<std::size_t>(tag) < alloc_tag_count, "unknown allocation tag");
+  return std::max(round_up(bytes, device_pool::alignment), device_pool::alignment);
 }
 
+}  // namespace
+
+// ---- lifecycle ------------------------------------------------------------------------------
+
 device_pool::device_pool(driver& drv, int device, pool_options options)
-  : driver_{&drv}, device_{device}, options_{options}, queue_{drv, device}
+  : driver_{&drv},
+    device_{device},
+    options_{options},
+    policy_{drv, device, reuse_options{true, options.open_batch_limit}}
 {
   EMMPOOL_EXPECTS(device >= 0, "device must be a non-negative ordinal");
   EMMPOOL_EXPECTS(options_.maximum_fraction >= 0.0 && options_.maximum_fraction <= 1.0,
@@ -84,7 +83,7 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
                           human(options_.initial_size) + " on device " +
                           std::to_string(device_)};
     }
-    insert_free(blk);
+    free_.insert(blk);
   }
   detail::register_for_fork(&mutex_, &forked_);
 }
@@ -96,7 +95,7 @@ device_pool::~device_pool()
   // Whatever is left goes back to the driver, without waiting: the pool is going away, so
   // nobody can be handed these blocks again. At process exit the driver may be gone: leak.
   if (process_is_exiting() || forked_) {
-    queue_.drop_events();  // no CUDA call: the driver may be gone, or belong to the parent
+    policy_.drop_events();  // no CUDA call: the driver may be gone, or belong to the parent
     return;
   }
   for (auto& [base, seg] : segments_) {
@@ -113,58 +112,118 @@ device_pool::~device_pool()
     } catch (...) {
     }
   }
-  (void)queue_.abandon();
+  (void)policy_.abandon();
 }
 
-// ---- allocation ---------------------------------------------------------------------------
-
-device_pool::free_set& device_pool::free_list_for(std::size_t rounded) noexcept
+bool device_pool::forked() const
 {
-  return rounded <= options_.small_request ? small_free_ : large_free_;
+  std::lock_guard lock{mutex_};
+  return forked_;
 }
 
-void device_pool::insert_free(block* blk)
-{
-  blk->state = detail::block_state::free;
-  (blk->seg->small ? small_free_ : large_free_).insert(blk);
-  stats_.bytes_free += blk->size;
-}
-
-void device_pool::erase_free(block* blk)
-{
-  (blk->seg->small ? small_free_ : large_free_).erase(blk);
-  stats_.bytes_free -= blk->size;
-}
-
-device_pool::block* device_pool::split(block* blk, std::size_t rounded)
-{
-  if (options_.mode == pool_mode::pool && blk->size - rounded >= alignment) {
-    auto* rest = blocks_.make();
-    rest->ptr  = blk->ptr + rounded;
-    rest->size = blk->size - rounded;
-    rest->seg  = blk->seg;
-    rest->prev = blk;
-    rest->next = blk->next;
-    if (blk->next != nullptr) { blk->next->prev = rest; }
-    blk->next = rest;
-    blk->size = rounded;
-    insert_free(rest);
-  }
-  return blk;
-}
+// ---- allocation: stream order, then best fit, then the out-of-memory ladder -------------------
 
 device_pool::block* device_pool::take_best_fit(std::size_t rounded)
 {
-  auto& list = free_list_for(rounded);
-  block probe;
-  probe.size = rounded;
-  auto it    = list.lower_bound(&probe);
-  if (it == list.end()) { return nullptr; }
-  auto* blk = *it;
-  list.erase(it);
-  stats_.bytes_free -= blk->size;
-  return split(blk, rounded);
+  auto* blk = free_.take_best_fit(rounded, rounded <= options_.small_request);
+  return blk != nullptr ? free_.split(blk, rounded, alignment) : nullptr;
 }
+
+device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
+{
+  if (options_.mode != pool_mode::pool) { return nullptr; }
+  // Stream order: a block this stream freed lately needs no fence for this stream's work.
+  if (auto* blk = policy_.take_in_stream_order(stream, rounded)) {
+    ++stats_.same_stream_reuses;
+    return blk;
+  }
+  return take_best_fit(rounded);
+}
+
+std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
+                                                    alloc_tag tag)
+{
+  std::size_t const rounded = checked_rounded_size(bytes, tag);
+  std::unique_lock lock{mutex_, std::try_to_lock};
+  if (!lock.owns_lock() || forked_) { return std::nullopt; }
+  auto const key = policy_.allocation_key(stream);
+  if (policy_.fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
+  if (auto* blk = take_without_cuda(rounded, key)) { return hand_out(blk, bytes, key, tag); }
+  missed_ = missed_request{bytes, stream, tag, rounded, key, free_.insertions(), policy_.pushes()};
+  return std::nullopt;
+}
+
+device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_tag tag)
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { detail::throw_forked(); }
+  // After try_allocate()'s miss on this very request, the request is checked already, and the
+  // free lists, unchanged since, hold nothing for it: one check and one search per allocation.
+  auto const miss    = std::exchange(missed_, std::nullopt);
+  bool const checked = miss && miss->bytes == bytes && miss->stream == stream && miss->tag == tag;
+  std::size_t const rounded = checked ? miss->rounded : checked_rounded_size(bytes, tag);
+  auto const key = checked ? policy_.ref_of(stream) : policy_.allocation_key(stream);
+  bool const searched = checked && miss->key == key && miss->insertions == free_.insertions() &&
+                        miss->pushes == policy_.pushes();
+
+  bool const pooled = options_.mode == pool_mode::pool;
+  block* blk        = nullptr;
+  if (!pooled) {
+    maintain(key);  // returns completed frees' segments to the driver
+    blk = grow(rounded, true);
+  } else {
+    if (policy_.fence_due()) { maintain(key); }  // fence the waiting frees now, not at a miss
+    if (!searched) { blk = take_without_cuda(rounded, key); }
+    if (blk == nullptr) {
+      // Ladder step 1: fence what was freed since the last miss, reuse what has completed.
+      auto const before = free_.insertions();
+      maintain(key);
+      if (free_.insertions() != before) { blk = take_best_fit(rounded); }
+    }
+    if (blk == nullptr && (blk = grow(rounded, false)) != nullptr) {  // step 2: grow
+      blk = free_.split(blk, rounded, alignment);
+    }
+  }
+  if (blk == nullptr && policy_.has_waiting()) {
+    // Step 3: wait for every pending free.
+    drain();
+    blk = pooled ? take_best_fit(rounded) : grow(rounded, true);
+  }
+  // Step 4: give wholly free segments back (unless cleanup is deferred), then grow with an
+  // exact-size segment.
+  if (blk == nullptr && (release_free_segments() > 0 || pooled) &&
+      (blk = grow(rounded, true)) != nullptr) {
+    blk = free_.split(blk, rounded, alignment);
+  }
+  if (blk == nullptr) {
+    ++stats_.out_of_memory;
+    throw out_of_memory{"emmpool: out of memory allocating " + human(bytes) + "; " +
+                        describe_locked()};
+  }
+  return hand_out(blk, bytes, key, tag);
+}
+
+device_ptr device_pool::hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag)
+{
+  // A pending block (same-stream reuse) still counts in its segment's live blocks.
+  if (blk->state != detail::block_state::pending) { ++blk->seg->live_blocks; }
+  blk->state        = detail::block_state::allocated;
+  blk->tag          = static_cast<std::uint8_t>(tag);
+  blk->also_fence   = stream_ref::none();
+  blk->alloc_stream = stream;
+  live_.emplace(blk->ptr, blk);
+
+  stats_.bytes_in_use += blk->size;
+  stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
+  ++stats_.blocks_in_use;
+  ++stats_.allocations;
+  stats_.bytes_in_use_by_tag[blk->tag] += blk->size;
+  ++stats_.allocations_by_tag[blk->tag];
+  if (tracing_) { record('a', blk->ptr, bytes, stream.handle, blk->tag); }
+  return blk->ptr;
+}
+
+// ---- growth and giving memory back ----------------------------------------------------------
 
 device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
 {
@@ -233,126 +292,60 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
   return blk;
 }
 
-device_ptr device_pool::hand_out(block* blk, stream_ref stream, alloc_tag tag)
+void device_pool::release_segment(segment* seg)
 {
-  // A pending block (same-stream reuse) still counts in its segment's live blocks.
-  if (blk->state != detail::block_state::pending) { ++blk->seg->live_blocks; }
-  blk->state        = detail::block_state::allocated;
-  blk->tag          = static_cast<std::uint8_t>(tag);
-  blk->also_fence   = stream_ref::none();
-  blk->alloc_stream = stream;
-  live_.emplace(blk->ptr, blk);
-
-  stats_.bytes_in_use += blk->size;
-  stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
-  ++stats_.blocks_in_use;
-  ++stats_.allocations;
-  stats_.bytes_in_use_by_tag[blk->tag] += blk->size;
-  ++stats_.allocations_by_tag[blk->tag];
-  return blk->ptr;
+  // The driver first: if cuMemFree fails, the segment stays in the pool, consistent.
+  driver_->deallocate(device_, seg->base);
+  auto* blk = seg->first;  // wholly free: one block spanning the segment
+  free_.erase(blk);
+  blocks_.recycle(blk);
+  stats_.bytes_reserved -= seg->size;
+  --stats_.segments;
+  ++stats_.segment_releases;
+  segments_.erase(seg->base);
 }
 
-namespace {
-
-std::size_t checked_rounded_size(std::size_t bytes, stream_handle stream, alloc_tag tag)
+std::size_t device_pool::release_free_segments(bool large_only)
 {
-  EMMPOOL_EXPECTS(bytes <= std::numeric_limits<std::size_t>::max() / 2,
-                  "allocation size is too large");
-  EMMPOOL_EXPECTS(static_cast<std::size_t>(tag) < alloc_tag_count, "unknown allocation tag");
-  EMMPOOL_EXPECTS(stream != allocation_stream, "allocation_stream names no stream to allocate on");
-  return std::max(round_up(bytes, device_pool::alignment), device_pool::alignment);
-}
-
-}  // namespace
-
-device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
-{
-  if (options_.mode != pool_mode::pool) { return nullptr; }
-  // Stream order: a block this stream freed lately needs no fence for this stream's work.
-  if (auto* blk = queue_.take_same_stream(stream, rounded)) {
-    ++stats_.same_stream_reuses;
-    return blk;
+  if (cleanup_deferrals_ > 0 || forked_) { return 0; }
+  std::vector<segment*> idle;
+  for (auto& [base, seg] : segments_) {
+    if (seg->live_blocks == 0 && !(large_only && seg->small)) { idle.push_back(seg.get()); }
   }
-  return take_best_fit(rounded);
+  std::size_t released = 0;
+  for (auto* seg : idle) {
+    released += seg->size;
+    release_segment(seg);
+  }
+  return released;
 }
 
-std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
-                                                    alloc_tag tag)
+std::size_t device_pool::trim()
 {
-  std::size_t const rounded = checked_rounded_size(bytes, stream, tag);
-  std::unique_lock lock{mutex_, std::try_to_lock};
-  if (!lock.owns_lock() || forked_) { return std::nullopt; }
-  auto const ref = queue_.ref_of(stream);  // alive: we allocate on it (cuStreamGetId never waits)
-  if (fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
-  auto* blk = take_without_cuda(rounded, ref);
-  if (blk == nullptr) { return std::nullopt; }
-  if (tracing_) { record('a', blk->ptr, bytes, ref.handle, static_cast<std::uint8_t>(tag)); }
-  return hand_out(blk, ref, tag);
-}
-
-device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_tag tag)
-{
-  std::size_t const rounded = checked_rounded_size(bytes, stream, tag);
   std::lock_guard lock{mutex_};
-  if (forked_) { detail::throw_forked(); }
-  auto const ref = queue_.ref_of(stream);  // alive: we allocate on it (cuStreamGetId never waits)
-
-  block* blk = nullptr;
-  if (options_.mode == pool_mode::pool && fence_due()) {
-    maintain(ref);  // fence the waiting frees now, not at the next miss
-  }
-  if (options_.mode == pool_mode::passthrough) {
-    maintain(ref);  // returns completed frees' segments to the driver
-    blk = grow(rounded, true);
-  } else {
-    blk = take_without_cuda(rounded, ref);  // stream order, then the free lists
-    if (blk == nullptr) {
-      // Ladder step 1: fence what was freed since the last miss, reuse what has completed.
-      maintain(ref);
-      blk = take_best_fit(rounded);
-    }
-    if (blk == nullptr) {
-      // Step 2: grow.
-      blk = grow(rounded, false);
-      if (blk != nullptr) { blk = split(blk, rounded); }
-    }
-  }
-  if (blk == nullptr && (queue_.has_open() || queue_.has_closed())) {
-    // Step 3: wait for every pending free.
-    queue_.drain([this](block* b) { release_block(b); });
-    blk = options_.mode == pool_mode::pool ? take_best_fit(rounded) : grow(rounded, true);
-  }
-  if (blk == nullptr) {
-    // Step 4: give wholly free segments back (unless cleanup is deferred), then grow with an
-    // exact-size segment.
-    if (release_free_segments() > 0 || options_.mode == pool_mode::pool) {
-      blk = grow(rounded, true);
-      if (blk != nullptr) { blk = split(blk, rounded); }
-    }
-  }
-  if (blk == nullptr) {
-    ++stats_.out_of_memory;
-    throw out_of_memory{"emmpool: out of memory allocating " + human(bytes) + "; " +
-                        describe_locked()};
-  }
-  if (tracing_) { record('a', blk->ptr, bytes, ref.handle, static_cast<std::uint8_t>(tag)); }
-  return hand_out(blk, ref, tag);
+  if (forked_) { return 0; }
+  drain();
+  return release_free_segments();
 }
 
-// ---- free ---------------------------------------------------------------------------------
-
-std::optional<detail::stream_ref> device_pool::free_stream(stream_handle stream) const
+void device_pool::defer_cleanup_begin()
 {
-  // allocation_stream: the block's own stream_ref, from its allocation; the stream itself may
-  // be gone by now and is never asked. Any other stream is named by the caller, who vouches
-  // for it during the call: its id is taken now, once the free is known to be a live block's
-  // (a block retired by a reset, or a forked child's, never needs one: its stream may be gone
-  // with the context).
-  if (stream == allocation_stream) { return std::nullopt; }
-  return queue_.ref_of(stream);
+  std::lock_guard lock{mutex_};
+  ++cleanup_deferrals_;
 }
 
-device_pool::block* device_pool::take_live_locked(device_ptr ptr)
+void device_pool::defer_cleanup_end()
+{
+  std::lock_guard lock{mutex_};
+  EMMPOOL_EXPECTS(cleanup_deferrals_ > 0, "defer_cleanup_end without defer_cleanup_begin");
+  if (--cleanup_deferrals_ == 0 && options_.mode == pool_mode::passthrough) {
+    release_free_segments();  // segments whose release was held back
+  }
+}
+
+// ---- frees: the reuse policy decides when a block comes back (reuse_policy.hpp) -------------
+
+void device_pool::free_live(device_ptr ptr, stream_handle stream)
 {
   auto it = live_.find(ptr);
   if (it == live_.end()) {
@@ -361,38 +354,41 @@ device_pool::block* device_pool::take_live_locked(device_ptr ptr)
                      " is not a live allocation of this pool (freed twice, or never allocated "
                      "here)"};
   }
-  auto* blk = it->second;
+  auto* blk      = it->second;
+  auto const key = policy_.free_key(*blk, stream);  // first: if it throws, the block stays live
   live_.erase(it);
-  return blk;
+  free_block(blk, key);
 }
 
-void device_pool::free_live_locked(device_ptr ptr, stream_handle stream)
+void device_pool::free_block(block* blk, stream_ref key)
 {
-  auto const ref = free_stream(stream);  // first: if it throws, the block stays live
-  deallocate_locked(take_live_locked(ptr), ref);
+  if (tracing_) { record('f', blk->ptr, blk->size, key.handle, blk->tag); }
+  stats_.bytes_in_use -= blk->size;
+  --stats_.blocks_in_use;
+  ++stats_.frees;
+  stats_.bytes_in_use_by_tag[blk->tag] -= blk->size;
+  policy_.free(blk, key);
 }
 
 void device_pool::deallocate(device_ptr ptr, stream_handle stream)
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }  // the parent's memory: nothing to do here
-  free_live_locked(ptr, stream);
+  free_live(ptr, stream);
 }
 
 bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
 {
-  if (!is_context_stream(stream) && stream != allocation_stream) { return false; }  // an id to ask
   std::unique_lock lock{mutex_, std::try_to_lock};
   if (!lock.owns_lock()) { return false; }
   if (forked_) { return true; }                    // as deallocate(): nothing to do
   if (generation != generation_) { return false; }  // a retired block: its free may call CUDA
   auto it = live_.find(ptr);
-  // A record_stream fence is recorded in the free (a CUDA call); a bad pointer gets its error
-  // from deallocate().
-  if (it == live_.end() || !it->second->also_fence.is_none()) { return false; }
+  // A bad pointer gets its error from deallocate().
+  if (it == live_.end() || !reuse_policy::free_is_local(*it->second, stream)) { return false; }
   auto* blk = it->second;
   live_.erase(it);
-  deallocate_locked(blk, free_stream(stream));  // a context stream or allocation_stream: no call
+  free_block(blk, policy_.free_key(*blk, stream));  // no CUDA call (free_is_local)
   return true;
 }
 
@@ -403,7 +399,7 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
   if (generation == generation_) {
-    free_live_locked(ptr, stream);
+    free_live(ptr, stream);
     return;
   }
   auto it = retired_live_.find({generation, ptr});
@@ -437,145 +433,58 @@ void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_
     throw pool_error{"emmpool: pointer " + std::to_string(ptr) +
                      " is not a live allocation of this library in this pool"};
   }
-  auto const ref = free_stream(stream);  // before the block leaves live_: it may throw
-  auto* blk      = it->second;
-  live_.erase(it);
-  deallocate_locked(blk, ref);
-}
-
-void device_pool::deallocate_locked(block* blk, std::optional<stream_ref> stream)
-{
-  auto const freed_on = stream ? *stream : blk->alloc_stream;
-  if (tracing_) { record('f', blk->ptr, blk->size, freed_on.handle, blk->tag); }
-  stats_.bytes_in_use -= blk->size;
-  --stats_.blocks_in_use;
-  ++stats_.frees;
-  stats_.bytes_in_use_by_tag[blk->tag] -= blk->size;
-  if (!blk->also_fence.is_none() && !same_fence(blk->also_fence, freed_on)) {
-    // Fence 1, on the recorded stream, now: record_stream's caller keeps that stream alive
-    // until the free, not after it (deferred_free_queue.hpp, "stream lifetime").
-    blk->freed_on = freed_on;
-    queue_.push(blk, blk->also_fence);
-    queue_.close_now(blk->also_fence);
-  } else {
-    blk->also_fence = stream_ref::none();
-    queue_.push(blk, freed_on);
-  }
+  free_live(ptr, stream);
 }
 
 void device_pool::record_stream(device_ptr ptr, stream_handle stream)
 {
-  EMMPOOL_EXPECTS(stream != allocation_stream, "allocation_stream names no stream to record");
   std::lock_guard lock{mutex_};
   if (forked_) { detail::throw_forked(); }
-  // 0, the CUDA runtime's name for the default stream, means the legacy stream here.
-  auto const ref = queue_.ref_of(stream == 0 ? legacy_stream : stream);
   auto it = live_.find(ptr);
   if (it == live_.end()) {
     throw pool_error{"emmpool: record_stream of pointer " + std::to_string(ptr) +
                      ", which is not a live allocation of this pool"};
   }
-  // One extra stream per block: a second, different one is fenced by the legacy stream only
-  // if it is blocking. Keep the most recent, as the one a caller is most likely still using.
-  it->second->also_fence = ref;
+  policy_.record_stream(it->second, stream);
 }
 
 void device_pool::release_block(block* blk)
 {
-  if (!blk->also_fence.is_none()) {
-    // First fence (the recorded stream) done; now fence on the stream of the free.
-    blk->also_fence = stream_ref::none();
-    queue_.push(blk, blk->freed_on);
-    return;
-  }
   auto* seg = blk->seg;
   --seg->live_blocks;
-  if (seg->live_blocks == 0) { seg->exported = 0; }
-  if (options_.mode == pool_mode::passthrough) {
-    insert_free(blk);
-    if (cleanup_deferrals_ == 0) {
-      try {
-        release_segment(seg);
-      } catch (cuda_error const&) {
-        // cuMemFree failed (a sticky error, say): the segment stays, wholly free, for a
-        // later trim; the block is never handed out again in passthrough mode.
-      }
-    }
+  if (options_.mode == pool_mode::pool) {
+    free_.coalesce(blk);
     return;
   }
-  // Coalesce with free neighbours (same segment only: segments are separate driver allocations).
-  if (auto* prev = blk->prev; prev != nullptr && prev->state == detail::block_state::free) {
-    erase_free(prev);
-    prev->size += blk->size;
-    prev->next = blk->next;
-    if (blk->next != nullptr) { blk->next->prev = prev; }
-    blocks_.recycle(blk);
-    blk = prev;
+  free_.insert(blk);  // passthrough: the segment, wholly free, goes back to the driver
+  if (cleanup_deferrals_ == 0) {
+    try {
+      release_segment(seg);
+    } catch (cuda_error const&) {
+      // cuMemFree failed (a sticky error, say): the segment stays, wholly free, for a
+      // later trim; the block is never handed out again in passthrough mode.
+    }
   }
-  if (auto* next = blk->next; next != nullptr && next->state == detail::block_state::free) {
-    erase_free(next);
-    blk->size += next->size;
-    blk->next = next->next;
-    if (next->next != nullptr) { next->next->prev = blk; }
-    blocks_.recycle(next);
-  }
-  insert_free(blk);
 }
 
 void device_pool::maintain(stream_ref alive)
 {
-  auto release = [this](block* b) { release_block(b); };
-  queue_.close_open_batches(alive);
-  // What is left open belongs to streams that may be gone: past the limit, one device
-  // synchronization fences them all (deferred_free_queue.hpp, "stream lifetime").
-  if (queue_.dormant_due(options_.open_batch_limit)) { queue_.fence_dormant(release); }
-  queue_.promote_completed(release);
+  policy_.maintain(alive, [this](block* b) { release_block(b); });
 }
 
-// ---- giving memory back ---------------------------------------------------------------------
-
-void device_pool::release_segment(segment* seg)
+void device_pool::drain()
 {
-  // The driver first: if cuMemFree fails, the segment stays in the pool, consistent.
-  driver_->deallocate(device_, seg->base);
-  auto* blk = seg->first;  // wholly free: one block spanning the segment
-  erase_free(blk);
-  blocks_.recycle(blk);
-  stats_.bytes_reserved -= seg->size;
-  --stats_.segments;
-  ++stats_.segment_releases;
-  segments_.erase(seg->base);
-}
-
-std::size_t device_pool::release_free_segments(bool large_only)
-{
-  if (cleanup_deferrals_ > 0 || forked_) { return 0; }
-  std::vector<segment*> idle;
-  for (auto& [base, seg] : segments_) {
-    if (seg->live_blocks == 0 && !(large_only && seg->small)) { idle.push_back(seg.get()); }
-  }
-  std::size_t released = 0;
-  for (auto* seg : idle) {
-    released += seg->size;
-    release_segment(seg);
-  }
-  return released;
-}
-
-std::size_t device_pool::trim()
-{
-  std::lock_guard lock{mutex_};
-  if (forked_) { return 0; }
-  queue_.drain([this](block* b) { release_block(b); });
-  return release_free_segments();
+  policy_.drain([this](block* b) { release_block(b); });
 }
 
 void device_pool::synchronize()
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
-  queue_.drain([this](block* b) { release_block(b); });
+  drain();
 }
+
+// ---- reset and retirement -------------------------------------------------------------------
 
 void device_pool::free_retired(block* blk)
 {
@@ -605,13 +514,10 @@ void device_pool::reset()
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
   try {
-    queue_.drain([this](block* b) { release_block(b); });
+    drain();
   } catch (...) {
     // The context is already unusable: pending blocks can't be fenced; nothing uses them now.
-    for (auto* b : queue_.abandon()) {
-      b->also_fence = stream_ref::none();
-      release_block(b);
-    }
+    for (auto* b : policy_.abandon()) { release_block(b); }
   }
   int const deferrals = cleanup_deferrals_;
   cleanup_deferrals_  = 0;  // a reset frees what it can regardless
@@ -623,9 +529,8 @@ void device_pool::reset()
 
   // What is left holds live blocks: retire it, so that it is never handed out again.
   for (auto& [base, seg] : segments_) {
-    seg->retired = true;
     for (auto* b = seg->first; b != nullptr; b = b->next) {
-      if (b->state == detail::block_state::free) { erase_free(b); }
+      if (b->state == detail::block_state::free) { free_.erase(b); }
     }
     stats_.bytes_reserved -= seg->size;
     --stats_.segments;
@@ -639,7 +544,7 @@ void device_pool::reset()
     --stats_.blocks_in_use;
   }
   live_.clear();
-  queue_.release_events();
+  policy_.release_events();
   try {
     driver_->release_context(device_);
   } catch (...) {
@@ -654,22 +559,7 @@ std::uint64_t device_pool::generation() const
   return generation_;
 }
 
-void device_pool::defer_cleanup_begin()
-{
-  std::lock_guard lock{mutex_};
-  ++cleanup_deferrals_;
-}
-
-void device_pool::defer_cleanup_end()
-{
-  std::lock_guard lock{mutex_};
-  EMMPOOL_EXPECTS(cleanup_deferrals_ > 0, "defer_cleanup_end without defer_cleanup_begin");
-  if (--cleanup_deferrals_ == 0 && options_.mode == pool_mode::passthrough) {
-    release_free_segments();  // segments whose release was held back
-  }
-}
-
-// ---- queries ------------------------------------------------------------------------------
+// ---- IPC ------------------------------------------------------------------------------------
 
 bool device_pool::owns(device_ptr ptr) const
 {
@@ -687,9 +577,10 @@ std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
   auto& seg = *it->second;
   if (ptr >= seg.base + seg.size || seg.live_blocks == 0) { return std::nullopt; }
   if (!seg.ipc) { seg.ipc = driver_->ipc_handle(device_, seg.base); }
-  ++seg.exported;
   return ipc_info{*seg.ipc, seg.base, seg.size, static_cast<std::size_t>(ptr - seg.base)};
 }
+
+// ---- tracing and statistics -----------------------------------------------------------------
 
 void device_pool::record(char op, device_ptr ptr, std::size_t size, stream_handle stream,
                          std::uint8_t tag)
@@ -715,14 +606,12 @@ std::vector<trace_record> device_pool::take_trace()
 pool_stats device_pool::stats() const
 {
   std::lock_guard lock{mutex_};
-  pool_stats s     = stats_;
-  s.bytes_waiting  = queue_.waiting_bytes();
-  s.batches_closed = queue_.batches_closed();
-  s.dormant_fences = queue_.dormant_fences();
-  std::size_t best = 0;
-  if (!small_free_.empty()) { best = (*small_free_.rbegin())->size; }
-  if (!large_free_.empty()) { best = std::max(best, (*large_free_.rbegin())->size); }
-  s.largest_free_block = best;
+  pool_stats s         = stats_;
+  s.bytes_free         = free_.bytes();
+  s.largest_free_block = free_.largest();
+  s.bytes_waiting      = policy_.waiting_bytes();
+  s.batches_closed     = policy_.batches_closed();
+  s.dormant_fences     = policy_.dormant_fences();
   return s;
 }
 
@@ -741,14 +630,11 @@ std::string device_pool::describe() const
 
 std::string device_pool::describe_locked() const
 {
-  std::size_t best = 0;
-  if (!small_free_.empty()) { best = (*small_free_.rbegin())->size; }
-  if (!large_free_.empty()) { best = std::max(best, (*large_free_.rbegin())->size); }
   std::string s = "pool on device " + std::to_string(device_) + " holds " +
                   human(stats_.bytes_reserved) + " in " + std::to_string(stats_.segments) +
                   " segments: " + human(stats_.bytes_in_use) + " in use, " +
-                  human(stats_.bytes_free) + " free (largest block " + human(best) + "), " +
-                  human(queue_.waiting_bytes()) + " waiting for pending frees";
+                  human(free_.bytes()) + " free (largest block " + human(free_.largest()) + "), " +
+                  human(policy_.waiting_bytes()) + " waiting for pending frees";
   if (max_reserved_ != std::numeric_limits<std::size_t>::max()) {
     s += "; cap " + human(max_reserved_);
   }

@@ -305,7 +305,7 @@ TEST(event_must_be_recorded_after_the_free)
 TEST(streams_fence_independently)
 {
   // A stream's frees are fenced on that stream, at an allocation on it (the moment it is sure
-  // to be alive): an allocation elsewhere leaves them open (deferred_free_queue.hpp).
+  // to be alive): an allocation elsewhere leaves them open (reuse_policy.hpp).
   fixture f;
   auto const pa = f->allocate(big, stream_a);
   auto const pb = f->allocate(big, stream_b);
@@ -756,7 +756,7 @@ TEST(fault_random_injection_loses_nothing)
 //
 // host_driver throws dead_stream_error (which the pool never catches) on any use of a destroyed
 // stream's handle, and create_stream() reuses the last destroyed handle: each test below would
-// fail on the first touch of a dead stream (deferred_free_queue.hpp, "stream lifetime").
+// fail on the first touch of a dead stream (reuse_policy.hpp, "stream lifetime").
 
 namespace {
 
@@ -857,7 +857,7 @@ TEST(dormant_frees_are_fenced_by_one_device_sync_past_the_limits)
   {  // past max_dormant streams
     fixture f;
     std::vector<device_ptr> freed;
-    for (std::size_t i = 0; i <= deferred_free_queue::max_dormant; ++i) {
+    for (std::size_t i = 0; i <= reuse_policy::max_dormant; ++i) {
       freed.push_back(allocate_on_a_stream_that_dies(f, 4 * KiB, alloc_tag::cupy));
     }
     CHECK_EQ(f->stats().dormant_fences, 0u);

@@ -8,7 +8,7 @@
  * flags (mapped / portable / write-combined are properties of an allocation). Each block is
  * its own cuMemHostAlloc: no splitting, so a cached block is reused only for its class.
  *
- * Reuse follows the device pool's rule (deferred_free_queue.hpp): a freed block waits until an
+ * Reuse follows the device pool's rule (reuse_policy.hpp): a freed block waits until an
  * event recorded after its free has completed, so an asynchronous copy issued before the free
  * can no longer read or write it. A limit caps the pinned bytes held (in use + waiting +
  * cached): past it, cached blocks are returned to the driver first, then pending frees are
@@ -21,9 +21,9 @@
  */
 #pragma once
 
-#include <emmpool/deferred_free_queue.hpp>
 #include <emmpool/detail/block.hpp>
 #include <emmpool/driver.hpp>
+#include <emmpool/reuse_policy.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -96,13 +96,13 @@ class host_pool {
   void release_cached(std::size_t needed);  // return cached blocks until `needed` fits
   void free_to_driver(block* blk);
   void on_fenced(block* blk);
-  void free_live_locked(void* ptr, detail::stream_ref stream);  // or pool_error if not live
+  void free_live_locked(void* ptr, stream_handle stream);  // or pool_error if not live
   void maintain();
 
   driver* driver_;
   int device_;
   mutable std::mutex mutex_;
-  deferred_free_queue queue_;
+  reuse_policy policy_;
   std::unordered_map<std::uintptr_t, block*> live_;
   std::map<std::pair<unsigned, std::size_t>, std::vector<block*>> cached_;  // (flags, class)
   std::map<std::pair<std::uint64_t, std::uintptr_t>, block*> retired_;

@@ -20,7 +20,7 @@ struct pool_stats {
   std::size_t peak_bytes_in_use{};
   std::size_t bytes_reserved{};      ///< obtained from the driver (segments)
   std::size_t peak_bytes_reserved{};
-  std::size_t bytes_waiting{};       ///< freed, waiting for their event (deferred-free queue)
+  std::size_t bytes_waiting{};       ///< freed, waiting for their fences (reuse_policy.hpp)
   std::size_t bytes_free{};          ///< in the free lists, reusable now
   std::size_t largest_free_block{};
   std::size_t blocks_in_use{};
@@ -32,7 +32,7 @@ struct pool_stats {
   std::uint64_t batches_closed{};    ///< events recorded to fence freed blocks
   std::uint64_t same_stream_reuses{};  ///< blocks handed out again in stream order, unfenced
   std::uint64_t dormant_fences{};    ///< device synchronizations that fenced frees of streams
-                                     ///< that may be gone (deferred_free_queue.hpp)
+                                     ///< that may be gone (reuse_policy.hpp)
   std::uint64_t out_of_memory{};     ///< requests that failed after the whole ladder
   std::array<std::size_t, alloc_tag_count> bytes_in_use_by_tag{};
   std::array<std::uint64_t, alloc_tag_count> allocations_by_tag{};
