@@ -104,14 +104,7 @@ device_pool::~device_pool()
     } catch (...) {
     }
   }
-  for (auto& seg : retired_segments_) {
-    try {
-      if (driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
-        driver_->deallocate(device_, seg->base);
-      }
-    } catch (...) {
-    }
-  }
+  retired_.release_all();
   (void)policy_.abandon();
 }
 
@@ -402,14 +395,13 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t
     free_live(ptr, stream);
     return;
   }
-  auto it = retired_live_.find({generation, ptr});
-  if (it == retired_live_.end()) {
+  auto* blk = retired_.take(generation, ptr);
+  if (blk == nullptr) {
     throw pool_error{"emmpool: pointer " + std::to_string(ptr) +
                      " from before a reset is not live (freed twice?)"};
   }
-  auto* blk = it->second;
-  retired_live_.erase(it);
-  free_retired(blk);
+  ++stats_.frees;
+  retired_.free(blk);
 }
 
 void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag)
@@ -420,13 +412,10 @@ void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_
   // A block of this library retired by a reset comes first (newest generation first): the
   // caller's free cannot say which generation it belongs to, and taking a live block at a
   // reused address for an old one would free memory still in use.
-  for (auto it = retired_live_.rbegin(); it != retired_live_.rend(); ++it) {
-    if (it->first.second == ptr && it->second->tag == t) {
-      auto* blk = it->second;
-      retired_live_.erase(std::next(it).base());
-      free_retired(blk);
-      return;
-    }
+  if (auto* blk = retired_.take_tagged(ptr, t)) {
+    ++stats_.frees;
+    retired_.free(blk);
+    return;
   }
   auto it = live_.find(ptr);
   if (it == live_.end() || it->second->tag != t) {
@@ -484,30 +473,7 @@ void device_pool::synchronize()
   drain();
 }
 
-// ---- reset and retirement -------------------------------------------------------------------
-
-void device_pool::free_retired(block* blk)
-{
-  ++stats_.frees;
-  auto* seg = blk->seg;
-  if (--seg->live_blocks > 0) { return; }
-  // Free the segment only if the driver still knows it as the same allocation: after a real
-  // context reset its address may belong to someone else by now.
-  try {
-    if (!process_is_exiting() && driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
-      driver_->deallocate(device_, seg->base);
-    }
-  } catch (...) {
-  }
-  for (auto* b = seg->first; b != nullptr;) {
-    auto* next = b->next;
-    blocks_.recycle(b);
-    b = next;
-  }
-  auto it = std::find_if(retired_segments_.begin(), retired_segments_.end(),
-                         [seg](auto const& s) { return s.get() == seg; });
-  retired_segments_.erase(it);
-}
+// ---- reset: live segments retired (detail/retired_segments.hpp) -----------------------------
 
 void device_pool::reset()
 {
@@ -534,16 +500,13 @@ void device_pool::reset()
     }
     stats_.bytes_reserved -= seg->size;
     --stats_.segments;
-    retired_segments_.push_back(std::move(seg));
   }
-  segments_.clear();
   for (auto& [ptr, blk] : live_) {
-    retired_live_.emplace(std::make_pair(generation_, ptr), blk);
     stats_.bytes_in_use -= blk->size;
     stats_.bytes_in_use_by_tag[blk->tag] -= blk->size;
     --stats_.blocks_in_use;
   }
-  live_.clear();
+  retired_.retire(segments_, live_, generation_);
   policy_.release_events();
   try {
     driver_->release_context(device_);

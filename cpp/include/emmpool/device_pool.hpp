@@ -25,6 +25,7 @@
 
 #include <emmpool/detail/block.hpp>
 #include <emmpool/detail/free_list.hpp>
+#include <emmpool/detail/retired_segments.hpp>
 #include <emmpool/reuse_policy.hpp>
 #include <emmpool/driver.hpp>
 #include <emmpool/stats.hpp>
@@ -219,7 +220,6 @@ class device_pool {
   void free_live(device_ptr ptr, stream_handle stream);  // a current-generation free
   void free_block(block* blk, stream_ref key);           // stats, trace, then the policy
   void release_block(block* blk);                        // fences done: into the free lists
-  void free_retired(block* blk);
   void maintain(stream_ref alive);
   void drain();  // wait for every pending free
   [[nodiscard]] std::string describe_locked() const;
@@ -233,12 +233,10 @@ class device_pool {
   reuse_policy policy_;
   std::map<device_ptr, std::unique_ptr<segment>> segments_;  // by base: IPC lookups
   std::unordered_map<device_ptr, block*> live_;               // allocated blocks by address
-  // Segments that outlived a reset, and their live blocks, per generation they belong to.
-  std::vector<std::unique_ptr<segment>> retired_segments_;
-  std::map<std::pair<std::uint64_t, device_ptr>, block*> retired_live_;
   std::uint64_t generation_{};
   detail::block_arena blocks_;
   detail::free_lists free_{blocks_};
+  detail::retired_segments retired_{*driver_, device_, blocks_};  // outlived a reset()
   int cleanup_deferrals_{};
   pool_stats stats_{};
   bool tracing_{};

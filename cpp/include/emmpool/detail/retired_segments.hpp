@@ -1,0 +1,59 @@
+/**
+ * @file detail/retired_segments.hpp
+ * @brief Segments that outlived a device pool's reset(), and their live blocks.
+ *
+ * A reset means the context is about to go (Numba's context reset): what still holds live
+ * blocks is retired. A retired segment is never handed out again; its live blocks are freed
+ * by their owners' frees, matched by the reset generation they were allocated in (or by their
+ * library, for callers that cannot say), and once its last block is freed it goes back to the
+ * driver, but only if the driver still knows it as the same allocation (after a real context
+ * reset its address may belong to someone else by now). Not thread-safe: its pool's mutex.
+ */
+#pragma once
+
+#include <emmpool/detail/block.hpp>
+#include <emmpool/driver.hpp>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace emmpool::detail {
+
+class retired_segments {
+ public:
+  retired_segments(driver& drv, int device, block_arena& arena) noexcept
+    : driver_{&drv}, device_{device}, arena_{&arena}
+  {
+  }
+
+  /// @brief Retire every segment of `segments` and every block of `live` (allocated in reset
+  /// generation `generation`), taking both over: the two are left empty.
+  void retire(std::map<device_ptr, std::unique_ptr<segment>>& segments,
+              std::unordered_map<device_ptr, block*>& live, std::uint64_t generation);
+
+  /// @brief The live retired block at `ptr` of `generation`, now no longer live; null if none.
+  [[nodiscard]] block* take(std::uint64_t generation, device_ptr ptr);
+  /// @brief The same for a caller that knows the block's library but not its generation: the
+  /// newest generation's block of that library at `ptr`; null if none.
+  [[nodiscard]] block* take_tagged(device_ptr ptr, std::uint8_t tag);
+
+  /// @brief A block taken above is freed: its segment goes back to the driver if it was the
+  /// last (and the driver still knows it), unless the process is exiting.
+  void free(block* blk);
+
+  /// @brief The pool is going away: every segment the driver still knows goes back to it.
+  void release_all() noexcept;
+
+ private:
+  driver* driver_;
+  int device_;
+  block_arena* arena_;
+  std::vector<std::unique_ptr<segment>> segments_;
+  std::map<std::pair<std::uint64_t, device_ptr>, block*> live_;  // by (generation, address)
+};
+
+}  // namespace emmpool::detail
