@@ -3,8 +3,6 @@
 #include <emmpool/error.hpp>
 
 #include <algorithm>
-#include <chrono>
-#include <cstdio>
 #include <limits>
 #include <mutex>
 #include <utility>
@@ -16,23 +14,9 @@ namespace {
 constexpr std::size_t mib = std::size_t{1} << 20;
 constexpr std::size_t large_granularity = 2 * mib;  // the driver's own allocation granularity
 
-constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
+using detail::human_bytes;
 
-std::string human(std::size_t bytes)
-{
-  char buf[32];
-  double const v = static_cast<double>(bytes);
-  if (bytes >= (std::size_t{1} << 30)) {
-    std::snprintf(buf, sizeof buf, "%.2f GiB", v / (1 << 30));
-  } else if (bytes >= mib) {
-    std::snprintf(buf, sizeof buf, "%.2f MiB", v / mib);
-  } else if (bytes >= 1024) {
-    std::snprintf(buf, sizeof buf, "%.2f KiB", v / 1024);
-  } else {
-    std::snprintf(buf, sizeof buf, "%zu B", bytes);
-  }
-  return buf;
-}
+constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
 
 std::size_t checked_rounded_size(std::size_t bytes, alloc_tag tag)
 {
@@ -53,16 +37,7 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
     policy_{drv, device, reuse_options{true, options.open_batch_limit}}
 {
   EMMPOOL_EXPECTS(device >= 0, "device must be a non-negative ordinal");
-  EMMPOOL_EXPECTS(options_.maximum_fraction >= 0.0 && options_.maximum_fraction <= 1.0,
-                  "maximum_fraction must lie in [0, 1]");
-  EMMPOOL_EXPECTS(options_.small_request % alignment == 0 && options_.small_request > 0,
-                  "small_request must be a positive multiple of 256");
-  EMMPOOL_EXPECTS(options_.small_segment % alignment == 0 &&
-                    options_.small_segment >= options_.small_request,
-                  "small_segment must be a multiple of 256 and at least small_request");
-  EMMPOOL_EXPECTS(options_.large_segment % alignment == 0 &&
-                    options_.large_segment > options_.small_request,
-                  "large_segment must be a multiple of 256 larger than small_request");
+  options_.check();
 
   max_reserved_ = options_.maximum_size != 0 ? options_.maximum_size
                                              : std::numeric_limits<std::size_t>::max();
@@ -74,27 +49,25 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
   EMMPOOL_EXPECTS(options_.initial_size <= max_reserved_,
                   "initial_size exceeds the maximum pool size");
   live_.reserve(4096);
-  tracing_ = options_.trace;
+  trace_.set(options_.trace);
   if (options_.initial_size > 0 && options_.mode == pool_mode::pool) {
     std::lock_guard lock{mutex_};
     auto* blk = grow(round_up(options_.initial_size, large_granularity), true);
     if (blk == nullptr) {
       throw out_of_memory{"emmpool: cannot reserve the initial pool of " +
-                          human(options_.initial_size) + " on device " +
+                          human_bytes(options_.initial_size) + " on device " +
                           std::to_string(device_)};
     }
     free_.insert(blk);
   }
-  detail::register_for_fork(&mutex_, &forked_);
 }
 
 device_pool::~device_pool()
 {
-  detail::unregister_for_fork(&mutex_);
   std::lock_guard lock{mutex_};
   // Whatever is left goes back to the driver, without waiting: the pool is going away, so
   // nobody can be handed these blocks again. At process exit the driver may be gone: leak.
-  if (process_is_exiting() || forked_) {
+  if (!may_call_driver_at_teardown()) {
     policy_.drop_events();  // no CUDA call: the driver may be gone, or belong to the parent
     return;
   }
@@ -106,12 +79,6 @@ device_pool::~device_pool()
   }
   retired_.release_all();
   (void)policy_.abandon();
-}
-
-bool device_pool::forked() const
-{
-  std::lock_guard lock{mutex_};
-  return forked_;
 }
 
 // ---- allocation: stream order, then best fit, then the out-of-memory ladder -------------------
@@ -190,7 +157,7 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
   }
   if (blk == nullptr) {
     ++stats_.out_of_memory;
-    throw out_of_memory{"emmpool: out of memory allocating " + human(bytes) + "; " +
+    throw out_of_memory{"emmpool: out of memory allocating " + human_bytes(bytes) + "; " +
                         describe_locked()};
   }
   return hand_out(blk, bytes, key, tag);
@@ -206,13 +173,8 @@ device_ptr device_pool::hand_out(block* blk, std::size_t bytes, stream_ref strea
   blk->alloc_stream = stream;
   live_.emplace(blk->ptr, blk);
 
-  stats_.bytes_in_use += blk->size;
-  stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
-  ++stats_.blocks_in_use;
-  ++stats_.allocations;
-  stats_.bytes_in_use_by_tag[blk->tag] += blk->size;
-  ++stats_.allocations_by_tag[blk->tag];
-  if (tracing_) { record('a', blk->ptr, bytes, stream.handle, blk->tag); }
+  stats_.count_allocation(blk->size, blk->tag);
+  if (trace_.on()) { trace_.record('a', blk->ptr, bytes, stream.handle, blk->tag); }
   return blk->ptr;
 }
 
@@ -300,7 +262,7 @@ void device_pool::release_segment(segment* seg)
 
 std::size_t device_pool::release_free_segments(bool large_only)
 {
-  if (cleanup_deferrals_ > 0 || forked_) { return 0; }
+  if (cleanup_deferred() || forked_) { return 0; }
   std::vector<segment*> idle;
   for (auto& [base, seg] : segments_) {
     if (seg->live_blocks == 0 && !(large_only && seg->small)) { idle.push_back(seg.get()); }
@@ -324,28 +286,28 @@ std::size_t device_pool::trim()
 void device_pool::defer_cleanup_begin()
 {
   std::lock_guard lock{mutex_};
-  ++cleanup_deferrals_;
+  begin_deferral();
 }
 
 void device_pool::defer_cleanup_end()
 {
   std::lock_guard lock{mutex_};
-  EMMPOOL_EXPECTS(cleanup_deferrals_ > 0, "defer_cleanup_end without defer_cleanup_begin");
-  if (--cleanup_deferrals_ == 0 && options_.mode == pool_mode::passthrough) {
+  if (end_deferral() && options_.mode == pool_mode::passthrough) {
     release_free_segments();  // segments whose release was held back
   }
 }
 
 // ---- frees: the reuse policy decides when a block comes back (reuse_policy.hpp) -------------
 
-void device_pool::free_live(device_ptr ptr, stream_handle stream)
+void device_pool::free_live(device_ptr ptr, stream_handle stream, int tag)
 {
   auto it = live_.find(ptr);
-  if (it == live_.end()) {
-    throw pool_error{"emmpool: pointer " + std::to_string(ptr) + " on device " +
-                     std::to_string(device_) +
-                     " is not a live allocation of this pool (freed twice, or never allocated "
-                     "here)"};
+  if (it == live_.end() || (tag >= 0 && it->second->tag != tag)) {
+    auto const what =
+      tag >= 0 ? std::string{" is not a live allocation of this library in this pool"}
+               : " on device " + std::to_string(device_) +
+                   " is not a live allocation of this pool (freed twice, or never allocated here)";
+    throw pool_error{"emmpool: pointer " + std::to_string(ptr) + what};
   }
   auto* blk      = it->second;
   auto const key = policy_.free_key(*blk, stream);  // first: if it throws, the block stays live
@@ -355,11 +317,9 @@ void device_pool::free_live(device_ptr ptr, stream_handle stream)
 
 void device_pool::free_block(block* blk, stream_ref key)
 {
-  if (tracing_) { record('f', blk->ptr, blk->size, key.handle, blk->tag); }
-  stats_.bytes_in_use -= blk->size;
-  --stats_.blocks_in_use;
+  if (trace_.on()) { trace_.record('f', blk->ptr, blk->size, key.handle, blk->tag); }
+  stats_.count_out_of_use(blk->size, blk->tag);
   ++stats_.frees;
-  stats_.bytes_in_use_by_tag[blk->tag] -= blk->size;
   policy_.free(blk, key);
 }
 
@@ -417,12 +377,7 @@ void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_
     retired_.free(blk);
     return;
   }
-  auto it = live_.find(ptr);
-  if (it == live_.end() || it->second->tag != t) {
-    throw pool_error{"emmpool: pointer " + std::to_string(ptr) +
-                     " is not a live allocation of this library in this pool"};
-  }
-  free_live(ptr, stream);
+  free_live(ptr, stream, t);
 }
 
 void device_pool::record_stream(device_ptr ptr, stream_handle stream)
@@ -446,7 +401,7 @@ void device_pool::release_block(block* blk)
     return;
   }
   free_.insert(blk);  // passthrough: the segment, wholly free, goes back to the driver
-  if (cleanup_deferrals_ == 0) {
+  if (!cleanup_deferred()) {
     try {
       release_segment(seg);
     } catch (cuda_error const&) {
@@ -479,12 +434,7 @@ void device_pool::reset()
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
-  try {
-    drain();
-  } catch (...) {
-    // The context is already unusable: pending blocks can't be fenced; nothing uses them now.
-    for (auto* b : policy_.abandon()) { release_block(b); }
-  }
+  policy_.drain_or_abandon([this](block* b) { release_block(b); });
   int const deferrals = cleanup_deferrals_;
   cleanup_deferrals_  = 0;  // a reset frees what it can regardless
   try {
@@ -501,11 +451,7 @@ void device_pool::reset()
     stats_.bytes_reserved -= seg->size;
     --stats_.segments;
   }
-  for (auto& [ptr, blk] : live_) {
-    stats_.bytes_in_use -= blk->size;
-    stats_.bytes_in_use_by_tag[blk->tag] -= blk->size;
-    --stats_.blocks_in_use;
-  }
+  for (auto& [ptr, blk] : live_) { stats_.count_out_of_use(blk->size, blk->tag); }
   retired_.retire(segments_, live_, generation_);
   policy_.release_events();
   try {
@@ -514,12 +460,6 @@ void device_pool::reset()
     // Already gone: nothing is held.
   }
   ++generation_;
-}
-
-std::uint64_t device_pool::generation() const
-{
-  std::lock_guard lock{mutex_};
-  return generation_;
 }
 
 // ---- IPC ------------------------------------------------------------------------------------
@@ -545,25 +485,16 @@ std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
 
 // ---- tracing and statistics -----------------------------------------------------------------
 
-void device_pool::record(char op, device_ptr ptr, std::size_t size, stream_handle stream,
-                         std::uint8_t tag)
-{
-  auto const now = std::chrono::steady_clock::now().time_since_epoch();
-  trace_.push_back(
-    {static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count()),
-     ptr, size, stream, op, tag});
-}
-
 void device_pool::set_tracing(bool on)
 {
   std::lock_guard lock{mutex_};
-  tracing_ = on;
+  trace_.set(on);
 }
 
 std::vector<trace_record> device_pool::take_trace()
 {
   std::lock_guard lock{mutex_};
-  return std::exchange(trace_, {});
+  return trace_.take();
 }
 
 pool_stats device_pool::stats() const
@@ -594,12 +525,13 @@ std::string device_pool::describe() const
 std::string device_pool::describe_locked() const
 {
   std::string s = "pool on device " + std::to_string(device_) + " holds " +
-                  human(stats_.bytes_reserved) + " in " + std::to_string(stats_.segments) +
-                  " segments: " + human(stats_.bytes_in_use) + " in use, " +
-                  human(free_.bytes()) + " free (largest block " + human(free_.largest()) + "), " +
-                  human(policy_.waiting_bytes()) + " waiting for pending frees";
+                  human_bytes(stats_.bytes_reserved) + " in " + std::to_string(stats_.segments) +
+                  " segments: " + human_bytes(stats_.bytes_in_use) + " in use, " +
+                  human_bytes(free_.bytes()) + " free (largest block " +
+                  human_bytes(free_.largest()) + "), " + human_bytes(policy_.waiting_bytes()) +
+                  " waiting for pending frees";
   if (max_reserved_ != std::numeric_limits<std::size_t>::max()) {
-    s += "; cap " + human(max_reserved_);
+    s += "; cap " + human_bytes(max_reserved_);
   }
   return s;
 }

@@ -28,14 +28,12 @@ host_pool::host_pool(driver& drv, int device, std::size_t limit)
 {
   EMMPOOL_EXPECTS(device >= 0, "device must be a non-negative ordinal");
   stats_.limit = limit != 0 ? limit : default_limit();
-  detail::register_for_fork(&mutex_, &forked_);
 }
 
 host_pool::~host_pool()
 {
-  detail::unregister_for_fork(&mutex_);
   std::lock_guard lock{mutex_};
-  if (process_is_exiting() || forked_) {
+  if (!may_call_driver_at_teardown()) {
     policy_.drop_events();
     return;
   }
@@ -123,7 +121,7 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags)
   } else {
     // Room under the limit: cached blocks of other classes go first, then pending frees are
     // waited for and their blocks go too.
-    if (stats_.bytes_held + cls > stats_.limit && cleanup_deferrals_ == 0) {
+    if (stats_.bytes_held + cls > stats_.limit && !cleanup_deferred()) {
       release_cached(cls);
       if (stats_.bytes_held + cls > stats_.limit) {
         policy_.drain([this](block* x) { on_fenced(x); });
@@ -140,7 +138,7 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags)
       try {
         p = driver_->host_allocate(device_, cls, flags);
       } catch (out_of_memory const&) {
-        if (cleanup_deferrals_ > 0) { throw; }
+        if (cleanup_deferred()) { throw; }
         policy_.drain([this](block* x) { on_fenced(x); });
         release_cached(stats_.limit);  // everything cached goes back
         p = driver_->host_allocate(device_, cls, flags);
@@ -230,7 +228,7 @@ void host_pool::unregister_memory(void* ptr)
 std::size_t host_pool::trim()
 {
   std::lock_guard lock{mutex_};
-  if (forked_ || cleanup_deferrals_ > 0) { return 0; }
+  if (forked_ || cleanup_deferred()) { return 0; }
   policy_.drain([this](block* b) { on_fenced(b); });
   std::size_t const before = stats_.bytes_held;
   auto const limit         = stats_.limit;
@@ -245,11 +243,7 @@ void host_pool::reset()
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
-  try {
-    policy_.drain([this](block* b) { on_fenced(b); });
-  } catch (...) {
-    for (auto* b : policy_.abandon()) { on_fenced(b); }
-  }
+  policy_.drain_or_abandon([this](block* b) { on_fenced(b); });
   for (auto& [key, blocks] : cached_) {
     for (auto* b : blocks) {
       try {
@@ -274,20 +268,13 @@ void host_pool::reset()
 void host_pool::defer_cleanup_begin()
 {
   std::lock_guard lock{mutex_};
-  ++cleanup_deferrals_;
+  begin_deferral();
 }
 
 void host_pool::defer_cleanup_end()
 {
   std::lock_guard lock{mutex_};
-  EMMPOOL_EXPECTS(cleanup_deferrals_ > 0, "defer_cleanup_end without defer_cleanup_begin");
-  --cleanup_deferrals_;
-}
-
-std::uint64_t host_pool::generation() const
-{
-  std::lock_guard lock{mutex_};
-  return generation_;
+  (void)end_deferral();
 }
 
 host_pool_stats host_pool::stats() const

@@ -24,10 +24,13 @@
 #pragma once
 
 #include <emmpool/detail/block.hpp>
+#include <emmpool/detail/pool_lifecycle.hpp>
 #include <emmpool/detail/free_list.hpp>
 #include <emmpool/detail/retired_segments.hpp>
+#include <emmpool/detail/trace_log.hpp>
 #include <emmpool/reuse_policy.hpp>
 #include <emmpool/driver.hpp>
+#include <emmpool/pool_options.hpp>
 #include <emmpool/stats.hpp>
 
 #include <cstddef>
@@ -36,38 +39,11 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 namespace emmpool {
-
-enum class pool_mode : std::uint8_t { pool, passthrough };
-
-/// @brief How a pool grows and what it keeps.
-struct pool_options {
-  pool_mode mode{pool_mode::pool};
-  std::size_t initial_size{0};          ///< bytes reserved when the pool is created
-  std::size_t maximum_size{0};          ///< cap on bytes reserved; 0: no cap but the device's
-  double maximum_fraction{0.0};         ///< cap as a fraction of the device's memory; 0: unused
-  std::size_t small_request{1u << 20};  ///< requests up to this size use small segments
-  std::size_t small_segment{2u << 20};  ///< size of a small segment
-  std::size_t large_segment{20u << 20}; ///< minimum size of a large segment
-  std::size_t open_batch_limit{64u << 20};  ///< fence freed blocks past this many bytes
-                                            ///< unfenced (dormant streams: one device sync)
-  bool trace{false};                    ///< record every allocation and free (set_tracing)
-};
-
-/// @brief One allocation or free, as the optional trace records it.
-struct trace_record {
-  std::uint64_t time_ns;  ///< steady clock
-  device_ptr ptr;
-  std::size_t size;       ///< bytes requested (allocation) or held (free)
-  stream_handle stream;
-  char op;                ///< 'a' allocation, 'f' free
-  std::uint8_t tag;       ///< alloc_tag
-};
 
 /// @brief Where a pooled block lies in its segment, for IPC.
 struct ipc_info {
@@ -77,9 +53,9 @@ struct ipc_info {
   std::size_t offset;        ///< block address - segment base
 };
 
-class device_pool {
+class device_pool : private detail::pool_lifecycle {
  public:
-  static constexpr std::size_t alignment = 256;
+  static constexpr std::size_t alignment = block_alignment;
 
   /// @throws std::invalid_argument if the options are inconsistent
   device_pool(driver& drv, int device, pool_options options);
@@ -140,7 +116,7 @@ class device_pool {
   void deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag);
 
   /// @brief Incremented by every reset(); callers that may outlive a reset remember it.
-  [[nodiscard]] std::uint64_t generation() const;
+  using pool_lifecycle::generation;
 
   /// @brief Declare that `stream` (e.g. a non-blocking stream) uses the block: its free then
   /// also waits for the work issued to `stream` before the free. As with PyTorch's
@@ -184,7 +160,7 @@ class device_pool {
   [[nodiscard]] std::string describe() const;
 
   /// @brief Whether this is a copy of the pool in a forked child (see above).
-  [[nodiscard]] bool forked() const;
+  using pool_lifecycle::forked;
 
   [[nodiscard]] int device() const noexcept { return device_; }
   [[nodiscard]] pool_options const& options() const noexcept { return options_; }
@@ -217,31 +193,25 @@ class device_pool {
   void release_segment(segment* seg);
   // ---- frees
   block* take_live(device_ptr ptr);                      // off live_, or pool_error
-  void free_live(device_ptr ptr, stream_handle stream);  // a current-generation free
+  void free_live(device_ptr ptr, stream_handle stream, int tag = -1);  // of library tag (>= 0)
   void free_block(block* blk, stream_ref key);           // stats, trace, then the policy
   void release_block(block* blk);                        // fences done: into the free lists
   void maintain(stream_ref alive);
   void drain();  // wait for every pending free
   [[nodiscard]] std::string describe_locked() const;
-  void record(char op, device_ptr ptr, std::size_t size, stream_handle stream, std::uint8_t tag);
 
   driver* driver_;
   int device_;
   pool_options options_;
   std::size_t max_reserved_{};
-  mutable std::mutex mutex_;
   reuse_policy policy_;
   std::map<device_ptr, std::unique_ptr<segment>> segments_;  // by base: IPC lookups
   std::unordered_map<device_ptr, block*> live_;               // allocated blocks by address
-  std::uint64_t generation_{};
   detail::block_arena blocks_;
   detail::free_lists free_{blocks_};
   detail::retired_segments retired_{*driver_, device_, blocks_};  // outlived a reset()
-  int cleanup_deferrals_{};
   pool_stats stats_{};
-  bool tracing_{};
-  bool forked_{};  // this process is a fork() child of the one that made the pool
-  std::vector<trace_record> trace_;
+  detail::trace_log trace_;
 };
 
 }  // namespace emmpool

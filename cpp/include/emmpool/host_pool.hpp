@@ -22,6 +22,7 @@
 #pragma once
 
 #include <emmpool/detail/block.hpp>
+#include <emmpool/detail/pool_lifecycle.hpp>
 #include <emmpool/driver.hpp>
 #include <emmpool/reuse_policy.hpp>
 
@@ -51,7 +52,7 @@ struct host_pool_stats {
   std::uint64_t driver_frees{};
 };
 
-class host_pool {
+class host_pool : private detail::pool_lifecycle {
  public:
   /// @param limit cap on bytes held; 0: a quarter of the machine's physical memory
   host_pool(driver& drv, int device, std::size_t limit);
@@ -86,7 +87,8 @@ class host_pool {
   void defer_cleanup_begin();
   void defer_cleanup_end();
 
-  [[nodiscard]] std::uint64_t generation() const;
+  using pool_lifecycle::generation;  ///< incremented by every reset()
+  using pool_lifecycle::forked;      ///< a copy in a forked child: inert
   [[nodiscard]] host_pool_stats stats() const;
   [[nodiscard]] int device() const noexcept { return device_; }
 
@@ -101,16 +103,12 @@ class host_pool {
 
   driver* driver_;
   int device_;
-  mutable std::mutex mutex_;
   reuse_policy policy_;
   std::unordered_map<std::uintptr_t, block*> live_;
   std::map<std::pair<unsigned, std::size_t>, std::vector<block*>> cached_;  // (flags, class)
   std::map<std::pair<std::uint64_t, std::uintptr_t>, block*> retired_;
   std::unordered_map<std::uintptr_t, std::size_t> registered_;
   detail::block_arena blocks_;
-  std::uint64_t generation_{};
-  int cleanup_deferrals_{};
-  bool forked_{};
   host_pool_stats stats_{};
 };
 

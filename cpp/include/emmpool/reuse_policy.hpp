@@ -173,6 +173,11 @@ class reuse_policy {
   template <class Release>
   void drain(Release&& release);
 
+  /// @brief For a reset: drain(); if the context is unusable already (a fence fails), release
+  /// every block unfenced instead: its work died with the context.
+  template <class Release>
+  void drain_or_abandon(Release&& release);
+
   /// @brief Forget every batch without touching CUDA (the context is gone: reset, or exit).
   /// Returns the blocks, their record_stream fences dropped, so the pool can retire them.
   std::vector<detail::block*> abandon();
@@ -339,6 +344,16 @@ void reuse_policy::drain(Release&& release)
       closed_.pop_front();
     }
   } while (!open_.empty() || !closed_.empty());
+}
+
+template <class Release>
+void reuse_policy::drain_or_abandon(Release&& release)
+{
+  try {
+    drain(release);
+  } catch (...) {
+    for (auto* b : abandon()) { release(b); }
+  }
 }
 
 }  // namespace emmpool

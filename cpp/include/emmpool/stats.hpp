@@ -36,6 +36,24 @@ struct pool_stats {
   std::uint64_t out_of_memory{};     ///< requests that failed after the whole ladder
   std::array<std::size_t, alloc_tag_count> bytes_in_use_by_tag{};
   std::array<std::uint64_t, alloc_tag_count> allocations_by_tag{};
+
+  /// @brief Count a block of `size` bytes of library `tag` handed out (an allocation).
+  void count_allocation(std::size_t size, std::uint8_t tag) noexcept
+  {
+    bytes_in_use += size;
+    peak_bytes_in_use = peak_bytes_in_use > bytes_in_use ? peak_bytes_in_use : bytes_in_use;
+    ++blocks_in_use;
+    ++allocations;
+    bytes_in_use_by_tag[tag] += size;
+    ++allocations_by_tag[tag];
+  }
+  /// @brief Count a block no longer in use (freed, or retired by a reset).
+  void count_out_of_use(std::size_t size, std::uint8_t tag) noexcept
+  {
+    bytes_in_use -= size;
+    --blocks_in_use;
+    bytes_in_use_by_tag[tag] -= size;
+  }
 };
 
 }  // namespace emmpool
