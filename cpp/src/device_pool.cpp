@@ -85,19 +85,15 @@ device_pool::~device_pool()
 
 device_pool::block* device_pool::take_best_fit(std::size_t rounded)
 {
-  auto* blk = free_.take_best_fit(rounded, rounded <= options_.small_request);
-  return blk != nullptr ? free_.split(blk, rounded, alignment) : nullptr;
+  return free_.take(rounded, rounded <= options_.small_request, alignment);
 }
 
 device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
 {
   if (options_.mode != pool_mode::pool) { return nullptr; }
   // Stream order: a block this stream freed lately needs no fence for this stream's work.
-  if (auto* blk = policy_.take_in_stream_order(stream, rounded)) {
-    ++stats_.same_stream_reuses;
-    return blk;
-  }
-  return take_best_fit(rounded);
+  auto* blk = policy_.take_in_stream_order(stream, rounded);
+  return blk != nullptr ? blk : take_best_fit(rounded);
 }
 
 std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
@@ -318,8 +314,7 @@ void device_pool::free_live(device_ptr ptr, stream_handle stream, int tag)
 void device_pool::free_block(block* blk, stream_ref key)
 {
   if (trace_.on()) { trace_.record('f', blk->ptr, blk->size, key.handle, blk->tag); }
-  stats_.count_out_of_use(blk->size, blk->tag);
-  ++stats_.frees;
+  stats_.count_free(blk->size, blk->tag);
   policy_.free(blk, key);
 }
 
@@ -355,13 +350,11 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t
     free_live(ptr, stream);
     return;
   }
-  auto* blk = retired_.take(generation, ptr);
-  if (blk == nullptr) {
+  if (!retired_.free(generation, ptr)) {
     throw pool_error{"emmpool: pointer " + std::to_string(ptr) +
                      " from before a reset is not live (freed twice?)"};
   }
   ++stats_.frees;
-  retired_.free(blk);
 }
 
 void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag)
@@ -372,9 +365,8 @@ void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_
   // A block of this library retired by a reset comes first (newest generation first): the
   // caller's free cannot say which generation it belongs to, and taking a live block at a
   // reused address for an old one would free memory still in use.
-  if (auto* blk = retired_.take_tagged(ptr, t)) {
+  if (retired_.free_tagged(ptr, t)) {
     ++stats_.frees;
-    retired_.free(blk);
     return;
   }
   free_live(ptr, stream, t);
@@ -435,19 +427,11 @@ void device_pool::reset()
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
   policy_.drain_or_abandon([this](block* b) { release_block(b); });
-  int const deferrals = cleanup_deferrals_;
-  cleanup_deferrals_  = 0;  // a reset frees what it can regardless
-  try {
-    release_free_segments();
-  } catch (...) {
-  }
-  cleanup_deferrals_ = deferrals;
+  regardless_of_deferrals([this] { release_free_segments(); });  // errors ignored
 
   // What is left holds live blocks: retire it, so that it is never handed out again.
   for (auto& [base, seg] : segments_) {
-    for (auto* b = seg->first; b != nullptr; b = b->next) {
-      if (b->state == detail::block_state::free) { free_.erase(b); }
-    }
+    free_.erase_all_of(*seg);
     stats_.bytes_reserved -= seg->size;
     --stats_.segments;
   }
@@ -500,12 +484,18 @@ std::vector<trace_record> device_pool::take_trace()
 pool_stats device_pool::stats() const
 {
   std::lock_guard lock{mutex_};
+  return stats_locked();
+}
+
+pool_stats device_pool::stats_locked() const
+{
   pool_stats s         = stats_;
   s.bytes_free         = free_.bytes();
   s.largest_free_block = free_.largest();
   s.bytes_waiting      = policy_.waiting_bytes();
   s.batches_closed     = policy_.batches_closed();
   s.dormant_fences     = policy_.dormant_fences();
+  s.same_stream_reuses = policy_.stream_order_reuses();
   return s;
 }
 
@@ -524,16 +514,7 @@ std::string device_pool::describe() const
 
 std::string device_pool::describe_locked() const
 {
-  std::string s = "pool on device " + std::to_string(device_) + " holds " +
-                  human_bytes(stats_.bytes_reserved) + " in " + std::to_string(stats_.segments) +
-                  " segments: " + human_bytes(stats_.bytes_in_use) + " in use, " +
-                  human_bytes(free_.bytes()) + " free (largest block " +
-                  human_bytes(free_.largest()) + "), " + human_bytes(policy_.waiting_bytes()) +
-                  " waiting for pending frees";
-  if (max_reserved_ != std::numeric_limits<std::size_t>::max()) {
-    s += "; cap " + human_bytes(max_reserved_);
-  }
-  return s;
+  return emmpool::describe(stats_locked(), device_, max_reserved_);
 }
 
 }  // namespace emmpool

@@ -18,6 +18,13 @@ void free_lists::erase(block* blk)
   bytes_ -= blk->size;
 }
 
+void free_lists::erase_all_of(segment const& seg)
+{
+  for (auto* b = seg.first; b != nullptr; b = b->next) {
+    if (b->state == block_state::free) { erase(b); }
+  }
+}
+
 block* free_lists::take_best_fit(std::size_t size, bool small)
 {
   auto& s = small ? small_ : large_;

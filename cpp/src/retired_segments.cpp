@@ -16,25 +16,27 @@ void retired_segments::retire(std::map<device_ptr, std::unique_ptr<segment>>& se
   live.clear();
 }
 
-block* retired_segments::take(std::uint64_t generation, device_ptr ptr)
+bool retired_segments::free(std::uint64_t generation, device_ptr ptr)
 {
   auto it = live_.find({generation, ptr});
-  if (it == live_.end()) { return nullptr; }
+  if (it == live_.end()) { return false; }
   auto* blk = it->second;
   live_.erase(it);
-  return blk;
+  free(blk);
+  return true;
 }
 
-block* retired_segments::take_tagged(device_ptr ptr, std::uint8_t tag)
+bool retired_segments::free_tagged(device_ptr ptr, std::uint8_t tag)
 {
   for (auto it = live_.rbegin(); it != live_.rend(); ++it) {
     if (it->first.second == ptr && it->second->tag == tag) {
       auto* blk = it->second;
       live_.erase(std::next(it).base());
-      return blk;
+      free(blk);
+      return true;
     }
   }
-  return nullptr;
+  return false;
 }
 
 void retired_segments::free(block* blk)

@@ -118,6 +118,7 @@ detail::block* reuse_policy::take_in_stream_order(stream_ref stream, std::size_t
       b.bytes -= blk->size;
       waiting_bytes_ -= blk->size;
       --waiting_blocks_;
+      ++stream_order_reuses_;
       return blk;
     }
     return nullptr;

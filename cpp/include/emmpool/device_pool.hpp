@@ -198,6 +198,7 @@ class device_pool : private detail::pool_lifecycle {
   void release_block(block* blk);                        // fences done: into the free lists
   void maintain(stream_ref alive);
   void drain();  // wait for every pending free
+  [[nodiscard]] pool_stats stats_locked() const;  // the full snapshot
   [[nodiscard]] std::string describe_locked() const;
 
   driver* driver_;

@@ -191,6 +191,8 @@ class reuse_policy {
 
   /// @brief Batches closed so far (events recorded to fence frees).
   [[nodiscard]] std::uint64_t batches_closed() const noexcept { return batches_closed_; }
+  /// @brief Blocks handed out again in stream order (take_in_stream_order), unfenced.
+  [[nodiscard]] std::uint64_t stream_order_reuses() const noexcept { return stream_order_reuses_; }
   /// @brief Device synchronizations that fenced dormant batches so far.
   [[nodiscard]] std::uint64_t dormant_fences() const noexcept { return dormant_fences_; }
   [[nodiscard]] std::size_t waiting_bytes() const noexcept { return waiting_bytes_; }
@@ -240,6 +242,7 @@ class reuse_policy {
   std::size_t waiting_blocks_{};
   std::size_t open_bytes_{};
   std::uint64_t pushes_{};
+  std::uint64_t stream_order_reuses_{};
   std::uint64_t batches_closed_{};
   std::uint64_t dormant_fences_{};
 };

@@ -7,6 +7,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace emmpool {
 
@@ -47,6 +48,12 @@ struct pool_stats {
     bytes_in_use_by_tag[tag] += size;
     ++allocations_by_tag[tag];
   }
+  /// @brief Count a free of a block in use.
+  void count_free(std::size_t size, std::uint8_t tag) noexcept
+  {
+    count_out_of_use(size, tag);
+    ++frees;
+  }
   /// @brief Count a block no longer in use (freed, or retired by a reset).
   void count_out_of_use(std::size_t size, std::uint8_t tag) noexcept
   {
@@ -55,5 +62,9 @@ struct pool_stats {
     bytes_in_use_by_tag[tag] -= size;
   }
 };
+
+/// @brief One line saying what a pool holds, for error messages: its statistics `s` (a full
+/// snapshot: device_pool::stats()), its device, and its cap on reserved bytes (SIZE_MAX: none).
+[[nodiscard]] std::string describe(pool_stats const& s, int device, std::size_t cap);
 
 }  // namespace emmpool

@@ -34,9 +34,19 @@ class free_lists {
   /// @brief Remove a free block (a wholly free segment about to go back to the driver, say).
   void erase(block* blk);
 
+  /// @brief Remove every free block of `seg` (a segment retired by a reset).
+  void erase_all_of(segment const& seg);
+
   /// @brief Take the smallest block of at least `size` bytes from the small or large set;
   /// null if none. The block leaves the set unsplit: see split().
   [[nodiscard]] block* take_best_fit(std::size_t size, bool small);
+
+  /// @brief take_best_fit(), then split() the block down to `size`.
+  [[nodiscard]] block* take(std::size_t size, bool small, std::size_t min_rest)
+  {
+    auto* blk = take_best_fit(size, small);
+    return blk != nullptr ? split(blk, size, min_rest) : nullptr;
+  }
 
   /// @brief Cut `blk` (taken, not in a set) down to `size` bytes if at least `min_rest` would
   /// remain; the rest, a new block record, joins the free set. @return blk

@@ -49,6 +49,19 @@ class pool_lifecycle {
     return --cleanup_deferrals_ == 0;
   }
   [[nodiscard]] bool cleanup_deferred() const noexcept { return cleanup_deferrals_ > 0; }
+  /// For a reset, which frees what it can regardless: run f with no deferral in force,
+  /// ignoring its errors (the context is going anyway).
+  template <class F>
+  void regardless_of_deferrals(F&& f) noexcept
+  {
+    int const deferrals = cleanup_deferrals_;
+    cleanup_deferrals_  = 0;
+    try {
+      f();
+    } catch (...) {
+    }
+    cleanup_deferrals_ = deferrals;
+  }
   /// As the pool goes away: whether it may call the driver (never in a forked child, whose
   /// driver is the parent's, nor while the process exits: the driver may be gone; leak).
   [[nodiscard]] bool may_call_driver_at_teardown() const noexcept

@@ -35,20 +35,20 @@ class retired_segments {
   void retire(std::map<device_ptr, std::unique_ptr<segment>>& segments,
               std::unordered_map<device_ptr, block*>& live, std::uint64_t generation);
 
-  /// @brief The live retired block at `ptr` of `generation`, now no longer live; null if none.
-  [[nodiscard]] block* take(std::uint64_t generation, device_ptr ptr);
+  /// @brief Free the live retired block at `ptr` of `generation`: its segment goes back to the
+  /// driver if it was the last (and the driver still knows it), unless the process is exiting.
+  /// @return false if there is no such block
+  bool free(std::uint64_t generation, device_ptr ptr);
   /// @brief The same for a caller that knows the block's library but not its generation: the
-  /// newest generation's block of that library at `ptr`; null if none.
-  [[nodiscard]] block* take_tagged(device_ptr ptr, std::uint8_t tag);
-
-  /// @brief A block taken above is freed: its segment goes back to the driver if it was the
-  /// last (and the driver still knows it), unless the process is exiting.
-  void free(block* blk);
+  /// newest generation's block of that library at `ptr`.
+  bool free_tagged(device_ptr ptr, std::uint8_t tag);
 
   /// @brief The pool is going away: every segment the driver still knows goes back to it.
   void release_all() noexcept;
 
  private:
+  void free(block* blk);
+
   driver* driver_;
   int device_;
   block_arena* arena_;
