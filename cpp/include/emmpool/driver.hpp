@@ -121,8 +121,6 @@ class driver {
   /// @brief cuMemHostRegister of caller memory (flags: host_mapped and/or host_portable).
   virtual void host_register(int device, void* ptr, std::size_t bytes, unsigned flags) = 0;
   virtual void host_unregister(int device, void* ptr) = 0;
-  /// @brief The device address of mapped host memory.
-  [[nodiscard]] virtual device_ptr host_device_pointer(int device, void* ptr) = 0;
 };
 
 /// @brief The process-wide CUDA driver implementation. Loading is deferred to its first call;
