@@ -105,7 +105,7 @@ std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_ha
   auto const key = policy_.allocation_key(stream);
   if (policy_.fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
   if (auto* blk = take_without_cuda(rounded, key)) { return hand_out(blk, bytes, key, tag); }
-  missed_ = missed_request{bytes, stream, tag, rounded, key, free_.insertions(), policy_.pushes()};
+  missed_ = missed_request{bytes, stream, tag, rounded, key, free_.insertions(), policy_.version()};
   return std::nullopt;
 }
 
@@ -113,14 +113,14 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
 {
   std::lock_guard lock{mutex_};
   if (forked_) { detail::throw_forked(); }
-  // After try_allocate()'s miss on this very request, the request is checked already, and the
-  // free lists, unchanged since, hold nothing for it: one check and one search per allocation.
-  auto const miss    = std::exchange(missed_, std::nullopt);
+  // try_allocate() missed this very request, and what it searched is as it was (missed_):
+  // checked already, and a search would miss again. One check and one search per request.
+  auto const* miss   = missed_ ? &*missed_ : nullptr;
   bool const checked = miss && miss->bytes == bytes && miss->stream == stream && miss->tag == tag;
   std::size_t const rounded = checked ? miss->rounded : checked_rounded_size(bytes, tag);
   auto const key = checked ? policy_.ref_of(stream) : policy_.allocation_key(stream);
   bool const searched = checked && miss->key == key && miss->insertions == free_.insertions() &&
-                        miss->pushes == policy_.pushes();
+                        miss->version == policy_.version();
 
   bool const pooled = options_.mode == pool_mode::pool;
   block* blk        = nullptr;

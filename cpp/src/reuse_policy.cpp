@@ -62,7 +62,7 @@ void reuse_policy::record_stream(detail::block* blk, stream_handle stream) const
 void reuse_policy::push(detail::block* blk, stream_ref stream)
 {
   blk->state = detail::block_state::pending;
-  ++pushes_;
+  ++version_;
   waiting_bytes_ += blk->size;
   open_bytes_ += blk->size;
   ++waiting_blocks_;
@@ -119,6 +119,7 @@ detail::block* reuse_policy::take_in_stream_order(stream_ref stream, std::size_t
       waiting_bytes_ -= blk->size;
       --waiting_blocks_;
       ++stream_order_reuses_;
+      ++version_;
       return blk;
     }
     return nullptr;
@@ -170,6 +171,7 @@ void reuse_policy::close(std::vector<batch>::iterator b)
   closed_.push_back(std::move(*b));
   open_.erase(b);
   ++batches_closed_;
+  ++version_;
 }
 
 std::size_t reuse_policy::close_open_batches(stream_ref alive)
@@ -199,6 +201,7 @@ void reuse_policy::close_now(stream_ref alive)
 
 std::vector<detail::block*> reuse_policy::abandon()
 {
+  ++version_;
   std::vector<detail::block*> blocks;
   blocks.reserve(waiting_blocks_);
   auto take = [&](batch& b) {

@@ -383,6 +383,39 @@ TEST(try_paths_take_no_cuda_call_and_leave_the_rest_to_the_full_calls)
   CHECK_EQ(consistency(g), "");
 }
 
+TEST(allocate_after_a_try_miss_sees_what_changed_since)
+{
+  // The binding's pair: try_allocate() misses, allocate() goes on where it left off. It skips
+  // the search only while nothing could have changed its result.
+  fixture f;
+  auto const a = f->allocate(big, legacy_stream, alloc_tag::numba);
+  f->deallocate(a);  // pending: its fence is recorded at the next miss
+  CHECK(!f->try_allocate(big, legacy_stream, alloc_tag::numba));
+  f.drv.set_auto_complete(true);  // the fence completes as soon as it is recorded
+  // Nothing changed: no second search, but the ladder's first step still fences and finds a.
+  CHECK_EQ(f->allocate(big, legacy_stream, alloc_tag::numba), a);
+  CHECK_EQ(f->stats().segment_allocations, 1u);
+
+  // A free between the two calls: allocate() searches again and takes it in stream order.
+  auto const b = f->allocate(big, stream_a, alloc_tag::cupy);
+  CHECK(!f->try_allocate(big, stream_a, alloc_tag::cupy));  // needs a segment
+  f->deallocate(b, stream_a);
+  CHECK_EQ(f->allocate(big, stream_a, alloc_tag::cupy), b);
+  CHECK_EQ(f->stats().same_stream_reuses, 1u);
+  CHECK_EQ(f->stats().segment_allocations, 2u);
+
+  // Another request than the one that missed is checked and searched as any other.
+  CHECK(!f->try_allocate(big, legacy_stream, alloc_tag::numba));
+  CHECK_THROWS(f->allocate(big, allocation_stream, alloc_tag::numba), std::invalid_argument);
+  CHECK_THROWS(f->allocate(big, legacy_stream, static_cast<alloc_tag>(9)), std::invalid_argument);
+  auto const c = f->allocate(big, legacy_stream, alloc_tag::other);
+  CHECK_EQ(f->stats().segment_allocations, 3u);
+  f->deallocate(a);
+  f->deallocate(b, stream_a);
+  f->deallocate(c);
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(auto_complete_reuses_at_the_next_miss)
 {
   fixture f;

@@ -6,8 +6,8 @@
  * from small segments, larger ones from large segments, each by best fit, splitting blocks and
  * coalescing neighbours on return (detail/free_list.hpp). Freed blocks come back to the free
  * lists only through the reuse policy (reuse_policy.hpp: the reuse rule, and every stream
- * decision). What this class itself does: growth and caps, the out-of-memory ladder, reset and
- * retirement, IPC, tracing and statistics.
+ * decision). What this class itself does: growth and caps, the out-of-memory ladder, reset
+ * (what outlives it: detail/retired_segments.hpp), IPC and statistics.
  *
  * In passthrough mode every allocation is its own segment, released to the driver once its
  * fence has completed: the mode for compute-sanitizer and for code that assumes one allocation
@@ -24,8 +24,8 @@
 #pragma once
 
 #include <emmpool/detail/block.hpp>
-#include <emmpool/detail/pool_lifecycle.hpp>
 #include <emmpool/detail/free_list.hpp>
+#include <emmpool/detail/pool_lifecycle.hpp>
 #include <emmpool/detail/retired_segments.hpp>
 #include <emmpool/detail/trace_log.hpp>
 #include <emmpool/reuse_policy.hpp>
@@ -175,27 +175,26 @@ class device_pool : private detail::pool_lifecycle {
   block* take_without_cuda(std::size_t rounded, stream_ref stream);  // stream order, best fit
   block* take_best_fit(std::size_t rounded);                         // and split
   device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);
-  /// A try_allocate() that searched and missed, so that the allocate() after it neither checks
-  /// the same request nor searches the same, unchanged, free lists again.
+  /// The last try_allocate() that searched and missed, so that the allocate() after it neither
+  /// checks the same request nor searches again while the batches (reuse_policy::version) and
+  /// the free lists (insertions: taking a block out cannot make best fit succeed) are as then.
   struct missed_request {
     std::size_t bytes{};
     stream_handle stream{};
     alloc_tag tag{};
     std::size_t rounded{};
     stream_ref key{};
-    std::uint64_t insertions{}, pushes{};  // the state searched
+    std::uint64_t insertions{}, version{};  // the state searched
   };
   std::optional<missed_request> missed_;
-  [[nodiscard]] bool still_missed(std::size_t bytes, stream_handle stream, alloc_tag tag) const;
   // ---- growth and giving memory back
   block* grow(std::size_t rounded, bool exact);
   std::size_t release_free_segments(bool large_only = false);
   void release_segment(segment* seg);
   // ---- frees
-  block* take_live(device_ptr ptr);                      // off live_, or pool_error
   void free_live(device_ptr ptr, stream_handle stream, int tag = -1);  // of library tag (>= 0)
-  void free_block(block* blk, stream_ref key);           // stats, trace, then the policy
-  void release_block(block* blk);                        // fences done: into the free lists
+  void free_block(block* blk, stream_ref key);  // stats, trace, then the policy
+  void release_block(block* blk);               // every fence done: into the free lists
   void maintain(stream_ref alive);
   void drain();  // wait for every pending free
   [[nodiscard]] pool_stats stats_locked() const;  // the full snapshot

@@ -200,8 +200,9 @@ class reuse_policy {
   /// @brief Bytes in open batches (freed, not yet fenced).
   [[nodiscard]] std::size_t open_bytes() const noexcept { return open_bytes_; }
   [[nodiscard]] bool has_waiting() const noexcept { return !open_.empty() || !closed_.empty(); }
-  /// @brief Frees so far: a stream-order search that missed misses again until this changes.
-  [[nodiscard]] std::uint64_t pushes() const noexcept { return pushes_; }
+  /// @brief Changes to the batches so far (a block in or out, a batch closed or gone): a
+  /// stream-order search that missed misses again until this changes.
+  [[nodiscard]] std::uint64_t version() const noexcept { return version_; }
 
   /// Dormant batches kept at most before a fence is due: push() searches the open batches
   /// linearly, and a program that drops a stream per task would grow them unbounded.
@@ -241,7 +242,7 @@ class reuse_policy {
   std::size_t waiting_bytes_{};
   std::size_t waiting_blocks_{};
   std::size_t open_bytes_{};
-  std::uint64_t pushes_{};
+  std::uint64_t version_{};  // see version()
   std::uint64_t stream_order_reuses_{};
   std::uint64_t batches_closed_{};
   std::uint64_t dormant_fences_{};
@@ -252,6 +253,7 @@ class reuse_policy {
 template <class Release>
 void reuse_policy::release_batch(batch& b, Release& release, bool synced)
 {
+  ++version_;
   // One block at a time, off the batch before its release: if a release throws (a failed
   // cuMemFree in passthrough mode), the batch keeps exactly the blocks not yet released.
   while (!b.blocks.empty()) {
