@@ -305,17 +305,15 @@ void device_pool::free_live(device_ptr ptr, stream_handle stream, int tag)
                    " is not a live allocation of this pool (freed twice, or never allocated here)";
     throw pool_error{"emmpool: pointer " + std::to_string(ptr) + what};
   }
-  auto* blk      = it->second;
-  auto const key = policy_.free_key(*blk, stream);  // first: if it throws, the block stays live
-  live_.erase(it);
-  free_block(blk, key);
+  policy_.free(it->second, stream, [&](stream_ref key) { off_books(it, key); });
 }
 
-void device_pool::free_block(block* blk, stream_ref key)
+void device_pool::off_books(live_map::iterator it, stream_ref key)
 {
+  auto* blk = it->second;
+  live_.erase(it);
   if (trace_.on()) { trace_.record('f', blk->ptr, blk->size, key.handle, blk->tag); }
   stats_.count_free(blk->size, blk->tag);
-  policy_.free(blk, key);
 }
 
 void device_pool::deallocate(device_ptr ptr, stream_handle stream)
@@ -334,9 +332,7 @@ bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, std::uint
   auto it = live_.find(ptr);
   // A bad pointer gets its error from deallocate().
   if (it == live_.end() || !reuse_policy::free_is_local(*it->second, stream)) { return false; }
-  auto* blk = it->second;
-  live_.erase(it);
-  free_block(blk, policy_.free_key(*blk, stream));  // no CUDA call (free_is_local)
+  policy_.free(it->second, stream, [&](stream_ref key) { off_books(it, key); });  // no CUDA
   return true;
 }
 

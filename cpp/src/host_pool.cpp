@@ -173,13 +173,12 @@ void host_pool::free_live_locked(void* ptr, stream_handle stream)
     throw pool_error{"emmpool: pinned pointer " + std::to_string(reinterpret_cast<std::uintptr_t>(ptr)) +
                      " is not a live allocation of this pool (freed twice, or never allocated here)"};
   }
-  auto* b        = it->second;
-  auto const key = policy_.free_key(*b, stream);  // the caller vouches for the stream now
-  live_.erase(it);
-  stats_.bytes_in_use -= b->size;
   // No allocation here names a stream (reuse_options::stream_order off): the fence of a named
   // stream is recorded in the free, while the caller vouches for it (reuse_policy.hpp).
-  policy_.free(b, key);
+  policy_.free(it->second, stream, [&](detail::stream_ref) {
+    stats_.bytes_in_use -= it->second->size;
+    live_.erase(it);
+  });
 }
 
 void host_pool::deallocate(void* ptr, stream_handle stream, std::uint64_t generation)

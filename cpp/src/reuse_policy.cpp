@@ -36,7 +36,7 @@ constexpr bool same_fence(detail::stream_ref a, detail::stream_ref b) noexcept
 
 }  // namespace
 
-void reuse_policy::free(detail::block* blk, stream_ref key)
+void reuse_policy::queue_freed(detail::block* blk, stream_ref key)
 {
   if (!blk->also_fence.is_none() && !same_fence(blk->also_fence, key)) {
     // Fence 1, on the recorded stream, now: record_stream's caller keeps that stream alive

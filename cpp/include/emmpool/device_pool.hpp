@@ -193,7 +193,8 @@ class device_pool : private detail::pool_lifecycle {
   void release_segment(segment* seg);
   // ---- frees
   void free_live(device_ptr ptr, stream_handle stream, int tag = -1);  // of library tag (>= 0)
-  void free_block(block* blk, stream_ref key);  // stats, trace, then the policy
+  using live_map = std::unordered_map<device_ptr, block*>;
+  void off_books(live_map::iterator it, stream_ref key);  // a freed block: stats, trace
   void release_block(block* blk);               // every fence done: into the free lists
   void maintain(stream_ref alive);
   void drain();  // wait for every pending free
@@ -206,7 +207,7 @@ class device_pool : private detail::pool_lifecycle {
   std::size_t max_reserved_{};
   reuse_policy policy_;
   std::map<device_ptr, std::unique_ptr<segment>> segments_;  // by base: IPC lookups
-  std::unordered_map<device_ptr, block*> live_;               // allocated blocks by address
+  live_map live_;                                             // allocated blocks by address
   detail::block_arena blocks_;
   detail::free_lists free_{blocks_};
   detail::retired_segments retired_{*driver_, device_, blocks_};  // outlived a reset()

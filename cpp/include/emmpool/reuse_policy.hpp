@@ -126,19 +126,20 @@ class reuse_policy {
     return (is_context_stream(stream) || stream == allocation_stream) && blk.also_fence.is_none();
   }
 
-  /// @brief The key a free of `blk` from `stream` is fenced on: allocation_stream resolves to
-  /// the block's allocation stream (which may be gone by now: never asked); any other stream
-  /// is the caller's, alive now (its id is asked). Changes nothing: call it before the block
-  /// leaves its pool's books, as it may throw.
-  [[nodiscard]] stream_ref free_key(detail::block const& blk, stream_handle stream) const
+  /// @brief Free `blk` from `stream`: allocation_stream stands for the block's allocation
+  /// stream (which may be gone by now: never asked); any other stream is the caller's, alive
+  /// now (its id is asked: the one step that may throw, before anything changed). Then
+  /// `off_books(key)` lets the pool take the block off its books (key: the stream the free is
+  /// fenced on), and the block joins that stream's open batch. A record_stream stream other
+  /// than `key` is fenced first, by an event recorded now (its caller keeps it alive until the
+  /// free, not after); the fence on `key` follows once that one completed.
+  template <class OffBooks>
+  void free(detail::block* blk, stream_handle stream, OffBooks&& off_books)
   {
-    return stream == allocation_stream ? blk.alloc_stream : ref_of(stream);
+    auto const key = stream == allocation_stream ? blk->alloc_stream : ref_of(stream);
+    off_books(key);
+    queue_freed(blk, key);
   }
-
-  /// @brief Free `blk`, fenced on `key` (free_key's). A record_stream stream other than `key`
-  /// is fenced first, by an event recorded now (its caller keeps it alive until the free, not
-  /// after); the fence on `key` follows once that one completed. Calls CUDA only for that.
-  void free(detail::block* blk, stream_ref key);
 
   /// @brief Declare that `stream` (alive now; 0 is the legacy stream) also uses `blk` until its
   /// free. One extra stream per block: the most recent, the one a caller most likely still
@@ -216,6 +217,7 @@ class reuse_policy {
     std::vector<detail::block*> blocks;
   };
   void push(detail::block* blk, stream_ref stream);  // onto the open batch of stream
+  void queue_freed(detail::block* blk, stream_ref key);  // free()'s fences
   void close_now(stream_ref alive);                  // close alive's open batch, if identified
   std::size_t close_open_batches(stream_ref alive);  // see maintain()
   // Every block of b: to release(), or to its second fence while a record_stream fence was
