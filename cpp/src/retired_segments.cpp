@@ -26,7 +26,7 @@ bool retired_segments::free(std::uint64_t generation, device_ptr ptr)
   return true;
 }
 
-bool retired_segments::free_tagged(device_ptr ptr, std::uint8_t tag)
+bool retired_segments::free_newest(device_ptr ptr, std::uint8_t tag)
 {
   for (auto it = live_.rbegin(); it != live_.rend(); ++it) {
     if (it->first.second == ptr && it->second->tag == tag) {

@@ -19,12 +19,6 @@ reuse_policy::stream_ref reuse_policy::ref_of(stream_handle alive) const
   return {alive, driver_->stream_id(device_, alive)};
 }
 
-reuse_policy::stream_ref reuse_policy::allocation_key(stream_handle stream) const
-{
-  EMMPOOL_EXPECTS(stream != allocation_stream, "allocation_stream names no stream to allocate on");
-  return ref_of(stream);  // alive: the caller allocates on it (cuStreamGetId never waits)
-}
-
 namespace {
 
 // The null stream and the legacy one are the same CUDA stream: one fence serves both. (No

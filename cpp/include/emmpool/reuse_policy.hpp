@@ -70,6 +70,7 @@
 
 #include <emmpool/detail/block.hpp>
 #include <emmpool/driver.hpp>
+#include <emmpool/error.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -115,7 +116,12 @@ class reuse_policy {
 
   /// @brief The key of the stream an allocation names (alive: it is allocated on).
   /// @throws std::invalid_argument for allocation_stream
-  [[nodiscard]] stream_ref allocation_key(stream_handle stream) const;
+  [[nodiscard]] stream_ref allocation_key(stream_handle stream) const
+  {
+    EMMPOOL_EXPECTS(stream != allocation_stream,
+                    "allocation_stream names no stream to allocate on");
+    return ref_of(stream);  // alive: the caller allocates on it (cuStreamGetId never waits)
+  }
 
   // ---- frees ---------------------------------------------------------------------------------
 
@@ -138,6 +144,10 @@ class reuse_policy {
   {
     auto const key = stream == allocation_stream ? blk->alloc_stream : ref_of(stream);
     off_books(key);
+    if (blk->also_fence.is_none() && (options_.stream_order || key.is_context())) {
+      push(blk, key);  // the common case: one fence, at the next allocation on a live stream
+      return;
+    }
     queue_freed(blk, key);
   }
 

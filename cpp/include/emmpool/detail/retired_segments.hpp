@@ -41,13 +41,17 @@ class retired_segments {
   bool free(std::uint64_t generation, device_ptr ptr);
   /// @brief The same for a caller that knows the block's library but not its generation: the
   /// newest generation's block of that library at `ptr`.
-  bool free_tagged(device_ptr ptr, std::uint8_t tag);
+  bool free_tagged(device_ptr ptr, std::uint8_t tag)
+  {
+    return !live_.empty() && free_newest(ptr, tag);  // none, but after a reset
+  }
 
   /// @brief The pool is going away: every segment the driver still knows goes back to it.
   void release_all() noexcept;
 
  private:
   void free(block* blk);
+  bool free_newest(device_ptr ptr, std::uint8_t tag);
 
   driver* driver_;
   int device_;
