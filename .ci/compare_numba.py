@@ -17,7 +17,7 @@ Usage::
 Options::
 
     --mode MODE        the plugin's EMMPOOL_MODE; in a sub-allocating mode (pool) the two tests that
-                       assume one cuMemAlloc per allocation are expected to fail (DESIGN.md)
+                       assume one cuMemAlloc per allocation are expected to fail (docs/design.md, Modes)
     --label TEXT       title for the report (default: MODE or "plugin")
     --all              every test the base ran is in scope (the plugin ran the same full suite);
                        default: only modules the plugin logs mention are in scope (targeted runs)
@@ -72,7 +72,7 @@ KNOWN_EXTERNAL_SKIPS = (
     "tests/numba_cuda_tests/cudapy/test_cuda_array_interface.py::TestCudaArrayInterface::test_ownership",
 )
 
-# Assume one cuMemAlloc per allocation: may fail in a sub-allocating mode (DESIGN.md).
+# Assume one cuMemAlloc per allocation: may fail in a sub-allocating mode (docs/design.md, Modes).
 KNOWN_SUBALLOC_FAILS = (
     "numba.cuda.tests.cudapy.test_ipc.TestIpcMemory.test_ipc_handle",
     "numba.cuda.tests.cudadrv.test_host_alloc.TestHostAlloc.test_host_alloc_pinned",
@@ -467,7 +467,7 @@ def report(label, base_logs, base, plug_logs, plug, res, full_scope) -> tuple[st
     section("UNEXPECTED: fail with plugin, absent from base logs", res["new_fail"])
     section("known: Numba's own deallocation bookkeeping, skipped for any external manager "
             "(skip_if_external_memmgr; numba-cuda-mlir's test_ownership fails instead)", res["known_skip"])
-    section("known: assume one cuMemAlloc per allocation (DESIGN.md), " +
+    section("known: assume one cuMemAlloc per allocation (docs/design.md, Modes), " +
             ("expected in this mode" if res["suballoc"] else "NOT expected in this mode"), res["known_suballoc"])
     section("allowed by --expect-fail", res["expected_fail"])
     section("not run with plugin (its log is incomplete)", res["not_run"])

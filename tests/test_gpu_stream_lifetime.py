@@ -3,7 +3,7 @@
 Programs that are correct with CuPy's and PyTorch's own pools must be correct with emmpool:
 CuPy destroys a Stream when its Python object dies, often before the arrays made on it are
 freed, and torch.cuda.ExternalStream can outlive its stream. emmpool used to record a fence on
-such a handle later (cuEventRecord on a destroyed stream: SIGSEGV). See deferred_free_queue.hpp,
+such a handle later (cuEventRecord on a destroyed stream: SIGSEGV). See reuse_policy.hpp,
 "stream lifetime". The CPU tests (test_stream_lifetime.py) prove the same over the host driver,
 which fails on any use of a dead stream.
 """

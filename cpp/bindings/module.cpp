@@ -5,6 +5,8 @@
 #include <emmpool/host_pool.hpp>
 #include <emmpool/registry.hpp>
 
+#include "cupy_adapter.hpp"
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -14,119 +16,16 @@
 namespace py = pybind11;
 
 extern "C" {
-void* emmpool_cupy_malloc(void*, std::size_t, int);
-void emmpool_cupy_free(void*, void*, int);
 void* emmpool_torch_malloc(std::size_t, int, void*);
 void emmpool_torch_free(void*, std::size_t, int, void*);
-void emmpool_set_cupy_stream_source(std::intptr_t (*)(int));
-void emmpool_set_cupy_failure(void* (*)(std::size_t, int, int, char const*));
 }
 
 namespace {
 
 using namespace emmpool;
 
-// How to ask CuPy for its current stream: one of the Cython functions it exports, found by
-// emmpool.hooks, cheapest first (both read CuPy's thread-local state):
-//   "intptr_t (int)":  cupy_backends.cuda.stream.get_stream_ptr(device);
-//   "intptr_t (void)": cupy.cuda.stream.get_current_stream_ptr(), of the current device, which
-//                      asks the runtime for it and goes through one more thread-local lookup.
-// They need the GIL, which CuPy holds when it calls its allocator; anywhere else the answer is
-// "unknown" (-1), and the free is fenced on the legacy stream. Set and read under the GIL.
-std::intptr_t (*cupy_stream_of_device)(int) = nullptr;
-std::intptr_t (*cupy_stream_of_current_device)() = nullptr;
-
 // The names of the allocation tags (stats.hpp), in order: statistics and traces use them.
 constexpr char const* library_names[alloc_tag_count] = {"other", "numba", "cupy", "torch", "rmm"};
-constexpr char const* cupy_stream_of_device_signature         = "intptr_t (int)";
-constexpr char const* cupy_stream_of_current_device_signature = "intptr_t (void)";
-
-std::intptr_t cupy_stream_under_gil(int device)
-{
-  if (PyGILState_Check() == 0) { return -1; }
-  std::intptr_t const s = cupy_stream_of_device != nullptr ? cupy_stream_of_device(device)
-                                                           : cupy_stream_of_current_device();
-  if (s == -1 && PyErr_Occurred() != nullptr) {
-    PyErr_Clear();
-    return -1;
-  }
-  return s;
-}
-
-// Raise `out_of_memory(size, -1)` (CuPy's OutOfMemoryError(size, total)).
-void set_out_of_memory(PyObject* out_of_memory, PyObject* size)
-{
-  PyObject* err = PyObject_CallFunction(out_of_memory, "On", size, Py_ssize_t{-1});
-  if (err != nullptr) {
-    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
-    Py_DECREF(err);
-  }
-}
-
-// CuPy's allocator as emmpool installs it: CFunctionAllocator.malloc (over the C entry points)
-// of the size rounded up to CuPy's allocation unit (512 bytes), as CuPy's own pool reports it
-// in `Memory.size`, which CuPy code may rely on (its own test_percentile_memory_access does);
-// then, where `out_of_memory` is given, a NULL pointer turned into CuPy's OutOfMemoryError,
-// which CuPy itself does not do. A C function, so that each cupy.empty runs no Python frame of
-// ours. `self` is the tuple (CFunctionAllocator.malloc, OutOfMemoryError or None).
-constexpr std::size_t cupy_allocation_unit = 512;
-
-PyObject* cupy_malloc(PyObject* self, PyObject* size)
-{
-  std::size_t const n = PyLong_AsSize_t(size);
-  if (n == static_cast<std::size_t>(-1) && PyErr_Occurred() != nullptr) { return nullptr; }
-  std::size_t const rounded =
-    n > SIZE_MAX - cupy_allocation_unit ? n : (n + cupy_allocation_unit - 1) / cupy_allocation_unit * cupy_allocation_unit;
-  PyObject* rounded_size = rounded == n ? (Py_INCREF(size), size) : PyLong_FromSize_t(rounded);
-  if (rounded_size == nullptr) { return nullptr; }
-  PyObject* mem = PyObject_CallOneArg(PyTuple_GET_ITEM(self, 0), rounded_size);
-  Py_DECREF(rounded_size);
-  PyObject* const out_of_memory = PyTuple_GET_ITEM(self, 1);
-  if (mem == nullptr || out_of_memory == Py_None) { return mem; }
-  PyObject* ptr = PyObject_GetAttrString(mem, "ptr");
-  if (ptr == nullptr) {
-    Py_DECREF(mem);
-    return nullptr;
-  }
-  int const is_null = PyObject_Not(ptr);
-  Py_DECREF(ptr);
-  if (is_null < 0) {
-    Py_DECREF(mem);
-    return nullptr;
-  }
-  if (is_null == 1 && n > 0) {  // size 0 gives ptr 0 too
-    Py_DECREF(mem);  // holds no memory: CuPy frees nothing for ptr 0
-    set_out_of_memory(out_of_memory, size);
-    return nullptr;
-  }
-  return mem;
-}
-
-// CuPy's OutOfMemoryError while the CuPy entry point raises (set_cupy_failure); a strong
-// reference, never released (the entry point may run until the process ends).
-PyObject* cupy_out_of_memory = nullptr;
-
-// The CuPy entry point's failure, as a Python exception (CuPy calls it with the GIL held):
-// CuPy's OutOfMemoryError(size, -1), ValueError for an invalid request, RuntimeError else; the
-// return value -1 is what CuPy's Cython wrapper (`cdef intptr_t _call_malloc`, exceptions
-// propagated, -1 their marker) takes for "look for an exception". Without the GIL: NULL.
-void* raise_cupy_failure(std::size_t size, int, int kind, char const* what)
-{
-  if (PyGILState_Check() == 0) { return nullptr; }
-  if (kind == 0 && cupy_out_of_memory != nullptr) {
-    if (PyObject* n = PyLong_FromSize_t(size)) {
-      set_out_of_memory(cupy_out_of_memory, n);
-      Py_DECREF(n);
-    }
-  } else {
-    PyErr_Format(kind == 1 ? PyExc_ValueError : PyExc_RuntimeError, "%s", what);
-  }
-  return reinterpret_cast<void*>(std::intptr_t{-1});
-}
-
-PyMethodDef cupy_malloc_def = {
-  "cupy_malloc", &cupy_malloc, METH_O,
-  "CuPy's allocator over emmpool's pool (emmpool.use_for_cupy)."};
 
 pool_mode parse_mode(std::string const& mode)
 {
@@ -161,7 +60,6 @@ py::dict options_dict(pool_options const& o)
   d["small_request"]    = o.small_request;
   d["small_segment"]    = o.small_segment;
   d["large_segment"]    = o.large_segment;
-  d["pinned_limit"]     = o.pinned_limit;
   return d;
 }
 
@@ -199,7 +97,7 @@ py::dict stats_dict(pool_stats const& s)
 alloc_tag to_tag(int tag)
 {
   if (tag < 0 || tag >= static_cast<int>(alloc_tag_count)) {
-    throw std::invalid_argument{"tag must be 0 (other), 1 (numba), 2 (cupy) or 3 (torch)"};
+    throw std::invalid_argument{"tag must be 0 (other), 1 (numba), 2 (cupy), 3 (torch) or 4 (rmm)"};
   }
   return static_cast<alloc_tag>(tag);
 }
@@ -494,8 +392,7 @@ PYBIND11_MODULE(_core, m)
       o.initial_size     = initial_size;
       o.maximum_size     = maximum_size;
       o.maximum_fraction = maximum_fraction;
-      o.pinned_limit     = pinned_limit;
-      pool_registry::instance().configure(o);
+      pool_registry::instance().configure(o, pinned_limit);
     },
     py::kw_only(), py::arg("mode") = "pool", py::arg("initial_size") = 0,
     py::arg("maximum_size") = 0, py::arg("maximum_fraction") = 0.0, py::arg("pinned_limit") = 0,
@@ -504,7 +401,12 @@ PYBIND11_MODULE(_core, m)
     "set_tracing", [](bool on) { pool_registry::instance().set_tracing(on); }, py::arg("on"),
     py::call_guard<py::gil_scoped_release>(),
     "Trace every process-wide pool, present and future.");
-  m.def("configured_options", [] { return options_dict(pool_registry::instance().options()); });
+  m.def("configured_options", [] {
+    auto& registry     = pool_registry::instance();
+    py::dict d         = options_dict(registry.options());
+    d["pinned_limit"] = registry.pinned_limit();
+    return d;
+  });
   m.def(
     "pool", [](int device) -> device_pool& { return pool_registry::instance().pool(device); },
     py::arg("device"), py::return_value_policy::reference,
@@ -550,29 +452,7 @@ PYBIND11_MODULE(_core, m)
       return py::make_tuple(i.free, i.total);
     },
     py::arg("device"));
-  m.def(
-    "cupy_malloc",
-    [](py::object c_malloc, py::object out_of_memory) {
-      py::tuple const self = py::make_tuple(std::move(c_malloc), std::move(out_of_memory));
-      return py::reinterpret_steal<py::object>(PyCFunction_New(&cupy_malloc_def, self.ptr()));
-    },
-    py::arg("c_malloc"), py::arg("out_of_memory") = py::none(),
-    "c_malloc(size rounded up to 512 bytes, CuPy's allocation unit); with out_of_memory, "
-    "raising out_of_memory(size, -1) where c_malloc returns memory at address 0 for a "
-    "positive size (CuPy's CFunctionAllocator does not check the C function's result).");
-  m.def(
-    "set_cupy_failure",
-    [](py::object out_of_memory) {
-      emmpool_set_cupy_failure(nullptr);
-      if (out_of_memory.is_none()) { return; }
-      PyObject* old      = cupy_out_of_memory;
-      cupy_out_of_memory = out_of_memory.release().ptr();
-      Py_XDECREF(old);
-      emmpool_set_cupy_failure(&raise_cupy_failure);
-    },
-    py::arg("out_of_memory"),
-    "Make the CuPy entry point raise its failures (out_of_memory(size, -1) for lack of memory) "
-    "and return -1; None: return NULL, raising nothing.");
+  bind_cupy(m);  // cupy_malloc, set_cupy_failure, set_cupy_stream_source
   m.def("c_function_addresses", [] {
     py::dict d;
     d["cupy_malloc"]  = reinterpret_cast<std::uintptr_t>(&emmpool_cupy_malloc);
@@ -581,35 +461,5 @@ PYBIND11_MODULE(_core, m)
     d["torch_free"]   = reinterpret_cast<std::uintptr_t>(&emmpool_torch_free);
     return d;
   });
-  m.def(
-    "set_cupy_stream_source",
-    [](py::object capsule) {
-      if (capsule.is_none()) {
-        emmpool_set_cupy_stream_source(nullptr);
-        return;
-      }
-      auto cap                = capsule.cast<py::capsule>();
-      std::string const name = cap.name() != nullptr ? cap.name() : "";
-      if (name != cupy_stream_of_device_signature &&
-          name != cupy_stream_of_current_device_signature) {
-        throw std::invalid_argument{std::string{"expected a capsule of signature '"} +
-                                    cupy_stream_of_device_signature + "' or '" +
-                                    cupy_stream_of_current_device_signature + "', got '" + name +
-                                    "'"};
-      }
-      emmpool_set_cupy_stream_source(nullptr);  // while the function pointers change
-      cupy_stream_of_device         = nullptr;
-      cupy_stream_of_current_device = nullptr;
-      if (name == cupy_stream_of_device_signature) {
-        cupy_stream_of_device = reinterpret_cast<std::intptr_t (*)(int)>(cap.get_pointer());
-      } else {
-        cupy_stream_of_current_device = reinterpret_cast<std::intptr_t (*)()>(cap.get_pointer());
-      }
-      emmpool_set_cupy_stream_source(&cupy_stream_under_gil);
-    },
-    py::arg("capsule"),
-    "Let the CuPy entry points ask CuPy's current stream (the capsule of "
-    "cupy_backends.cuda.stream.get_stream_ptr or cupy.cuda.stream.get_current_stream_ptr); "
-    "None: stop asking.");
   m.def("_raise_for_test", &raise_for_test, py::arg("kind"));
 }

@@ -203,14 +203,6 @@ class cuda_driver_impl final : public driver {
     check(api_.cuMemHostUnregister(ptr), "cuMemHostUnregister", EMMPOOL_WHERE);
   }
 
-  [[nodiscard]] device_ptr host_device_pointer(int device, void* ptr) override
-  {
-    scoped_context ctx{*this, device};
-    CUdeviceptr d{};
-    check(api_.cuMemHostGetDevicePointer(&d, ptr, 0), "cuMemHostGetDevicePointer", EMMPOOL_WHERE);
-    return static_cast<device_ptr>(d);
-  }
-
  private:
   // Makes the device's primary context current for one call when it is not already. Numba,
   // CuPy and PyTorch all work in primary contexts; finalizer threads may have none current.

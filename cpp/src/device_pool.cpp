@@ -3,8 +3,6 @@
 #include <emmpool/error.hpp>
 
 #include <algorithm>
-#include <chrono>
-#include <cstdio>
 #include <limits>
 #include <mutex>
 #include <utility>
@@ -16,54 +14,30 @@ namespace {
 constexpr std::size_t mib = std::size_t{1} << 20;
 constexpr std::size_t large_granularity = 2 * mib;  // the driver's own allocation granularity
 
+using detail::human_bytes;
+
 constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
 
-// The null stream and the legacy one are the same CUDA stream: one fence serves both. (No
-// stream_ref holds the per-thread handle: ref_of() makes it the legacy one.)
-constexpr bool same_fence(detail::stream_ref a, detail::stream_ref b) noexcept
+std::size_t checked_rounded_size(std::size_t bytes, alloc_tag tag)
 {
-  return a == b || (a.is_context() && b.is_context());
-}
-
-std::string human(std::size_t bytes)
-{
-  char buf[32];
-  double const v = static_cast<double>(bytes);
-  if (bytes >= (std::size_t{1} << 30)) {
-    std::snprintf(buf, sizeof buf, "%.2f GiB", v / (1 << 30));
-  } else if (bytes >= mib) {
-    std::snprintf(buf, sizeof buf, "%.2f MiB", v / mib);
-  } else if (bytes >= 1024) {
-    std::snprintf(buf, sizeof buf, "%.2f KiB", v / 1024);
-  } else {
-    std::snprintf(buf, sizeof buf, "%zu B", bytes);
-  }
-  return buf;
+  EMMPOOL_EXPECTS(bytes <= std::numeric_limits<std::size_t>::max() / 2,
+                  "allocation size is too large");
+  EMMPOOL_EXPECTS(static_cast<std::size_t>(tag) < alloc_tag_count, "unknown allocation tag");
+  return std::max(round_up(bytes, device_pool::alignment), device_pool::alignment);
 }
 
 }  // namespace
 
-
-bool device_pool::forked() const
-{
-  std::lock_guard lock{mutex_};
-  return forked_;
-}
+// ---- lifecycle ------------------------------------------------------------------------------
 
 device_pool::device_pool(driver& drv, int device, pool_options options)
-  : driver_{&drv}, device_{device}, options_{options}, queue_{drv, device}
+  : driver_{&drv},
+    device_{device},
+    options_{options},
+    policy_{drv, device, reuse_options{true, options.open_batch_limit}}
 {
   EMMPOOL_EXPECTS(device >= 0, "device must be a non-negative ordinal");
-  EMMPOOL_EXPECTS(options_.maximum_fraction >= 0.0 && options_.maximum_fraction <= 1.0,
-                  "maximum_fraction must lie in [0, 1]");
-  EMMPOOL_EXPECTS(options_.small_request % alignment == 0 && options_.small_request > 0,
-                  "small_request must be a positive multiple of 256");
-  EMMPOOL_EXPECTS(options_.small_segment % alignment == 0 &&
-                    options_.small_segment >= options_.small_request,
-                  "small_segment must be a multiple of 256 and at least small_request");
-  EMMPOOL_EXPECTS(options_.large_segment % alignment == 0 &&
-                    options_.large_segment > options_.small_request,
-                  "large_segment must be a multiple of 256 larger than small_request");
+  options_.check();
 
   max_reserved_ = options_.maximum_size != 0 ? options_.maximum_size
                                              : std::numeric_limits<std::size_t>::max();
@@ -75,28 +49,26 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
   EMMPOOL_EXPECTS(options_.initial_size <= max_reserved_,
                   "initial_size exceeds the maximum pool size");
   live_.reserve(4096);
-  tracing_ = options_.trace;
+  trace_.set(options_.trace);
   if (options_.initial_size > 0 && options_.mode == pool_mode::pool) {
     std::lock_guard lock{mutex_};
     auto* blk = grow(round_up(options_.initial_size, large_granularity), true);
     if (blk == nullptr) {
       throw out_of_memory{"emmpool: cannot reserve the initial pool of " +
-                          human(options_.initial_size) + " on device " +
+                          human_bytes(options_.initial_size) + " on device " +
                           std::to_string(device_)};
     }
-    insert_free(blk);
+    free_.insert(blk);
   }
-  detail::register_for_fork(&mutex_, &forked_);
 }
 
 device_pool::~device_pool()
 {
-  detail::unregister_for_fork(&mutex_);
   std::lock_guard lock{mutex_};
   // Whatever is left goes back to the driver, without waiting: the pool is going away, so
   // nobody can be handed these blocks again. At process exit the driver may be gone: leak.
-  if (process_is_exiting() || forked_) {
-    queue_.drop_events();  // no CUDA call: the driver may be gone, or belong to the parent
+  if (!may_call_driver_at_teardown()) {
+    policy_.drop_events();  // no CUDA call: the driver may be gone, or belong to the parent
     return;
   }
   for (auto& [base, seg] : segments_) {
@@ -105,66 +77,104 @@ device_pool::~device_pool()
     } catch (...) {
     }
   }
-  for (auto& seg : retired_segments_) {
-    try {
-      if (driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
-        driver_->deallocate(device_, seg->base);
-      }
-    } catch (...) {
-    }
-  }
-  (void)queue_.abandon();
+  retired_.release_all();
+  (void)policy_.abandon();
 }
 
-// ---- allocation ---------------------------------------------------------------------------
-
-device_pool::free_set& device_pool::free_list_for(std::size_t rounded) noexcept
-{
-  return rounded <= options_.small_request ? small_free_ : large_free_;
-}
-
-void device_pool::insert_free(block* blk)
-{
-  blk->state = detail::block_state::free;
-  (blk->seg->small ? small_free_ : large_free_).insert(blk);
-  stats_.bytes_free += blk->size;
-}
-
-void device_pool::erase_free(block* blk)
-{
-  (blk->seg->small ? small_free_ : large_free_).erase(blk);
-  stats_.bytes_free -= blk->size;
-}
-
-device_pool::block* device_pool::split(block* blk, std::size_t rounded)
-{
-  if (options_.mode == pool_mode::pool && blk->size - rounded >= alignment) {
-    auto* rest = blocks_.make();
-    rest->ptr  = blk->ptr + rounded;
-    rest->size = blk->size - rounded;
-    rest->seg  = blk->seg;
-    rest->prev = blk;
-    rest->next = blk->next;
-    if (blk->next != nullptr) { blk->next->prev = rest; }
-    blk->next = rest;
-    blk->size = rounded;
-    insert_free(rest);
-  }
-  return blk;
-}
+// ---- allocation: stream order, then best fit, then the out-of-memory ladder -------------------
 
 device_pool::block* device_pool::take_best_fit(std::size_t rounded)
 {
-  auto& list = free_list_for(rounded);
-  block probe;
-  probe.size = rounded;
-  auto it    = list.lower_bound(&probe);
-  if (it == list.end()) { return nullptr; }
-  auto* blk = *it;
-  list.erase(it);
-  stats_.bytes_free -= blk->size;
-  return split(blk, rounded);
+  return free_.take(rounded, rounded <= options_.small_request, alignment);
 }
+
+device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
+{
+  if (options_.mode != pool_mode::pool) { return nullptr; }
+  // Stream order: a block this stream freed lately needs no fence for this stream's work.
+  auto* blk = policy_.take_in_stream_order(stream, rounded);
+  return blk != nullptr ? blk : take_best_fit(rounded);
+}
+
+std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
+                                                    alloc_tag tag)
+{
+  std::size_t const rounded = checked_rounded_size(bytes, tag);
+  std::unique_lock lock{mutex_, std::try_to_lock};
+  if (!lock.owns_lock() || forked_) { return std::nullopt; }
+  auto const key = policy_.allocation_key(stream);
+  if (policy_.fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
+  if (auto* blk = take_without_cuda(rounded, key)) { return hand_out(blk, bytes, key, tag); }
+  missed_ = missed_request{bytes, stream, tag, rounded, key, free_.insertions(), policy_.version()};
+  return std::nullopt;
+}
+
+device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_tag tag)
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { detail::throw_forked(); }
+  // try_allocate() missed this very request, and what it searched is as it was (missed_):
+  // checked already, and a search would miss again. One check and one search per request.
+  auto const* miss   = missed_ ? &*missed_ : nullptr;
+  bool const checked = miss && miss->bytes == bytes && miss->stream == stream && miss->tag == tag;
+  std::size_t const rounded = checked ? miss->rounded : checked_rounded_size(bytes, tag);
+  auto const key = checked ? policy_.ref_of(stream) : policy_.allocation_key(stream);
+  bool const searched = checked && miss->key == key && miss->insertions == free_.insertions() &&
+                        miss->version == policy_.version();
+
+  bool const pooled = options_.mode == pool_mode::pool;
+  block* blk        = nullptr;
+  if (!pooled) {
+    maintain(key);  // returns completed frees' segments to the driver
+    blk = grow(rounded, true);
+  } else {
+    if (policy_.fence_due()) { maintain(key); }  // fence the waiting frees now, not at a miss
+    if (!searched) { blk = take_without_cuda(rounded, key); }
+    if (blk == nullptr) {
+      // Ladder step 1: fence what was freed since the last miss, reuse what has completed.
+      auto const before = free_.insertions();
+      maintain(key);
+      if (free_.insertions() != before) { blk = take_best_fit(rounded); }
+    }
+    if (blk == nullptr && (blk = grow(rounded, false)) != nullptr) {  // step 2: grow
+      blk = free_.split(blk, rounded, alignment);
+    }
+  }
+  if (blk == nullptr && policy_.has_waiting()) {
+    // Step 3: wait for every pending free.
+    drain();
+    blk = pooled ? take_best_fit(rounded) : grow(rounded, true);
+  }
+  // Step 4: give wholly free segments back (unless cleanup is deferred), then grow with an
+  // exact-size segment.
+  if (blk == nullptr && (release_free_segments() > 0 || pooled) &&
+      (blk = grow(rounded, true)) != nullptr) {
+    blk = free_.split(blk, rounded, alignment);
+  }
+  if (blk == nullptr) {
+    ++stats_.out_of_memory;
+    throw out_of_memory{"emmpool: out of memory allocating " + human_bytes(bytes) + "; " +
+                        describe_locked()};
+  }
+  return hand_out(blk, bytes, key, tag);
+}
+
+device_ptr device_pool::hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag)
+{
+  // A pending block (same-stream reuse) still counts in its segment's live blocks.
+  if (blk->state != detail::block_state::pending) { ++blk->seg->live_blocks; }
+  blk->state        = detail::block_state::allocated;
+  blk->tag          = static_cast<std::uint8_t>(tag);
+  blk->also_fence   = stream_ref::none();
+  blk->alloc_stream = stream;
+  live_.emplace(blk->ptr, blk);
+
+  stats_.count_allocation(blk->size, blk->tag);
+  if (trace_.on()) { trace_.record('a', blk->ptr, bytes, stream.handle, blk->tag); }
+  return blk->ptr;
+}
+
+// ---- growth and giving memory back ----------------------------------------------------------
 
 device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
 {
@@ -233,313 +243,12 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
   return blk;
 }
 
-device_ptr device_pool::hand_out(block* blk, stream_ref stream, alloc_tag tag)
-{
-  // A pending block (same-stream reuse) still counts in its segment's live blocks.
-  if (blk->state != detail::block_state::pending) { ++blk->seg->live_blocks; }
-  blk->state        = detail::block_state::allocated;
-  blk->tag          = static_cast<std::uint8_t>(tag);
-  blk->also_fence   = stream_ref::none();
-  blk->alloc_stream = stream;
-  live_.emplace(blk->ptr, blk);
-
-  stats_.bytes_in_use += blk->size;
-  stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
-  ++stats_.blocks_in_use;
-  ++stats_.allocations;
-  stats_.bytes_in_use_by_tag[blk->tag] += blk->size;
-  ++stats_.allocations_by_tag[blk->tag];
-  return blk->ptr;
-}
-
-namespace {
-
-std::size_t checked_rounded_size(std::size_t bytes, stream_handle stream, alloc_tag tag)
-{
-  EMMPOOL_EXPECTS(bytes <= std::numeric_limits<std::size_t>::max() / 2,
-                  "allocation size is too large");
-  EMMPOOL_EXPECTS(static_cast<std::size_t>(tag) < alloc_tag_count, "unknown allocation tag");
-  EMMPOOL_EXPECTS(stream != allocation_stream, "allocation_stream names no stream to allocate on");
-  return std::max(round_up(bytes, device_pool::alignment), device_pool::alignment);
-}
-
-}  // namespace
-
-device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
-{
-  if (options_.mode != pool_mode::pool) { return nullptr; }
-  // Stream order: a block this stream freed lately needs no fence for this stream's work.
-  if (auto* blk = queue_.take_same_stream(stream, rounded)) {
-    ++stats_.same_stream_reuses;
-    return blk;
-  }
-  return take_best_fit(rounded);
-}
-
-std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
-                                                    alloc_tag tag)
-{
-  std::size_t const rounded = checked_rounded_size(bytes, stream, tag);
-  std::unique_lock lock{mutex_, std::try_to_lock};
-  if (!lock.owns_lock() || forked_) { return std::nullopt; }
-  auto const ref = queue_.ref_of(stream);  // alive: we allocate on it (cuStreamGetId never waits)
-  if (fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
-  auto* blk = take_without_cuda(rounded, ref);
-  if (blk == nullptr) { return std::nullopt; }
-  if (tracing_) { record('a', blk->ptr, bytes, ref.handle, static_cast<std::uint8_t>(tag)); }
-  return hand_out(blk, ref, tag);
-}
-
-device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_tag tag)
-{
-  std::size_t const rounded = checked_rounded_size(bytes, stream, tag);
-  std::lock_guard lock{mutex_};
-  if (forked_) { detail::throw_forked(); }
-  auto const ref = queue_.ref_of(stream);  // alive: we allocate on it (cuStreamGetId never waits)
-
-  block* blk = nullptr;
-  if (options_.mode == pool_mode::pool && fence_due()) {
-    maintain(ref);  // fence the waiting frees now, not at the next miss
-  }
-  if (options_.mode == pool_mode::passthrough) {
-    maintain(ref);  // returns completed frees' segments to the driver
-    blk = grow(rounded, true);
-  } else {
-    blk = take_without_cuda(rounded, ref);  // stream order, then the free lists
-    if (blk == nullptr) {
-      // Ladder step 1: fence what was freed since the last miss, reuse what has completed.
-      maintain(ref);
-      blk = take_best_fit(rounded);
-    }
-    if (blk == nullptr) {
-      // Step 2: grow.
-      blk = grow(rounded, false);
-      if (blk != nullptr) { blk = split(blk, rounded); }
-    }
-  }
-  if (blk == nullptr && (queue_.has_open() || queue_.has_closed())) {
-    // Step 3: wait for every pending free.
-    queue_.drain([this](block* b) { release_block(b); });
-    blk = options_.mode == pool_mode::pool ? take_best_fit(rounded) : grow(rounded, true);
-  }
-  if (blk == nullptr) {
-    // Step 4: give wholly free segments back (unless cleanup is deferred), then grow with an
-    // exact-size segment.
-    if (release_free_segments() > 0 || options_.mode == pool_mode::pool) {
-      blk = grow(rounded, true);
-      if (blk != nullptr) { blk = split(blk, rounded); }
-    }
-  }
-  if (blk == nullptr) {
-    ++stats_.out_of_memory;
-    throw out_of_memory{"emmpool: out of memory allocating " + human(bytes) + "; " +
-                        describe_locked()};
-  }
-  if (tracing_) { record('a', blk->ptr, bytes, ref.handle, static_cast<std::uint8_t>(tag)); }
-  return hand_out(blk, ref, tag);
-}
-
-// ---- free ---------------------------------------------------------------------------------
-
-std::optional<detail::stream_ref> device_pool::free_stream(stream_handle stream) const
-{
-  // allocation_stream: the block's own stream_ref, from its allocation; the stream itself may
-  // be gone by now and is never asked. Any other stream is named by the caller, who vouches
-  // for it during the call: its id is taken now, once the free is known to be a live block's
-  // (a block retired by a reset, or a forked child's, never needs one: its stream may be gone
-  // with the context).
-  if (stream == allocation_stream) { return std::nullopt; }
-  return queue_.ref_of(stream);
-}
-
-device_pool::block* device_pool::take_live_locked(device_ptr ptr)
-{
-  auto it = live_.find(ptr);
-  if (it == live_.end()) {
-    throw pool_error{"emmpool: pointer " + std::to_string(ptr) + " on device " +
-                     std::to_string(device_) +
-                     " is not a live allocation of this pool (freed twice, or never allocated "
-                     "here)"};
-  }
-  auto* blk = it->second;
-  live_.erase(it);
-  return blk;
-}
-
-void device_pool::free_live_locked(device_ptr ptr, stream_handle stream)
-{
-  auto const ref = free_stream(stream);  // first: if it throws, the block stays live
-  deallocate_locked(take_live_locked(ptr), ref);
-}
-
-void device_pool::deallocate(device_ptr ptr, stream_handle stream)
-{
-  std::lock_guard lock{mutex_};
-  if (forked_) { return; }  // the parent's memory: nothing to do here
-  free_live_locked(ptr, stream);
-}
-
-bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
-{
-  if (!is_context_stream(stream) && stream != allocation_stream) { return false; }  // an id to ask
-  std::unique_lock lock{mutex_, std::try_to_lock};
-  if (!lock.owns_lock()) { return false; }
-  if (forked_) { return true; }                    // as deallocate(): nothing to do
-  if (generation != generation_) { return false; }  // a retired block: its free may call CUDA
-  auto it = live_.find(ptr);
-  // A record_stream fence is recorded in the free (a CUDA call); a bad pointer gets its error
-  // from deallocate().
-  if (it == live_.end() || !it->second->also_fence.is_none()) { return false; }
-  auto* blk = it->second;
-  live_.erase(it);
-  deallocate_locked(blk, free_stream(stream));  // a context stream or allocation_stream: no call
-  return true;
-}
-
-void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
-{
-  // One lock for the generation check and the free: a reset() in between could otherwise let
-  // this free a block of the next generation at the same address.
-  std::lock_guard lock{mutex_};
-  if (forked_) { return; }
-  if (generation == generation_) {
-    free_live_locked(ptr, stream);
-    return;
-  }
-  auto it = retired_live_.find({generation, ptr});
-  if (it == retired_live_.end()) {
-    throw pool_error{"emmpool: pointer " + std::to_string(ptr) +
-                     " from before a reset is not live (freed twice?)"};
-  }
-  auto* blk = it->second;
-  retired_live_.erase(it);
-  free_retired(blk);
-}
-
-void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag)
-{
-  std::lock_guard lock{mutex_};
-  if (forked_) { return; }
-  auto const t = static_cast<std::uint8_t>(tag);
-  // A block of this library retired by a reset comes first (newest generation first): the
-  // caller's free cannot say which generation it belongs to, and taking a live block at a
-  // reused address for an old one would free memory still in use.
-  for (auto it = retired_live_.rbegin(); it != retired_live_.rend(); ++it) {
-    if (it->first.second == ptr && it->second->tag == t) {
-      auto* blk = it->second;
-      retired_live_.erase(std::next(it).base());
-      free_retired(blk);
-      return;
-    }
-  }
-  auto it = live_.find(ptr);
-  if (it == live_.end() || it->second->tag != t) {
-    throw pool_error{"emmpool: pointer " + std::to_string(ptr) +
-                     " is not a live allocation of this library in this pool"};
-  }
-  auto const ref = free_stream(stream);  // before the block leaves live_: it may throw
-  auto* blk      = it->second;
-  live_.erase(it);
-  deallocate_locked(blk, ref);
-}
-
-void device_pool::deallocate_locked(block* blk, std::optional<stream_ref> stream)
-{
-  auto const freed_on = stream ? *stream : blk->alloc_stream;
-  if (tracing_) { record('f', blk->ptr, blk->size, freed_on.handle, blk->tag); }
-  stats_.bytes_in_use -= blk->size;
-  --stats_.blocks_in_use;
-  ++stats_.frees;
-  stats_.bytes_in_use_by_tag[blk->tag] -= blk->size;
-  if (!blk->also_fence.is_none() && !same_fence(blk->also_fence, freed_on)) {
-    // Fence 1, on the recorded stream, now: record_stream's caller keeps that stream alive
-    // until the free, not after it (deferred_free_queue.hpp, "stream lifetime").
-    blk->freed_on = freed_on;
-    queue_.push(blk, blk->also_fence);
-    queue_.close_now(blk->also_fence);
-  } else {
-    blk->also_fence = stream_ref::none();
-    queue_.push(blk, freed_on);
-  }
-}
-
-void device_pool::record_stream(device_ptr ptr, stream_handle stream)
-{
-  EMMPOOL_EXPECTS(stream != allocation_stream, "allocation_stream names no stream to record");
-  std::lock_guard lock{mutex_};
-  if (forked_) { detail::throw_forked(); }
-  // 0, the CUDA runtime's name for the default stream, means the legacy stream here.
-  auto const ref = queue_.ref_of(stream == 0 ? legacy_stream : stream);
-  auto it = live_.find(ptr);
-  if (it == live_.end()) {
-    throw pool_error{"emmpool: record_stream of pointer " + std::to_string(ptr) +
-                     ", which is not a live allocation of this pool"};
-  }
-  // One extra stream per block: a second, different one is fenced by the legacy stream only
-  // if it is blocking. Keep the most recent, as the one a caller is most likely still using.
-  it->second->also_fence = ref;
-}
-
-void device_pool::release_block(block* blk)
-{
-  if (!blk->also_fence.is_none()) {
-    // First fence (the recorded stream) done; now fence on the stream of the free.
-    blk->also_fence = stream_ref::none();
-    queue_.push(blk, blk->freed_on);
-    return;
-  }
-  auto* seg = blk->seg;
-  --seg->live_blocks;
-  if (seg->live_blocks == 0) { seg->exported = 0; }
-  if (options_.mode == pool_mode::passthrough) {
-    insert_free(blk);
-    if (cleanup_deferrals_ == 0) {
-      try {
-        release_segment(seg);
-      } catch (cuda_error const&) {
-        // cuMemFree failed (a sticky error, say): the segment stays, wholly free, for a
-        // later trim; the block is never handed out again in passthrough mode.
-      }
-    }
-    return;
-  }
-  // Coalesce with free neighbours (same segment only: segments are separate driver allocations).
-  if (auto* prev = blk->prev; prev != nullptr && prev->state == detail::block_state::free) {
-    erase_free(prev);
-    prev->size += blk->size;
-    prev->next = blk->next;
-    if (blk->next != nullptr) { blk->next->prev = prev; }
-    blocks_.recycle(blk);
-    blk = prev;
-  }
-  if (auto* next = blk->next; next != nullptr && next->state == detail::block_state::free) {
-    erase_free(next);
-    blk->size += next->size;
-    blk->next = next->next;
-    if (next->next != nullptr) { next->next->prev = blk; }
-    blocks_.recycle(next);
-  }
-  insert_free(blk);
-}
-
-void device_pool::maintain(stream_ref alive)
-{
-  auto release = [this](block* b) { release_block(b); };
-  queue_.close_open_batches(alive);
-  // What is left open belongs to streams that may be gone: past the limit, one device
-  // synchronization fences them all (deferred_free_queue.hpp, "stream lifetime").
-  if (queue_.dormant_due(options_.open_batch_limit)) { queue_.fence_dormant(release); }
-  queue_.promote_completed(release);
-}
-
-// ---- giving memory back ---------------------------------------------------------------------
-
 void device_pool::release_segment(segment* seg)
 {
   // The driver first: if cuMemFree fails, the segment stays in the pool, consistent.
   driver_->deallocate(device_, seg->base);
   auto* blk = seg->first;  // wholly free: one block spanning the segment
-  erase_free(blk);
+  free_.erase(blk);
   blocks_.recycle(blk);
   stats_.bytes_reserved -= seg->size;
   --stats_.segments;
@@ -549,7 +258,7 @@ void device_pool::release_segment(segment* seg)
 
 std::size_t device_pool::release_free_segments(bool large_only)
 {
-  if (cleanup_deferrals_ > 0 || forked_) { return 0; }
+  if (cleanup_deferred() || forked_) { return 0; }
   std::vector<segment*> idle;
   for (auto& [base, seg] : segments_) {
     if (seg->live_blocks == 0 && !(large_only && seg->small)) { idle.push_back(seg.get()); }
@@ -566,80 +275,165 @@ std::size_t device_pool::trim()
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return 0; }
-  queue_.drain([this](block* b) { release_block(b); });
+  drain();
   return release_free_segments();
+}
+
+void device_pool::defer_cleanup_begin()
+{
+  std::lock_guard lock{mutex_};
+  begin_deferral();
+}
+
+void device_pool::defer_cleanup_end()
+{
+  std::lock_guard lock{mutex_};
+  if (end_deferral() && options_.mode == pool_mode::passthrough) {
+    release_free_segments();  // segments whose release was held back
+  }
+}
+
+// ---- frees: the reuse policy decides when a block comes back (reuse_policy.hpp) -------------
+
+void device_pool::free_live(device_ptr ptr, stream_handle stream, int tag)
+{
+  auto it = live_.find(ptr);
+  if (it == live_.end() || (tag >= 0 && it->second->tag != tag)) {
+    auto const what =
+      tag >= 0 ? std::string{" is not a live allocation of this library in this pool"}
+               : " on device " + std::to_string(device_) +
+                   " is not a live allocation of this pool (freed twice, or never allocated here)";
+    throw pool_error{"emmpool: pointer " + std::to_string(ptr) + what};
+  }
+  policy_.free(it->second, stream, [&](stream_ref key) { off_books(it, key); });
+}
+
+void device_pool::off_books(live_map::iterator it, stream_ref key)
+{
+  auto* blk = it->second;
+  live_.erase(it);
+  if (trace_.on()) { trace_.record('f', blk->ptr, blk->size, key.handle, blk->tag); }
+  stats_.count_free(blk->size, blk->tag);
+}
+
+void device_pool::deallocate(device_ptr ptr, stream_handle stream)
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { return; }  // the parent's memory: nothing to do here
+  free_live(ptr, stream);
+}
+
+bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
+{
+  std::unique_lock lock{mutex_, std::try_to_lock};
+  if (!lock.owns_lock()) { return false; }
+  if (forked_) { return true; }                    // as deallocate(): nothing to do
+  if (generation != generation_) { return false; }  // a retired block: its free may call CUDA
+  auto it = live_.find(ptr);
+  // A bad pointer gets its error from deallocate().
+  if (it == live_.end() || !reuse_policy::free_is_local(*it->second, stream)) { return false; }
+  policy_.free(it->second, stream, [&](stream_ref key) { off_books(it, key); });  // no CUDA
+  return true;
+}
+
+void device_pool::deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
+{
+  // One lock for the generation check and the free: a reset() in between could otherwise let
+  // this free a block of the next generation at the same address.
+  std::lock_guard lock{mutex_};
+  if (forked_) { return; }
+  if (generation == generation_) {
+    free_live(ptr, stream);
+    return;
+  }
+  if (!retired_.free(generation, ptr)) {
+    throw pool_error{"emmpool: pointer " + std::to_string(ptr) +
+                     " from before a reset is not live (freed twice?)"};
+  }
+  ++stats_.frees;
+}
+
+void device_pool::deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag)
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { return; }
+  auto const t = static_cast<std::uint8_t>(tag);
+  // A block of this library retired by a reset comes first (newest generation first): the
+  // caller's free cannot say which generation it belongs to, and taking a live block at a
+  // reused address for an old one would free memory still in use.
+  if (retired_.free_tagged(ptr, t)) {
+    ++stats_.frees;
+    return;
+  }
+  free_live(ptr, stream, t);
+}
+
+void device_pool::record_stream(device_ptr ptr, stream_handle stream)
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { detail::throw_forked(); }
+  auto it = live_.find(ptr);
+  if (it == live_.end()) {
+    throw pool_error{"emmpool: record_stream of pointer " + std::to_string(ptr) +
+                     ", which is not a live allocation of this pool"};
+  }
+  policy_.record_stream(it->second, stream);
+}
+
+void device_pool::release_block(block* blk)
+{
+  auto* seg = blk->seg;
+  --seg->live_blocks;
+  if (options_.mode == pool_mode::pool) {
+    free_.coalesce(blk);
+    return;
+  }
+  free_.insert(blk);  // passthrough: the segment, wholly free, goes back to the driver
+  if (!cleanup_deferred()) {
+    try {
+      release_segment(seg);
+    } catch (cuda_error const&) {
+      // cuMemFree failed (a sticky error, say): the segment stays, wholly free, for a
+      // later trim; the block is never handed out again in passthrough mode.
+    }
+  }
+}
+
+void device_pool::maintain(stream_ref alive)
+{
+  policy_.maintain(alive, [this](block* b) { release_block(b); });
+}
+
+void device_pool::drain()
+{
+  policy_.drain([this](block* b) { release_block(b); });
 }
 
 void device_pool::synchronize()
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
-  queue_.drain([this](block* b) { release_block(b); });
+  drain();
 }
 
-void device_pool::free_retired(block* blk)
-{
-  ++stats_.frees;
-  auto* seg = blk->seg;
-  if (--seg->live_blocks > 0) { return; }
-  // Free the segment only if the driver still knows it as the same allocation: after a real
-  // context reset its address may belong to someone else by now.
-  try {
-    if (!process_is_exiting() && driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
-      driver_->deallocate(device_, seg->base);
-    }
-  } catch (...) {
-  }
-  for (auto* b = seg->first; b != nullptr;) {
-    auto* next = b->next;
-    blocks_.recycle(b);
-    b = next;
-  }
-  auto it = std::find_if(retired_segments_.begin(), retired_segments_.end(),
-                         [seg](auto const& s) { return s.get() == seg; });
-  retired_segments_.erase(it);
-}
+// ---- reset: live segments retired (detail/retired_segments.hpp) -----------------------------
 
 void device_pool::reset()
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
-  try {
-    queue_.drain([this](block* b) { release_block(b); });
-  } catch (...) {
-    // The context is already unusable: pending blocks can't be fenced; nothing uses them now.
-    for (auto* b : queue_.abandon()) {
-      b->also_fence = stream_ref::none();
-      release_block(b);
-    }
-  }
-  int const deferrals = cleanup_deferrals_;
-  cleanup_deferrals_  = 0;  // a reset frees what it can regardless
-  try {
-    release_free_segments();
-  } catch (...) {
-  }
-  cleanup_deferrals_ = deferrals;
+  policy_.drain_or_abandon([this](block* b) { release_block(b); });
+  regardless_of_deferrals([this] { release_free_segments(); });  // errors ignored
 
   // What is left holds live blocks: retire it, so that it is never handed out again.
   for (auto& [base, seg] : segments_) {
-    seg->retired = true;
-    for (auto* b = seg->first; b != nullptr; b = b->next) {
-      if (b->state == detail::block_state::free) { erase_free(b); }
-    }
+    free_.erase_all_of(*seg);
     stats_.bytes_reserved -= seg->size;
     --stats_.segments;
-    retired_segments_.push_back(std::move(seg));
   }
-  segments_.clear();
-  for (auto& [ptr, blk] : live_) {
-    retired_live_.emplace(std::make_pair(generation_, ptr), blk);
-    stats_.bytes_in_use -= blk->size;
-    stats_.bytes_in_use_by_tag[blk->tag] -= blk->size;
-    --stats_.blocks_in_use;
-  }
-  live_.clear();
-  queue_.release_events();
+  for (auto& [ptr, blk] : live_) { stats_.count_out_of_use(blk->size, blk->tag); }
+  retired_.retire(segments_, live_, generation_);
+  policy_.release_events();
   try {
     driver_->release_context(device_);
   } catch (...) {
@@ -648,28 +442,7 @@ void device_pool::reset()
   ++generation_;
 }
 
-std::uint64_t device_pool::generation() const
-{
-  std::lock_guard lock{mutex_};
-  return generation_;
-}
-
-void device_pool::defer_cleanup_begin()
-{
-  std::lock_guard lock{mutex_};
-  ++cleanup_deferrals_;
-}
-
-void device_pool::defer_cleanup_end()
-{
-  std::lock_guard lock{mutex_};
-  EMMPOOL_EXPECTS(cleanup_deferrals_ > 0, "defer_cleanup_end without defer_cleanup_begin");
-  if (--cleanup_deferrals_ == 0 && options_.mode == pool_mode::passthrough) {
-    release_free_segments();  // segments whose release was held back
-  }
-}
-
-// ---- queries ------------------------------------------------------------------------------
+// ---- IPC ------------------------------------------------------------------------------------
 
 bool device_pool::owns(device_ptr ptr) const
 {
@@ -687,42 +460,38 @@ std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
   auto& seg = *it->second;
   if (ptr >= seg.base + seg.size || seg.live_blocks == 0) { return std::nullopt; }
   if (!seg.ipc) { seg.ipc = driver_->ipc_handle(device_, seg.base); }
-  ++seg.exported;
   return ipc_info{*seg.ipc, seg.base, seg.size, static_cast<std::size_t>(ptr - seg.base)};
 }
 
-void device_pool::record(char op, device_ptr ptr, std::size_t size, stream_handle stream,
-                         std::uint8_t tag)
-{
-  auto const now = std::chrono::steady_clock::now().time_since_epoch();
-  trace_.push_back(
-    {static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count()),
-     ptr, size, stream, op, tag});
-}
+// ---- tracing and statistics -----------------------------------------------------------------
 
 void device_pool::set_tracing(bool on)
 {
   std::lock_guard lock{mutex_};
-  tracing_ = on;
+  trace_.set(on);
 }
 
 std::vector<trace_record> device_pool::take_trace()
 {
   std::lock_guard lock{mutex_};
-  return std::exchange(trace_, {});
+  return trace_.take();
 }
 
 pool_stats device_pool::stats() const
 {
   std::lock_guard lock{mutex_};
-  pool_stats s     = stats_;
-  s.bytes_waiting  = queue_.waiting_bytes();
-  s.batches_closed = queue_.batches_closed();
-  s.dormant_fences = queue_.dormant_fences();
-  std::size_t best = 0;
-  if (!small_free_.empty()) { best = (*small_free_.rbegin())->size; }
-  if (!large_free_.empty()) { best = std::max(best, (*large_free_.rbegin())->size); }
-  s.largest_free_block = best;
+  return stats_locked();
+}
+
+pool_stats device_pool::stats_locked() const
+{
+  pool_stats s         = stats_;
+  s.bytes_free         = free_.bytes();
+  s.largest_free_block = free_.largest();
+  s.bytes_waiting      = policy_.waiting_bytes();
+  s.batches_closed     = policy_.batches_closed();
+  s.dormant_fences     = policy_.dormant_fences();
+  s.same_stream_reuses = policy_.stream_order_reuses();
   return s;
 }
 
@@ -741,18 +510,7 @@ std::string device_pool::describe() const
 
 std::string device_pool::describe_locked() const
 {
-  std::size_t best = 0;
-  if (!small_free_.empty()) { best = (*small_free_.rbegin())->size; }
-  if (!large_free_.empty()) { best = std::max(best, (*large_free_.rbegin())->size); }
-  std::string s = "pool on device " + std::to_string(device_) + " holds " +
-                  human(stats_.bytes_reserved) + " in " + std::to_string(stats_.segments) +
-                  " segments: " + human(stats_.bytes_in_use) + " in use, " +
-                  human(stats_.bytes_free) + " free (largest block " + human(best) + "), " +
-                  human(queue_.waiting_bytes()) + " waiting for pending frees";
-  if (max_reserved_ != std::numeric_limits<std::size_t>::max()) {
-    s += "; cap " + human(max_reserved_);
-  }
-  return s;
+  return emmpool::describe(stats_locked(), device_, max_reserved_);
 }
 
 }  // namespace emmpool

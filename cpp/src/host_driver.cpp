@@ -349,9 +349,4 @@ void host_driver::host_unregister(int, void* ptr)
   }
 }
 
-device_ptr host_driver::host_device_pointer(int, void* ptr)
-{
-  return reinterpret_cast<device_ptr>(ptr);  // unified addressing: the same address
-}
-
 }  // namespace emmpool

@@ -24,19 +24,17 @@ std::size_t default_limit() noexcept
 }  // namespace
 
 host_pool::host_pool(driver& drv, int device, std::size_t limit)
-  : driver_{&drv}, device_{device}, queue_{drv, device}
+  : driver_{&drv}, device_{device}, policy_{drv, device, reuse_options{false, SIZE_MAX}}
 {
   EMMPOOL_EXPECTS(device >= 0, "device must be a non-negative ordinal");
   stats_.limit = limit != 0 ? limit : default_limit();
-  detail::register_for_fork(&mutex_, &forked_);
 }
 
 host_pool::~host_pool()
 {
-  detail::unregister_for_fork(&mutex_);
   std::lock_guard lock{mutex_};
-  if (process_is_exiting() || forked_) {
-    queue_.drop_events();
+  if (!may_call_driver_at_teardown()) {
+    policy_.drop_events();
     return;
   }
   // Cached blocks go back; live and waiting ones belong to callers still: left alone.
@@ -48,7 +46,7 @@ host_pool::~host_pool()
       }
     }
   }
-  (void)queue_.abandon();
+  (void)policy_.abandon();
 }
 
 std::size_t host_pool::size_class(std::size_t bytes) noexcept
@@ -101,8 +99,7 @@ void host_pool::on_fenced(block* b)
 
 void host_pool::maintain()
 {
-  queue_.close_open_batches();
-  queue_.promote_completed([this](block* b) { on_fenced(b); });
+  policy_.maintain({}, [this](block* b) { on_fenced(b); });
 }
 
 void* host_pool::allocate(std::size_t bytes, unsigned flags)
@@ -115,7 +112,7 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags)
   if (forked_) { detail::throw_forked(); }
 
   block* b = take_cached(cls, flags);
-  if (b == nullptr && (queue_.has_open() || queue_.has_closed())) {
+  if (b == nullptr && policy_.has_waiting()) {
     maintain();
     b = take_cached(cls, flags);
   }
@@ -124,10 +121,10 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags)
   } else {
     // Room under the limit: cached blocks of other classes go first, then pending frees are
     // waited for and their blocks go too.
-    if (stats_.bytes_held + cls > stats_.limit && cleanup_deferrals_ == 0) {
+    if (stats_.bytes_held + cls > stats_.limit && !cleanup_deferred()) {
       release_cached(cls);
       if (stats_.bytes_held + cls > stats_.limit) {
-        queue_.drain([this](block* x) { on_fenced(x); });
+        policy_.drain([this](block* x) { on_fenced(x); });
         if ((b = take_cached(cls, flags)) == nullptr) { release_cached(cls); }
       }
     }
@@ -141,8 +138,8 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags)
       try {
         p = driver_->host_allocate(device_, cls, flags);
       } catch (out_of_memory const&) {
-        if (cleanup_deferrals_ > 0) { throw; }
-        queue_.drain([this](block* x) { on_fenced(x); });
+        if (cleanup_deferred()) { throw; }
+        policy_.drain([this](block* x) { on_fenced(x); });
         release_cached(stats_.limit);  // everything cached goes back
         p = driver_->host_allocate(device_, cls, flags);
       }
@@ -166,23 +163,22 @@ void host_pool::deallocate(void* ptr, stream_handle stream)
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
-  free_live_locked(ptr, queue_.ref_of(stream));  // the caller vouches for the stream now
+  free_live_locked(ptr, stream);
 }
 
-void host_pool::free_live_locked(void* ptr, detail::stream_ref stream)
+void host_pool::free_live_locked(void* ptr, stream_handle stream)
 {
   auto it = live_.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == live_.end()) {
     throw pool_error{"emmpool: pinned pointer " + std::to_string(reinterpret_cast<std::uintptr_t>(ptr)) +
                      " is not a live allocation of this pool (freed twice, or never allocated here)"};
   }
-  auto* b = it->second;
-  live_.erase(it);
-  stats_.bytes_in_use -= b->size;
-  queue_.push(b, stream);
-  // No allocation here names a stream, so a named stream would never be seen alive again:
-  // its fence is recorded now, while the caller vouches for it (deferred_free_queue.hpp).
-  if (!stream.is_context()) { queue_.close_now(stream); }
+  // No allocation here names a stream (reuse_options::stream_order off): the fence of a named
+  // stream is recorded in the free, while the caller vouches for it (reuse_policy.hpp).
+  policy_.free(it->second, stream, [&](detail::stream_ref) {
+    stats_.bytes_in_use -= it->second->size;
+    live_.erase(it);
+  });
 }
 
 void host_pool::deallocate(void* ptr, stream_handle stream, std::uint64_t generation)
@@ -191,7 +187,7 @@ void host_pool::deallocate(void* ptr, stream_handle stream, std::uint64_t genera
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
   if (generation == generation_) {
-    free_live_locked(ptr, queue_.ref_of(stream));
+    free_live_locked(ptr, stream);
     return;
   }
   auto it = retired_.find({generation, reinterpret_cast<std::uintptr_t>(ptr)});
@@ -231,8 +227,8 @@ void host_pool::unregister_memory(void* ptr)
 std::size_t host_pool::trim()
 {
   std::lock_guard lock{mutex_};
-  if (forked_ || cleanup_deferrals_ > 0) { return 0; }
-  queue_.drain([this](block* b) { on_fenced(b); });
+  if (forked_ || cleanup_deferred()) { return 0; }
+  policy_.drain([this](block* b) { on_fenced(b); });
   std::size_t const before = stats_.bytes_held;
   auto const limit         = stats_.limit;
   stats_.limit             = 0;  // release_cached frees until nothing cached remains
@@ -246,11 +242,7 @@ void host_pool::reset()
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
-  try {
-    queue_.drain([this](block* b) { on_fenced(b); });
-  } catch (...) {
-    for (auto* b : queue_.abandon()) { on_fenced(b); }
-  }
+  policy_.drain_or_abandon([this](block* b) { on_fenced(b); });
   for (auto& [key, blocks] : cached_) {
     for (auto* b : blocks) {
       try {
@@ -268,34 +260,27 @@ void host_pool::reset()
     stats_.bytes_held -= b->size;
   }
   live_.clear();
-  queue_.release_events();
+  policy_.release_events();
   ++generation_;
 }
 
 void host_pool::defer_cleanup_begin()
 {
   std::lock_guard lock{mutex_};
-  ++cleanup_deferrals_;
+  begin_deferral();
 }
 
 void host_pool::defer_cleanup_end()
 {
   std::lock_guard lock{mutex_};
-  EMMPOOL_EXPECTS(cleanup_deferrals_ > 0, "defer_cleanup_end without defer_cleanup_begin");
-  --cleanup_deferrals_;
-}
-
-std::uint64_t host_pool::generation() const
-{
-  std::lock_guard lock{mutex_};
-  return generation_;
+  (void)end_deferral();
 }
 
 host_pool_stats host_pool::stats() const
 {
   std::lock_guard lock{mutex_};
   auto s          = stats_;
-  s.bytes_waiting = queue_.waiting_bytes();
+  s.bytes_waiting = policy_.waiting_bytes();
   return s;
 }
 

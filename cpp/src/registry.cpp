@@ -45,14 +45,15 @@ pool_registry& pool_registry::instance()
   return *registry;
 }
 
-void pool_registry::configure(pool_options options)
+void pool_registry::configure(pool_options options, std::size_t pinned_limit)
 {
   std::lock_guard lock{mutex_};
   if (!existing<device_pool>(pools_).empty() || !existing<host_pool>(pinned_).empty()) {
     throw std::logic_error{
       "emmpool: the pool is already in use; configure it before the first allocation"};
   }
-  options_ = options;
+  options_      = options;
+  pinned_limit_ = pinned_limit;
 }
 
 void pool_registry::use_driver(driver& drv)
@@ -70,6 +71,12 @@ pool_options pool_registry::options() const
   return options_;
 }
 
+std::size_t pool_registry::pinned_limit() const
+{
+  std::lock_guard lock{mutex_};
+  return pinned_limit_;
+}
+
 
 device_pool& pool_registry::create(int device)
 {
@@ -81,7 +88,7 @@ device_pool& pool_registry::create(int device)
 host_pool& pool_registry::create_pinned(int device)
 {
   return get_or_create<host_pool>(mutex_, pinned_, *driver_, device, [&] {
-    return new host_pool{*driver_, device, options_.pinned_limit};
+    return new host_pool{*driver_, device, pinned_limit_};
   });
 }
 

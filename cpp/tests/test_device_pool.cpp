@@ -305,7 +305,7 @@ TEST(event_must_be_recorded_after_the_free)
 TEST(streams_fence_independently)
 {
   // A stream's frees are fenced on that stream, at an allocation on it (the moment it is sure
-  // to be alive): an allocation elsewhere leaves them open (deferred_free_queue.hpp).
+  // to be alive): an allocation elsewhere leaves them open (reuse_policy.hpp).
   fixture f;
   auto const pa = f->allocate(big, stream_a);
   auto const pb = f->allocate(big, stream_b);
@@ -381,6 +381,39 @@ TEST(try_paths_take_no_cuda_call_and_leave_the_rest_to_the_full_calls)
   g->deallocate(b);
   CHECK_EQ(consistency(f, false), "");
   CHECK_EQ(consistency(g), "");
+}
+
+TEST(allocate_after_a_try_miss_sees_what_changed_since)
+{
+  // The binding's pair: try_allocate() misses, allocate() goes on where it left off. It skips
+  // the search only while nothing could have changed its result.
+  fixture f;
+  auto const a = f->allocate(big, legacy_stream, alloc_tag::numba);
+  f->deallocate(a);  // pending: its fence is recorded at the next miss
+  CHECK(!f->try_allocate(big, legacy_stream, alloc_tag::numba));
+  f.drv.set_auto_complete(true);  // the fence completes as soon as it is recorded
+  // Nothing changed: no second search, but the ladder's first step still fences and finds a.
+  CHECK_EQ(f->allocate(big, legacy_stream, alloc_tag::numba), a);
+  CHECK_EQ(f->stats().segment_allocations, 1u);
+
+  // A free between the two calls: allocate() searches again and takes it in stream order.
+  auto const b = f->allocate(big, stream_a, alloc_tag::cupy);
+  CHECK(!f->try_allocate(big, stream_a, alloc_tag::cupy));  // needs a segment
+  f->deallocate(b, stream_a);
+  CHECK_EQ(f->allocate(big, stream_a, alloc_tag::cupy), b);
+  CHECK_EQ(f->stats().same_stream_reuses, 1u);
+  CHECK_EQ(f->stats().segment_allocations, 2u);
+
+  // Another request than the one that missed is checked and searched as any other.
+  CHECK(!f->try_allocate(big, legacy_stream, alloc_tag::numba));
+  CHECK_THROWS(f->allocate(big, allocation_stream, alloc_tag::numba), std::invalid_argument);
+  CHECK_THROWS(f->allocate(big, legacy_stream, static_cast<alloc_tag>(9)), std::invalid_argument);
+  auto const c = f->allocate(big, legacy_stream, alloc_tag::other);
+  CHECK_EQ(f->stats().segment_allocations, 3u);
+  f->deallocate(a);
+  f->deallocate(b, stream_a);
+  f->deallocate(c);
+  CHECK_EQ(consistency(f), "");
 }
 
 TEST(auto_complete_reuses_at_the_next_miss)
@@ -756,7 +789,7 @@ TEST(fault_random_injection_loses_nothing)
 //
 // host_driver throws dead_stream_error (which the pool never catches) on any use of a destroyed
 // stream's handle, and create_stream() reuses the last destroyed handle: each test below would
-// fail on the first touch of a dead stream (deferred_free_queue.hpp, "stream lifetime").
+// fail on the first touch of a dead stream (reuse_policy.hpp, "stream lifetime").
 
 namespace {
 
@@ -857,7 +890,7 @@ TEST(dormant_frees_are_fenced_by_one_device_sync_past_the_limits)
   {  // past max_dormant streams
     fixture f;
     std::vector<device_ptr> freed;
-    for (std::size_t i = 0; i <= deferred_free_queue::max_dormant; ++i) {
+    for (std::size_t i = 0; i <= reuse_policy::max_dormant; ++i) {
       freed.push_back(allocate_on_a_stream_that_dies(f, 4 * KiB, alloc_tag::cupy));
     }
     CHECK_EQ(f->stats().dormant_fences, 0u);

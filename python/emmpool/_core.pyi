@@ -1,4 +1,5 @@
-"""Type stubs for emmpool._core (cpp/bindings/module.cpp). Keep in step with the bindings."""
+"""Type stubs for emmpool._core (cpp/bindings/module.cpp; its CuPy functions:
+cpp/src/cupy_adapter.cpp). Keep in step with the bindings."""
 
 from typing import Any
 

@@ -3,9 +3,11 @@
  * @brief A stream-safe pool of device memory for one GPU.
  *
  * Segments come from the driver (cuMemAlloc). Requests up to `small_request` bytes are served
- * from small segments, larger ones from large segments, each by best fit over a size-ordered
- * set (O(log n)), splitting blocks and coalescing neighbours on return. Freed blocks go through
- * the deferred_free_queue (see its header for the reuse rule) before they can be reused.
+ * from small segments, larger ones from large segments, each by best fit, splitting blocks and
+ * coalescing neighbours on return (detail/free_list.hpp). Freed blocks come back to the free
+ * lists only through the reuse policy (reuse_policy.hpp: the reuse rule, and every stream
+ * decision). What this class itself does: growth and caps, the out-of-memory ladder, reset
+ * (what outlives it: detail/retired_segments.hpp), IPC and statistics.
  *
  * In passthrough mode every allocation is its own segment, released to the driver once its
  * fence has completed: the mode for compute-sanitizer and for code that assumes one allocation
@@ -21,9 +23,14 @@
  */
 #pragma once
 
-#include <emmpool/deferred_free_queue.hpp>
 #include <emmpool/detail/block.hpp>
+#include <emmpool/detail/free_list.hpp>
+#include <emmpool/detail/pool_lifecycle.hpp>
+#include <emmpool/detail/retired_segments.hpp>
+#include <emmpool/detail/trace_log.hpp>
+#include <emmpool/reuse_policy.hpp>
 #include <emmpool/driver.hpp>
+#include <emmpool/pool_options.hpp>
 #include <emmpool/stats.hpp>
 
 #include <cstddef>
@@ -32,43 +39,11 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 namespace emmpool {
-
-/// As the stream of a free: fence it on the stream named when the block was allocated (the
-/// CuPy entry point, whose free carries no stream, uses this). Never reaches the driver.
-inline constexpr stream_handle allocation_stream = ~stream_handle{0};
-
-enum class pool_mode : std::uint8_t { pool, passthrough };
-
-/// @brief How a pool grows and what it keeps.
-struct pool_options {
-  pool_mode mode{pool_mode::pool};
-  std::size_t initial_size{0};          ///< bytes reserved when the pool is created
-  std::size_t maximum_size{0};          ///< cap on bytes reserved; 0: no cap but the device's
-  double maximum_fraction{0.0};         ///< cap as a fraction of the device's memory; 0: unused
-  std::size_t small_request{1u << 20};  ///< requests up to this size use small segments
-  std::size_t small_segment{2u << 20};  ///< size of a small segment
-  std::size_t large_segment{20u << 20}; ///< minimum size of a large segment
-  std::size_t open_batch_limit{64u << 20};  ///< fence freed blocks past this many bytes
-                                            ///< unfenced (dormant streams: one device sync)
-  bool trace{false};                    ///< record every allocation and free (set_tracing)
-  std::size_t pinned_limit{0};          ///< host_pool: cap on pinned bytes held; 0: RAM / 4
-};
-
-/// @brief One allocation or free, as the optional trace records it.
-struct trace_record {
-  std::uint64_t time_ns;  ///< steady clock
-  device_ptr ptr;
-  std::size_t size;       ///< bytes requested (allocation) or held (free)
-  stream_handle stream;
-  char op;                ///< 'a' allocation, 'f' free
-  std::uint8_t tag;       ///< alloc_tag
-};
 
 /// @brief Where a pooled block lies in its segment, for IPC.
 struct ipc_info {
@@ -78,9 +53,9 @@ struct ipc_info {
   std::size_t offset;        ///< block address - segment base
 };
 
-class device_pool {
+class device_pool : private detail::pool_lifecycle {
  public:
-  static constexpr std::size_t alignment = 256;
+  static constexpr std::size_t alignment = block_alignment;
 
   /// @throws std::invalid_argument if the options are inconsistent
   device_pool(driver& drv, int device, pool_options options);
@@ -94,7 +69,7 @@ class device_pool {
    * @brief Allocate `bytes` (rounded up to 256; 0 gives a distinct 256-byte block).
    * @param stream the stream the caller uses the block on; legacy_stream: none named. On a
    *        named stream, a block freed on that same stream may be handed out again at once
-   *        (stream order; see deferred_free_queue.hpp). per_thread_stream counts as none. The
+   *        (stream order; see reuse_policy.hpp). per_thread_stream counts as none. The
    *        stream is alive during the call (its id is asked: cuStreamGetId).
    * @throws out_of_memory after the out-of-memory ladder: promote completed frees, grow, wait
    *         for pending frees, release wholly free segments, grow again.
@@ -141,7 +116,7 @@ class device_pool {
   void deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag);
 
   /// @brief Incremented by every reset(); callers that may outlive a reset remember it.
-  [[nodiscard]] std::uint64_t generation() const;
+  using pool_lifecycle::generation;
 
   /// @brief Declare that `stream` (e.g. a non-blocking stream) uses the block: its free then
   /// also waits for the work issued to `stream` before the free. As with PyTorch's
@@ -153,8 +128,8 @@ class device_pool {
   [[nodiscard]] bool owns(device_ptr ptr) const;
 
   /// @brief IPC description of the block containing ptr (which may point inside it);
-  /// std::nullopt if the pool did not allocate it. Marks the segment exported: it is never
-  /// released to the driver while a block in it is live.
+  /// std::nullopt if the pool did not allocate it. A segment is never released to the driver
+  /// while a block in it is live, exported or not.
   [[nodiscard]] std::optional<ipc_info> ipc_handle(device_ptr ptr);
 
   /// @brief Release wholly free segments to the driver (unless cleanup is deferred).
@@ -185,7 +160,7 @@ class device_pool {
   [[nodiscard]] std::string describe() const;
 
   /// @brief Whether this is a copy of the pool in a forked child (see above).
-  [[nodiscard]] bool forked() const;
+  using pool_lifecycle::forked;
 
   [[nodiscard]] int device() const noexcept { return device_; }
   [[nodiscard]] pool_options const& options() const noexcept { return options_; }
@@ -194,65 +169,50 @@ class device_pool {
   using block      = detail::block;
   using segment    = detail::segment;
   using stream_ref = detail::stream_ref;
-  struct by_size {
-    bool operator()(block const* a, block const* b) const noexcept
-    {
-      return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
-    }
-  };
-  using free_set = std::set<block*, by_size>;
 
   // All private members expect mutex_ held.
-  [[nodiscard]] std::size_t max_reserved() const noexcept { return max_reserved_; }
-  [[nodiscard]] free_set& free_list_for(std::size_t rounded) noexcept;
-  block* take_best_fit(std::size_t rounded);
+  // ---- allocation
   block* take_without_cuda(std::size_t rounded, stream_ref stream);  // stream order, best fit
-  /// More bytes wait unfenced in open batches than options().open_batch_limit, or more streams
-  /// than deferred_free_queue::max_dormant have open batches.
-  [[nodiscard]] bool fence_due() const noexcept
-  {
-    return queue_.dormant_due(options_.open_batch_limit);
-  }
-  block* split(block* blk, std::size_t rounded);
+  block* take_best_fit(std::size_t rounded);                         // and split
+  device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);
+  /// The last try_allocate() that searched and missed, so that the allocate() after it neither
+  /// checks the same request nor searches again while the batches (reuse_policy::version) and
+  /// the free lists (insertions: taking a block out cannot make best fit succeed) are as then.
+  struct missed_request {
+    std::size_t bytes{};
+    stream_handle stream{};
+    alloc_tag tag{};
+    std::size_t rounded{};
+    stream_ref key{};
+    std::uint64_t insertions{}, version{};  // the state searched
+  };
+  std::optional<missed_request> missed_;
+  // ---- growth and giving memory back
   block* grow(std::size_t rounded, bool exact);
-  device_ptr hand_out(block* blk, stream_ref stream, alloc_tag tag);  // free or pending
-  void release_block(block* blk);             // from the queue: coalesce into free lists
-  void maintain(stream_ref alive);            // fence frees (alive: the allocating stream)
   std::size_t release_free_segments(bool large_only = false);
   void release_segment(segment* seg);
-  void erase_free(block* blk);
-  void insert_free(block* blk);
+  // ---- frees
+  void free_live(device_ptr ptr, stream_handle stream, int tag = -1);  // of library tag (>= 0)
+  using live_map = std::unordered_map<device_ptr, block*>;
+  void off_books(live_map::iterator it, stream_ref key);  // a freed block: stats, trace
+  void release_block(block* blk);               // every fence done: into the free lists
+  void maintain(stream_ref alive);
+  void drain();  // wait for every pending free
+  [[nodiscard]] pool_stats stats_locked() const;  // the full snapshot
   [[nodiscard]] std::string describe_locked() const;
 
   driver* driver_;
   int device_;
   pool_options options_;
   std::size_t max_reserved_{};
-  mutable std::mutex mutex_;
-  deferred_free_queue queue_;
-  /// The stream_ref a free is queued on; std::nullopt: the block's allocation stream. Asks the
-  /// driver for a named stream's id: only for a live block's free, never a retired one's.
-  [[nodiscard]] std::optional<stream_ref> free_stream(stream_handle stream) const;
-  void deallocate_locked(block* blk, std::optional<stream_ref> stream);
-  block* take_live_locked(device_ptr ptr);  // off live_, or pool_error if not live
-  void free_live_locked(device_ptr ptr, stream_handle stream);  // a current-generation free
-  void free_retired(block* blk);
-
+  reuse_policy policy_;
   std::map<device_ptr, std::unique_ptr<segment>> segments_;  // by base: IPC lookups
-  std::unordered_map<device_ptr, block*> live_;               // allocated blocks by address
-  // Segments that outlived a reset, and their live blocks, per generation they belong to.
-  std::vector<std::unique_ptr<segment>> retired_segments_;
-  std::map<std::pair<std::uint64_t, device_ptr>, block*> retired_live_;
-  std::uint64_t generation_{};
-  free_set small_free_;
-  free_set large_free_;
+  live_map live_;                                             // allocated blocks by address
   detail::block_arena blocks_;
-  int cleanup_deferrals_{};
+  detail::free_lists free_{blocks_};
+  detail::retired_segments retired_{*driver_, device_, blocks_};  // outlived a reset()
   pool_stats stats_{};
-  bool tracing_{};
-  bool forked_{};  // this process is a fork() child of the one that made the pool
-  std::vector<trace_record> trace_;
-  void record(char op, device_ptr ptr, std::size_t size, stream_handle stream, std::uint8_t tag);
+  detail::trace_log trace_;
 };
 
 }  // namespace emmpool

@@ -19,7 +19,7 @@
  *  - a stream handle other than the null, legacy and per-thread ones (which live as long as
  *    the context) is passed only while its owner guarantees it alive: using a destroyed
  *    stream's handle is undefined (a real driver may crash; the host driver fails loudly).
- *    The pool's rule for this is in deferred_free_queue.hpp ("stream lifetime").
+ *    The pool's rule for this is in reuse_policy.hpp ("stream lifetime").
  */
 #pragma once
 
@@ -121,8 +121,6 @@ class driver {
   /// @brief cuMemHostRegister of caller memory (flags: host_mapped and/or host_portable).
   virtual void host_register(int device, void* ptr, std::size_t bytes, unsigned flags) = 0;
   virtual void host_unregister(int device, void* ptr) = 0;
-  /// @brief The device address of mapped host memory.
-  [[nodiscard]] virtual device_ptr host_device_pointer(int device, void* ptr) = 0;
 };
 
 /// @brief The process-wide CUDA driver implementation. Loading is deferred to its first call;

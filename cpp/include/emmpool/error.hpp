@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdio>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -78,6 +79,23 @@ namespace detail {
 [[noreturn]] inline void throw_invalid(char const* message, char const* file, int line)
 {
   throw std::invalid_argument{std::string{message} + " (" + file + ":" + std::to_string(line) + ")"};
+}
+
+/// A size as error messages and descriptions print it: "1.50 MiB".
+inline std::string human_bytes(std::size_t bytes)
+{
+  char buf[32];
+  double const v = static_cast<double>(bytes);
+  if (bytes >= (std::size_t{1} << 30)) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", v / (1 << 30));
+  } else if (bytes >= (std::size_t{1} << 20)) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", v / (1 << 20));
+  } else if (bytes >= 1024) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", v / 1024);
+  } else {
+    std::snprintf(buf, sizeof buf, "%zu B", bytes);
+  }
+  return buf;
 }
 }  // namespace detail
 

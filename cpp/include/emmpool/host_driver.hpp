@@ -97,7 +97,6 @@ class host_driver final : public driver {
   void host_deallocate(int device, void* ptr) override;
   void host_register(int device, void* ptr, std::size_t bytes, unsigned flags) override;
   void host_unregister(int device, void* ptr) override;
-  [[nodiscard]] device_ptr host_device_pointer(int device, void* ptr) override;
 
  private:
   struct segment {

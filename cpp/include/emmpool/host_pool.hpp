@@ -8,7 +8,7 @@
  * flags (mapped / portable / write-combined are properties of an allocation). Each block is
  * its own cuMemHostAlloc: no splitting, so a cached block is reused only for its class.
  *
- * Reuse follows the device pool's rule (deferred_free_queue.hpp): a freed block waits until an
+ * Reuse follows the device pool's rule (reuse_policy.hpp): a freed block waits until an
  * event recorded after its free has completed, so an asynchronous copy issued before the free
  * can no longer read or write it. A limit caps the pinned bytes held (in use + waiting +
  * cached): past it, cached blocks are returned to the driver first, then pending frees are
@@ -21,9 +21,10 @@
  */
 #pragma once
 
-#include <emmpool/deferred_free_queue.hpp>
 #include <emmpool/detail/block.hpp>
+#include <emmpool/detail/pool_lifecycle.hpp>
 #include <emmpool/driver.hpp>
+#include <emmpool/reuse_policy.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -51,7 +52,7 @@ struct host_pool_stats {
   std::uint64_t driver_frees{};
 };
 
-class host_pool {
+class host_pool : private detail::pool_lifecycle {
  public:
   /// @param limit cap on bytes held; 0: a quarter of the machine's physical memory
   host_pool(driver& drv, int device, std::size_t limit);
@@ -86,7 +87,8 @@ class host_pool {
   void defer_cleanup_begin();
   void defer_cleanup_end();
 
-  [[nodiscard]] std::uint64_t generation() const;
+  using pool_lifecycle::generation;  ///< incremented by every reset()
+  using pool_lifecycle::forked;      ///< a copy in a forked child: inert
   [[nodiscard]] host_pool_stats stats() const;
   [[nodiscard]] int device() const noexcept { return device_; }
 
@@ -96,21 +98,17 @@ class host_pool {
   void release_cached(std::size_t needed);  // return cached blocks until `needed` fits
   void free_to_driver(block* blk);
   void on_fenced(block* blk);
-  void free_live_locked(void* ptr, detail::stream_ref stream);  // or pool_error if not live
+  void free_live_locked(void* ptr, stream_handle stream);  // or pool_error if not live
   void maintain();
 
   driver* driver_;
   int device_;
-  mutable std::mutex mutex_;
-  deferred_free_queue queue_;
+  reuse_policy policy_;
   std::unordered_map<std::uintptr_t, block*> live_;
   std::map<std::pair<unsigned, std::size_t>, std::vector<block*>> cached_;  // (flags, class)
   std::map<std::pair<std::uint64_t, std::uintptr_t>, block*> retired_;
   std::unordered_map<std::uintptr_t, std::size_t> registered_;
   detail::block_arena blocks_;
-  std::uint64_t generation_{};
-  int cleanup_deferrals_{};
-  bool forked_{};
   host_pool_stats stats_{};
 };
 

@@ -25,10 +25,12 @@ class pool_registry {
   /// @brief The registry, over the CUDA driver.
   static pool_registry& instance();
 
-  /// @brief Set the options of pools created from now on.
+  /// @brief Set the options of pools created from now on: the device pools', and the cap on
+  /// the pinned bytes each host pool holds (0: a quarter of physical memory).
   /// @throws std::logic_error if a pool already exists (its options can no longer change)
-  void configure(pool_options options);
+  void configure(pool_options options, std::size_t pinned_limit = 0);
   [[nodiscard]] pool_options options() const;
+  [[nodiscard]] std::size_t pinned_limit() const;
 
   /// @brief The pool of a device, created on first use. @throws std::invalid_argument
   device_pool& pool(int device)
@@ -74,6 +76,7 @@ class pool_registry {
   driver* driver_;
   mutable std::mutex mutex_;
   pool_options options_{};
+  std::size_t pinned_limit_{};
   std::array<std::atomic<device_pool*>, max_devices> pools_{};
   std::array<std::atomic<host_pool*>, max_devices> pinned_{};
 };

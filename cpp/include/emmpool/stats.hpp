@@ -7,6 +7,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace emmpool {
 
@@ -20,7 +21,7 @@ struct pool_stats {
   std::size_t peak_bytes_in_use{};
   std::size_t bytes_reserved{};      ///< obtained from the driver (segments)
   std::size_t peak_bytes_reserved{};
-  std::size_t bytes_waiting{};       ///< freed, waiting for their event (deferred-free queue)
+  std::size_t bytes_waiting{};       ///< freed, waiting for their fences (reuse_policy.hpp)
   std::size_t bytes_free{};          ///< in the free lists, reusable now
   std::size_t largest_free_block{};
   std::size_t blocks_in_use{};
@@ -32,10 +33,38 @@ struct pool_stats {
   std::uint64_t batches_closed{};    ///< events recorded to fence freed blocks
   std::uint64_t same_stream_reuses{};  ///< blocks handed out again in stream order, unfenced
   std::uint64_t dormant_fences{};    ///< device synchronizations that fenced frees of streams
-                                     ///< that may be gone (deferred_free_queue.hpp)
+                                     ///< that may be gone (reuse_policy.hpp)
   std::uint64_t out_of_memory{};     ///< requests that failed after the whole ladder
   std::array<std::size_t, alloc_tag_count> bytes_in_use_by_tag{};
   std::array<std::uint64_t, alloc_tag_count> allocations_by_tag{};
+
+  /// @brief Count a block of `size` bytes of library `tag` handed out (an allocation).
+  void count_allocation(std::size_t size, std::uint8_t tag) noexcept
+  {
+    bytes_in_use += size;
+    peak_bytes_in_use = peak_bytes_in_use > bytes_in_use ? peak_bytes_in_use : bytes_in_use;
+    ++blocks_in_use;
+    ++allocations;
+    bytes_in_use_by_tag[tag] += size;
+    ++allocations_by_tag[tag];
+  }
+  /// @brief Count a free of a block in use.
+  void count_free(std::size_t size, std::uint8_t tag) noexcept
+  {
+    count_out_of_use(size, tag);
+    ++frees;
+  }
+  /// @brief Count a block no longer in use (freed, or retired by a reset).
+  void count_out_of_use(std::size_t size, std::uint8_t tag) noexcept
+  {
+    bytes_in_use -= size;
+    --blocks_in_use;
+    bytes_in_use_by_tag[tag] -= size;
+  }
 };
+
+/// @brief One line saying what a pool holds, for error messages: its statistics `s` (a full
+/// snapshot: device_pool::stats()), its device, and its cap on reserved bytes (SIZE_MAX: none).
+[[nodiscard]] std::string describe(pool_stats const& s, int device, std::size_t cap);
 
 }  // namespace emmpool

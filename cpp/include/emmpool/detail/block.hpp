@@ -1,6 +1,7 @@
 /**
  * @file detail/block.hpp
- * @brief The pool's bookkeeping records. Internal: shared by device_pool and the free queue.
+ * @brief The pools' bookkeeping records. Internal: shared by the pools, the reuse policy and
+ * the free lists.
  */
 #pragma once
 
@@ -42,7 +43,7 @@ struct stream_ref {
 };
 
 /// Where a block is in its life. A block moves allocated -> pending -> free; straight from
-/// pending back to allocated only in the order of one named stream (deferred_free_queue.hpp,
+/// pending back to allocated only in the order of one named stream (reuse_policy.hpp,
 /// the reuse rule).
 enum class block_state : std::uint8_t { free, allocated, pending };
 
@@ -69,9 +70,7 @@ struct segment {
   std::size_t size{};
   std::uint64_t buffer_id{};           ///< driver's unique id: guards against freeing reused addresses
   bool small{};                        ///< serves small requests only (size classes)
-  bool retired{};                      ///< outlived a reset: never reused, freed when empty
-  std::size_t live_blocks{};           ///< blocks allocated or pending
-  std::size_t exported{};              ///< IPC handles given out while a block was live
+  std::size_t live_blocks{};           ///< blocks allocated or pending: never released while > 0
   std::optional<ipc_bytes> ipc;        ///< cuIpcGetMemHandle, fetched once
   block* first{};
 };

@@ -1,4 +1,4 @@
-#include <emmpool/deferred_free_queue.hpp>
+#include <emmpool/reuse_policy.hpp>
 
 #include <emmpool/error.hpp>
 
@@ -6,22 +6,57 @@
 
 namespace emmpool {
 
-deferred_free_queue::~deferred_free_queue()
+reuse_policy::~reuse_policy()
 {
   // Batches still here belong to a pool being destroyed, which has drained or abandoned them.
   release_events();
 }
 
-deferred_free_queue::stream_ref deferred_free_queue::ref_of(stream_handle alive) const
+reuse_policy::stream_ref reuse_policy::ref_of(stream_handle alive) const
 {
   if (alive == per_thread_stream) { return {legacy_stream, 0}; }
   if (is_context_stream(alive)) { return {alive, 0}; }
   return {alive, driver_->stream_id(device_, alive)};
 }
 
-void deferred_free_queue::push(detail::block* blk, stream_ref stream)
+namespace {
+
+// The null stream and the legacy one are the same CUDA stream: one fence serves both. (No
+// stream_ref holds the per-thread handle: ref_of() makes it the legacy one.)
+constexpr bool same_fence(detail::stream_ref a, detail::stream_ref b) noexcept
+{
+  return a == b || (a.is_context() && b.is_context());
+}
+
+}  // namespace
+
+void reuse_policy::queue_freed(detail::block* blk, stream_ref key)
+{
+  if (!blk->also_fence.is_none() && !same_fence(blk->also_fence, key)) {
+    // Fence 1, on the recorded stream, now: record_stream's caller keeps that stream alive
+    // until the free, not after it ("stream lifetime"). release_batch() queues fence 2.
+    blk->freed_on = key;
+    push(blk, blk->also_fence);
+    close_now(blk->also_fence);
+    return;
+  }
+  blk->also_fence = stream_ref::none();
+  push(blk, key);
+  // Without stream order a named stream is never seen alive again: fence it now.
+  if (!options_.stream_order && !key.is_context()) { close_now(key); }
+}
+
+void reuse_policy::record_stream(detail::block* blk, stream_handle stream) const
+{
+  EMMPOOL_EXPECTS(stream != allocation_stream, "allocation_stream names no stream to record");
+  // 0, the CUDA runtime's name for the default stream, means the legacy stream here.
+  blk->also_fence = ref_of(stream == 0 ? legacy_stream : stream);
+}
+
+void reuse_policy::push(detail::block* blk, stream_ref stream)
 {
   blk->state = detail::block_state::pending;
+  ++version_;
   waiting_bytes_ += blk->size;
   open_bytes_ += blk->size;
   ++waiting_blocks_;
@@ -43,7 +78,7 @@ void deferred_free_queue::push(detail::block* blk, stream_ref stream)
   open_.push_back(std::move(b));
 }
 
-void deferred_free_queue::recycle(std::vector<detail::block*>&& blocks) noexcept
+void reuse_policy::recycle(std::vector<detail::block*>&& blocks) noexcept
 {
   constexpr std::size_t keep = 16;  // one per stream in use, roughly; more would be hoarding
   if (spare_lists_.size() < keep && blocks.capacity() > 0) {
@@ -56,7 +91,7 @@ void deferred_free_queue::recycle(std::vector<detail::block*>&& blocks) noexcept
   }
 }
 
-detail::block* deferred_free_queue::take_same_stream(stream_ref stream, std::size_t size)
+detail::block* reuse_policy::take_in_stream_order(stream_ref stream, std::size_t size)
 {
   // legacy_stream is "no stream named": no order to rely on; an unidentified stream may be a
   // new one under a dead one's handle.
@@ -77,6 +112,8 @@ detail::block* deferred_free_queue::take_same_stream(stream_ref stream, std::siz
       b.bytes -= blk->size;
       waiting_bytes_ -= blk->size;
       --waiting_blocks_;
+      ++stream_order_reuses_;
+      ++version_;
       return blk;
     }
     return nullptr;
@@ -104,7 +141,7 @@ detail::block* deferred_free_queue::take_same_stream(stream_ref stream, std::siz
   return nullptr;
 }
 
-event_handle deferred_free_queue::take_event()
+event_handle reuse_policy::take_event()
 {
   if (!spare_events_.empty()) {
     auto e = spare_events_.back();
@@ -114,7 +151,7 @@ event_handle deferred_free_queue::take_event()
   return driver_->create_event(device_);
 }
 
-void deferred_free_queue::close(std::vector<batch>::iterator b)
+void reuse_policy::close(std::vector<batch>::iterator b)
 {
   if (b->event == 0) { b->event = take_event(); }
   try {
@@ -128,9 +165,10 @@ void deferred_free_queue::close(std::vector<batch>::iterator b)
   closed_.push_back(std::move(*b));
   open_.erase(b);
   ++batches_closed_;
+  ++version_;
 }
 
-std::size_t deferred_free_queue::close_open_batches(stream_ref alive)
+std::size_t reuse_policy::close_open_batches(stream_ref alive)
 {
   // Only streams certain to be alive now: context streams, and `alive` (see "stream
   // lifetime" in the header). The rest stay open, dormant.
@@ -144,7 +182,7 @@ std::size_t deferred_free_queue::close_open_batches(stream_ref alive)
   return closed;
 }
 
-void deferred_free_queue::close_now(stream_ref alive)
+void reuse_policy::close_now(stream_ref alive)
 {
   if (!alive.identified()) { return; }  // its batch may hold a dead stream's frees: dormant
   for (auto b = open_.begin(); b != open_.end(); ++b) {
@@ -155,11 +193,13 @@ void deferred_free_queue::close_now(stream_ref alive)
   }
 }
 
-std::vector<detail::block*> deferred_free_queue::abandon()
+std::vector<detail::block*> reuse_policy::abandon()
 {
+  ++version_;
   std::vector<detail::block*> blocks;
   blocks.reserve(waiting_blocks_);
   auto take = [&](batch& b) {
+    for (auto* blk : b.blocks) { blk->also_fence = stream_ref::none(); }
     blocks.insert(blocks.end(), b.blocks.begin(), b.blocks.end());
     if (b.event != 0) { spare_events_.push_back(b.event); }
   };
@@ -173,14 +213,14 @@ std::vector<detail::block*> deferred_free_queue::abandon()
   return blocks;
 }
 
-void deferred_free_queue::drop_events() noexcept
+void reuse_policy::drop_events() noexcept
 {
   for (auto& b : open_) { b.event = 0; }
   for (auto& b : closed_) { b.event = 0; }
   spare_events_.clear();
 }
 
-void deferred_free_queue::release_events() noexcept
+void reuse_policy::release_events() noexcept
 {
   if (!process_is_exiting()) {
     for (auto e : spare_events_) {

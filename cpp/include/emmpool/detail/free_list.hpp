@@ -1,0 +1,83 @@
+/**
+ * @file detail/free_list.hpp
+ * @brief The device pool's free blocks: best fit, split and coalesce (as RMM's free_list).
+ *
+ * Two size-ordered sets, one for blocks of small segments and one for blocks of large ones
+ * (a segment serves one kind of request only, so the two never mix). Best fit is the smallest
+ * block of at least the requested size, lowest address first among equals: O(log n). A block
+ * taken for less than its size is split, the rest going back to the set; a block returned
+ * merges with its free physical neighbours (same segment: segments are separate driver
+ * allocations), found in O(1) through the segment's address-ordered block list.
+ *
+ * Knows nothing of streams or fences: a block reaches insert() or coalesce() only once the
+ * reuse policy says no work can still touch it (reuse_policy.hpp). Not thread-safe: its pool's
+ * mutex.
+ */
+#pragma once
+
+#include <emmpool/detail/block.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <set>
+
+namespace emmpool::detail {
+
+class free_lists {
+ public:
+  explicit free_lists(block_arena& arena) noexcept : arena_{&arena} {}
+  free_lists(free_lists const&)            = delete;
+  free_lists& operator=(free_lists const&) = delete;
+
+  /// @brief Add a free block (state becomes free) to the set of its segment's kind.
+  void insert(block* blk);
+  /// @brief Remove a free block (a wholly free segment about to go back to the driver, say).
+  void erase(block* blk);
+
+  /// @brief Remove every free block of `seg` (a segment retired by a reset).
+  void erase_all_of(segment const& seg);
+
+  /// @brief Take the smallest block of at least `size` bytes from the small or large set;
+  /// null if none. The block leaves the set unsplit: see split().
+  [[nodiscard]] block* take_best_fit(std::size_t size, bool small);
+
+  /// @brief take_best_fit(), then split() the block down to `size`.
+  [[nodiscard]] block* take(std::size_t size, bool small, std::size_t min_rest)
+  {
+    auto* blk = take_best_fit(size, small);
+    return blk != nullptr ? split(blk, size, min_rest) : nullptr;
+  }
+
+  /// @brief Cut `blk` (taken, not in a set) down to `size` bytes if at least `min_rest` would
+  /// remain; the rest, a new block record, joins the free set. @return blk
+  block* split(block* blk, std::size_t size, std::size_t min_rest);
+
+  /// @brief Merge a returned block (not in a set) with its free neighbours, whose records are
+  /// recycled, and insert the result. @return the merged block
+  block* coalesce(block* blk);
+
+  /// @brief Bytes in free blocks.
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+  /// @brief The largest free block's size (0 if none).
+  [[nodiscard]] std::size_t largest() const noexcept;
+  /// @brief Insertions so far: a search that missed misses again until this changes.
+  [[nodiscard]] std::uint64_t insertions() const noexcept { return insertions_; }
+
+ private:
+  struct by_size {
+    bool operator()(block const* a, block const* b) const noexcept
+    {
+      return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
+    }
+  };
+  using set = std::set<block*, by_size>;
+  [[nodiscard]] set& set_of(block const* blk) noexcept { return blk->seg->small ? small_ : large_; }
+
+  block_arena* arena_;
+  set small_;
+  set large_;
+  std::size_t bytes_{};
+  std::uint64_t insertions_{};
+};
+
+}  // namespace emmpool::detail

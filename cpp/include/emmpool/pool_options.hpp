@@ -1,0 +1,35 @@
+/**
+ * @file pool_options.hpp
+ * @brief How a device pool grows and what it keeps (device_pool.hpp).
+ */
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace emmpool {
+
+/// Every block's size and address are a multiple of this (device_pool::alignment).
+inline constexpr std::size_t block_alignment = 256;
+
+enum class pool_mode : std::uint8_t { pool, passthrough };
+
+/// @brief How a pool grows and what it keeps.
+struct pool_options {
+  pool_mode mode{pool_mode::pool};
+  std::size_t initial_size{0};          ///< bytes reserved when the pool is created
+  std::size_t maximum_size{0};          ///< cap on bytes reserved; 0: no cap but the device's
+  double maximum_fraction{0.0};         ///< cap as a fraction of the device's memory; 0: unused
+  std::size_t small_request{1u << 20};  ///< requests up to this size use small segments
+  std::size_t small_segment{2u << 20};  ///< size of a small segment
+  std::size_t large_segment{20u << 20}; ///< minimum size of a large segment
+  std::size_t open_batch_limit{64u << 20};  ///< fence freed blocks past this many bytes
+                                            ///< unfenced (dormant streams: one device sync)
+  bool trace{false};                    ///< record every allocation and free (set_tracing)
+
+  /// @brief Check that the options are consistent (the device's own limits aside).
+  /// @throws std::invalid_argument saying which is not
+  void check() const;
+};
+
+}  // namespace emmpool

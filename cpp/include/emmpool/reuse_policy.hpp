@@ -1,0 +1,376 @@
+/**
+ * @file reuse_policy.hpp
+ * @brief When a freed block may be handed out again: the rule, and all the code that enforces
+ * it. Pools ask it "free this block from this stream" and get blocks back only once every
+ * fence that rule asks for has completed; every stream decision of the pools is made here.
+ *
+ * THE REUSE RULE (the pool's safety argument, in one place)
+ * ----------------------------------------------------------
+ * A block freed at time t may still be read or written by GPU work issued before t, on any
+ * stream: Numba frees from garbage-collection finalizers while kernels run, and its memalloc()
+ * carries no stream. A block is therefore handed to a new owner only after a fence that
+ * follows the free has completed:
+ *
+ *  1. free(block, stream) appends the block to the open batch of `stream` (legacy_stream for
+ *     Numba's frees, which carry none; allocation_stream: the stream named when the block was
+ *     allocated, as CuPy's and PyTorch's pools do). No CUDA call but the stream's id (below).
+ *  2. close_open_batches() records one event per open batch on that batch's stream. Events on
+ *     the legacy default stream complete only after all work issued earlier to every blocking
+ *     stream of the context (default, per-thread default and ordinary streams alike). Recording
+ *     later than the free is always safe: it only covers more work.
+ *  3. promote_completed() hands back the blocks of batches whose event has completed
+ *     (cuEventQuery: never blocks). Only then do they join the free lists.
+ *
+ * Not covered: work on a *non-blocking* stream that is not the stream passed to free(). Such
+ * users must say so with record_stream(block, stream) (as PyTorch's record_stream): the free
+ * then fences the block twice, first on that stream (an event recorded in the free itself),
+ * then, once that completed, on the stream of the free. Only after both is it handed back.
+ *
+ * The one exception, stream order: a block freed on a stream S that the caller *named* (CuPy's
+ * current stream, PyTorch's stream; never legacy_stream, which stands for "no stream named")
+ * may go at once to a new allocation on the same S (take_in_stream_order). Work on one stream
+ * runs in issue order, so everything the old owner issued to S precedes whatever the new owner
+ * issues to S. This is the contract of CuPy's and PyTorch's own pools: memory used on another
+ * stream must be synchronized with S by the user, or declared with record_stream (such a block
+ * is never taken this way).
+ *
+ * STREAM LIFETIME: a stream handle reaches CUDA only while it is certain to be alive
+ * --------------------------------------------------------------------------------------
+ * Clients destroy their streams whenever they like: CuPy destroys a Stream when its Python
+ * object dies, often before the arrays made on it are freed; torch.cuda.ExternalStream and RMM
+ * streams may dangle too. Their own pools never touch a stream after its allocations, so such
+ * programs are correct there, and must be here. Using a destroyed stream's handle is undefined
+ * (cuEventRecord on one crashes), and a new stream may get the same handle. So:
+ *
+ *  - A stream is named by a stream_ref (its key): its handle and the driver's unique stream id
+ *    (cuStreamGetId), taken when the stream is certain to be alive: during an allocation on it
+ *    (allocation_key: no client allocates on a dead stream), or during a free or record_stream
+ *    whose caller passes it explicitly and so vouches for it. A stream_ref stored with a block
+ *    (the allocation's stream, for the frees of CuPy and PyTorch, which name none or that one)
+ *    is never passed to CUDA afterwards on its own say-so.
+ *  - Batches are keyed by stream_ref, so a new stream that reuses a dead stream's handle is
+ *    another stream: it can neither take a dead stream's blocks in "stream order" (whose
+ *    work it does not follow) nor have events recorded for them.
+ *  - close_open_batches(alive) records events only on context streams (null, legacy: they live
+ *    as long as the context) and on `alive`, the stream of the allocation being served, which
+ *    its caller guarantees alive at that moment. The open batch of any other stream is
+ *    *dormant*: its stream may be dead. It is fenced at the next allocation on that stream, or
+ *    else by fence_dormant(): one cuCtxSynchronize (every stream's work, destroyed streams'
+ *    included, done: the only fence that covers a stream nobody can name any more), which
+ *    the pool does only when dormant frees pile up past a limit, and on the out-of-memory
+ *    ladder, trim and reset, which wait for everything anyway.
+ *  - record_stream(block, S): S is the caller's, alive until the free by the same contract as
+ *    PyTorch's record_stream; its fence is therefore recorded in the free itself, never later.
+ *  - A block freed by a reset's retirement, or in a forked child, never gets here: its stream
+ *    may have gone with the context.
+ *
+ * This class is not thread-safe: its pool serializes access under its mutex.
+ */
+#pragma once
+
+#include <emmpool/detail/block.hpp>
+#include <emmpool/driver.hpp>
+#include <emmpool/error.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+namespace emmpool {
+
+/// As the stream of a free: fence it on the stream named when the block was allocated (the
+/// CuPy and PyTorch entry points, whose frees carry no stream they vouch for, use this). Never
+/// reaches the driver, and names no stream to allocate on or to record.
+inline constexpr stream_handle allocation_stream = ~stream_handle{0};
+
+/// @brief How a pool uses its reuse policy.
+struct reuse_options {
+  /// Allocations name their stream (device_pool): blocks freed on a named stream may go back
+  /// to it in stream order, and its batch is fenced at its next allocation. Otherwise
+  /// (host_pool: no allocation names a stream, so a named stream is never seen alive again)
+  /// the fence of a free on a named stream is recorded in the free itself.
+  bool stream_order{true};
+  /// Unfenced bytes of dormant batches past which maintain() fences them (one device sync).
+  std::size_t open_batch_limit{64u << 20};
+};
+
+class reuse_policy {
+ public:
+  using stream_ref = detail::stream_ref;
+
+  reuse_policy(driver& drv, int device, reuse_options options = {})
+    : driver_{&drv}, device_{device}, options_{options}
+  {
+  }
+  ~reuse_policy();
+  reuse_policy(reuse_policy const&)            = delete;
+  reuse_policy& operator=(reuse_policy const&) = delete;
+
+  // ---- stream keys ---------------------------------------------------------------------------
+
+  /// @brief The stream_ref of a stream that its caller guarantees alive during this call: the
+  /// per-thread stream as the legacy one (a free may come from another thread), context
+  /// streams as they are, any other stream with its driver id (one cuStreamGetId).
+  [[nodiscard]] stream_ref ref_of(stream_handle alive) const;
+
+  /// @brief The key of the stream an allocation names (alive: it is allocated on).
+  /// @throws std::invalid_argument for allocation_stream
+  [[nodiscard]] stream_ref allocation_key(stream_handle stream) const
+  {
+    EMMPOOL_EXPECTS(stream != allocation_stream,
+                    "allocation_stream names no stream to allocate on");
+    return ref_of(stream);  // alive: the caller allocates on it (cuStreamGetId never waits)
+  }
+
+  // ---- frees ---------------------------------------------------------------------------------
+
+  /// @brief Whether free() of `blk` from `stream` calls no CUDA: a context stream or
+  /// allocation_stream (no id to ask), and no record_stream fence to record.
+  [[nodiscard]] static bool free_is_local(detail::block const& blk, stream_handle stream) noexcept
+  {
+    return (is_context_stream(stream) || stream == allocation_stream) && blk.also_fence.is_none();
+  }
+
+  /// @brief Free `blk` from `stream`: allocation_stream stands for the block's allocation
+  /// stream (which may be gone by now: never asked); any other stream is the caller's, alive
+  /// now (its id is asked: the one step that may throw, before anything changed). Then
+  /// `off_books(key)` lets the pool take the block off its books (key: the stream the free is
+  /// fenced on), and the block joins that stream's open batch. A record_stream stream other
+  /// than `key` is fenced first, by an event recorded now (its caller keeps it alive until the
+  /// free, not after); the fence on `key` follows once that one completed.
+  template <class OffBooks>
+  void free(detail::block* blk, stream_handle stream, OffBooks&& off_books)
+  {
+    auto const key = stream == allocation_stream ? blk->alloc_stream : ref_of(stream);
+    off_books(key);
+    if (blk->also_fence.is_none() && (options_.stream_order || key.is_context())) {
+      push(blk, key);  // the common case: one fence, at the next allocation on a live stream
+      return;
+    }
+    queue_freed(blk, key);
+  }
+
+  /// @brief Declare that `stream` (alive now; 0 is the legacy stream) also uses `blk` until its
+  /// free. One extra stream per block: the most recent, the one a caller most likely still
+  /// uses. @throws std::invalid_argument for allocation_stream
+  void record_stream(detail::block* blk, stream_handle stream) const;
+
+  // ---- allocations ---------------------------------------------------------------------------
+
+  /// @brief Take back, unfenced, a block recently freed on `stream` (its open batch, or its
+  /// latest closed one, whose event may not have completed) of at least `size` bytes and at
+  /// most 1/8 more, for an allocation on that same stream; null if none among the last few,
+  /// and always for legacy_stream ("no stream named"). Blocks with a record_stream fence
+  /// pending are never taken.
+  detail::block* take_in_stream_order(stream_ref stream, std::size_t size);
+
+  /// @brief Whether dormant frees wait past reuse_options::open_batch_limit, or more streams
+  /// than max_dormant have open batches: then maintain() fences them (a device sync).
+  [[nodiscard]] bool fence_due() const noexcept
+  {
+    return open_bytes_ > options_.open_batch_limit || open_.size() > max_dormant;
+  }
+
+  // ---- handing blocks back: release(block*) gets only blocks whose every fence completed -----
+
+  /// @brief Fence the frees of the streams alive now (context streams and `alive`, the stream
+  /// being allocated on), fence dormant ones too if due (fence_due), and release the blocks of
+  /// every completed batch. Never waits but for that device sync.
+  template <class Release>
+  void maintain(stream_ref alive, Release&& release);
+
+  /// @brief Fence every batch, block until all complete, release them all.
+  template <class Release>
+  void drain(Release&& release);
+
+  /// @brief For a reset: drain(); if the context is unusable already (a fence fails), release
+  /// every block unfenced instead: its work died with the context.
+  template <class Release>
+  void drain_or_abandon(Release&& release);
+
+  /// @brief Forget every batch without touching CUDA (the context is gone: reset, or exit).
+  /// Returns the blocks, their record_stream fences dropped, so the pool can retire them.
+  std::vector<detail::block*> abandon();
+
+  /// @brief Destroy cached events (the context is about to be reset).
+  void release_events() noexcept;
+  /// @brief Forget every event without touching CUDA (forked child, process exit).
+  void drop_events() noexcept;
+
+  // ---- statistics ----------------------------------------------------------------------------
+
+  /// @brief Batches closed so far (events recorded to fence frees).
+  [[nodiscard]] std::uint64_t batches_closed() const noexcept { return batches_closed_; }
+  /// @brief Blocks handed out again in stream order (take_in_stream_order), unfenced.
+  [[nodiscard]] std::uint64_t stream_order_reuses() const noexcept { return stream_order_reuses_; }
+  /// @brief Device synchronizations that fenced dormant batches so far.
+  [[nodiscard]] std::uint64_t dormant_fences() const noexcept { return dormant_fences_; }
+  [[nodiscard]] std::size_t waiting_bytes() const noexcept { return waiting_bytes_; }
+  [[nodiscard]] std::size_t waiting_blocks() const noexcept { return waiting_blocks_; }
+  /// @brief Bytes in open batches (freed, not yet fenced).
+  [[nodiscard]] std::size_t open_bytes() const noexcept { return open_bytes_; }
+  [[nodiscard]] bool has_waiting() const noexcept { return !open_.empty() || !closed_.empty(); }
+  /// @brief Changes to the batches so far (a block in or out, a batch closed or gone): a
+  /// stream-order search that missed misses again until this changes.
+  [[nodiscard]] std::uint64_t version() const noexcept { return version_; }
+
+  /// Dormant batches kept at most before a fence is due: push() searches the open batches
+  /// linearly, and a program that drops a stream per task would grow them unbounded.
+  static constexpr std::size_t max_dormant = 32;
+
+ private:
+  struct batch {
+    stream_ref stream{};
+    event_handle event{};
+    std::size_t bytes{};
+    std::vector<detail::block*> blocks;
+  };
+  void push(detail::block* blk, stream_ref stream);  // onto the open batch of stream
+  void queue_freed(detail::block* blk, stream_ref key);  // free()'s fences
+  void close_now(stream_ref alive);                  // close alive's open batch, if identified
+  std::size_t close_open_batches(stream_ref alive);  // see maintain()
+  // Every block of b: to release(), or to its second fence while a record_stream fence was
+  // pending; `synced`: a device sync covered every fence, so none is pending.
+  template <class Release>
+  void release_batch(batch& b, Release& release, bool synced = false);
+  template <class Release>
+  void promote_completed(Release& release);  // completed closed batches, never blocking
+  template <class Release>
+  void fence_dormant(Release& release);      // one device sync, then every batch
+  void close(std::vector<batch>::iterator b);  // record its event; move it to closed_
+  [[nodiscard]] event_handle take_event();
+  void recycle(std::vector<detail::block*>&& blocks) noexcept;  // into spare_lists_
+
+  driver* driver_;
+  int device_;
+  reuse_options options_;
+  std::vector<batch> open_;     // at most one per stream; few streams, so a vector
+  std::deque<batch> closed_;    // in closing order
+  std::vector<event_handle> spare_events_;
+  // Emptied block lists, kept with their capacity for the next batch: a stream that frees and
+  // allocates in turn empties and reopens its batch on every pair.
+  std::vector<std::vector<detail::block*>> spare_lists_;
+  std::size_t waiting_bytes_{};
+  std::size_t waiting_blocks_{};
+  std::size_t open_bytes_{};
+  std::uint64_t version_{};  // see version()
+  std::uint64_t stream_order_reuses_{};
+  std::uint64_t batches_closed_{};
+  std::uint64_t dormant_fences_{};
+};
+
+// ---- template members ------------------------------------------------------------------------
+
+template <class Release>
+void reuse_policy::release_batch(batch& b, Release& release, bool synced)
+{
+  ++version_;
+  // One block at a time, off the batch before its release: if a release throws (a failed
+  // cuMemFree in passthrough mode), the batch keeps exactly the blocks not yet released.
+  while (!b.blocks.empty()) {
+    auto* blk = b.blocks.back();
+    b.blocks.pop_back();
+    waiting_bytes_ -= blk->size;
+    --waiting_blocks_;
+    if (!blk->also_fence.is_none()) {
+      blk->also_fence = stream_ref::none();
+      // The record_stream fence completed (or a device sync covered both): now the free's.
+      if (!synced) {
+        push(blk, blk->freed_on);
+        continue;
+      }
+    }
+    release(blk);
+  }
+  if (b.event != 0) { spare_events_.push_back(b.event); }
+  b.event = 0;
+  recycle(std::move(b.blocks));
+}
+
+template <class Release>
+void reuse_policy::maintain(stream_ref alive, Release&& release)
+{
+  close_open_batches(alive);
+  // What is left open belongs to streams that may be gone: past the limit, one device
+  // synchronization fences them all ("stream lifetime" above).
+  if (fence_due()) { fence_dormant(release); }
+  promote_completed(release);
+}
+
+template <class Release>
+void reuse_policy::promote_completed(Release& release)
+{
+  // Streams seen with an incomplete batch: their later batches cannot have completed.
+  stream_ref blocked[8];
+  std::size_t nblocked = 0;
+  auto is_blocked      = [&](stream_ref s) {
+    for (std::size_t i = 0; i < nblocked; ++i) {
+      if (blocked[i] == s) { return true; }
+    }
+    return false;
+  };
+  for (auto it = closed_.begin(); it != closed_.end();) {
+    if (is_blocked(it->stream)) {
+      ++it;
+      continue;
+    }
+    if (!driver_->event_completed(device_, it->event)) {
+      if (nblocked == std::size(blocked)) { break; }
+      blocked[nblocked++] = it->stream;
+      ++it;
+      continue;
+    }
+    release_batch(*it, release);
+    it = closed_.erase(it);
+  }
+}
+
+template <class Release>
+void reuse_policy::fence_dormant(Release& release)
+{
+  if (open_.empty() && closed_.empty()) { return; }
+  driver_->synchronize_device(device_);  // everything issued so far, on every stream, is done
+  ++dormant_fences_;
+  // Every block here was freed before the synchronization, so its record_stream stream's work
+  // is done too: no second fence (which, on a dead stream, would cost another synchronization).
+  // Move the batches out first: releases must not meet the containers being walked.
+  std::vector<batch> open  = std::move(open_);
+  std::deque<batch> closed = std::move(closed_);
+  open_.clear();
+  closed_.clear();
+  open_bytes_ = 0;
+  for (auto& b : closed) { release_batch(b, release, true); }
+  for (auto& b : open) { release_batch(b, release, true); }
+}
+
+template <class Release>
+void reuse_policy::drain(Release&& release)
+{
+  // A block whose record_stream fence completes goes back into a batch for its second fence:
+  // repeat until no batch is left, open or closed.
+  do {
+    close_open_batches({});
+    if (!open_.empty()) {
+      fence_dormant(release);  // dormant batches: only a device synchronization covers them
+      continue;
+    }
+    while (!closed_.empty()) {
+      driver_->synchronize_event(device_, closed_.front().event);
+      release_batch(closed_.front(), release);
+      closed_.pop_front();
+    }
+  } while (!open_.empty() || !closed_.empty());
+}
+
+template <class Release>
+void reuse_policy::drain_or_abandon(Release&& release)
+{
+  try {
+    drain(release);
+  } catch (...) {
+    for (auto* b : abandon()) { release(b); }
+  }
+}
+
+}  // namespace emmpool
