@@ -22,6 +22,7 @@
 #pragma once
 
 #include <emmpool/deferred_free_queue.hpp>
+#include <emmpool/detail/address_map.hpp>
 #include <emmpool/detail/block.hpp>
 #include <emmpool/driver.hpp>
 #include <emmpool/stats.hpp>
@@ -239,7 +240,7 @@ class device_pool {
   void free_retired(block* blk);
 
   std::map<device_ptr, std::unique_ptr<segment>> segments_;  // by base: IPC lookups
-  std::unordered_map<device_ptr, block*> live_;               // allocated blocks by address
+  detail::address_map<block*> live_;                          // allocated blocks by address
   // Segments that outlived a reset, and their live blocks, per generation they belong to.
   std::vector<std::unique_ptr<segment>> retired_segments_;
   std::map<std::pair<std::uint64_t, device_ptr>, block*> retired_live_;
