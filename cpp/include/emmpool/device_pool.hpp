@@ -24,6 +24,7 @@
 #include <emmpool/deferred_free_queue.hpp>
 #include <emmpool/detail/address_map.hpp>
 #include <emmpool/detail/block.hpp>
+#include <emmpool/detail/node_cache.hpp>
 #include <emmpool/driver.hpp>
 #include <emmpool/stats.hpp>
 
@@ -201,7 +202,8 @@ class device_pool {
       return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
     }
   };
-  using free_set = std::set<block*, by_size>;
+  // Nodes recycled through free_set_nodes_: splits and coalesces insert and erase constantly.
+  using free_set = std::set<block*, by_size, detail::cached_allocator<block*>>;
 
   // All private members expect mutex_ held.
   [[nodiscard]] std::size_t max_reserved() const noexcept { return max_reserved_; }
@@ -245,8 +247,9 @@ class device_pool {
   std::vector<std::unique_ptr<segment>> retired_segments_;
   std::map<std::pair<std::uint64_t, device_ptr>, block*> retired_live_;
   std::uint64_t generation_{};
-  free_set small_free_;
-  free_set large_free_;
+  detail::node_cache free_set_nodes_;  // before the sets: outlives them
+  free_set small_free_{by_size{}, free_set::allocator_type{&free_set_nodes_}};
+  free_set large_free_{by_size{}, free_set::allocator_type{&free_set_nodes_}};
   detail::block_arena blocks_;
   int cleanup_deferrals_{};
   pool_stats stats_{};
