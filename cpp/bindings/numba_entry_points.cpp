@@ -48,7 +48,18 @@ void set_error_from_current_exception()
   } catch (py::error_already_set& e) {
     e.restore();
   } catch (...) {
-    py::detail::try_translate_exceptions();  // pybind11's translators, emmpool's included
+    // pybind11's translators, emmpool's included (module.cpp), as its dispatcher applies them.
+#if __has_include(<pybind11/detail/exception_translation.h>)  // pybind11 >= 2.13
+    py::detail::try_translate_exceptions();
+#else
+    if (py::detail::apply_exception_translators(
+          py::detail::get_local_internals().registered_exception_translators) ||
+        py::detail::apply_exception_translators(
+          py::detail::get_internals().registered_exception_translators)) {
+      return;
+    }
+    PyErr_SetString(PyExc_SystemError, "Exception escaped from default exception translator!");
+#endif
   }
 }
 
