@@ -1,4 +1,7 @@
-// pybind11 glue for emmpool._core. Glue only: no pool logic lives here.
+// pybind11 glue for emmpool._core. Glue only: no pool logic lives here. The Numba plugin's hot
+// pair is plain CPython, in numba_entry_points.cpp.
+#include "numba_entry_points.hpp"
+
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
@@ -462,4 +465,6 @@ PYBIND11_MODULE(_core, m)
     return d;
   });
   m.def("_raise_for_test", &raise_for_test, py::arg("kind"));
+
+  emmpool::bindings::add_numba_entry_points(m.ptr());
 }

@@ -7,7 +7,7 @@
 namespace emmpool::detail {
 
 void retired_segments::retire(std::map<device_ptr, std::unique_ptr<segment>>& segments,
-                              std::unordered_map<device_ptr, block*>& live,
+                              live_map& live,
                               std::uint64_t generation)
 {
   for (auto& [base, seg] : segments) { segments_.push_back(std::move(seg)); }

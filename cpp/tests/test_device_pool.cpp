@@ -7,6 +7,7 @@
 // means an allocation that no free block can serve.
 #include "check.hpp"
 
+#include <emmpool/detail/address_map.hpp>
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
@@ -23,6 +24,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 using namespace emmpool;
@@ -116,6 +118,44 @@ TEST(alignment_and_rounding)
   for (auto p : ptrs) { f->deallocate(p); }
   CHECK_EQ(f->stats().bytes_in_use, 0u);
   CHECK_EQ(consistency(f), "");
+}
+
+TEST(address_map_matches_unordered_map)
+{
+  // The live-block map against std::unordered_map under random inserts, lookups and erases:
+  // clustered keys (the pool's addresses are 256 apart) and scattered ones, rehashes, and
+  // backward-shift erases across the end of the array.
+  emmpool::detail::address_map<int*> map;
+  std::unordered_map<std::uint64_t, int*> ref;
+  std::mt19937_64 rng{7};
+  int dummy[1];
+  for (int step = 0; step < 200000; ++step) {
+    std::uint64_t const key = (rng() % 4 == 0 ? rng() : rng() % 4096) * 256;
+    switch (rng() % 3) {
+      case 0: CHECK_EQ(map.emplace(key, dummy), ref.emplace(key, dummy).second); break;
+      case 1: {
+        auto it = map.find(key);
+        CHECK_EQ(it != map.end(), ref.count(key) == 1);
+        if (it != map.end()) {
+          CHECK_EQ(it->first, key);
+          map.erase(it);
+          ref.erase(key);
+        }
+        break;
+      }
+      default: CHECK_EQ(map.count(key), ref.count(key));
+    }
+    CHECK_EQ(map.size(), ref.size());
+    if (step % 50000 == 0) { map.reserve(3000); }
+  }
+  std::size_t seen = 0;
+  for (auto& [key, value] : map) {
+    CHECK(ref.count(key) == 1 && value == dummy);
+    ++seen;
+  }
+  CHECK_EQ(seen, ref.size());
+  map.clear();
+  CHECK(map.empty() && map.begin() == map.end());
 }
 
 TEST(zero_byte_requests_give_distinct_blocks)

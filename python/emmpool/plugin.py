@@ -40,7 +40,6 @@ deferred exactly as by Numba's own manager.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import threading
 import types
@@ -65,7 +64,6 @@ _AVAILABLE = [_CLASS_NAMES[p.name] for p in packages.installed()]
 __all__ = [*_AVAILABLE, "manager_for"]
 
 _LEGACY = _core.LEGACY_STREAM
-_TAG_NUMBA = _core.LIBRARIES.index("numba")
 
 
 class _EmmPoolManager:
@@ -105,9 +103,10 @@ class _EmmPoolManager:
         self._device = dev.id if hasattr(dev, "id") else int(dev)
         pool = _core.pool(self._device)
         self._ctx = weakref.proxy(self.context)
-        self._allocate = pool.allocate
-        self._free = pool.deallocate
-        self._generation = pool.generation
+        # The hot pair in plain C (cpp/bindings/numba_entry_points.cpp): allocate(size) returns
+        # the block's finalizer, which holds its address (.ptr) and reset generation.
+        self._entry = _core.NumbaEntryPoints(pool, pool.generation)
+        self._allocate = self._entry.allocate
         self._pinned = _core.pinned_pool(self._device) if cfg.pinned == "pool" else None
         self._pinned_generation = self._pinned.generation if self._pinned is not None else 0
         self._pool = pool
@@ -129,11 +128,10 @@ class _EmmPoolManager:
         try:
             if self._pool is None:
                 self._bind()
-            ptr = self._allocate(size, _LEGACY, _TAG_NUMBA)
+            free = self._allocate(size)  # tagged numba, no stream named: fenced on the legacy one
         except (_core.OutOfMemoryError, _core.CudaError) as e:
             raise _as_numba_error(self._emm, e) from None
-        finalizer = functools.partial(self._free, ptr, _LEGACY, self._generation)
-        return self._emm.MemoryPointer(self._ctx, ptr, size, finalizer=finalizer)
+        return self._emm.MemoryPointer(self._ctx, free.ptr, size, finalizer=free)
 
     def memhostalloc(self, size, mapped=False, portable=False, wc=False):
         """Pinned (or mapped) host memory from emmpool's pinned cache (EMMPOOL_PINNED=pool),
@@ -204,7 +202,7 @@ class _EmmPoolManager:
         super().reset()
         if self._pool is not None:
             self._pool.reset()
-            self._generation = self._pool.generation
+            self._entry.generation = self._pool.generation
         if getattr(self, "_pinned", None) is not None:
             self._pinned.reset()
             self._pinned_generation = self._pinned.generation

@@ -40,7 +40,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 namespace emmpool {
@@ -193,7 +192,7 @@ class device_pool : private detail::pool_lifecycle {
   void release_segment(segment* seg);
   // ---- frees
   void free_live(device_ptr ptr, stream_handle stream, int tag = -1);  // of library tag (>= 0)
-  using live_map = std::unordered_map<device_ptr, block*>;
+  using live_map = detail::live_map;
   void off_books(live_map::iterator it, stream_ref key);  // a freed block: stats, trace
   void release_block(block* blk);               // every fence done: into the free lists
   void maintain(stream_ref alive);

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <emmpool/detail/block.hpp>
+#include <emmpool/detail/node_cache.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -70,12 +71,15 @@ class free_lists {
       return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
     }
   };
-  using set = std::set<block*, by_size>;
+  // Nodes recycled through nodes_: splits and coalesces insert and erase constantly, and a
+  // malloc + free per insert/erase showed in the allocate/free pair.
+  using set = std::set<block*, by_size, cached_allocator<block*>>;
   [[nodiscard]] set& set_of(block const* blk) noexcept { return blk->seg->small ? small_ : large_; }
 
   block_arena* arena_;
-  set small_;
-  set large_;
+  node_cache nodes_;  // before the sets: outlives them
+  set small_{by_size{}, set::allocator_type{&nodes_}};
+  set large_{by_size{}, set::allocator_type{&nodes_}};
   std::size_t bytes_{};
   std::uint64_t insertions_{};
 };

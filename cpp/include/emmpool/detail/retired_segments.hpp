@@ -11,13 +11,13 @@
  */
 #pragma once
 
+#include <emmpool/detail/address_map.hpp>
 #include <emmpool/detail/block.hpp>
 #include <emmpool/driver.hpp>
 
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -33,7 +33,7 @@ class retired_segments {
   /// @brief Retire every segment of `segments` and every block of `live` (allocated in reset
   /// generation `generation`), taking both over: the two are left empty.
   void retire(std::map<device_ptr, std::unique_ptr<segment>>& segments,
-              std::unordered_map<device_ptr, block*>& live, std::uint64_t generation);
+              live_map& live, std::uint64_t generation);
 
   /// @brief Free the live retired block at `ptr` of `generation`: its segment goes back to the
   /// driver if it was the last (and the driver still knows it), unless the process is exiting.

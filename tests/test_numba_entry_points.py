@@ -1,0 +1,147 @@
+"""The Numba plugin's hot pair in C (_core.NumbaEntryPoints and its finalizers), over the host
+driver: the same blocks, generations, errors and tags as DevicePool.allocate / .deallocate."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from emmpool import _core
+
+MiB = 1 << 20
+NUMBA = _core.LIBRARIES.index("numba")
+
+
+def test_allocate_returns_the_finalizer_that_frees_the_block(host):
+    pool = _core.DevicePool(host, 0)
+    entry = _core.NumbaEntryPoints(pool, pool.generation)
+    free = entry.allocate(1000)
+    assert isinstance(free, _core.NumbaFree)
+    assert free.ptr % _core.ALIGNMENT == 0 and pool.owns(free.ptr)
+    assert free.generation == pool.generation == 0
+    s = pool.stats()
+    assert s["by_library"]["numba"] == {"bytes_in_use": 1024, "allocations": 1}
+    assert free() is None
+    assert not pool.owns(free.ptr)
+    assert pool.stats()["bytes_waiting"] == 1024  # fenced on the legacy stream, as Numba's frees
+    with pytest.raises(_core.PoolError, match="not a live allocation"):
+        free()  # a second free is an error, as through DevicePool.deallocate
+    with pytest.raises(TypeError):
+        free(1)
+
+
+def test_blocks_come_back_only_after_their_fence(host):
+    pool = _core.DevicePool(host, 0)
+    entry = _core.NumbaEntryPoints(pool, 0)
+    free = entry.allocate(24 * MiB)
+    p = free.ptr
+    free()
+    other = entry.allocate(24 * MiB)
+    assert other.ptr != p  # the free's event has not completed
+    host.complete_all_events()
+    again = [entry.allocate(24 * MiB) for _ in range(2)]
+    assert p in [f.ptr for f in again]
+    for f in (other, *again):
+        f()
+
+
+def test_a_free_from_before_a_reset_frees_the_retired_block(host):
+    pool = _core.DevicePool(host, 0)
+    entry = _core.NumbaEntryPoints(pool, pool.generation)
+    old = entry.allocate(256)
+    pool.reset()
+    entry.generation = pool.generation  # what the plugin's reset() does
+    new = entry.allocate(256)
+    assert new.generation == 1 and old.generation == 0
+    old()  # the retired block, never the new one at whatever address
+    assert pool.owns(new.ptr)
+    new()
+    assert pool.stats()["blocks_in_use"] == 0
+
+
+def test_errors_are_the_pools(host):
+    host.set_capacity(0, 64 * MiB)
+    pool = _core.DevicePool(host, 0)
+    entry = _core.NumbaEntryPoints(pool, 0)
+    with pytest.raises(_core.OutOfMemoryError, match="out of memory"):
+        entry.allocate(1 << 30)
+    with pytest.raises(OverflowError):
+        entry.allocate(-1)
+    with pytest.raises(TypeError):
+        entry.allocate(1.5)
+    with pytest.raises(TypeError):
+        _core.NumbaEntryPoints(object(), 0)
+    assert entry.pool is pool
+
+
+def test_threads_allocate_and_free_through_the_entry_points(host):
+    # Lock contention: try_allocate / try_deallocate fail, the calls fall back to waiting for the
+    # lock without the GIL. Every block must be freed exactly once.
+    host.set_auto_complete(True)
+    pool = _core.DevicePool(host, 0)
+    entry = _core.NumbaEntryPoints(pool, 0)
+    errors = []
+
+    def work(seed):
+        try:
+            sizes = [256 << ((seed + i) % 16) for i in range(64)]
+            for _ in range(50):
+                frees = [entry.allocate(n) for n in sizes]
+                for f in frees:
+                    f()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    s = pool.stats()
+    assert s["blocks_in_use"] == 0 and s["allocations"] == s["frees"] == 8 * 50 * 64
+
+
+def test_plugin_memalloc_over_the_entry_points(numba_package):
+    # In a subprocess: the process-wide pools over a host driver, the plugin's memalloc as
+    # Numba calls it, its MemoryPointer's finalizer, reset, and Numba's out-of-memory error.
+    code = textwrap.dedent(f"""
+        import gc, types
+        from emmpool import _core
+        host = _core.HostDriver(devices=1, capacity=256 << 20)
+        _core._use_driver_for_all_pools(host)
+        from emmpool import _numba_packages as packages, plugin
+        pkg = packages.by_name({numba_package.name!r})
+        emm = packages.emm_api(pkg)
+        ctx = emm.Context.__new__(emm.Context)
+        ctx.device = types.SimpleNamespace(id=0)
+        mgr = plugin.manager_for(pkg.name)(context=ctx)
+        m = mgr.memalloc(1000)
+        assert isinstance(m, emm.MemoryPointer) and m.size == 1000
+        ptr = int(m.device_pointer)
+        assert mgr.pool.owns(ptr)
+        del m
+        gc.collect()
+        assert not mgr.pool.owns(ptr)
+        old = mgr.memalloc(256)
+        mgr.pool.reset()
+        mgr._entry.generation = mgr.pool.generation  # as reset() does, without Numba's part
+        new = mgr.memalloc(256)
+        old.free()
+        assert mgr.pool.owns(int(new.device_pointer))
+        new.free()
+        try:
+            mgr.memalloc(1 << 40)
+        except emm.CudaAPIError as e:
+            assert e.code == emm.binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY, e
+        else:
+            raise AssertionError("no error")
+        assert mgr.pool.stats()["blocks_in_use"] == 0
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
