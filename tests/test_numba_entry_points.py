@@ -145,3 +145,54 @@ def test_plugin_memalloc_over_the_entry_points(numba_package):
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+def test_numba_free_cannot_be_made_from_python():
+    # Without DISALLOW_INSTANTIATION, NumbaFree inherited object's tp_new, so NumbaFree() makes a finalizer with entry NULL,
+    # and calling it dereferences NULL (SIGSEGV, rc -11).
+    code = "from emmpool import _core\ntry:\n    _core.NumbaFree()()\nexcept TypeError:\n    pass\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, (r.returncode, r.stderr[-400:])
+
+
+def test_a_block_is_labelled_with_the_generation_it_was_allocated_in():
+    # The entry's generation was read before the allocation, which may wait for the pool's lock
+    # without the GIL while another thread's reset() goes first (and the plugin's reset then
+    # updates entry.generation): the block of generation g+1 is labelled g; its free goes to
+    # the retired blocks (PoolError "from before a reset is not live", or a retired block at
+    # the same address freed in its place) and the block itself stays live forever.
+    code = textwrap.dedent(
+        """
+        import sys, threading
+        from emmpool import _core
+        sys.setswitchinterval(1e-6)
+        host = _core.HostDriver(devices=1, capacity=1 << 34)
+        host.set_auto_complete(True)
+        pool = _core.DevicePool(host, 0)
+        entry = _core.NumbaEntryPoints(pool, pool.generation)
+        frees, lock, stop = [], threading.Lock(), [False]
+        def alloc():
+            mine = []
+            while not stop[0]:
+                mine.append(entry.allocate(256))
+            with lock:
+                frees.extend(mine)
+        def resetter():
+            for _ in range(100):
+                pool.reset()
+                entry.generation = pool.generation  # as _EmmPoolManager.reset()
+            stop[0] = True
+        ts = [threading.Thread(target=alloc) for _ in range(4)] + [threading.Thread(target=resetter)]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        errors = 0
+        for f in frees:
+            try:
+                f()
+            except _core.PoolError:
+                errors += 1
+        print(errors, pool.stats()["blocks_in_use"])
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-400:]
+    assert r.stdout.split() == ["0", "0"], r.stdout

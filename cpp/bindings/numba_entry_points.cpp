@@ -125,12 +125,14 @@ PyObject* entry_points_allocate(PyObject* self, PyObject* size_object)
   f->generation = e->generation;
   device_ptr ptr{};
   try {
-    if (auto const p = e->pool->try_allocate(size, legacy_stream, alloc_tag::numba)) {
+    std::uint64_t gen = 0;
+    if (auto const p = e->pool->try_allocate(size, legacy_stream, alloc_tag::numba, &gen)) {
       ptr = *p;
     } else {
       py::gil_scoped_release nogil;
-      ptr = e->pool->allocate(size, legacy_stream, alloc_tag::numba);
+      ptr = e->pool->allocate(size, legacy_stream, alloc_tag::numba, &gen);
     }
+    f->generation = gen;
   } catch (...) {
     Py_DECREF(reinterpret_cast<PyObject*>(f));
     set_error_from_current_exception();
@@ -198,7 +200,8 @@ void add_numba_entry_points(PyObject* module)
     {Py_tp_doc, const_cast<char*>("Frees one Numba block of an emmpool pool when called.")},
     {0, nullptr}};
   static PyType_Spec finalizer_spec = {"emmpool._core.NumbaFree", sizeof(finalizer_object), 0,
-                                       Py_TPFLAGS_DEFAULT, finalizer_slots};
+                                       Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+                                       finalizer_slots};
   static PyType_Slot entry_slots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(&entry_points_dealloc)},
     {Py_tp_new, reinterpret_cast<void*>(&entry_points_new)},

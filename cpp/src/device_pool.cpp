@@ -97,21 +97,26 @@ device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_r
 }
 
 std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
-                                                    alloc_tag tag)
+                                                    alloc_tag tag, std::uint64_t* generation_out)
 {
   std::size_t const rounded = checked_rounded_size(bytes, tag);
   std::unique_lock lock{mutex_, std::try_to_lock};
   if (!lock.owns_lock() || forked_) { return std::nullopt; }
   auto const key = policy_.allocation_key(stream);
   if (policy_.fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
-  if (auto* blk = take_without_cuda(rounded, key)) { return hand_out(blk, bytes, key, tag); }
+  if (auto* blk = take_without_cuda(rounded, key)) {
+    if (generation_out != nullptr) { *generation_out = generation_; }
+    return hand_out(blk, bytes, key, tag);
+  }
   missed_ = missed_request{bytes, stream, tag, rounded, key, free_.insertions(), policy_.version()};
   return std::nullopt;
 }
 
-device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_tag tag)
+device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_tag tag,
+                                 std::uint64_t* generation_out)
 {
   std::lock_guard lock{mutex_};
+  if (generation_out != nullptr) { *generation_out = generation_; }
   if (forked_) { detail::throw_forked(); }
   // try_allocate() missed this very request, and what it searched is as it was (missed_):
   // checked already, and a search would miss again. One check and one search per request.

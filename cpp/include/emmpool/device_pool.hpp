@@ -74,7 +74,8 @@ class device_pool : private detail::pool_lifecycle {
    *         for pending frees, release wholly free segments, grow again.
    */
   [[nodiscard]] device_ptr allocate(std::size_t bytes, stream_handle stream = legacy_stream,
-                                    alloc_tag tag = alloc_tag::other);
+                                    alloc_tag tag = alloc_tag::other,
+                                    std::uint64_t* generation_out = nullptr);
 
   /**
    * @brief allocate(), when that takes neither a wait for the pool's lock nor a CUDA call that
@@ -84,7 +85,8 @@ class device_pool : private detail::pool_lifecycle {
    * a thread that, holding the pool's lock, may be waiting for the GPU.
    */
   [[nodiscard]] std::optional<device_ptr> try_allocate(std::size_t bytes, stream_handle stream,
-                                                       alloc_tag tag);
+                                                       alloc_tag tag,
+                                                       std::uint64_t* generation_out = nullptr);
 
   /**
    * @brief Free a block. It becomes reusable once an event recorded on `stream` after this call
