@@ -67,23 +67,33 @@ struct entry_points {
 };
 entry_points api;
 
+// Messages are made with std::string and std::to_string, never with TORCH_CHECK's several
+// arguments: those go through an ostringstream, and with a PyTorch whose extensions link
+// libstdc++ statically, formatting a number there crashed (seen with torch 2.11 on the GPU host:
+// SIGSEGV in codecvt under ostream::_M_insert<double>).
+[[noreturn]] void raise(std::string const& message) { TORCH_CHECK(false, message); }
+
 template <typename F>
 void find(void* lib, char const* name, F& f)
 {
   void* sym = dlsym(lib, name);
-  TORCH_CHECK(sym != nullptr, "emmpool: ", name, " is missing from emmpool's _core (", dlerror(),
-              "): the PyTorch extension and emmpool come from different versions; reinstall emmpool");
+  if (sym == nullptr) {
+    raise(std::string{"emmpool: "} + name + " is missing from emmpool's _core (" + dlerror() +
+          "): the PyTorch extension and emmpool come from different versions; reinstall emmpool");
+  }
   f = reinterpret_cast<F>(sym);
 }
 
 void load_entry_points(std::string const& core_path)
 {
   void* lib = dlopen(core_path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  TORCH_CHECK(lib != nullptr, "emmpool: cannot open ", core_path, ": ", dlerror());
+  if (lib == nullptr) { raise("emmpool: cannot open " + core_path + ": " + dlerror()); }
   int (*abi)(){};
   find(lib, "emmpool_torch_abi_version", abi);
-  TORCH_CHECK(abi() == expected_abi, "emmpool: _core speaks torch ABI ", abi(), ", the extension ",
-              expected_abi, ": reinstall emmpool (the extension cache is keyed by its source)");
+  if (abi() != expected_abi) {
+    raise("emmpool: _core speaks torch ABI " + std::to_string(abi()) + ", the extension " +
+          std::to_string(expected_abi) + ": reinstall emmpool (the extension cache is keyed by its source)");
+  }
   find(lib, "emmpool_torch_allocate", api.allocate);
   find(lib, "emmpool_torch_free", api.free);
   find(lib, "emmpool_torch_record_stream", api.record_stream);
@@ -108,11 +118,14 @@ void* context_of(void* ptr, int device, bool private_block)
 [[noreturn]] void fail(int kind, std::size_t size, int device, char const* why)
 {
   if (kind == 0) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "emmpool: CUDA out of memory. Tried to allocate ",
-                     size, " bytes on device ", device, ": ", why,
-                     " (EMMPOOL_MAXIMUM_POOL_SIZE caps the pool; emmpool.stats() shows what it holds)");
+    std::string const msg = "emmpool: CUDA out of memory. Tried to allocate " +
+                            std::to_string(size) + " bytes on device " + std::to_string(device) +
+                            ": " + why +
+                            " (EMMPOOL_MAXIMUM_POOL_SIZE caps the pool; emmpool.stats() shows what it holds)";
+    TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
   }
-  TORCH_CHECK(false, "emmpool: allocation of ", size, " bytes on device ", device, " failed: ", why);
+  raise("emmpool: allocation of " + std::to_string(size) + " bytes on device " +
+        std::to_string(device) + " failed: " + why);
 }
 
 void* allocate_or_throw(std::size_t size, int device, void* stream)
@@ -343,10 +356,11 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     });
     // torch.cuda.set_per_process_memory_fraction(): emmpool's cap is fixed when its pool is made
     set_memory_fraction_fn([](double fraction, int device) {
-      TORCH_CHECK(false, "emmpool: torch.cuda.set_per_process_memory_fraction(", fraction, ", ",
-                  device, ") cannot change emmpool's cap, which is fixed when the pool is made: "
-                  "set EMMPOOL_MAXIMUM_POOL_SIZE=", fraction,
-                  " (or emmpool.configure(maximum_pool_size=...)) before the first allocation");
+      raise("emmpool: torch.cuda.set_per_process_memory_fraction(" + std::to_string(fraction) +
+            ", " + std::to_string(device) +
+            ") cannot change emmpool's cap, which is fixed when the pool is made: set "
+            "EMMPOOL_MAXIMUM_POOL_SIZE=" + std::to_string(fraction) +
+            " (or emmpool.configure(maximum_pool_size=...)) before the first allocation");
     });
   }
 
@@ -415,7 +429,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     char why[error_length] = "";
     if (api.record_stream(pointer_of(data.get_context()), device_of(data.get_context()),
                           stream.stream(), why, sizeof why) != 0) {
-      TORCH_CHECK(false, "emmpool: record_stream failed: ", why);
+      raise(std::string{"emmpool: record_stream failed: "} + why);
     }
   }
 
@@ -473,8 +487,9 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     unsigned char handle[CUDA_IPC_HANDLE_SIZE];
     std::size_t offset = 0;
     char why[error_length] = "";
-    TORCH_CHECK(api.ipc_handle(ptr, device, handle, &offset, why, sizeof why) == 0,
-                "emmpool: cannot share this CUDA tensor: ", why);
+    if (api.ipc_handle(ptr, device, handle, &offset, why, sizeof why) != 0) {
+      raise(std::string{"emmpool: cannot share this CUDA tensor: "} + why);
+    }
     return {static_cast<std::ptrdiff_t>(offset),
             std::string(reinterpret_cast<char const*>(handle), CUDA_IPC_HANDLE_SIZE)};
   }
