@@ -62,8 +62,11 @@ def scenario(name: str, allocator: str, *extra: str, env: dict | None = None, ti
 @pytest.fixture(scope="module")
 def extension_builds():
     """Skip the extension tests, saying why, where emmpool's extension cannot be built."""
-    code = "import emmpool._torch as t; t.build_extension(); print('BUILT')"
+    code = ("import emmpool._torch as t; p = t._build_problem(); print('MISSING', p) if p "
+            "else (t.build_extension(), print('BUILT'))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if p.stdout.startswith("MISSING "):  # a machine without the tools: emmpool falls back
+        pytest.skip("emmpool's PyTorch extension cannot be built here: " + p.stdout[8:].strip())
     if "BUILT" not in p.stdout:
         msg = (p.stdout + p.stderr).strip().splitlines()
         pytest.fail("emmpool's PyTorch extension does not build: " + "\n".join(msg[-15:]))
