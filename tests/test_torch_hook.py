@@ -118,6 +118,7 @@ def test_missing_toolkit_is_said(monkeypatch):
     from emmpool import _torch
 
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setattr(_torch, "_cuda_home", lambda guess: None)  # none on this machine either
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
     with pytest.raises(_torch.TorchExtensionError, match="no CUDA toolkit found"):
         _torch.build_extension()
