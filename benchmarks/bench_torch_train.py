@@ -132,6 +132,11 @@ def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: boo
         s = emmpool.stats(0)
         out["emmpool_peak_reserved"] = s["peak_bytes_reserved"]
         out["emmpool_peak_in_use"] = s["peak_bytes_in_use"]
+        # where time and reserved memory go: segments made and given back (cuMemFree
+        # synchronizes the device), fences, blocks reused in stream order
+        out["emmpool_counts"] = {k: s.get(k) for k in (
+            "allocations", "segment_allocations", "segment_releases", "batches_closed",
+            "same_stream_reuses", "dormant_fences")}
         if out["peak_reserved"] is None:
             out["peak_reserved"] = s["peak_bytes_reserved"]
     print("RESULT " + json.dumps(out), flush=True)
@@ -224,7 +229,9 @@ def main() -> None:
                 res["round"] = r
                 runs.append(res)
                 brief = (f"{res['ms_per_step']:.2f} ms/step, peak reserved "
-                         f"{res['peak_reserved'] / 2**20:.0f} MiB" if "error" not in res
+                         f"{res['peak_reserved'] / 2**20:.0f} MiB"
+                         f"{' ' + json.dumps(res['emmpool_counts']) if 'emmpool_counts' in res else ''}"
+                         if "error" not in res
                          else "FAILED " + res["error"].splitlines()[-1][:200])
                 print(f"round {r} {model:12s} {c:18s} {brief}", flush=True)
     rows, table = summarize(runs, configs)
