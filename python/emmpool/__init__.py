@@ -54,11 +54,12 @@ def use_for_cupy() -> None:
     _use()
 
 
-def use_for_torch() -> None:
-    """Make PyTorch allocate from emmpool's pools (before PyTorch's first CUDA allocation)."""
+def use_for_torch(allocator: str | None = None) -> str:
+    """Make PyTorch allocate from emmpool's pools (before PyTorch's first CUDA allocation);
+    returns "extension" or "pluggable" (see :func:`emmpool.hooks.use_for_torch`)."""
     from .hooks import use_for_torch as _use
 
-    _use()
+    return _use(allocator)
 
 
 def rmm_resource(device: int | None = None):

@@ -112,24 +112,18 @@ def _ask_cupy_for_its_stream(cupy, backend_stream=None) -> None:
     )
 
 
-def use_for_torch() -> None:
-    """Install emmpool as PyTorch's CUDA allocator (CUDAPluggableAllocator).
+def use_for_torch(allocator: str | None = None) -> str:
+    """Install emmpool as PyTorch's CUDA allocator, before PyTorch's first CUDA allocation;
+    return how: ``"extension"`` (emmpool's allocator extension, compiled on first use) or
+    ``"pluggable"`` (PyTorch's CUDAPluggableAllocator). ``allocator`` (or
+    ``EMMPOOL_TORCH_ALLOCATOR``): ``auto`` (default), ``extension`` or ``pluggable``; see
+    emmpool._torch and README's PyTorch section.
 
-    Must run before PyTorch's first CUDA allocation. PyTorch passes the stream of each
-    allocation and free: frees are fenced on that stream.
+    PyTorch passes the stream of each allocation: frees are fenced on that stream.
     """
-    try:
-        import torch
-    except ImportError as e:
-        raise ImportError(
-            "emmpool.use_for_torch() needs PyTorch: pip install 'emmpool[torch]'"
-        ) from e
-    ensure_configured()
-    allocator = torch.cuda.memory.CUDAPluggableAllocator(
-        _core.__file__, "emmpool_torch_malloc", "emmpool_torch_free"
-    )
-    torch.cuda.memory.change_current_allocator(allocator)
-    _installed.append(allocator)
+    from . import _torch
+
+    return _torch.use_for_torch(allocator)
 
 
 _TAG_RMM = _core.LIBRARIES.index("rmm")

@@ -1,0 +1,254 @@
+"""Real training with PyTorch's caching allocator ("native") and with emmpool, in the same run.
+
+    python benchmarks/bench_torch_train.py --out DIR [--quick]
+
+Models: a torchvision ResNet-18 (batch 64, 64x64 images, 100 classes, SGD with momentum, fp32)
+and a small transformer language model (6 encoder layers, d_model 512, 8 heads, sequence 128,
+batch 32, AdamW, bf16 autocast). Each configuration runs in its own child process (an allocator
+is fixed at PyTorch's first CUDA allocation), and rounds interleave the configurations, each
+round in the other order. Per child: warm-up steps, then timed steps (one synchronize at the
+end of each step: ms/step is the median), the losses of every step (seeded: native and emmpool
+must agree), and PyTorch's peak reserved bytes (torch.cuda.max_memory_reserved; for emmpool
+answered from emmpool's pool, which holds PyTorch's memory alone here) plus, for emmpool,
+emmpool.stats()'s own peak.
+
+Configurations: ``native``; ``emmpool`` (emmpool.use_for_torch(), the allocator extension);
+with ``--pluggable`` also ``emmpool-pluggable`` (PyTorch's CUDAPluggableAllocator over emmpool,
+the fallback). cuDNN: deterministic algorithms, benchmark mode off by default (``--cudnn-benchmark``
+turns it on: the pluggable allocator then fails, see README).
+
+Writes DIR/bench_torch_train.json and DIR/bench_torch_train.md. ``--quick``: 2 rounds of fewer
+steps (< 2 minutes on an H100); the full run: 3 rounds (about 4 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpus  # noqa: E402
+
+MODELS = ("resnet18", "transformer")
+
+
+# ------------------------------------------------------------------------------------------
+# child
+
+
+def make_resnet(torch):
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=100).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    batches = [(torch.randn(64, 3, 64, 64, generator=g).cuda(),
+                torch.randint(0, 100, (64,), generator=g).cuda()) for _ in range(4)]
+
+    def step(i):
+        x, y = batches[i % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def make_transformer(torch):
+    vocab, d, seq, batch = 8000, 512, 128, 32
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, d)
+            layer = torch.nn.TransformerEncoderLayer(d, 8, 4 * d, dropout=0.0, batch_first=True,
+                                                     norm_first=True)
+            self.encoder = torch.nn.TransformerEncoder(layer, 6, enable_nested_tensor=False)
+            self.head = torch.nn.Linear(d, vocab)
+            self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(seq))
+
+        def forward(self, tokens):
+            return self.head(self.encoder(self.embed(tokens), mask=self.mask, is_causal=True))
+
+    model = LM().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    batches = [torch.randint(0, vocab, (batch, seq + 1), generator=g).cuda() for _ in range(4)]
+
+    def step(i):
+        t = batches[i % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(t[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab),
+                                                 t[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: bool) -> None:
+    import torch
+
+    how = None
+    if config.startswith("emmpool"):
+        import emmpool
+
+        how = emmpool.use_for_torch("pluggable" if config == "emmpool-pluggable" else "extension")
+    torch.manual_seed(0)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = cudnn_benchmark
+    step = (make_resnet if model == "resnet18" else make_transformer)(torch)
+    losses, times = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = step(i)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        losses.append(loss.item())
+        if i >= warmup:
+            times.append((t1 - t0) * 1e3)
+    out = {"model": model, "config": config, "how": how, "losses": losses,
+           "ms_per_step": statistics.median(times), "ms_min": min(times),
+           "peak_allocated": None, "peak_reserved": None}
+    try:
+        out["peak_reserved"] = torch.cuda.max_memory_reserved()
+        out["peak_allocated"] = torch.cuda.max_memory_allocated()
+    except RuntimeError as e:  # the pluggable allocator answers no statistics
+        out["stats_error"] = str(e).splitlines()[0]
+    if config.startswith("emmpool"):
+        import emmpool
+
+        s = emmpool.stats(0)
+        out["emmpool_peak_reserved"] = s["peak_bytes_reserved"]
+        out["emmpool_peak_in_use"] = s["peak_bytes_in_use"]
+        # where time and reserved memory go: segments made and given back (cuMemFree
+        # synchronizes the device), fences, blocks reused in stream order
+        out["emmpool_counts"] = {k: s.get(k) for k in (
+            "allocations", "segment_allocations", "segment_releases", "batches_closed",
+            "same_stream_reuses", "dormant_fences")}
+        if out["peak_reserved"] is None:
+            out["peak_reserved"] = s["peak_bytes_reserved"]
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------------------------------
+# parent
+
+
+def run_child(model, config, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", model, config, "--warmup", str(args.warmup),
+           "--steps", str(args.steps)] + (["--cudnn-benchmark"] if args.cudnn_benchmark else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"model": model, "config": config, "error": (p.stdout + p.stderr)[-1500:]}
+
+
+def summarize(runs: list[dict], configs: list[str]) -> tuple[list[dict], str]:
+    rows, lines = [], []
+    GiB = 1 << 30
+    lines.append("| model | allocator | ms/step (best round) | vs native | ms/step (median round) | "
+                 "vs native | peak reserved (median round; range) | vs native | losses equal to native |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for model in MODELS:
+        ok = {c: [r for r in runs if r["model"] == model and r["config"] == c and "error" not in r]
+              for c in configs}
+        if not ok["native"]:
+            continue
+        base_ms = min(r["ms_per_step"] for r in ok["native"])
+        base_med = statistics.median(r["ms_per_step"] for r in ok["native"])
+        base_res = statistics.median(r["peak_reserved"] for r in ok["native"])
+        base_losses = ok["native"][0]["losses"]
+        for c in configs:
+            if not ok[c]:
+                err = next((r["error"] for r in runs if r["model"] == model and r["config"] == c), "")
+                lines.append(f"| {model} | {c} | failed | | | | | | {err.splitlines()[-1][:120] if err else ''} |")
+                continue
+            ms = min(r["ms_per_step"] for r in ok[c])
+            med = statistics.median(r["ms_per_step"] for r in ok[c])
+            res = statistics.median(r["peak_reserved"] for r in ok[c])
+            lo, hi = min(r["peak_reserved"] for r in ok[c]), max(r["peak_reserved"] for r in ok[c])
+            diff = max(abs(a - b) for a, b in zip(ok[c][0]["losses"], base_losses))
+            equal = all(r["losses"] == base_losses for r in ok[c])
+            row = {"model": model, "config": c, "ms_per_step": ms, "time_ratio": ms / base_ms,
+                   "ms_per_step_median_round": med, "time_ratio_median_round": med / base_med,
+                   "peak_reserved": res, "reserved_ratio": res / base_res,
+                   "losses_equal": equal, "max_loss_diff": diff,
+                   "rounds_ms": [r["ms_per_step"] for r in ok[c]],
+                   "rounds_reserved": [r["peak_reserved"] for r in ok[c]]}
+            rows.append(row)
+            lines.append(f"| {model} | {c} | {ms:.2f} | {ms / base_ms:.3f}x | {med:.2f} | "
+                         f"{med / base_med:.3f}x | {res / GiB:.3f} GiB ({lo / GiB:.3f}-{hi / GiB:.3f}) | "
+                         f"{res / base_res:.3f}x | {'yes' if equal else f'no (max diff {diff:.2e})'} |")
+    return rows, "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--quick", action="store_true", help="2 rounds, fewer steps (< 2 minutes)")
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--warmup", type=int)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--pluggable", action="store_true", help="also the CUDAPluggableAllocator")
+    ap.add_argument("--cudnn-benchmark", action="store_true")
+    ap.add_argument("--cpus", type=int, default=8, help="pin to this many CPUs near the GPU")
+    ap.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child, args.warmup, args.steps, args.cudnn_benchmark)
+        return
+    if args.out is None:
+        ap.error("--out DIR is required")
+    rounds = args.rounds or (2 if args.quick else 3)
+    args.warmup = args.warmup if args.warmup is not None else (8 if args.quick else 15)
+    args.steps = args.steps or (25 if args.quick else 60)
+    pinned = cpus.pin_near_gpu(args.cpus)
+    configs = ["native", "emmpool"] + (["emmpool-pluggable"] if args.pluggable else [])
+    models = [m for m in args.models.split(",") if m]
+    runs = []
+    t0 = time.time()
+    for r in range(rounds):
+        order = configs if r % 2 == 0 else configs[::-1]
+        for model in models:
+            for c in order:
+                res = run_child(model, c, args)
+                res["round"] = r
+                runs.append(res)
+                brief = (f"{res['ms_per_step']:.2f} ms/step, peak reserved "
+                         f"{res['peak_reserved'] / 2**20:.0f} MiB"
+                         f"{' ' + json.dumps(res['emmpool_counts']) if 'emmpool_counts' in res else ''}"
+                         if "error" not in res
+                         else "FAILED " + res["error"].splitlines()[-1][:200])
+                print(f"round {r} {model:12s} {c:18s} {brief}", flush=True)
+    rows, table = summarize(runs, configs)
+    import torch
+
+    head = (f"# bench_torch_train\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+            f"{rounds} rounds x (warm-up {args.warmup} + {args.steps} steps), cuDNN benchmark "
+            f"{'on' if args.cudnn_benchmark else 'off'}, CPUs pinned: {pinned or 'no'}, "
+            f"{time.time() - t0:.0f} s\n\n")
+    print("\n" + head + table, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_torch_train.md").write_text(head + table + "\n")
+    (args.out / "bench_torch_train.json").write_text(json.dumps(
+        {"rows": rows, "runs": runs, "rounds": rounds, "warmup": args.warmup,
+         "steps": args.steps, "device": torch.cuda.get_device_name(0),
+         "torch": torch.__version__}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

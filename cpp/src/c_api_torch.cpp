@@ -1,0 +1,194 @@
+// C entry points for emmpool's PyTorch allocator (python/emmpool/_torch_allocator.cpp), beyond
+// the malloc/free pair of c_api.cpp: what PyTorch's CUDAAllocator interface asks of an
+// allocator (statistics, record_stream, IPC, the cache's largest block, empty_cache) and an
+// allocation that says why it failed.
+//
+// The PyTorch extension is compiled on the user's machine against the installed PyTorch and
+// finds these with dlsym() in this library, so nothing links against the other: the layout of
+// what they exchange is fixed by emmpool_torch_abi_version() (bump it on any change).
+// None of them throws across the C boundary.
+#include <emmpool/error.hpp>
+#include <emmpool/registry.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <stdexcept>
+
+#define EMMPOOL_C_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+// Copies what(), truncated, into the caller's buffer (which may be null).
+void say(char* buffer, std::size_t length, char const* what) noexcept
+{
+  if (buffer == nullptr || length == 0) { return; }
+  std::size_t const n = std::min(std::strlen(what), length - 1);
+  std::memcpy(buffer, what, n);
+  buffer[n] = '\0';
+}
+
+emmpool::device_pool* pool_of(int device) noexcept
+{
+  try {
+    return &emmpool::pool_registry::instance().pool(device);
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+}  // namespace
+
+/// The layout version of the structures below; the extension refuses another.
+EMMPOOL_C_API int emmpool_torch_abi_version() { return 1; }
+
+/// PyTorch: allocate `size` bytes on `device` for `stream`. NULL on failure, with the reason in
+/// `error` (`error_length` bytes, may be null) and *kind = 0 out of memory, 1 invalid argument,
+/// 2 any other error.
+EMMPOOL_C_API void* emmpool_torch_allocate(std::size_t size, int device, void* stream,
+                                           int* kind, char* error, std::size_t error_length)
+{
+  auto failed = [&](int k, char const* what) -> void* {
+    if (kind != nullptr) { *kind = k; }
+    say(error, error_length, what);
+    return nullptr;
+  };
+  try {
+    return reinterpret_cast<void*>(emmpool::pool_registry::instance().pool(device).allocate(
+      size, reinterpret_cast<emmpool::stream_handle>(stream), emmpool::alloc_tag::torch));
+  } catch (emmpool::out_of_memory const& e) {
+    return failed(0, e.what());
+  } catch (std::invalid_argument const& e) {
+    return failed(1, e.what());
+  } catch (std::exception const& e) {
+    return failed(2, e.what());
+  } catch (...) {
+    return failed(2, "unknown error");
+  }
+}
+
+/// PyTorch: tensor.record_stream(stream). 0 done; -1 with the reason in `error` (a pointer the
+/// pool did not allocate, a stream it cannot name).
+EMMPOOL_C_API int emmpool_torch_record_stream(void* ptr, int device, void* stream, char* error,
+                                              std::size_t error_length)
+{
+  try {
+    emmpool::pool_registry::instance().pool(device).record_stream(
+      reinterpret_cast<emmpool::device_ptr>(ptr), reinterpret_cast<emmpool::stream_handle>(stream));
+    return 0;
+  } catch (std::exception const& e) {
+    say(error, error_length, e.what());
+  } catch (...) {
+    say(error, error_length, "unknown error");
+  }
+  return -1;
+}
+
+/// What emmpool_torch_stats() fills, in this order (abi version 1): all uint64.
+///  0 torch bytes in use, 1 pool bytes in use (every library), 2 pool peak bytes in use,
+///  3 bytes reserved, 4 peak bytes reserved, 5 torch allocations (count), 6 pool frees,
+///  7 blocks in use, 8 segments, 9 segment allocations, 10 segment releases,
+///  11 out-of-memory failures, 12 bytes waiting for their fence, 13 bytes free,
+///  14 largest free block, 15 device synchronizations for dormant streams.
+/// Returns how many it filled (at most n), or -1 if the device has no pool and cannot get one.
+EMMPOOL_C_API int emmpool_torch_stats(int device, std::uint64_t* out, int n)
+{
+  auto* pool = pool_of(device);
+  if (pool == nullptr || out == nullptr) { return -1; }
+  try {
+    auto const s             = pool->stats();
+    auto const torch         = static_cast<std::size_t>(emmpool::alloc_tag::torch);
+    std::uint64_t const v[] = {
+      s.bytes_in_use_by_tag[torch], s.bytes_in_use,        s.peak_bytes_in_use,
+      s.bytes_reserved,             s.peak_bytes_reserved, s.allocations_by_tag[torch],
+      s.frees,                      s.blocks_in_use,       s.segments,
+      s.segment_allocations,        s.segment_releases,    s.out_of_memory,
+      s.bytes_waiting,              s.bytes_free,          s.largest_free_block,
+      s.dormant_fences};
+    int const m = std::min<int>(n, static_cast<int>(sizeof v / sizeof v[0]));
+    std::copy(v, v + m, out);
+    return m;
+  } catch (...) {
+    return -1;
+  }
+}
+
+/// torch.cuda.reset_peak_memory_stats(): the pool's peaks (every library's) start again.
+EMMPOOL_C_API void emmpool_torch_reset_peaks(int device)
+{
+  if (auto* pool = pool_of(device)) {
+    try {
+      pool->reset_peaks();
+    } catch (...) {
+    }
+  }
+}
+
+/// torch.cuda.empty_cache(): wait for pending frees and return wholly free segments. Bytes
+/// released, 0 on any failure.
+EMMPOOL_C_API std::size_t emmpool_torch_trim(int device)
+{
+  if (auto* pool = pool_of(device)) {
+    try {
+      return pool->trim();
+    } catch (...) {
+    }
+  }
+  return 0;
+}
+
+/// cuDNN's benchmark mode asks the allocator for the largest block it could hand out at once
+/// (CUDAAllocator::cacheInfo) and sizes its workspace by it. As PyTorch's own pool answers: the
+/// largest free block of the pool, or what the device still has free, within the pool's cap,
+/// if that is more.
+EMMPOOL_C_API std::size_t emmpool_torch_largest_block(int device)
+{
+  auto* pool = pool_of(device);
+  if (pool == nullptr) { return 0; }
+  try {
+    auto const s  = pool->stats();
+    auto& drv     = emmpool::pool_registry::instance().get_driver();
+    auto const mi = drv.memory_info_of(device);
+    auto const& o = pool->options();
+    std::size_t cap = o.maximum_size != 0 ? o.maximum_size : std::numeric_limits<std::size_t>::max();
+    if (o.maximum_fraction > 0.0) {
+      cap = std::min(cap, static_cast<std::size_t>(o.maximum_fraction * static_cast<double>(mi.total)));
+    }
+    std::size_t const headroom = cap > s.bytes_reserved ? cap - s.bytes_reserved : 0;
+    return std::max(s.largest_free_block, std::min(mi.free, headroom));
+  } catch (...) {
+    return 0;
+  }
+}
+
+/// torch.multiprocessing: the CUDA IPC handle (64 bytes into `handle`) of the pool segment that
+/// holds ptr, and ptr's offset in it. 0 done; -1 with the reason in `error`. The segment is
+/// marked exported: the pool never releases it while a block in it is live.
+EMMPOOL_C_API int emmpool_torch_ipc_handle(void* ptr, int device, unsigned char* handle,
+                                           std::size_t* offset, char* error,
+                                           std::size_t error_length)
+{
+  auto* pool = pool_of(device);
+  if (pool == nullptr) {
+    say(error, error_length, "no pool for this device");
+    return -1;
+  }
+  try {
+    auto const info = pool->ipc_handle(reinterpret_cast<emmpool::device_ptr>(ptr));
+    if (!info) {
+      say(error, error_length, "the pointer is not a block of emmpool's pool");
+      return -1;
+    }
+    std::memcpy(handle, info->handle.data(), info->handle.size());
+    *offset = info->offset;
+    return 0;
+  } catch (std::exception const& e) {
+    say(error, error_length, e.what());
+  } catch (...) {
+    say(error, error_length, "unknown error");
+  }
+  return -1;
+}

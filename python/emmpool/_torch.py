@@ -1,0 +1,173 @@
+"""emmpool as PyTorch's CUDA allocator.
+
+Two ways, chosen by ``EMMPOOL_TORCH_ALLOCATOR`` (or ``use_for_torch(allocator=...)``):
+
+``extension`` (the default where it can be built)
+    A small C++ PyTorch extension shipped as source (``_torch_allocator.cpp``), compiled on first
+    use against the installed PyTorch with ``torch.utils.cpp_extension.load`` (cached in PyTorch's
+    extension directory, ``TORCH_EXTENSIONS_DIR``; needs a C++ compiler, ninja and the CUDA
+    toolkit's headers, ``CUDA_HOME``). It implements PyTorch's allocator interface over emmpool's
+    C entry points: ``record_stream``, ``torch.cuda.memory_stats()`` and friends, cuDNN's benchmark
+    mode, ``torch.multiprocessing`` of CUDA tensors, CUDA graph private pools and
+    ``torch.cuda.empty_cache()`` all work.
+``pluggable``
+    PyTorch's ``CUDAPluggableAllocator`` over the same entry points (no compiler needed). PyTorch
+    then raises "does not yet support ..." for ``memory_stats()``, cuDNN's benchmark mode and
+    IPC, and ``tensor.record_stream`` is ignored; see README's PyTorch section.
+``auto`` (default)
+    The extension; where it cannot be built, a warning saying why and the pluggable allocator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+from . import _core
+from ._config import ensure_configured, log
+
+SOURCE = Path(__file__).with_name("_torch_allocator.cpp")
+CHOICES = ("auto", "extension", "pluggable")
+
+_installed: list = []  # the allocator object(s) PyTorch was given, kept alive
+_how: str | None = None  # "extension" or "pluggable" once installed
+
+
+class TorchExtensionError(RuntimeError):
+    """emmpool's PyTorch extension cannot be built or loaded here (the message says why)."""
+
+
+def how_installed() -> str | None:
+    """``"extension"``, ``"pluggable"`` or None: how emmpool serves PyTorch in this process."""
+    return _how
+
+
+def _choice(allocator: str | None) -> str:
+    choice = (allocator or os.environ.get("EMMPOOL_TORCH_ALLOCATOR") or "auto").strip().lower()
+    if choice not in CHOICES:
+        raise ValueError(
+            f"EMMPOOL_TORCH_ALLOCATOR={choice!r}: expected one of {', '.join(CHOICES)}"
+        )
+    return choice
+
+
+def _build_problem() -> str | None:
+    """Why the extension cannot be compiled here, or None."""
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} is not on PATH; set CXX)"
+    home = _cuda_home(cpp_extension.CUDA_HOME)
+    if home is None:
+        if cpp_extension.CUDA_HOME is None:
+            return "no CUDA toolkit found (set CUDA_HOME; its headers are needed)"
+        return f"CUDA_HOME={cpp_extension.CUDA_HOME} has no include/cuda_runtime_api.h"
+    # PyTorch guesses CUDA_HOME from nvcc's folder, which is wrong where nvcc is a link
+    # (/usr/local/bin/nvcc -> /usr/local/cuda/bin/nvcc): give it the toolkit that has the headers.
+    cpp_extension.CUDA_HOME = str(home)
+    return None
+
+
+def _cuda_home(guess: str | None) -> Path | None:
+    """The first of PyTorch's guess, nvcc's real folder and /usr/local/cuda that holds
+    include/cuda_runtime_api.h."""
+    candidates = [guess] if guess else []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+    candidates.append("/usr/local/cuda")
+    for c in candidates:
+        if (Path(c) / "include" / "cuda_runtime_api.h").exists():
+            return Path(c)
+    return None
+
+
+def extension_name(torch) -> str:
+    """The module's name: one per emmpool source and PyTorch version (the build cache key)."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    version = torch.__version__.split("+")[0].replace(".", "_")
+    return f"emmpool_torch_{version}_{digest}"
+
+
+def build_extension(verbose: bool = False):
+    """Compile (or load from the cache) emmpool's PyTorch extension and return the module.
+
+    Raises TorchExtensionError saying what is missing or what the compiler said."""
+    import torch
+    from torch.utils import cpp_extension
+
+    problem = _build_problem()
+    if problem is not None:
+        raise TorchExtensionError(f"emmpool's PyTorch extension cannot be built: {problem}")
+    # The extension has no CUDA kernels, but cpp_extension asks for an architecture list even so,
+    # and finds none without a GPU (a build machine): any value does.
+    arch_was = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not arch_was:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    try:
+        return cpp_extension.load(
+            name=extension_name(torch),
+            sources=[str(SOURCE)],
+            extra_cflags=["-O2", "-std=c++17"],
+            with_cuda=True,
+            verbose=verbose,
+        )
+    except Exception as e:  # noqa: BLE001 - the compiler's message is the useful part
+        raise TorchExtensionError(
+            f"emmpool's PyTorch extension did not build against torch {torch.__version__}: "
+            f"{str(e).strip()[-2000:]}"
+        ) from e
+    finally:
+        if not arch_was:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+
+
+def use_for_torch(allocator: str | None = None) -> str:
+    """Install emmpool as PyTorch's CUDA allocator; return how (``"extension"`` or
+    ``"pluggable"``). Must run before PyTorch's first CUDA allocation."""
+    global _how
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(
+            "emmpool.use_for_torch() needs PyTorch: pip install 'emmpool[torch]'"
+        ) from e
+    choice = _choice(allocator)
+    ensure_configured()
+    if _how is not None:
+        return _how
+    if choice in ("auto", "extension"):
+        try:
+            module = build_extension()
+        except TorchExtensionError as e:
+            if choice == "extension":
+                raise
+            warnings.warn(
+                f"{e}; emmpool falls back to PyTorch's CUDAPluggableAllocator, under which "
+                "torch.cuda.memory_stats(), cuDNN's benchmark mode, torch.multiprocessing of "
+                "CUDA tensors and tensor.record_stream do not work (EMMPOOL_TORCH_ALLOCATOR="
+                "pluggable silences this)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        else:
+            module.install(_core.__file__)
+            _installed.append(module)
+            _how = "extension"
+            log.info("PyTorch %s: emmpool's allocator extension %s", torch.__version__,
+                     module.__name__)
+            return _how
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+        _core.__file__, "emmpool_torch_malloc", "emmpool_torch_free"
+    )
+    torch.cuda.memory.change_current_allocator(pluggable)
+    _installed.append(pluggable)
+    _how = "pluggable"
+    log.info("PyTorch %s: CUDAPluggableAllocator", torch.__version__)
+    return _how

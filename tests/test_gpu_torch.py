@@ -1,0 +1,152 @@
+"""PyTorch with emmpool (issue #14): each feature works, or raises what README's PyTorch section
+says. GPU and PyTorch needed (skipped with the reason elsewhere).
+
+Each scenario runs in its own interpreter (tests/torch_scenarios.py) under PyTorch's own
+allocator ("native"), emmpool's allocator extension ("extension") or PyTorch's
+CUDAPluggableAllocator over emmpool ("pluggable", the fallback where the extension cannot be
+built). The first extension scenario compiles the extension (cached by PyTorch afterwards).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+
+def _unavailable() -> str | None:
+    """Why these tests cannot run here (they need PyTorch and a GPU, not Numba: not the `gpu`
+    marker, whose check asks Numba), or None."""
+    if importlib.util.find_spec("torch") is None:
+        return "PyTorch is not installed (pip install 'emmpool[torch]')"
+    import emmpool
+
+    try:
+        if emmpool._core.device_count() == 0:
+            return "the CUDA driver reports no device"
+    except emmpool.CudaError as e:
+        return f"no usable CUDA driver/GPU: {e}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
+
+SCRIPT = Path(__file__).with_name("torch_scenarios.py")
+
+
+def scenario(name: str, allocator: str, *extra: str, env: dict | None = None, timeout=300):
+    """Run one scenario; return (results: dict merged from RESULT lines, raised: str | None,
+    output)."""
+    e = dict(os.environ)
+    e.pop("EMMPOOL_TORCH_ALLOCATOR", None)
+    e.update(env or {})
+    p = subprocess.run([sys.executable, str(SCRIPT), name, allocator, *extra], env=e,
+                       capture_output=True, text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "\nOK" in "\n" + p.stdout, out[-4000:]
+    results, raised = {}, None
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            results.update(json.loads(line[len("RESULT "):]))
+        elif line.startswith(("RAISES ", "OOM ")):
+            raised = line
+    return results, raised, out
+
+
+@pytest.fixture(scope="module")
+def extension_builds():
+    """Skip the extension tests, saying why, where emmpool's extension cannot be built."""
+    code = ("import emmpool._torch as t; p = t._build_problem(); print('MISSING', p) if p "
+            "else (t.build_extension(), print('BUILT'))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if p.stdout.startswith("MISSING "):  # a machine without the tools: emmpool falls back
+        pytest.skip("emmpool's PyTorch extension cannot be built here: " + p.stdout[8:].strip())
+    if "BUILT" not in p.stdout:
+        msg = (p.stdout + p.stderr).strip().splitlines()
+        pytest.fail("emmpool's PyTorch extension does not build: " + "\n".join(msg[-15:]))
+
+
+def test_cudnn_benchmark_training(extension_builds):
+    native, raised, out = scenario("cudnn_benchmark", "native")
+    assert raised is None, out
+    mine, raised, out = scenario("cudnn_benchmark", "extension")
+    assert raised is None, out
+    assert mine["losses"] == pytest.approx(native["losses"], rel=1e-3, abs=1e-4), (mine, native)
+
+
+def test_cudnn_benchmark_pluggable_raises_pytorchs_error():
+    _, raised, out = scenario("cudnn_benchmark", "pluggable")
+    assert raised is not None and "does not yet support cacheInfo" in raised, out
+
+
+def test_memory_stats(extension_builds):
+    r, raised, out = scenario("memory_stats", "extension")
+    assert raised is None, out
+    MiB = 1 << 20
+    assert r["delta"] == 8 * MiB and r["back"] == 0, r
+    assert r["peak"] >= 8 * MiB and r["peak_after_reset"] < 8 * MiB, r
+    assert r["peak_reserved"] >= r["reserved"] >= 8 * MiB, r
+    assert r["reserved_after_empty"] < r["reserved"], r   # empty_cache trimmed emmpool's pool
+    assert "allocated_bytes.all.current" in r["keys"] and r["summary_ok"], r
+    assert 0 < r["free"] <= r["total"], r
+
+
+def test_memory_stats_pluggable_raises_pytorchs_error():
+    _, raised, out = scenario("memory_stats", "pluggable")
+    assert raised is not None and "does not yet support getDeviceStats" in raised, out
+
+
+def test_record_stream(extension_builds):
+    r, raised, out = scenario("record_stream", "extension")
+    assert raised is None, out
+    assert r["reused_while_busy"] is False, r
+
+
+def test_record_stream_pluggable_is_ignored():
+    """PyTorch's pluggable allocator drops record_stream (README: use emmpool.record_stream)."""
+    r, raised, out = scenario("record_stream", "pluggable")
+    assert raised is None, out
+    assert r["reused_while_busy"] is True, r
+
+
+def test_cuda_graph_capture_and_replay(extension_builds):
+    r, raised, out = scenario("cuda_graph", "extension")
+    assert raised is None, out
+    assert r["replay_matches"], r
+    assert r["sentinels_intact"], r   # the graph's memory is its own until it is destroyed
+
+
+def test_torch_compile(extension_builds):
+    r, raised, out = scenario("compiled", "extension", timeout=600)
+    assert raised is None, out
+    assert r == {"default": True, "max-autotune-no-cudagraphs": True}, r
+
+
+@pytest.mark.parametrize("child", ["extension", "native"])
+def test_cross_process_tensor_sharing(child, extension_builds):
+    r, raised, out = scenario("ipc", "extension", child)
+    assert raised is None, out
+    assert r["child_sum"] == r["expected"] and r["child_exit"] == 0, r
+    assert r["written_back"], r
+
+
+def test_cross_process_pluggable_raises_pytorchs_error():
+    _, raised, out = scenario("ipc", "pluggable")
+    assert raised is not None and "does not yet support shareipchandle" in raised.lower(), out  # PyTorch spells it shareIPcHandle
+
+
+def test_memory_fraction_raises_emmpool_error(extension_builds):
+    _, raised, out = scenario("memory_fraction", "extension")
+    assert raised is not None and "emmpool" in raised and "EMMPOOL_MAXIMUM_POOL_SIZE" in raised, out
+
+
+def test_out_of_memory_is_torchs_out_of_memory_error(extension_builds):
+    _, raised, out = scenario("out_of_memory", "extension",
+                              env={"EMMPOOL_MAXIMUM_POOL_SIZE": "256MiB"})
+    assert raised is not None and raised.startswith("OOM emmpool: CUDA out of memory"), out

@@ -1,0 +1,138 @@
+"""The PyTorch allocator extension's C entry points (c_api_torch.cpp) over the host driver, and
+emmpool._torch's choices and messages; no GPU needed (tests/test_gpu_torch.py has the GPU side).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+C_ENTRIES = textwrap.dedent(
+    """
+    import ctypes
+    import emmpool
+    from emmpool import _core
+
+    host = _core.HostDriver(devices=1, capacity=1 << 30)
+    _core._use_driver_for_all_pools(host)
+    emmpool.configure(maximum_pool_size="512MiB")
+    lib = ctypes.CDLL(_core.__file__)
+    c = ctypes
+    def fn(name, restype, *argtypes):
+        f = getattr(lib, name)
+        f.restype, f.argtypes = restype, list(argtypes)
+        return f
+    abi = fn("emmpool_torch_abi_version", c.c_int)
+    allocate = fn("emmpool_torch_allocate", c.c_void_p, c.c_size_t, c.c_int, c.c_void_p,
+                  c.POINTER(c.c_int), c.c_char_p, c.c_size_t)
+    free = fn("emmpool_torch_free", None, c.c_void_p, c.c_size_t, c.c_int, c.c_void_p)
+    record = fn("emmpool_torch_record_stream", c.c_int, c.c_void_p, c.c_int, c.c_void_p,
+                c.c_char_p, c.c_size_t)
+    stats = fn("emmpool_torch_stats", c.c_int, c.c_int, c.POINTER(c.c_uint64), c.c_int)
+    reset_peaks = fn("emmpool_torch_reset_peaks", None, c.c_int)
+    trim = fn("emmpool_torch_trim", c.c_size_t, c.c_int)
+    largest = fn("emmpool_torch_largest_block", c.c_size_t, c.c_int)
+    ipc = fn("emmpool_torch_ipc_handle", c.c_int, c.c_void_p, c.c_int, c.c_char_p,
+             c.POINTER(c.c_size_t), c.c_char_p, c.c_size_t)
+    assert abi() == 1
+
+    def snapshot():
+        v = (c.c_uint64 * 16)()
+        assert stats(0, v, 16) == 16
+        return list(v)
+
+    MiB = 1 << 20
+    s = host.create_stream()
+    kind, why = c.c_int(-1), c.create_string_buffer(256)
+    p = allocate(3 * MiB, 0, s, c.byref(kind), why, 256)
+    assert p, why.value
+    v = snapshot()
+    assert v[0] == 3 * MiB and v[1] == 3 * MiB and v[3] >= 3 * MiB and v[5] == 1, v
+    # the cap (512 MiB): refused with the reason, kind 0 = out of memory
+    q = allocate(1 << 30, 0, s, c.byref(kind), why, 256)
+    assert q is None and kind.value == 0 and b"out of memory" in why.value, (kind, why.value)
+    assert v[14] <= largest(0) <= 512 * MiB, largest(0)
+    # record_stream: a pool block is accepted, another pointer refused with the reason
+    other = host.create_stream()
+    assert record(p, 0, other, why, 256) == 0, why.value
+    assert record(p + 256, 0, other, why, 256) == -1 and why.value, why.value
+    # IPC: the segment's handle and the block's offset
+    handle, offset = c.create_string_buffer(64), c.c_size_t(99)
+    assert ipc(p, 0, handle, c.byref(offset), why, 256) == 0, why.value
+    assert offset.value == 0
+    assert ipc(12345, 0, handle, c.byref(offset), why, 256) == -1 and b"not a block" in why.value
+    free(p, 0, 0, s)
+    v = snapshot()
+    assert v[0] == 0 and v[2] >= 3 * MiB, v
+    reset_peaks(0)
+    assert snapshot()[2] == 0
+    host.complete_all_events()
+    trim(0)
+    print("OK")
+    """
+)
+
+
+def test_c_entry_points_over_the_host_driver():
+    p = subprocess.run([sys.executable, "-c", C_ENTRIES], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
+
+
+def test_choice_is_checked(monkeypatch):
+    from emmpool import _torch
+
+    monkeypatch.setenv("EMMPOOL_TORCH_ALLOCATOR", "fast")
+    with pytest.raises(ValueError, match="EMMPOOL_TORCH_ALLOCATOR='fast': expected one of"):
+        _torch._choice(None)
+    assert _torch._choice("Pluggable") == "pluggable"
+    monkeypatch.delenv("EMMPOOL_TORCH_ALLOCATOR")
+    assert _torch._choice(None) == "auto"
+
+
+def test_extension_source_is_shipped_with_the_package():
+    from emmpool import _torch
+
+    assert _torch.SOURCE.is_file(), _torch.SOURCE
+    text = _torch.SOURCE.read_text()
+    # every entry point the extension looks up exists in _core
+    import ctypes
+
+    from emmpool import _core
+
+    lib = ctypes.CDLL(_core.__file__)
+    import re
+
+    for name in set(re.findall(r'"(emmpool_torch_[a-z_]+)"', text)):
+        assert hasattr(lib, name), name
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed")
+def test_missing_toolkit_is_said(monkeypatch):
+    from torch.utils import cpp_extension
+
+    from emmpool import _torch
+
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setattr(_torch, "_cuda_home", lambda guess: None)  # none on this machine either
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    with pytest.raises(_torch.TorchExtensionError, match="no CUDA toolkit found"):
+        _torch.build_extension()
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    with pytest.raises(_torch.TorchExtensionError, match="ninja is not installed"):
+        _torch.build_extension()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed")
+def test_extension_name_is_per_source_and_torch_version():
+    import torch
+
+    from emmpool import _torch
+
+    name = _torch.extension_name(torch)
+    assert name.startswith("emmpool_torch_" + torch.__version__.split("+")[0].replace(".", "_"))
+    assert name == _torch.extension_name(torch)
