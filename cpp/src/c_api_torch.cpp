@@ -40,6 +40,20 @@ emmpool::device_pool* pool_of(int device) noexcept
   }
 }
 
+// The pool of a device only if it exists already: statistics, peaks and empty_cache must not
+// create pools (and with them CUDA contexts, initial reservations) on devices the program never
+// used, as torch.cuda.empty_cache() asks of every device.
+emmpool::device_pool* existing_pool_of(int device) noexcept
+{
+  try {
+    for (auto* p : emmpool::pool_registry::instance().pools()) {
+      if (p->device() == device) { return p; }
+    }
+  } catch (...) {
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 /// The layout version of the structures below; the extension refuses another.
@@ -93,10 +107,11 @@ EMMPOOL_C_API int emmpool_torch_record_stream(void* ptr, int device, void* strea
 ///  7 blocks in use, 8 segments, 9 segment allocations, 10 segment releases,
 ///  11 out-of-memory failures, 12 bytes waiting for their fence, 13 bytes free,
 ///  14 largest free block, 15 device synchronizations for dormant streams.
-/// Returns how many it filled (at most n), or -1 if the device has no pool and cannot get one.
+/// Returns how many it filled (at most n), or -1 if the device has no pool yet (none is made:
+/// torch.cuda.memory_stats(d) must not create a context on a device the program never used).
 EMMPOOL_C_API int emmpool_torch_stats(int device, std::uint64_t* out, int n)
 {
-  auto* pool = pool_of(device);
+  auto* pool = existing_pool_of(device);
   if (pool == nullptr || out == nullptr) { return -1; }
   try {
     auto const s             = pool->stats();
@@ -119,7 +134,7 @@ EMMPOOL_C_API int emmpool_torch_stats(int device, std::uint64_t* out, int n)
 /// torch.cuda.reset_peak_memory_stats(): the pool's peaks (every library's) start again.
 EMMPOOL_C_API void emmpool_torch_reset_peaks(int device)
 {
-  if (auto* pool = pool_of(device)) {
+  if (auto* pool = existing_pool_of(device)) {
     try {
       pool->reset_peaks();
     } catch (...) {
@@ -131,7 +146,7 @@ EMMPOOL_C_API void emmpool_torch_reset_peaks(int device)
 /// released, 0 on any failure.
 EMMPOOL_C_API std::size_t emmpool_torch_trim(int device)
 {
-  if (auto* pool = pool_of(device)) {
+  if (auto* pool = existing_pool_of(device)) {
     try {
       return pool->trim();
     } catch (...) {

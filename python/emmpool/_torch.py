@@ -20,6 +20,8 @@ Two ways, chosen by ``EMMPOOL_TORCH_ALLOCATOR`` (or ``use_for_torch(allocator=..
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -111,13 +113,15 @@ def build_extension(verbose: bool = False):
     if not arch_was:
         os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
     try:
-        return cpp_extension.load(
-            name=extension_name(torch),
-            sources=[str(SOURCE)],
-            extra_cflags=["-O2", "-std=c++17"],
-            with_cuda=True,
-            verbose=verbose,
-        )
+        name = extension_name(torch)
+        with _build_lock(cpp_extension, name, verbose):
+            return cpp_extension.load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=["-O2", "-std=c++17"],
+                with_cuda=True,
+                verbose=verbose,
+            )
     except Exception as e:  # noqa: BLE001 - the compiler's message is the useful part
         raise TorchExtensionError(
             f"emmpool's PyTorch extension did not build against torch {torch.__version__}: "
@@ -126,6 +130,29 @@ def build_extension(verbose: bool = False):
     finally:
         if not arch_was:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+
+
+@contextlib.contextmanager
+def _build_lock(cpp_extension, name: str, verbose: bool):
+    """Serialize emmpool's builds on an OS lock (released by the kernel when its holder dies),
+    and remove the ``lock`` file a killed build left behind: PyTorch 2.9-2.11's FileBaton waits
+    for it forever (pytorch/pytorch#189245), so one build killed by the OOM killer, Slurm or a
+    timeout would hang every later ``use_for_torch()``. Under the OS lock no other emmpool build
+    runs, so a baton file there is stale."""
+    get_dir = getattr(cpp_extension, "_get_build_directory", None)
+    if get_dir is None:
+        yield
+        return
+    build_dir = get_dir(name, verbose)
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "emmpool-build.flock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(build_dir, "lock"))
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def use_for_torch(allocator: str | None = None) -> str:

@@ -31,6 +31,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -153,6 +154,7 @@ class private_pools {
   };
 
   bool active() const noexcept { return active_.load(std::memory_order_acquire) != 0; }
+  bool holds_any() const noexcept { return held_.load(std::memory_order_acquire) != 0; }
 
   // The private pool this allocation goes to, if any.
   bool pool_for(int device, cudaStream_t stream, MempoolId* id)
@@ -167,19 +169,23 @@ class private_pools {
     return false;
   }
 
-  void* allocate(std::size_t size, int device, MempoolId id)
+  void* allocate(std::size_t size, int device, MempoolId id, cudaStream_t stream)
   {
     std::size_t const rounded = (size + 255) / 256 * 256;
     {
       std::lock_guard<std::mutex> lock{mutex_};
       auto& pool = pools_[id];
-      auto it    = pool.free_blocks.lower_bound(rounded);
-      // A free block of this pool, if not more than twice the size (as a best fit that wastes
-      // little; PyTorch's own pools split blocks, emmpool's private blocks are not split).
-      if (it != pool.free_blocks.end() && it->first <= 2 * rounded) {
+      // A free block of this pool freed on the same stream (stream order, as PyTorch's own
+      // pools: a block is never reused by another stream, whose captured work is not ordered
+      // after the old owner's), if not more than twice the size (a best fit that wastes little;
+      // PyTorch's own pools split blocks, emmpool's private blocks are not split).
+      for (auto it = pool.free_blocks.lower_bound(rounded);
+           it != pool.free_blocks.end() && it->first <= 2 * rounded; ++it) {
+        auto& b = blocks_.at(it->second);
+        if (b.stream != stream) { continue; }
         void* p = it->second;
         pool.free_blocks.erase(it);
-        blocks_[p].free = false;
+        b.free = false;
         return p;
       }
     }
@@ -189,8 +195,19 @@ class private_pools {
     c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
     void* p = allocate_or_throw(rounded, device, no_stream);
     std::lock_guard<std::mutex> lock{mutex_};
-    blocks_[p] = block{id, rounded, device, false};
+    blocks_[p] = block{id, rounded, device, stream, false, false};
+    held_.fetch_add(1, std::memory_order_release);
     return p;
+  }
+
+  // tensor.record_stream() on a private block: used on another stream, it must not serve a
+  // later allocation of its pool (PyTorch defers such blocks until the capture ends); it is
+  // held until the pool is released.
+  void record_stream(void* p)
+  {
+    std::lock_guard<std::mutex> lock{mutex_};
+    auto it = blocks_.find(p);
+    if (it != blocks_.end()) { it->second.shared = true; }
   }
 
   void begin(int device, MempoolId id, std::function<bool(cudaStream_t)> filter)
@@ -216,7 +233,7 @@ class private_pools {
 
   // PyTorch no longer needs the pool's addresses (its graphs are destroyed): free blocks go
   // back to emmpool now, live ones when they are freed.
-  void release(int device, MempoolId id)
+  void release(int /*device*/, MempoolId id)
   {
     std::vector<std::pair<void*, int>> give_back;
     {
@@ -224,29 +241,26 @@ class private_pools {
       auto it = pools_.find(id);
       if (it == pools_.end()) { return; }
       if (--it->second.use_count > 0) { return; }
-      for (auto& [size, p] : it->second.free_blocks) {
-        give_back.emplace_back(p, blocks_[p].device);
-        blocks_.erase(p);
-      }
       it->second.free_blocks.clear();
       it->second.released = true;
       bool any_live = false;
-      for (auto const& [p, b] : blocks_) { any_live = any_live || b.pool == id; }
+      for (auto b = blocks_.begin(); b != blocks_.end();) {
+        if (b->second.pool == id && b->second.free) {
+          give_back.emplace_back(b->first, b->second.device);
+          b = blocks_.erase(b);
+        } else {
+          any_live = any_live || b->second.pool == id;
+          ++b;
+        }
+      }
       if (!any_live) { pools_.erase(it); }
     }
-    if (give_back.empty()) { return; }
-    // A replay of a destroyed graph may still run, on a stream emmpool was never told of: wait
-    // for the device once (graphs are released rarely), unless a capture is under way.
-    if (!active()) {
-      c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(device)};
-      C10_CUDA_CHECK_WARN(cudaDeviceSynchronize());
-    }
-    for (auto [p, d] : give_back) { api.free(p, 0, d, nullptr); }
+    return_to_emmpool(std::move(give_back));
   }
 
   void free(void* p)
   {
-    int device = -1;
+    std::vector<std::pair<void*, int>> give_back;
     {
       std::lock_guard<std::mutex> lock{mutex_};
       auto it = blocks_.find(p);
@@ -254,10 +268,10 @@ class private_pools {
       auto pool = pools_.find(it->second.pool);
       if (pool != pools_.end() && !pool->second.released) {
         it->second.free = true;
-        pool->second.free_blocks.emplace(it->second.size, p);
+        if (!it->second.shared) { pool->second.free_blocks.emplace(it->second.size, p); }
         return;
       }
-      device = it->second.device;
+      give_back.emplace_back(p, it->second.device);
       MempoolId const id = it->second.pool;
       blocks_.erase(it);
       if (pool != pools_.end()) {
@@ -266,15 +280,60 @@ class private_pools {
         if (!any_live) { pools_.erase(pool); }
       }
     }
-    api.free(p, 0, device, nullptr);
+    // A live block of a released pool: its last users may be a replay of the destroyed graph
+    // or work on any stream (emmpool fences it on the legacy stream only): same path.
+    return_to_emmpool(std::move(give_back));
+  }
+
+  // torch.cuda.empty_cache(): blocks whose return had to wait for the end of a capture.
+  void flush() { return_to_emmpool({}); }
+
+  bool owns(void* p)
+  {
+    if (!holds_any()) { return false; }
+    std::lock_guard<std::mutex> lock{mutex_};
+    return blocks_.count(p) != 0;
   }
 
  private:
+  // Private blocks go back to emmpool only after a device synchronization: a replay of a
+  // destroyed graph may still run (cudaGraphExecDestroy does not wait), on a stream emmpool was
+  // never told of. No synchronization is possible while a capture is under way (it would
+  // invalidate it): the blocks wait for a later release, free or empty_cache.
+  void return_to_emmpool(std::vector<std::pair<void*, int>> blocks)
+  {
+    {
+      std::lock_guard<std::mutex> lock{mutex_};
+      held_.fetch_sub(static_cast<int>(blocks.size()), std::memory_order_release);
+      if (active() || (blocks.empty() && deferred_.empty())) {
+        deferred_.insert(deferred_.end(), blocks.begin(), blocks.end());
+        return;
+      }
+      blocks.insert(blocks.end(), deferred_.begin(), deferred_.end());
+      deferred_.clear();
+    }
+    std::vector<int> synced;
+    for (auto [p, d] : blocks) {
+      if (std::find(synced.begin(), synced.end(), d) == synced.end()) {
+        synced.push_back(d);
+        try {
+          c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(d)};
+          C10_CUDA_CHECK_WARN(cudaDeviceSynchronize());
+        } catch (...) {
+          // called from destructors (CUDAGraph::reset, a tensor's deleter): never throw
+        }
+      }
+      api.free(p, 0, d, nullptr);
+    }
+  }
+
   struct block {
     MempoolId pool;
     std::size_t size;
     int device;
+    cudaStream_t stream;  // the allocation's: a freed block serves this stream only
     bool free;
+    bool shared;          // record_stream'd: never reused within its pool
   };
   struct pool {
     int use_count{0};
@@ -283,9 +342,11 @@ class private_pools {
   };
   std::mutex mutex_;
   std::atomic<int> active_{0};
+  std::atomic<int> held_{0};  // blocks_ entries (counted with those awaiting return)
   std::vector<allocating> allocating_;
   std::map<MempoolId, pool> pools_;
   std::unordered_map<void*, block> blocks_;
+  std::vector<std::pair<void*, int>> deferred_;
 };
 
 // Handles opened from other processes (torch.multiprocessing), each opened once per process as
@@ -325,8 +386,11 @@ class ipc_opened {
         auto it = opened_.find(handle);
         if (it != opened_.end() && it->second.expired()) { opened_.erase(it); }
       }
-      c10::cuda::CUDAGuard guard{device};
-      C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(q));
+      try {  // a shared_ptr's deleter: never throw (CUDAGuard may, at exit)
+        c10::cuda::CUDAGuard guard{device};
+        C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(q));
+      } catch (...) {
+      }
     });
     opened_[handle] = sp;
     return sp;
@@ -349,7 +413,8 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
         })
   {
     // torch.cuda.empty_cache() -> every pool returns its wholly free segments
-    set_reset_fn([] {
+    set_reset_fn([this] {
+      graphs_.flush();
       int n = 0;
       C10_CUDA_CHECK(cudaGetDeviceCount(&n));
       for (int d = 0; d < n && d < 64; ++d) { (void)api.trim(d); }
@@ -374,7 +439,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     if (C10_UNLIKELY(graphs_.active())) {
       MempoolId id;
       if (graphs_.pool_for(device, stream, &id)) {
-        void* p = graphs_.allocate(size, device, id);
+        void* p = graphs_.allocate(size, device, id, stream);
         return {p, context_of(p, device, true), &delete_block, where};
       }
     }
@@ -391,7 +456,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     if (size == 0) { return nullptr; }
     c10::DeviceIndex device = 0;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
-    return allocate_or_throw(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    return raw_allocate(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
   }
 
   void* raw_alloc_with_stream(std::size_t size, cudaStream_t stream) override
@@ -399,12 +464,27 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     if (size == 0) { return nullptr; }
     c10::DeviceIndex device = 0;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return raw_allocate(size, device, stream);
+  }
+
+  // raw_alloc during a capture (Thrust's temporaries, ...) goes to the private pool as in
+  // PyTorch's own allocator: the graph's replays write to it after raw_delete.
+  void* raw_allocate(std::size_t size, int device, cudaStream_t stream)
+  {
+    if (C10_UNLIKELY(graphs_.active())) {
+      MempoolId id;
+      if (graphs_.pool_for(device, stream, &id)) { return graphs_.allocate(size, device, id, stream); }
+    }
     return allocate_or_throw(size, device, stream);
   }
 
   void raw_delete(void* ptr) override
   {
     if (ptr == nullptr) { return; }
+    if (C10_UNLIKELY(graphs_.owns(ptr))) {
+      graphs_.free(ptr);
+      return;
+    }
     cudaPointerAttributes attributes{};
     if (cudaPointerGetAttributes(&attributes, ptr) != cudaSuccess) {
       (void)cudaGetLastError();
@@ -422,8 +502,9 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   {
     // Memory that is not emmpool's (received over IPC, from_blob) is not ours to fence, as in
     // PyTorch's own allocator; a private (graph) block keeps its memory until its pool goes.
-    if (data.get_deleter() != &delete_block || data.get_context() == nullptr ||
-        is_private(data.get_context())) {
+    if (data.get_deleter() != &delete_block || data.get_context() == nullptr) { return; }
+    if (is_private(data.get_context())) {
+      graphs_.record_stream(pointer_of(data.get_context()));
       return;
     }
     char why[error_length] = "";
@@ -447,7 +528,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     s.requested_bytes[0] = allocated;
     s.reserved_bytes[0].current = i64(v[3]);
     s.reserved_bytes[0].peak    = i64(v[4]);
-    s.reserved_bytes[0].allocated = i64(v[9]);  // count of segments is below; bytes unknown
+    // reserved_bytes.allocated/freed (bytes ever reserved, released) are not counted: left 0
     s.inactive_split_bytes[0].current = i64(v[3] > v[1] ? v[3] - v[1] : 0);
     s.allocation[0].current   = i64(v[7]);
     s.allocation[0].allocated = i64(v[5]);
