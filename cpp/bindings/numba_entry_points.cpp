@@ -30,7 +30,8 @@ struct entry_points_object {
   PyObject_HEAD
   PyObject* pool_object;  // the DevicePool: keeps `pool` alive
   device_pool* pool;
-  unsigned long long generation;  // the pool's reset generation; the plugin updates it
+  unsigned long long generation;  // informational (the plugin updates it on reset): each block
+                                  // records the generation its allocation ran in, under the lock
 };
 
 struct finalizer_object {
