@@ -9,27 +9,34 @@
 #include <emmpool/error.hpp>
 #include <emmpool/registry.hpp>
 
-#include <exception>
 #include <stdexcept>
 
 namespace emmpool::c_api {
 
+failure current_failure() noexcept
+{
+  // Rethrown, the exception being handled stays the same object: what() outlives this call.
+  try {
+    throw;
+  } catch (out_of_memory const& e) {
+    return {0, e.what()};
+  } catch (std::invalid_argument const& e) {
+    return {1, e.what()};
+  } catch (std::exception const& e) {
+    return {2, e.what()};
+  } catch (...) {
+    return {2, "unknown error"};
+  }
+}
+
 void* allocate_tagged(std::size_t size, int device, stream_handle stream, alloc_tag tag,
                       failure_fn report) noexcept
 {
-  auto failed = [&](int kind, char const* what) {
-    return report != nullptr ? report(size, device, kind, what) : nullptr;
-  };
   try {
     return reinterpret_cast<void*>(pool_registry::instance().pool(device).allocate(size, stream, tag));
-  } catch (out_of_memory const& e) {
-    return failed(0, e.what());
-  } catch (std::invalid_argument const& e) {
-    return failed(1, e.what());
-  } catch (std::exception const& e) {
-    return failed(2, e.what());
   } catch (...) {
-    return failed(2, "unknown error");
+    auto const f = current_failure();
+    return report != nullptr ? report(size, device, f.kind, f.what) : nullptr;
   }
 }
 

@@ -15,6 +15,16 @@ namespace emmpool::c_api {
 /// kind: 0 out of memory, 1 invalid argument, 2 any other error.
 using failure_fn = void* (*)(std::size_t size, int device, int kind, char const* what);
 
+/// What failed, for a C caller: failure_fn's kind and the message.
+struct failure {
+  int kind;
+  char const* what;  ///< valid while the exception is being handled
+};
+
+/// Inside a catch block: the exception being handled, classified (out_of_memory 0,
+/// std::invalid_argument 1, anything else 2). The one mapping every C entry point reports by.
+[[nodiscard]] failure current_failure() noexcept;
+
 /// Allocate from the process-wide pool of `device`; never throws (see failure_fn).
 void* allocate_tagged(std::size_t size, int device, stream_handle stream, alloc_tag tag,
                       failure_fn report = nullptr) noexcept;

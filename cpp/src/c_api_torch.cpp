@@ -7,18 +7,15 @@
 // finds these with dlsym() in this library, so nothing links against the other: the layout of
 // what they exchange is fixed by emmpool_torch_abi_version() (bump it on any change).
 // None of them throws across the C boundary.
-#include <emmpool/error.hpp>
+#include "c_api.hpp"
+
 #include <emmpool/registry.hpp>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <limits>
-#include <stdexcept>
-
-#define EMMPOOL_C_API extern "C" __attribute__((visibility("default")))
 
 namespace {
 
@@ -65,22 +62,14 @@ EMMPOOL_C_API int emmpool_torch_abi_version() { return 1; }
 EMMPOOL_C_API void* emmpool_torch_allocate(std::size_t size, int device, void* stream,
                                            int* kind, char* error, std::size_t error_length)
 {
-  auto failed = [&](int k, char const* what) -> void* {
-    if (kind != nullptr) { *kind = k; }
-    say(error, error_length, what);
-    return nullptr;
-  };
   try {
     return reinterpret_cast<void*>(emmpool::pool_registry::instance().pool(device).allocate(
       size, reinterpret_cast<emmpool::stream_handle>(stream), emmpool::alloc_tag::torch));
-  } catch (emmpool::out_of_memory const& e) {
-    return failed(0, e.what());
-  } catch (std::invalid_argument const& e) {
-    return failed(1, e.what());
-  } catch (std::exception const& e) {
-    return failed(2, e.what());
   } catch (...) {
-    return failed(2, "unknown error");
+    auto const f = emmpool::c_api::current_failure();
+    if (kind != nullptr) { *kind = f.kind; }
+    say(error, error_length, f.what);
+    return nullptr;
   }
 }
 
@@ -93,10 +82,8 @@ EMMPOOL_C_API int emmpool_torch_record_stream(void* ptr, int device, void* strea
     emmpool::pool_registry::instance().pool(device).record_stream(
       reinterpret_cast<emmpool::device_ptr>(ptr), reinterpret_cast<emmpool::stream_handle>(stream));
     return 0;
-  } catch (std::exception const& e) {
-    say(error, error_length, e.what());
   } catch (...) {
-    say(error, error_length, "unknown error");
+    say(error, error_length, emmpool::c_api::current_failure().what);
   }
   return -1;
 }
@@ -180,8 +167,8 @@ EMMPOOL_C_API std::size_t emmpool_torch_largest_block(int device)
 }
 
 /// torch.multiprocessing: the CUDA IPC handle (64 bytes into `handle`) of the pool segment that
-/// holds ptr, and ptr's offset in it. 0 done; -1 with the reason in `error`. The segment is
-/// marked exported: the pool never releases it while a block in it is live.
+/// holds ptr, and ptr's offset in it. 0 done; -1 with the reason in `error`. The pool never
+/// releases a segment while a block in it is live.
 EMMPOOL_C_API int emmpool_torch_ipc_handle(void* ptr, int device, unsigned char* handle,
                                            std::size_t* offset, char* error,
                                            std::size_t error_length)
@@ -200,10 +187,8 @@ EMMPOOL_C_API int emmpool_torch_ipc_handle(void* ptr, int device, unsigned char*
     std::memcpy(handle, info->handle.data(), info->handle.size());
     *offset = info->offset;
     return 0;
-  } catch (std::exception const& e) {
-    say(error, error_length, e.what());
   } catch (...) {
-    say(error, error_length, "unknown error");
+    say(error, error_length, emmpool::c_api::current_failure().what);
   }
   return -1;
 }
