@@ -18,7 +18,7 @@ NUMBA = _core.LIBRARIES.index("numba")
 
 def test_allocate_returns_the_finalizer_that_frees_the_block(host):
     pool = _core.DevicePool(host, 0)
-    entry = _core.NumbaEntryPoints(pool, pool.generation)
+    entry = _core.NumbaEntryPoints(pool)
     free = entry.allocate(1000)
     assert isinstance(free, _core.NumbaFree)
     assert free.ptr % _core.ALIGNMENT == 0 and pool.owns(free.ptr)
@@ -36,7 +36,7 @@ def test_allocate_returns_the_finalizer_that_frees_the_block(host):
 
 def test_blocks_come_back_only_after_their_fence(host):
     pool = _core.DevicePool(host, 0)
-    entry = _core.NumbaEntryPoints(pool, 0)
+    entry = _core.NumbaEntryPoints(pool)
     free = entry.allocate(24 * MiB)
     p = free.ptr
     free()
@@ -51,10 +51,9 @@ def test_blocks_come_back_only_after_their_fence(host):
 
 def test_a_free_from_before_a_reset_frees_the_retired_block(host):
     pool = _core.DevicePool(host, 0)
-    entry = _core.NumbaEntryPoints(pool, pool.generation)
+    entry = _core.NumbaEntryPoints(pool)
     old = entry.allocate(256)
     pool.reset()
-    entry.generation = pool.generation  # what the plugin's reset() does
     new = entry.allocate(256)
     assert new.generation == 1 and old.generation == 0
     old()  # the retired block, never the new one at whatever address
@@ -66,7 +65,7 @@ def test_a_free_from_before_a_reset_frees_the_retired_block(host):
 def test_errors_are_the_pools(host):
     host.set_capacity(0, 64 * MiB)
     pool = _core.DevicePool(host, 0)
-    entry = _core.NumbaEntryPoints(pool, 0)
+    entry = _core.NumbaEntryPoints(pool)
     with pytest.raises(_core.OutOfMemoryError, match="out of memory"):
         entry.allocate(1 << 30)
     with pytest.raises(OverflowError):
@@ -74,7 +73,7 @@ def test_errors_are_the_pools(host):
     with pytest.raises(TypeError):
         entry.allocate(1.5)
     with pytest.raises(TypeError):
-        _core.NumbaEntryPoints(object(), 0)
+        _core.NumbaEntryPoints(object())
     assert entry.pool is pool
 
 
@@ -83,7 +82,7 @@ def test_threads_allocate_and_free_through_the_entry_points(host):
     # lock without the GIL. Every block must be freed exactly once.
     host.set_auto_complete(True)
     pool = _core.DevicePool(host, 0)
-    entry = _core.NumbaEntryPoints(pool, 0)
+    entry = _core.NumbaEntryPoints(pool)
     errors = []
 
     def work(seed):
@@ -129,7 +128,6 @@ def test_plugin_memalloc_over_the_entry_points(numba_package):
         assert not mgr.pool.owns(ptr)
         old = mgr.memalloc(256)
         mgr.pool.reset()
-        mgr._entry.generation = mgr.pool.generation  # as reset() does, without Numba's part
         new = mgr.memalloc(256)
         old.free()
         assert mgr.pool.owns(int(new.device_pointer))
@@ -155,11 +153,11 @@ def test_numba_free_cannot_be_made_from_python():
 
 
 def test_a_block_is_labelled_with_the_generation_it_was_allocated_in():
-    # The entry's generation was read before the allocation, which may wait for the pool's lock
-    # without the GIL while another thread's reset() goes first (and the plugin's reset then
-    # updates entry.generation): the block of generation g+1 is labelled g; its free goes to
-    # the retired blocks (PoolError "from before a reset is not live", or a retired block at
-    # the same address freed in its place) and the block itself stays live forever.
+    # A generation read outside the pool's lock (as the entry once kept it, updated after each
+    # reset) could be a reset behind: the allocation may wait for the lock without the GIL while
+    # another thread's reset() goes first. A block of generation g+1 labelled g has its free go
+    # to the retired blocks (PoolError "from before a reset is not live", or a retired block at
+    # the same address freed in its place) and stays live forever.
     code = textwrap.dedent(
         """
         import sys, threading
@@ -168,7 +166,7 @@ def test_a_block_is_labelled_with_the_generation_it_was_allocated_in():
         host = _core.HostDriver(devices=1, capacity=1 << 34)
         host.set_auto_complete(True)
         pool = _core.DevicePool(host, 0)
-        entry = _core.NumbaEntryPoints(pool, pool.generation)
+        entry = _core.NumbaEntryPoints(pool)
         frees, lock, stop = [], threading.Lock(), [False]
         def alloc():
             mine = []
@@ -179,7 +177,6 @@ def test_a_block_is_labelled_with_the_generation_it_was_allocated_in():
         def resetter():
             for _ in range(100):
                 pool.reset()
-                entry.generation = pool.generation  # as _EmmPoolManager.reset()
             stop[0] = True
         ts = [threading.Thread(target=alloc) for _ in range(4)] + [threading.Thread(target=resetter)]
         for t in ts: t.start()

@@ -1,7 +1,7 @@
 // The two calls of every Numba array, as plain CPython objects: no pybind11 dispatch (argument
 // overload resolution, std::optional conversions), no functools.partial per array.
 //
-//   entry = _core.NumbaEntryPoints(pool, generation)
+//   entry = _core.NumbaEntryPoints(pool)
 //   free  = entry.allocate(size)   # a new block; `free` is its finalizer, `free.ptr` its address
 //   free()                         # the block back to the pool (Numba's fenced free)
 //
@@ -30,8 +30,6 @@ struct entry_points_object {
   PyObject_HEAD
   PyObject* pool_object;  // the DevicePool: keeps `pool` alive
   device_pool* pool;
-  unsigned long long generation;  // informational (the plugin updates it on reset): each block
-                                  // records the generation its allocation ran in, under the lock
 };
 
 struct finalizer_object {
@@ -122,10 +120,11 @@ PyObject* entry_points_allocate(PyObject* self, PyObject* size_object)
   // The finalizer first: nothing can fail once the block is allocated.
   auto* f = PyObject_New(finalizer_object, finalizer_type);
   if (f == nullptr) { return nullptr; }
-  f->entry      = nullptr;
-  f->generation = e->generation;
+  f->entry = nullptr;
   device_ptr ptr{};
   try {
+    // The reset generation the allocation ran in, read under the pool's lock: one read before
+    // it could be a reset's (by another thread) behind.
     std::uint64_t gen = 0;
     if (auto const p = e->pool->try_allocate(size, legacy_stream, alloc_tag::numba, &gen)) {
       ptr = *p;
@@ -147,11 +146,10 @@ PyObject* entry_points_allocate(PyObject* self, PyObject* size_object)
 
 PyObject* entry_points_new(PyTypeObject*, PyObject* args, PyObject* kwargs)
 {
-  static char const* keywords[] = {"pool", "generation", nullptr};
+  static char const* keywords[] = {"pool", nullptr};
   PyObject* pool_object          = nullptr;
-  unsigned long long generation  = 0;
-  if (PyArg_ParseTupleAndKeywords(args, kwargs, "OK", const_cast<char**>(keywords), &pool_object,
-                                  &generation) == 0) {
+  if (PyArg_ParseTupleAndKeywords(args, kwargs, "O", const_cast<char**>(keywords), &pool_object) ==
+      0) {
     return nullptr;
   }
   device_pool* pool = nullptr;
@@ -173,7 +171,6 @@ PyObject* entry_points_new(PyTypeObject*, PyObject* args, PyObject* kwargs)
   Py_INCREF(pool_object);
   e->pool_object = pool_object;
   e->pool        = pool;
-  e->generation  = generation;
   return reinterpret_cast<PyObject*>(e);
 }
 
@@ -181,12 +178,10 @@ PyMethodDef entry_points_methods[] = {
   {"allocate", &entry_points_allocate, METH_O,
    "allocate(size) -> finalizer: a block of the pool for Numba (no stream named, tagged "
    "numba); the finalizer (free.ptr: the address) frees it, fenced on the legacy stream, in "
-   "the generation given here. Raises as DevicePool.allocate."},
+   "the reset generation it was allocated in. Raises as DevicePool.allocate."},
   {nullptr, nullptr, 0, nullptr}};
 
 PyMemberDef entry_points_members[] = {
-  {"generation", T_ULONGLONG, offsetof(entry_points_object, generation), 0,
-   "the reset generation new blocks' frees name (set it after the pool's reset())"},
   {"pool", T_OBJECT, offsetof(entry_points_object, pool_object), READONLY, "the DevicePool"},
   {nullptr, 0, 0, 0, nullptr}};
 
@@ -209,7 +204,7 @@ void add_numba_entry_points(PyObject* module)
     {Py_tp_methods, entry_points_methods},
     {Py_tp_members, entry_points_members},
     {Py_tp_doc, const_cast<char*>(
-                  "NumbaEntryPoints(pool, generation): the Numba plugin's allocate and free of "
+                  "NumbaEntryPoints(pool): the Numba plugin's allocate and free of "
                   "one DevicePool, without pybind11's dispatch per call.")},
     {0, nullptr}};
   static PyType_Spec entry_spec = {"emmpool._core.NumbaEntryPoints", sizeof(entry_points_object),

@@ -105,7 +105,7 @@ class _EmmPoolManager:
         self._ctx = weakref.proxy(self.context)
         # The hot pair in plain C (cpp/bindings/numba_entry_points.cpp): allocate(size) returns
         # the block's finalizer, which holds its address (.ptr) and reset generation.
-        self._entry = _core.NumbaEntryPoints(pool, pool.generation)
+        self._entry = _core.NumbaEntryPoints(pool)
         self._allocate = self._entry.allocate
         self._pinned = _core.pinned_pool(self._device) if cfg.pinned == "pool" else None
         self._pinned_generation = self._pinned.generation if self._pinned is not None else 0
@@ -202,7 +202,6 @@ class _EmmPoolManager:
         super().reset()
         if self._pool is not None:
             self._pool.reset()
-            self._entry.generation = self._pool.generation
         if getattr(self, "_pinned", None) is not None:
             self._pinned.reset()
             self._pinned_generation = self._pinned.generation
