@@ -76,6 +76,13 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
                   "initial_size exceeds the maximum pool size");
   live_.reserve(4096);
   tracing_ = options_.trace;
+  if (options_.segments == segment_kind::growable && options_.mode == pool_mode::pool) {
+    try {
+      vmm_page_ = driver_->vmm_page_size(device_);  // 0: unsupported, fixed segments
+    } catch (cuda_error const&) {
+      vmm_page_ = 0;
+    }
+  }
   if (options_.initial_size > 0 && options_.mode == pool_mode::pool) {
     std::lock_guard lock{mutex_};
     auto* blk = grow(round_up(options_.initial_size, large_granularity), true);
@@ -101,13 +108,17 @@ device_pool::~device_pool()
   }
   for (auto& [base, seg] : segments_) {
     try {
-      driver_->deallocate(device_, base);
+      if (seg->growable) {
+        pages_->release();
+      } else {
+        driver_->deallocate(device_, base);
+      }
     } catch (...) {
     }
   }
   for (auto& seg : retired_segments_) {
     try {
-      if (driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
+      if (!seg->growable && driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
         driver_->deallocate(device_, seg->base);
       }
     } catch (...) {
@@ -126,14 +137,14 @@ device_pool::free_set& device_pool::free_list_for(std::size_t rounded) noexcept
 void device_pool::insert_free(block* blk)
 {
   blk->state = detail::block_state::free;
-  (blk->seg->small ? small_free_ : large_free_).insert(blk);
-  stats_.bytes_free += blk->size;
+  list_of(blk->seg).insert(blk);
+  if (!blk->seg->growable) { stats_.bytes_free += blk->size; }  // growable: stats() counts
 }
 
 void device_pool::erase_free(block* blk)
 {
-  (blk->seg->small ? small_free_ : large_free_).erase(blk);
-  stats_.bytes_free -= blk->size;
+  list_of(blk->seg).erase(blk);
+  if (!blk->seg->growable) { stats_.bytes_free -= blk->size; }
 }
 
 device_pool::block* device_pool::split(block* blk, std::size_t rounded)
@@ -166,8 +177,12 @@ device_pool::block* device_pool::take_best_fit(std::size_t rounded)
   return split(blk, rounded);
 }
 
-device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
+device_pool::block* device_pool::grow(std::size_t rounded, bool exact, bool growable)
 {
+  if (growable) {
+    if (auto* blk = grow_growable(rounded)) { return blk; }
+    // No address space left, or no memory: a fixed segment, as without growable segments.
+  }
   bool const small = options_.mode == pool_mode::pool && rounded <= options_.small_request;
   std::size_t size = rounded;
   if (options_.mode == pool_mode::pool) {
@@ -265,7 +280,8 @@ std::size_t checked_rounded_size(std::size_t bytes, stream_handle stream, alloc_
 
 }  // namespace
 
-device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
+device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream,
+                                                   bool growable)
 {
   if (options_.mode != pool_mode::pool) { return nullptr; }
   // Stream order: a block this stream freed lately needs no fence for this stream's work.
@@ -273,7 +289,7 @@ device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_r
     ++stats_.same_stream_reuses;
     return blk;
   }
-  return take_best_fit(rounded);
+  return growable ? take_growable(rounded, false) : take_best_fit(rounded);
 }
 
 std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
@@ -284,7 +300,7 @@ std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_ha
   if (!lock.owns_lock() || forked_) { return std::nullopt; }
   auto const ref = queue_.ref_of(stream);  // alive: we allocate on it (cuStreamGetId never waits)
   if (fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
-  auto* blk = take_without_cuda(rounded, ref);
+  auto* blk = take_without_cuda(rounded, ref, uses_growable(rounded, tag));
   if (blk == nullptr) { return std::nullopt; }
   if (tracing_) { record('a', blk->ptr, bytes, ref.handle, static_cast<std::uint8_t>(tag)); }
   return hand_out(blk, ref, tag);
@@ -297,7 +313,8 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
   if (forked_) { detail::throw_forked(); }
   auto const ref = queue_.ref_of(stream);  // alive: we allocate on it (cuStreamGetId never waits)
 
-  block* blk = nullptr;
+  block* blk   = nullptr;
+  bool const g = uses_growable(rounded, tag);  // mapping pages is a CUDA call: after step 1
   if (options_.mode == pool_mode::pool && fence_due()) {
     maintain(ref);  // fence the waiting frees now, not at the next miss
   }
@@ -305,28 +322,30 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
     maintain(ref);  // returns completed frees' segments to the driver
     blk = grow(rounded, true);
   } else {
-    blk = take_without_cuda(rounded, ref);  // stream order, then the free lists
+    blk = take_without_cuda(rounded, ref, g);  // stream order, then the free lists
     if (blk == nullptr) {
       // Ladder step 1: fence what was freed since the last miss, reuse what has completed.
       maintain(ref);
-      blk = take_best_fit(rounded);
+      blk = g ? take_growable(rounded, true) : take_best_fit(rounded);
     }
     if (blk == nullptr) {
       // Step 2: grow.
-      blk = grow(rounded, false);
+      blk = grow(rounded, false, g);
       if (blk != nullptr) { blk = split(blk, rounded); }
     }
   }
   if (blk == nullptr && (queue_.has_open() || queue_.has_closed())) {
     // Step 3: wait for every pending free.
     queue_.drain([this](block* b) { release_block(b); });
-    blk = options_.mode == pool_mode::pool ? take_best_fit(rounded) : grow(rounded, true);
+    blk = options_.mode != pool_mode::pool ? grow(rounded, true)
+          : g                              ? take_growable(rounded, true)
+                                           : take_best_fit(rounded);
   }
   if (blk == nullptr) {
-    // Step 4: give wholly free segments back (unless cleanup is deferred), then grow with an
-    // exact-size segment.
+    // Step 4: give wholly free segments (and growable segments' wholly free pages) back
+    // (unless cleanup is deferred), then grow with an exact-size segment.
     if (release_free_segments() > 0 || options_.mode == pool_mode::pool) {
-      blk = grow(rounded, true);
+      blk = grow(rounded, true, g);
       if (blk != nullptr) { blk = split(blk, rounded); }
     }
   }
@@ -532,6 +551,144 @@ void device_pool::maintain(stream_ref alive)
   queue_.promote_completed(release);
 }
 
+// ---- growable segments (detail/growable_segment.hpp) ----------------------------------------
+
+device_pool::block* device_pool::take_growable(std::size_t rounded, bool may_map)
+{
+  block probe;
+  probe.size = rounded;
+  auto it    = growable_free_.lower_bound(&probe);
+  if (it == growable_free_.end()) { return nullptr; }
+  auto* blk = *it;
+  bool unmapped = pages_->unmapped_in(blk->ptr, rounded) != 0;
+  if (unmapped) {
+    // The best fit needs new pages: a slightly larger free block whose pages are mapped
+    // serves without a driver call (and without unmapping others at a new peak).
+    constexpr int candidates = 8;
+    auto alt = std::next(it);
+    for (int i = 0; i < candidates && alt != growable_free_.end(); ++i, ++alt) {
+      if (pages_->unmapped_in((*alt)->ptr, rounded) == 0) {
+        it       = alt;
+        blk      = *alt;
+        unmapped = false;
+        break;
+      }
+    }
+  }
+  if (unmapped && !may_map) { return nullptr; }  // a CUDA call: allocate() maps
+  growable_free_.erase(it);                       // off the list: unmapping spares it
+  if (unmapped && !map_for(blk->ptr, rounded)) {
+    growable_free_.insert(blk);
+    return nullptr;
+  }
+  return split(blk, rounded);
+}
+
+bool device_pool::map_for(device_ptr ptr, std::size_t rounded)
+{
+  auto const fits = [&](std::size_t n) {
+    return n <= max_reserved_ && stats_.bytes_reserved <= max_reserved_ - n;
+  };
+  std::size_t need = pages_->unmapped_in(ptr, rounded);
+  if (!fits(need) || stats_.bytes_reserved + need > stats_.peak_bytes_reserved) {
+    // About to pass the cap or reach a new peak: first give back what no block uses, the
+    // wholly free pages of the growable segment (and wholly free large fixed segments), as
+    // grow() does for fixed segments. Reserved memory then peaks at what the live and pending
+    // blocks' pages need, and the driver is called only on growth past the peak.
+    release_free_segments(true);
+    need = pages_->unmapped_in(ptr, rounded);
+  }
+  if (!fits(need)) { return false; }
+  try {
+    auto const n = pages_->map(ptr, rounded);
+    stats_.bytes_reserved += n;
+    stats_.page_maps += n / pages_->page_size();
+    stats_.peak_bytes_reserved = std::max(stats_.peak_bytes_reserved, stats_.bytes_reserved);
+  } catch (out_of_memory const&) {
+    return false;  // the ladder goes on: wait for frees, give pages back, try again
+  }
+  return true;
+}
+
+device_pool::block* device_pool::grow_growable(std::size_t rounded)
+{
+  if (growable_seg_ == nullptr) {
+    // The address space of all the device's memory (at most the cap): growth never runs out
+    // of addresses before it runs out of memory. Addresses cost no memory.
+    std::size_t bytes = options_.growable_reserve;
+    if (bytes == 0) {
+      bytes = std::min(max_reserved_, driver_->memory_info_of(device_).total);
+    }
+    bytes = std::max(round_up(bytes, vmm_page_), round_up(rounded, vmm_page_));
+    try {
+      pages_ = std::make_unique<detail::growable_pages>(*driver_, device_, vmm_page_, bytes);
+    } catch (cuda_error const&) {
+      vmm_page_ = 0;  // the driver refuses reservations: fixed segments from now on
+      return nullptr;
+    }
+    auto seg      = std::make_unique<segment>();
+    seg->base     = pages_->base();
+    seg->size     = pages_->size();
+    seg->growable = true;
+    auto* blk     = blocks_.make();
+    blk->ptr      = seg->base;
+    blk->size     = seg->size;
+    blk->seg      = seg.get();
+    seg->first    = blk;
+    growable_seg_ = seg.get();
+    segments_.emplace(seg->base, std::move(seg));
+    insert_free(blk);
+    ++stats_.segment_allocations;
+    ++stats_.segments;
+  }
+  return take_growable(rounded, true);
+}
+
+std::size_t device_pool::unmap_free_pages()
+{
+  if (pages_ == nullptr || cleanup_deferrals_ > 0 || forked_) { return 0; }
+  auto const before = pages_->mapped_bytes();
+  try {
+    for (auto* b : growable_free_) { (void)pages_->unmap_inside(b->ptr, b->size); }
+  } catch (cuda_error const&) {
+    // cuMemUnmap failed (a sticky error, say): the page stays mapped and counted, for a later
+    // trim, as a segment whose cuMemFree failed.
+  }
+  auto const n = before - pages_->mapped_bytes();
+  stats_.bytes_reserved -= n;
+  stats_.page_unmaps += n / pages_->page_size();
+  return n;
+}
+
+void device_pool::drop_growable(bool release)
+{
+  if (release) {
+    // Wholly free (reset): unmap everything, free the reservation, forget the segment.
+    auto const mapped = pages_->mapped_bytes();
+    try {
+      pages_->release();
+    } catch (cuda_error const&) {
+      retired_pages_.push_back(std::move(pages_));  // left to the driver
+    }
+    stats_.bytes_reserved -= mapped;
+    stats_.page_unmaps += mapped / vmm_page_;
+    for (auto* b = growable_seg_->first; b != nullptr;) {
+      auto* next = b->next;
+      if (b->state == detail::block_state::free) { erase_free(b); }
+      blocks_.recycle(b);
+      b = next;
+    }
+    --stats_.segments;
+    ++stats_.segment_releases;
+    segments_.erase(growable_seg_->base);
+  } else {
+    // Retired with live blocks (reset): its pages stay mapped until the process ends.
+    retired_pages_.push_back(std::move(pages_));
+  }
+  pages_.reset();
+  growable_seg_ = nullptr;
+}
+
 // ---- giving memory back ---------------------------------------------------------------------
 
 void device_pool::release_segment(segment* seg)
@@ -552,9 +709,11 @@ std::size_t device_pool::release_free_segments(bool large_only)
   if (cleanup_deferrals_ > 0 || forked_) { return 0; }
   std::vector<segment*> idle;
   for (auto& [base, seg] : segments_) {
-    if (seg->live_blocks == 0 && !(large_only && seg->small)) { idle.push_back(seg.get()); }
+    if (seg->live_blocks == 0 && !(large_only && seg->small) && !seg->growable) {
+      idle.push_back(seg.get());
+    }
   }
-  std::size_t released = 0;
+  std::size_t released = unmap_free_pages();
   for (auto* seg : idle) {
     released += seg->size;
     release_segment(seg);
@@ -585,7 +744,10 @@ void device_pool::free_retired(block* blk)
   // Free the segment only if the driver still knows it as the same allocation: after a real
   // context reset its address may belong to someone else by now.
   try {
-    if (!process_is_exiting() && driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
+    // A growable segment's pages are left mapped (they may not be this process's any more
+    // after a context reset; docs/limits.md).
+    if (!seg->growable && !process_is_exiting() &&
+        driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
       driver_->deallocate(device_, seg->base);
     }
   } catch (...) {
@@ -620,6 +782,7 @@ void device_pool::reset()
   } catch (...) {
   }
   cleanup_deferrals_ = deferrals;
+  if (growable_seg_ != nullptr && growable_seg_->live_blocks == 0) { drop_growable(true); }
 
   // What is left holds live blocks: retire it, so that it is never handed out again.
   for (auto& [base, seg] : segments_) {
@@ -627,11 +790,12 @@ void device_pool::reset()
     for (auto* b = seg->first; b != nullptr; b = b->next) {
       if (b->state == detail::block_state::free) { erase_free(b); }
     }
-    stats_.bytes_reserved -= seg->size;
+    stats_.bytes_reserved -= seg->growable ? pages_->mapped_bytes() : seg->size;
     --stats_.segments;
     retired_segments_.push_back(std::move(seg));
   }
   segments_.clear();
+  if (pages_ != nullptr) { drop_growable(false); }  // retired above: its pages stay mapped
   for (auto& [ptr, blk] : live_) {
     retired_live_.emplace(std::make_pair(generation_, ptr), blk);
     stats_.bytes_in_use -= blk->size;
@@ -686,6 +850,11 @@ std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
   --it;
   auto& seg = *it->second;
   if (ptr >= seg.base + seg.size || seg.live_blocks == 0) { return std::nullopt; }
+  if (seg.growable) {
+    throw pool_error{"emmpool: no IPC handle for a block of a growable segment (cuIpcGetMemHandle "
+                     "cannot export memory mapped with cuMemMap). Numba's allocations never "
+                     "come from one; for other libraries use EMMPOOL_SEGMENTS=fixed"};
+  }
   if (!seg.ipc) { seg.ipc = driver_->ipc_handle(device_, seg.base); }
   ++seg.exported;
   return ipc_info{*seg.ipc, seg.base, seg.size, static_cast<std::size_t>(ptr - seg.base)};
@@ -719,6 +888,10 @@ pool_stats device_pool::stats() const
   s.bytes_waiting  = queue_.waiting_bytes();
   s.batches_closed = queue_.batches_closed();
   s.dormant_fences = queue_.dormant_fences();
+  if (pages_ != nullptr) {
+    // A growable segment's free blocks are address space: only their mapped pages are memory.
+    for (auto const* b : growable_free_) { s.bytes_free += pages_->mapped_overlap(b->ptr, b->size); }
+  }
   std::size_t best = 0;
   if (!small_free_.empty()) { best = (*small_free_.rbegin())->size; }
   if (!large_free_.empty()) { best = std::max(best, (*large_free_.rbegin())->size); }

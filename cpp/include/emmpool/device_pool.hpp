@@ -23,6 +23,7 @@
 
 #include <emmpool/deferred_free_queue.hpp>
 #include <emmpool/detail/block.hpp>
+#include <emmpool/detail/growable_segment.hpp>
 #include <emmpool/driver.hpp>
 #include <emmpool/stats.hpp>
 
@@ -45,6 +46,13 @@ inline constexpr stream_handle allocation_stream = ~stream_handle{0};
 
 enum class pool_mode : std::uint8_t { pool, passthrough };
 
+/// How pool mode gets memory for requests above small_request. `growable`: one address
+/// reservation whose pages are mapped on demand and unmapped when wholly free
+/// (detail/growable_segment.hpp), where the device supports virtual memory management (fixed
+/// elsewhere). Numba's blocks stay on fixed segments either way: Numba's IPC
+/// (cuIpcGetMemHandle) cannot export VMM memory.
+enum class segment_kind : std::uint8_t { fixed, growable };
+
 /// @brief How a pool grows and what it keeps.
 struct pool_options {
   pool_mode mode{pool_mode::pool};
@@ -57,6 +65,9 @@ struct pool_options {
   std::size_t open_batch_limit{64u << 20};  ///< fence freed blocks past this many bytes
                                             ///< unfenced (dormant streams: one device sync)
   bool trace{false};                    ///< record every allocation and free (set_tracing)
+  segment_kind segments{segment_kind::fixed};  ///< see segment_kind
+  std::size_t growable_reserve{0};      ///< address space of a growable segment; 0: the
+                                        ///< device's memory (at most the cap)
   std::size_t pinned_limit{0};          ///< host_pool: cap on pinned bytes held; 0: RAM / 4
 };
 
@@ -155,7 +166,13 @@ class device_pool {
   /// @brief IPC description of the block containing ptr (which may point inside it);
   /// std::nullopt if the pool did not allocate it. Marks the segment exported: it is never
   /// released to the driver while a block in it is live.
+  /// @throws pool_error for a block of a growable segment (cuIpcGetMemHandle cannot export
+  /// VMM memory; Numba's blocks never live there)
   [[nodiscard]] std::optional<ipc_info> ipc_handle(device_ptr ptr);
+
+  /// @brief Whether requests above small_request (other than Numba's) use a growable
+  /// segment: asked for in the options and supported by the driver and device.
+  [[nodiscard]] bool growable() const noexcept { return vmm_page_ != 0; }
 
   /// @brief Release wholly free segments to the driver (unless cleanup is deferred).
   /// @return bytes released
@@ -206,7 +223,7 @@ class device_pool {
   [[nodiscard]] std::size_t max_reserved() const noexcept { return max_reserved_; }
   [[nodiscard]] free_set& free_list_for(std::size_t rounded) noexcept;
   block* take_best_fit(std::size_t rounded);
-  block* take_without_cuda(std::size_t rounded, stream_ref stream);  // stream order, best fit
+  block* take_without_cuda(std::size_t rounded, stream_ref stream, bool growable = false);
   /// More bytes wait unfenced in open batches than options().open_batch_limit, or more streams
   /// than deferred_free_queue::max_dormant have open batches.
   [[nodiscard]] bool fence_due() const noexcept
@@ -214,7 +231,21 @@ class device_pool {
     return queue_.dormant_due(options_.open_batch_limit);
   }
   block* split(block* blk, std::size_t rounded);
-  block* grow(std::size_t rounded, bool exact);
+  block* grow(std::size_t rounded, bool exact, bool growable = false);
+  // Growable segments (detail/growable_segment.hpp).
+  [[nodiscard]] bool uses_growable(std::size_t rounded, alloc_tag tag) const noexcept
+  {
+    return vmm_page_ != 0 && rounded > options_.small_request && tag != alloc_tag::numba;
+  }
+  [[nodiscard]] free_set& list_of(segment const* seg) noexcept
+  {
+    return seg->growable ? growable_free_ : seg->small ? small_free_ : large_free_;
+  }
+  block* take_growable(std::size_t rounded, bool may_map);  // best fit; maps its pages
+  bool map_for(device_ptr ptr, std::size_t rounded);         // false: cap or out of memory
+  block* grow_growable(std::size_t rounded);                 // makes the segment first
+  std::size_t unmap_free_pages();                            // wholly free pages; bytes
+  void drop_growable(bool release);                          // segment gone (reset, dtor)
   device_ptr hand_out(block* blk, stream_ref stream, alloc_tag tag);  // free or pending
   void release_block(block* blk);             // from the queue: coalesce into free lists
   void maintain(stream_ref alive);            // fence frees (alive: the allocating stream)
@@ -246,6 +277,11 @@ class device_pool {
   std::uint64_t generation_{};
   free_set small_free_;
   free_set large_free_;
+  free_set growable_free_;                          // address space, mapped or not
+  std::size_t vmm_page_{};                          // 0: fixed segments only
+  std::unique_ptr<detail::growable_pages> pages_;   // the growable segment's pages
+  segment* growable_seg_{};
+  std::vector<std::unique_ptr<detail::growable_pages>> retired_pages_;  // left mapped
   detail::block_arena blocks_;
   int cleanup_deferrals_{};
   pool_stats stats_{};

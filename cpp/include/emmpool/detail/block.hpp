@@ -69,6 +69,8 @@ struct segment {
   std::size_t size{};
   std::uint64_t buffer_id{};           ///< driver's unique id: guards against freeing reused addresses
   bool small{};                        ///< serves small requests only (size classes)
+  bool growable{};                     ///< address space with pages mapped on demand
+                                       ///< (growable_segment.hpp); never IPC-exported
   bool retired{};                      ///< outlived a reset: never reused, freed when empty
   std::size_t live_blocks{};           ///< blocks allocated or pending
   std::size_t exported{};              ///< IPC handles given out while a block was live
