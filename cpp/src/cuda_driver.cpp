@@ -11,6 +11,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <map>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -272,11 +273,16 @@ class cuda_driver_impl final : public driver {
       vmm_.cuMemRelease(h);
       check(m, "cuMemMap", EMMPOOL_WHERE);
     }
-    CUmemAccessDesc access{};
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id   = dev;
-    access.flags         = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    auto const a = vmm_.cuMemSetAccess(p, bytes, &access, 1);
+    // Read/write for the device and for every device that can access it as a peer, as a
+    // cuMemAlloc segment is once peer access is enabled (VMM mappings need no enabling).
+    auto const& readers = accessors(dev);
+    std::vector<CUmemAccessDesc> access(readers.size());
+    for (std::size_t i = 0; i < readers.size(); ++i) {
+      access[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      access[i].location.id   = readers[i];
+      access[i].flags         = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    }
+    auto const a = vmm_.cuMemSetAccess(p, bytes, access.data(), access.size());
     if (a != CUDA_SUCCESS) {
       vmm_.cuMemUnmap(p, bytes);
       vmm_.cuMemRelease(h);
@@ -305,6 +311,7 @@ class cuda_driver_impl final : public driver {
     decltype(&::cuMemMap) cuMemMap                                             = nullptr;
     decltype(&::cuMemUnmap) cuMemUnmap                                         = nullptr;
     decltype(&::cuMemSetAccess) cuMemSetAccess                                 = nullptr;
+    decltype(&::cuDeviceCanAccessPeer) cuDeviceCanAccessPeer = nullptr;  // optional: own device only
     [[nodiscard]] bool complete() const noexcept
     {
       return cuDeviceGetAttribute && cuMemGetAllocationGranularity && cuMemAddressReserve &&
@@ -320,6 +327,30 @@ class cuda_driver_impl final : public driver {
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id   = dev;
     return prop;
+  }
+
+  // The device itself, then the devices that can access its memory as peers; asked once.
+  std::vector<CUdevice> const& accessors(CUdevice dev)
+  {
+    std::lock_guard lock{contexts_mutex_};
+    auto& list = accessors_[static_cast<int>(dev)];
+    if (list.empty()) {
+      list.push_back(dev);
+      int n = 0;
+      if (api_.cuDeviceGetCount(&n) == CUDA_SUCCESS && vmm_.cuDeviceCanAccessPeer != nullptr) {
+        for (int d = 0; d < n; ++d) {
+          CUdevice other{};
+          int can = 0;
+          if (d == static_cast<int>(dev) || api_.cuDeviceGet(&other, d) != CUDA_SUCCESS) {
+            continue;
+          }
+          if (vmm_.cuDeviceCanAccessPeer(&can, other, dev) == CUDA_SUCCESS && can != 0) {
+            list.push_back(other);
+          }
+        }
+      }
+    }
+    return list;
   }
 
   void require_vmm(char const* call) const
@@ -422,6 +453,7 @@ class cuda_driver_impl final : public driver {
     EMMPOOL_VMM(cuMemMap)
     EMMPOOL_VMM(cuMemUnmap)
     EMMPOOL_VMM(cuMemSetAccess)
+    EMMPOOL_VMM(cuDeviceCanAccessPeer)
 #undef EMMPOOL_VMM
     auto const r = api_.cuInit(0);
     if (r != CUDA_SUCCESS) {
@@ -462,6 +494,7 @@ class cuda_driver_impl final : public driver {
   api api_{};
   decltype(&::cuStreamGetId) stream_get_id_ = nullptr;
   vmm_api vmm_{};
+  std::map<int, std::vector<CUdevice>> accessors_;  // contexts_mutex_
   std::string load_call_;
   std::string load_error_;
   int load_code_ = 0;
