@@ -25,6 +25,7 @@ NUMBA_TAG, CUPY_TAG = 1, 2
 
 
 def growable_pool(**options):
+    options.setdefault("growable_room", 0)
     pool = _core.DevicePool(None, 0, segments="growable", **options)
     if not pool.growable:
         pytest.skip("device 0 does not support virtual memory management "

@@ -22,6 +22,7 @@ NUMBA_TAG, CUPY_TAG = 1, 2
 def growable_pool(vmm=True, **options):
     drv = _core.HostDriver(devices=1, capacity=1 << 36)
     drv.set_vmm_supported(vmm)
+    options.setdefault("growable_room", 0)  # exactly the pages each block needs: counted below
     return drv, _core.DevicePool(drv, 0, segments="growable", **options)
 
 

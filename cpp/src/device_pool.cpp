@@ -577,14 +577,14 @@ device_pool::block* device_pool::take_growable(std::size_t rounded, bool may_map
   }
   if (unmapped && !may_map) { return nullptr; }  // a CUDA call: allocate() maps
   growable_free_.erase(it);                       // off the list: unmapping spares it
-  if (unmapped && !map_for(blk->ptr, rounded)) {
+  if (unmapped && !map_for(blk->ptr, rounded, blk->size)) {
     growable_free_.insert(blk);
     return nullptr;
   }
   return split(blk, rounded);
 }
 
-bool device_pool::map_for(device_ptr ptr, std::size_t rounded)
+bool device_pool::map_for(device_ptr ptr, std::size_t rounded, std::size_t available)
 {
   auto const fits = [&](std::size_t n) {
     return n <= max_reserved_ && stats_.bytes_reserved <= max_reserved_ - n;
@@ -603,10 +603,27 @@ bool device_pool::map_for(device_ptr ptr, std::size_t rounded)
     auto const n = pages_->map(ptr, rounded);
     stats_.bytes_reserved += n;
     stats_.page_maps += n / pages_->page_size();
-    stats_.peak_bytes_reserved = std::max(stats_.peak_bytes_reserved, stats_.bytes_reserved);
   } catch (out_of_memory const&) {
     return false;  // the ladder goes on: wait for frees, give pages back, try again
   }
+  // Room for the next few requests of this size (best effort, within the cap): without it a
+  // caller that frees and allocates mid-sized blocks on no stream would miss on every request
+  // (its freed block is still pending), where a fixed segment has up to large_segment to spare.
+  // It costs at most growable_room above the peak of what blocks need.
+  std::size_t const room = std::min(available, std::max(rounded, options_.growable_room));
+  if (room > rounded) {
+    std::size_t const extra = pages_->unmapped_in(ptr, room);
+    if (fits(extra)) {
+      try {
+        auto const n = pages_->map(ptr, room);
+        stats_.bytes_reserved += n;
+        stats_.page_maps += n / pages_->page_size();
+      } catch (cuda_error const&) {
+      } catch (out_of_memory const&) {
+      }
+    }
+  }
+  stats_.peak_bytes_reserved = std::max(stats_.peak_bytes_reserved, stats_.bytes_reserved);
   return true;
 }
 

@@ -26,6 +26,7 @@ pool_options growable_options(std::size_t cap = 0)
   pool_options o;
   o.segments     = segment_kind::growable;
   o.maximum_size = cap;
+  o.growable_room = 0;  // map exactly the pages a block needs: the tests count them
   return o;
 }
 
@@ -90,6 +91,19 @@ TEST(growable_grows_in_page_steps)
   CHECK_EQ(f->stats().bytes_reserved, 8 * page);
   for (std::size_t i = 1; i < blocks.size(); ++i) { CHECK_EQ(blocks[i], blocks[i - 1] + 3 * MiB); }
   for (auto p : blocks) { CHECK(f.drv.accessible(0, p, 3 * MiB)); }
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_growth_maps_room_for_the_next_requests)
+{
+  auto o          = growable_options();
+  o.growable_room = 20 * MiB;
+  fixture f{o};
+  std::vector<device_ptr> blocks;
+  for (int i = 0; i < 5; ++i) { blocks.push_back(f->allocate(4 * MiB)); }
+  CHECK_EQ(f->stats().page_maps, 10u);  // one growth of 20 MiB served all five
+  CHECK_EQ(f->stats().bytes_reserved, 20 * MiB);
+  for (auto p : blocks) { CHECK(f.drv.accessible(0, p, 4 * MiB)); }
   CHECK_EQ(consistency(f), "");
 }
 

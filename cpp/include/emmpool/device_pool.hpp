@@ -68,6 +68,9 @@ struct pool_options {
   segment_kind segments{segment_kind::fixed};  ///< see segment_kind
   std::size_t growable_reserve{0};      ///< address space of a growable segment; 0: the
                                         ///< device's memory (at most the cap)
+  std::size_t growable_room{20u << 20};  ///< growth maps up to this much of the free block
+                                         ///< it carves (room for the next requests); 0: only
+                                         ///< the pages the request needs
   std::size_t pinned_limit{0};          ///< host_pool: cap on pinned bytes held; 0: RAM / 4
 };
 
@@ -242,7 +245,8 @@ class device_pool {
     return seg->growable ? growable_free_ : seg->small ? small_free_ : large_free_;
   }
   block* take_growable(std::size_t rounded, bool may_map);  // best fit; maps its pages
-  bool map_for(device_ptr ptr, std::size_t rounded);         // false: cap or out of memory
+  bool map_for(device_ptr ptr, std::size_t rounded,          // false: cap or out of memory
+               std::size_t available);                       // (bytes free from ptr)
   block* grow_growable(std::size_t rounded);                 // makes the segment first
   std::size_t unmap_free_pages();                            // wholly free pages; bytes
   void drop_growable(bool release);                          // segment gone (reset, dtor)
