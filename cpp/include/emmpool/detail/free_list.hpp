@@ -2,8 +2,9 @@
  * @file detail/free_list.hpp
  * @brief The device pool's free blocks: best fit, split and coalesce (as RMM's free_list).
  *
- * Two size-ordered sets, one for blocks of small segments and one for blocks of large ones
- * (a segment serves one kind of request only, so the two never mix). Best fit is the smallest
+ * Three size-ordered sets, one for blocks of small segments, one for blocks of large ones and
+ * one for the growable segment's (address space: detail/growable_space.hpp picks from it; a
+ * segment serves one kind of request only, so the sets never mix). Best fit is the smallest
  * block of at least the requested size, lowest address first among equals: O(log n). A block
  * taken for less than its size is split, the rest going back to the set; a block returned
  * merges with its free physical neighbours (same segment: segments are separate driver
@@ -21,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <set>
+#include <utility>
 
 namespace emmpool::detail {
 
@@ -57,7 +59,32 @@ class free_lists {
   /// recycled, and insert the result. @return the merged block
   block* coalesce(block* blk);
 
-  /// @brief Bytes in free blocks.
+  /// @brief The growable set's best fit for `size` or, when `ready` (its pages are mapped)
+  /// says no to it, the first of the next `candidates` larger blocks that is ready; null if
+  /// none fits. The block stays in the set (erase() takes it). `*is_ready`: what ready said.
+  template <class Ready>
+  [[nodiscard]] block* find_growable(std::size_t size, Ready&& ready, int candidates,
+                                     bool* is_ready) const
+  {
+    block probe;
+    probe.size = size;
+    auto it    = growable_.lower_bound(&probe);
+    if (it == growable_.end()) { return nullptr; }
+    *is_ready = true;
+    for (auto alt = it; candidates >= 0 && alt != growable_.end(); --candidates, ++alt) {
+      if (ready(*alt)) { return *alt; }
+    }
+    *is_ready = false;
+    return *it;
+  }
+  /// @brief Every free block of the growable segment, largest first, while f(blk) says true.
+  template <class F>
+  void for_each_growable(F&& f) const
+  {
+    for (auto it = growable_.rbegin(); it != growable_.rend() && f(*it); ++it) {}
+  }
+
+  /// @brief Bytes in free blocks (the growable segment's address space included).
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
   /// @brief The largest free block's size (0 if none).
   [[nodiscard]] std::size_t largest() const noexcept;
@@ -74,12 +101,17 @@ class free_lists {
   // Nodes recycled through nodes_: splits and coalesces insert and erase constantly, and a
   // malloc + free per insert/erase showed in the allocate/free pair.
   using set = std::set<block*, by_size, cached_allocator<block*>>;
-  [[nodiscard]] set& set_of(block const* blk) noexcept { return blk->seg->small ? small_ : large_; }
+  [[nodiscard]] set& set_of(block const* blk) noexcept
+  {
+    auto const* seg = blk->seg;
+    return seg->small ? small_ : !seg->growable ? large_ : growable_;
+  }
 
   block_arena* arena_;
   node_cache nodes_;  // before the sets: outlives them
   set small_{by_size{}, set::allocator_type{&nodes_}};
   set large_{by_size{}, set::allocator_type{&nodes_}};
+  set growable_{by_size{}, set::allocator_type{&nodes_}};
   std::size_t bytes_{};
   std::uint64_t insertions_{};
 };
