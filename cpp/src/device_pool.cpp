@@ -217,7 +217,7 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact, bool grow
     // size mixes (replay: peak reserved / peak live 1.40 -> 1.24) at the cost of a cuMemFree,
     // which synchronizes the device, only on growth past the peak. Small segments stay: they
     // are cheap and soon reused.
-    release_free_segments(true);
+    release_free_segments(true, size);
   }
 
   device_ptr base{};
@@ -270,7 +270,7 @@ void device_pool::release_segment(segment* seg)
   segments_.erase(seg->base);
 }
 
-std::size_t device_pool::release_free_segments(bool at_peak)
+std::size_t device_pool::release_free_segments(bool at_peak, std::size_t need)
 {
   if (cleanup_deferred() || forked_) { return 0; }
   std::vector<segment*> idle;
@@ -279,11 +279,12 @@ std::size_t device_pool::release_free_segments(bool at_peak)
       idle.push_back(seg.get());
     }
   }
-  std::size_t released = growable_.unmap_free(!at_peak);  // at a new peak: hysteresis
+  std::size_t released = at_peak ? 0 : growable_.unmap_free(~std::size_t{0});
   for (auto* seg : idle) {
     released += seg->size;
     release_segment(seg);
   }
+  if (at_peak) { released += growable_.unmap_for_peak(need); }  // what the peak needs
   return released;
 }
 

@@ -14,7 +14,7 @@ void growable_space::configure(pool_options const& o, std::size_t max_reserved) 
   small_request_ = o.small_request;
   reserve_       = o.growable_reserve;
   room_          = o.growable_room;
-  keep_          = o.growable_keep;
+  hysteresis_    = o.growable_hysteresis;
   max_reserved_  = max_reserved;
   if (o.segments != segment_kind::growable || o.mode != pool_mode::pool) { return; }
   try {
@@ -47,11 +47,12 @@ bool growable_space::map_for(device_ptr ptr, std::size_t rounded, std::size_t av
   if (!fits(need)) {
     // The cap: give back everything no block uses, as the fixed segments' ladder does.
     release_fixed_();
-    (void)unmap_free(true);
+    (void)unmap_free(~std::size_t{0});
   } else if (stats_->bytes_reserved + need > stats_->peak_bytes_reserved) {
-    // About to reach a new peak: give back wholly free large fixed segments, and free pages
-    // beyond the hysteresis margin (growable_space.hpp), as grow() does for fixed segments.
+    // About to reach a new peak: give back wholly free large fixed segments, then free pages
+    // (growable_space.hpp: as many as keep reserved at the peak), as grow() does.
     release_fixed_();
+    (void)unmap_for_peak(need);
   }
   need = pages_->unmapped_in(ptr, rounded);
   if (!fits(need)) { return false; }
@@ -109,22 +110,19 @@ block* growable_space::grow(std::size_t rounded,
   return take(rounded, true);
 }
 
-std::size_t growable_space::unmap_free(bool all)
+std::size_t growable_space::unmap_for_peak(std::size_t need)
 {
   if (pages_ == nullptr) { return 0; }
-  std::size_t excess = pages_->mapped_bytes();
-  if (!all && keep_ > 0.0) {
-    // Hysteresis: keep up to `keep` bytes of wholly free mapped pages for the next requests.
-    auto const keep = std::max(room_, static_cast<std::size_t>(
-                                        keep_ * static_cast<double>(stats_->peak_bytes_reserved)));
-    std::size_t free_mapped = 0;
-    free_->for_each_growable([&](block const* b) {
-      free_mapped += pages_->mapped_overlap(b->ptr, b->size);
-      return true;
-    });
-    if (free_mapped <= keep) { return 0; }
-    excess = free_mapped - keep;
-  }
+  if (!hysteresis_) { return unmap_free(~std::size_t{0}); }
+  auto const after = stats_->bytes_reserved + need;
+  if (after <= stats_->peak_bytes_reserved) { return 0; }
+  return unmap_free(round_up(after - stats_->peak_bytes_reserved, page_));
+}
+
+std::size_t growable_space::unmap_free(std::size_t limit)
+{
+  if (pages_ == nullptr || limit < page_) { return 0; }
+  std::size_t const excess = std::min(limit, pages_->mapped_bytes());
   auto const before = pages_->mapped_bytes();
   std::size_t done  = 0;
   try {

@@ -13,8 +13,6 @@ void pool_options::check() const
                   "small_segment must be a multiple of 256 and at least small_request");
   EMMPOOL_EXPECTS(large_segment % block_alignment == 0 && large_segment > small_request,
                   "large_segment must be a multiple of 256 larger than small_request");
-  EMMPOOL_EXPECTS(growable_keep >= 0.0 && growable_keep <= 1.0,
-                  "growable_keep must lie in [0, 1]");
 }
 
 }  // namespace emmpool

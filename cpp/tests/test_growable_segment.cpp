@@ -8,6 +8,7 @@
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
 
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <random>
@@ -144,7 +145,9 @@ TEST(growable_pending_blocks_are_never_unmapped)
 
 TEST(growable_new_peak_unmaps_free_pages_first)
 {
-  fixture f;
+  auto o          = growable_options();
+  o.growable_hysteresis = false;  // every wholly free page goes back at a new peak
+  fixture f{o};
   auto const a = f->allocate(8 * MiB);
   auto const b = f->allocate(8 * MiB);
   f->deallocate(a);
@@ -165,6 +168,109 @@ TEST(growable_new_peak_unmaps_free_pages_first)
   CHECK_EQ(d, c);
   CHECK_EQ(f->stats().page_maps, maps);
   CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_new_peak_unmaps_only_what_the_peak_needs)
+{
+  fixture f;  // growable_hysteresis: the default
+  auto const a = f->allocate(8 * MiB);
+  auto const b = f->allocate(8 * MiB);
+  auto const c = f->allocate(8 * MiB);
+  auto const d = f->allocate(2 * MiB);  // keeps c's pages off the free tail
+  f->deallocate(a);
+  f->deallocate(c);
+  f->synchronize();  // 16 MiB of wholly free pages, reserved = peak = 26 MiB
+  auto const e = f->allocate(12 * MiB);  // the 8 MiB holes cannot hold it: 12 MiB new pages
+  // Only 12 MiB of free pages went back (c's, then a's top half), where every free page went
+  // back before: reserved stays at the peak.
+  CHECK_EQ(f->stats().page_unmaps, 6u);
+  CHECK_EQ(f->stats().peak_bytes_reserved, 26 * MiB);
+  CHECK_EQ(f->stats().bytes_reserved, 26 * MiB);
+  CHECK(!f.drv.accessible(0, c, 2 * MiB));
+  CHECK(f.drv.accessible(0, a, 4 * MiB));
+  CHECK(!f.drv.accessible(0, a + 4 * MiB, 2 * MiB));
+  CHECK(f.drv.accessible(0, e, 12 * MiB));
+  CHECK_EQ(consistency(f), "");
+  // a's pages still mapped serve the next request without a driver call.
+  auto const maps = f->stats().page_maps;
+  auto const g    = f->allocate(4 * MiB);
+  CHECK_EQ(g, a);
+  CHECK_EQ(f->stats().page_maps, maps);
+  // Trim keeps nothing.
+  for (auto p : {b, d, e, g}) { f->deallocate(p); }
+  (void)f->trim();
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+namespace {
+
+struct step_counts {
+  double maps_per_step, unmaps_per_step;
+  std::size_t peak_reserved, peak_in_use;
+};
+
+/// A PyTorch training loop's pattern, shapes changing every step: parameters held throughout;
+/// per step a batch scale, activations allocated layer by layer (forward), then per layer in
+/// reverse a gradient allocated and the activation freed (backward). The GPU keeps up.
+step_counts torch_like_steps(bool hysteresis, int steps)
+{
+  auto o          = growable_options();
+  o.growable_room = 20 * MiB;  // the default
+  o.growable_hysteresis = hysteresis;
+  fixture f{o};
+  std::mt19937_64 rng{7};
+  std::vector<device_ptr> params;
+  for (int i = 0; i < 8; ++i) { params.push_back(f->allocate(6 * MiB)); }
+  constexpr int layers = 16;
+  std::vector<std::size_t> base(layers);
+  for (auto& b : base) { b = (1 + rng() % 16) * 256 * 1024; }  // 0.25 .. 4 MiB per unit
+  std::uint64_t maps0 = 0, unmaps0 = 0;
+  int const warm = 5;
+  for (int s = 0; s < warm + steps; ++s) {
+    if (s == warm) {
+      maps0   = f->stats().page_maps;
+      unmaps0 = f->stats().page_unmaps;
+    }
+    std::size_t const scale = 1 + rng() % 8;
+    std::vector<device_ptr> act(layers);
+    for (int l = 0; l < layers; ++l) {
+      act[l] = f->allocate(base[l] * scale + (rng() % 64) * 256);
+      f.drv.complete_all_events();
+    }
+    device_ptr grad = 0;
+    for (int l = layers - 1; l >= 0; --l) {
+      auto const g = f->allocate(base[l] * scale);
+      f->deallocate(act[l]);
+      if (grad != 0) { f->deallocate(grad); }
+      grad = g;
+      f.drv.complete_all_events();
+    }
+    f->deallocate(grad);
+    f.drv.complete_all_events();
+  }
+  auto const st = f->stats();
+  CHECK_EQ(consistency(f), "");
+  for (auto p : params) { f->deallocate(p); }
+  return {double(st.page_maps - maps0) / steps, double(st.page_unmaps - unmaps0) / steps,
+          st.peak_bytes_reserved, st.peak_bytes_in_use};
+}
+
+}  // namespace
+
+TEST(growable_hysteresis_maps_less_on_a_torch_like_loop)
+{
+  auto const before = torch_like_steps(false, 60);  // every free page back at each new peak
+  auto const after  = torch_like_steps(true, 60);
+  std::printf("torch-like loop, per step (2 MiB pages): without hysteresis %.1f maps %.1f "
+              "unmaps, peak reserved %zu MiB; with: %.1f maps %.1f unmaps, peak reserved %zu "
+              "MiB (peak in use %zu MiB)\n",
+              before.maps_per_step, before.unmaps_per_step, before.peak_reserved / MiB,
+              after.maps_per_step, after.unmaps_per_step, after.peak_reserved / MiB,
+              after.peak_in_use / MiB);
+  CHECK(after.maps_per_step * 2 <= before.maps_per_step);
+  CHECK(after.unmaps_per_step * 2 <= before.unmaps_per_step);
+  CHECK(after.peak_reserved <= before.peak_reserved + 20 * MiB);  // what it costs: little
 }
 
 TEST(growable_reuse_waits_for_the_fence)

@@ -198,7 +198,8 @@ class device_pool : private detail::pool_lifecycle {
   std::optional<missed_request> missed_;
   // ---- growth and giving memory back
   block* grow(std::size_t rounded, bool exact, bool growable = false);
-  std::size_t release_free_segments(bool at_peak = false);  // at a new peak: large only
+  // At a new peak (growing by `need`): large segments only, and few pages (growable_space).
+  std::size_t release_free_segments(bool at_peak = false, std::size_t need = 0);
   void release_segment(segment* seg);
   // ---- frees
   void free_live(device_ptr ptr, stream_handle stream, int tag = -1);  // of library tag (>= 0)

@@ -39,10 +39,10 @@ struct pool_options {
   std::size_t growable_room{20u << 20};  ///< growth maps up to this much of the free block
                                          ///< it carves (room for the next requests); 0: only
                                          ///< the pages the request needs
-  double growable_keep{0.0};            ///< hysteresis: at a new peak, wholly free mapped pages
-                                        ///< are unmapped only beyond this fraction of peak
-                                        ///< reserved (at least growable_room); 0: all of
-                                        ///< them. Trim and the out-of-memory ladder: all
+  bool growable_hysteresis{true};       ///< at a new peak, unmap only the wholly free pages
+                                        ///< that keep reserved at the peak, not all of them
+                                        ///< (detail/growable_space.hpp); trim, the cap and
+                                        ///< the out-of-memory ladder unmap all of them
 
   /// @brief Check that the options are consistent (the device's own limits aside).
   /// @throws std::invalid_argument saying which is not

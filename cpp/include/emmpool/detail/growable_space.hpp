@@ -10,12 +10,13 @@
  * beyond the request (room for the next requests of that size).
  *
  * Giving pages back, and its hysteresis: a map that would pass the pool's peak reserved first
- * unmaps wholly free pages, but only beyond `keep` bytes of them (options' growable_keep of the
- * peak, at least growable_room): a loop whose shapes change every step frees and maps again
- * what it needs next (PyTorch training on an H100: 32.8 ms/step unmapping every free page at
- * each new peak, 15.8 with fixed segments). A map that would pass the cap, trim, the
- * out-of-memory ladder and reset unmap every wholly free page. Not thread-safe: the pool's
- * mutex.
+ * unmaps wholly free pages, but only as many as keep reserved at the peak (the largest free
+ * blocks' first, from the top down); the peak grows only where free pages do not cover the
+ * request, as when every free page went back (options' growable_hysteresis false, the first
+ * version), which unmapped and mapped again, step after step, what a loop whose shapes change
+ * every step needs next (PyTorch training on an H100: 32.8 ms/step, 15.8 with fixed segments).
+ * A map that would pass the cap, trim, the out-of-memory ladder and reset unmap every wholly
+ * free page. Not thread-safe: the pool's mutex.
  */
 #pragma once
 
@@ -60,9 +61,12 @@ class growable_space {
   /// fixed segments only, from now on) or take() fails. `segments`: the pool's, by base.
   block* grow(std::size_t rounded, std::map<device_ptr, std::unique_ptr<segment>>& segments);
 
-  /// Unmap wholly free pages: every one (`all`), or those beyond the hysteresis margin.
+  /// Unmap wholly free pages, at most `limit` bytes, the largest free blocks' first.
   /// @return bytes unmapped
-  std::size_t unmap_free(bool all);
+  std::size_t unmap_free(std::size_t limit);
+  /// About to map `need` bytes (or grow a fixed segment by it) past the peak: unmap what keeps
+  /// reserved at the peak (hysteresis), or every wholly free page (without). @return bytes
+  std::size_t unmap_for_peak(std::size_t need);
   /// The segment goes with a reset(): released if `segments` holds it wholly free (then
   /// erased there), else its pages stay mapped (retired with its live blocks).
   void drop(std::map<device_ptr, std::unique_ptr<segment>>& segments);
@@ -99,7 +103,7 @@ class growable_space {
   std::size_t small_request_{};
   std::size_t reserve_{};         // options' growable_reserve (0: the device's memory)
   std::size_t room_{};
-  double keep_{};
+  bool hysteresis_{};
   std::size_t max_reserved_{};
   std::unique_ptr<growable_pages> pages_;  // the segment's pages
   segment* seg_{};
