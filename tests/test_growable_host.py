@@ -127,3 +127,21 @@ def test_cli_info_reports_segments():
     lines = {line.split()[0]: line for line in p.stdout.splitlines() if line.startswith("  ")}
     assert " growable " in lines["segments"], p.stdout
     assert lines["segments"].endswith("from EMMPOOL_SEGMENTS='growable'")
+
+
+def test_hysteresis_maps_fewer_pages_per_step_on_a_torch_like_loop():
+    """benchmarks/growable_steps.py: a PyTorch-like loop whose shapes change every step. At a
+    new peak only the free pages that keep reserved at the peak go back (hysteresis), not all
+    of them: far fewer maps and unmaps per step, peak reserved about the same."""
+    path = ROOT / "benchmarks" / "growable_steps.py"
+    if not path.exists():
+        pytest.skip("benchmarks/ not shipped here")
+    spec = importlib.util.spec_from_file_location("growable_steps", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    off = bench.run("growable", False, steps=60, seed=1)
+    on = bench.run("growable", True, steps=60, seed=1)
+    assert on["page_maps_per_step"] * 2 <= off["page_maps_per_step"], (on, off)
+    assert on["page_unmaps_per_step"] * 2 <= off["page_unmaps_per_step"], (on, off)
+    assert on["peak_reserved_mib"] <= off["peak_reserved_mib"] * 1.05, (on, off)
+    assert _core.DevicePool(_core.HostDriver(devices=1), 0).options["growable_hysteresis"]

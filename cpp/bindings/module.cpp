@@ -72,6 +72,7 @@ py::dict options_dict(pool_options const& o)
   d["small_segment"]    = o.small_segment;
   d["large_segment"]    = o.large_segment;
   d["segments"]         = o.segments == segment_kind::growable ? "growable" : "fixed";
+  d["growable_hysteresis"] = o.growable_hysteresis;
   return d;
 }
 
@@ -225,12 +226,13 @@ PYBIND11_MODULE(_core, m)
                      std::size_t initial_size, std::size_t maximum_size, double maximum_fraction,
                      std::size_t small_request, std::size_t small_segment,
                      std::size_t large_segment, std::string const& segments,
-                     std::optional<std::size_t> growable_room) {
+                     std::optional<std::size_t> growable_room, bool growable_hysteresis) {
            driver& d = drv != nullptr ? static_cast<driver&>(*drv) : cuda_driver();
            auto o    = make_options(mode, initial_size, maximum_size, maximum_fraction,
                                     small_request, small_segment, large_segment);
            o.segments = parse_segments(segments);
            if (growable_room) { o.growable_room = *growable_room; }
+           o.growable_hysteresis = growable_hysteresis;
            return new device_pool{d, device, o};
          }),
          py::arg("driver"), py::arg("device") = 0, py::kw_only(), py::arg("mode") = "pool",
@@ -238,7 +240,8 @@ PYBIND11_MODULE(_core, m)
          py::arg("maximum_fraction") = 0.0, py::arg("small_request") = pool_options{}.small_request,
          py::arg("small_segment") = pool_options{}.small_segment,
          py::arg("large_segment") = pool_options{}.large_segment, py::arg("segments") = "fixed",
-         py::arg("growable_room") = py::none(), py::keep_alive<1, 2>())
+         py::arg("growable_room") = py::none(),
+         py::arg("growable_hysteresis") = pool_options{}.growable_hysteresis, py::keep_alive<1, 2>())
     // Every call that takes a pool's mutex lets go of the GIL first: a thread holding that
     // mutex may be waiting for GPU work queued behind a host callback that needs the GIL. The
     // hot pair first tries without letting go (try_allocate / try_deallocate: no wait for the
