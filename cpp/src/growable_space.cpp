@@ -46,13 +46,11 @@ bool growable_space::map_for(device_ptr ptr, std::size_t rounded, std::size_t av
   std::size_t need = pages_->unmapped_in(ptr, rounded);
   if (!fits(need)) {
     // The cap: give back everything no block uses, as the fixed segments' ladder does.
-    release_fixed_();
-    (void)unmap_free(~std::size_t{0});
+    at_peak_(all_free);
   } else if (stats_->bytes_reserved + need > stats_->peak_bytes_reserved) {
     // About to reach a new peak: give back wholly free large fixed segments, then free pages
     // (growable_space.hpp: as many as keep reserved at the peak), as grow() does.
-    release_fixed_();
-    (void)unmap_for_peak(need);
+    at_peak_(need);
   }
   need = pages_->unmapped_in(ptr, rounded);
   if (!fits(need)) { return false; }
@@ -113,7 +111,7 @@ block* growable_space::grow(std::size_t rounded,
 std::size_t growable_space::unmap_for_peak(std::size_t need)
 {
   if (pages_ == nullptr) { return 0; }
-  if (!hysteresis_) { return unmap_free(~std::size_t{0}); }
+  if (!hysteresis_ || need == all_free) { return unmap_free(all_free); }
   auto const after = stats_->bytes_reserved + need;
   if (after <= stats_->peak_bytes_reserved) { return 0; }
   return unmap_free(round_up(after - stats_->peak_bytes_reserved, page_));

@@ -273,6 +273,32 @@ TEST(growable_hysteresis_maps_less_on_a_torch_like_loop)
   CHECK(after.peak_reserved <= before.peak_reserved + 20 * MiB);  // what it costs: little
 }
 
+TEST(growable_deferred_cleanup_unmaps_nothing)
+{
+  for (bool hysteresis : {true, false}) {
+    auto o                = growable_options(32 * MiB);
+    o.growable_hysteresis = hysteresis;
+    fixture f{o};
+    auto const a = f->allocate(8 * MiB);
+    auto const b = f->allocate(8 * MiB);
+    f->deallocate(a);
+    f->synchronize();
+    f->defer_cleanup_begin();
+    auto const c = f->allocate(12 * MiB);  // a new peak, and then the cap: nothing unmapped
+    CHECK_EQ(f->stats().page_unmaps, 0u);
+    CHECK(f.drv.accessible(0, a, 8 * MiB));
+    CHECK_EQ(consistency(f), "");
+    CHECK_THROWS((void)f->allocate(12 * MiB), out_of_memory);  // the cap, cleanup deferred
+    CHECK_EQ(f->stats().page_unmaps, 0u);
+    f->defer_cleanup_end();
+    f->deallocate(b);
+    f->deallocate(c);
+    (void)f->trim();
+    CHECK_EQ(f->stats().bytes_reserved, 0u);
+    CHECK_EQ(consistency(f), "");
+  }
+}
+
 TEST(growable_reuse_waits_for_the_fence)
 {
   fixture f;

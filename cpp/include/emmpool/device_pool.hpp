@@ -223,7 +223,7 @@ class device_pool : private detail::pool_lifecycle {
   detail::retired_segments retired_{*driver_, device_, blocks_};  // outlived a reset()
   pool_stats stats_{};
   detail::growable_space growable_{*driver_, device_, blocks_, free_, stats_,  // issue #18
-                                   [this] { release_free_segments(true); }};
+                                   [this](std::size_t n) { release_free_segments(true, n); }};
   detail::trace_log trace_;
 };
 

@@ -37,11 +37,13 @@ namespace emmpool::detail {
 
 class growable_space {
  public:
-  /// `release_fixed`: the pool gives back its wholly free large fixed segments (at a new peak).
+  /// `at_peak(need)`: the pool, unless cleanup is deferred or it is a fork child, gives back
+  /// its wholly free large fixed segments, then calls unmap_for_peak(need) (need = all_free:
+  /// every wholly free page, the cap).
   growable_space(driver& drv, int device, block_arena& arena, free_lists& free, pool_stats& stats,
-                 std::function<void()> release_fixed)
+                 std::function<void(std::size_t)> at_peak)
     : driver_{&drv}, device_{device}, arena_{&arena}, free_{&free}, stats_{&stats},
-      release_fixed_{std::move(release_fixed)}
+      at_peak_{std::move(at_peak)}
   {
   }
 
@@ -67,6 +69,7 @@ class growable_space {
   /// About to map `need` bytes (or grow a fixed segment by it) past the peak: unmap what keeps
   /// reserved at the peak (hysteresis), or every wholly free page (without). @return bytes
   std::size_t unmap_for_peak(std::size_t need);
+  static constexpr std::size_t all_free = ~std::size_t{0};
   /// The segment goes with a reset(): released if `segments` holds it wholly free (then
   /// erased there), else its pages stay mapped (retired with its live blocks).
   void drop(std::map<device_ptr, std::unique_ptr<segment>>& segments);
@@ -98,7 +101,7 @@ class growable_space {
   block_arena* arena_;
   free_lists* free_;
   pool_stats* stats_;
-  std::function<void()> release_fixed_;
+  std::function<void(std::size_t)> at_peak_;
   std::size_t page_{};            // 0: fixed segments only
   std::size_t small_request_{};
   std::size_t reserve_{};         // options' growable_reserve (0: the device's memory)
