@@ -70,12 +70,20 @@ def child(name, steps):
         st = emmpool.stats(0)
         peak_reserved, peak_in_use = st["peak_bytes_reserved"], st["peak_bytes_in_use"]
         growable = bool(emmpool._core.pool(0).growable)
+        maps, unmaps = st.get("page_maps", 0) / steps, st.get("page_unmaps", 0) / steps
     else:
         peak_reserved = torch.cuda.max_memory_reserved(dev)
         peak_in_use = torch.cuda.max_memory_allocated(dev)
         growable = None
+        maps = unmaps = None
     print(json.dumps({"peak_reserved": peak_reserved, "peak_in_use": peak_in_use,
-                      "seconds_per_step": seconds, "growable": growable}))
+                      "seconds_per_step": seconds, "growable": growable,
+                      "page_maps_per_step": maps, "page_unmaps_per_step": unmaps}))
+
+
+def _per_step(r):
+    m, u = r.get("page_maps_per_step"), r.get("page_unmaps_per_step")
+    return "" if m is None else f"{m:.1f} / {u:.1f}"
 
 
 def main(argv=None):
@@ -115,14 +123,14 @@ def main(argv=None):
                    "torch": torch.__version__, "results": results}, f, indent=2)
     lines = [f"PyTorch training loop, {args.steps} steps, batch 16..512 (shapes change every step)",
              "", "| allocator | peak reserved (MiB) | peak in use (MiB) | reserved / in use | "
-             "ms / step |", "|---|---:|---:|---:|---:|"]
+             "ms / step | page maps / unmaps per step |", "|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         if r["status"] != "ok":
-            lines.append(f"| {name} | error: {r['reason'][-300:]!r} | | | |")
+            lines.append(f"| {name} | error: {r['reason'][-300:]!r} | | | | |")
             continue
         lines.append(f"| {name} | {r['peak_reserved'] / MiB:.1f} | {r['peak_in_use'] / MiB:.1f} | "
                      f"{r['peak_reserved'] / max(r['peak_in_use'], 1):.3f} | "
-                     f"{r['seconds_per_step'] * 1e3:.2f} |")
+                     f"{r['seconds_per_step'] * 1e3:.2f} | {_per_step(r)} |")
     table = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "torch_training.md"), "w") as f:
         f.write(table)
