@@ -10,7 +10,10 @@ GPU keeps up (every fence completes at once). On an H100, every page map/unmap i
 cuMemCreate+cuMemMap+cuMemSetAccess / cuMemUnmap+cuMemRelease: what made the growable loop
 32.8 ms/step vs 15.8 fixed (benchmarks/results/NVIDIA-H100-2026-11-23-torch-training.md).
 
-    python benchmarks/growable_steps.py [--steps 200] [--seed 1] [--out FILE.json]
+    python benchmarks/growable_steps.py [--steps 200] [--seed 1] [--out FILE.json] [--cuda]
+
+--cuda: the same over the CUDA driver on device 0 (no kernels: fences complete at once), with
+milliseconds per step: what each page map/unmap costs there.
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 
 from emmpool import _core
 
 MiB = 1 << 20
 
 
-def run(segments: str, hysteresis: bool, steps: int, seed: int, warm: int = 10) -> dict:
-    drv = _core.HostDriver(devices=1, capacity=1 << 40)
+def run(segments: str, hysteresis: bool, steps: int, seed: int, warm: int = 10,
+        cuda: bool = False) -> dict:
+    drv = None if cuda else _core.HostDriver(devices=1, capacity=1 << 40)
     pool = _core.DevicePool(drv, 0, segments=segments, growable_hysteresis=hysteresis)
+    complete = (lambda: None) if cuda else drv.complete_all_events
     rng = random.Random(seed)
     layers = 24
     width = [rng.choice([1, 2, 3, 4, 6, 8]) for _ in range(layers)]  # MiB per unit of shape
@@ -38,13 +44,14 @@ def run(segments: str, hysteresis: bool, steps: int, seed: int, warm: int = 10) 
             s = pool.stats()
             maps0, unmaps0 = s["page_maps"], s["page_unmaps"]
             pool.reset_peaks()
+            t0 = time.perf_counter()
         shape = rng.randint(4, 16) * rng.choice([1, 2])  # sequence length x batch, in units
         acts = []
         for w in width:  # forward
             tmp = pool.allocate(w * shape * MiB // 8 + rng.randrange(64) * 256)
             acts.append(pool.allocate(w * shape * MiB // 4 + rng.randrange(64) * 256))
             pool.deallocate(tmp)
-            drv.complete_all_events()
+            complete()
         grad = None
         grads = []
         for w, a in zip(reversed(width), reversed(acts)):  # backward
@@ -54,17 +61,21 @@ def run(segments: str, hysteresis: bool, steps: int, seed: int, warm: int = 10) 
             if grad is not None:
                 pool.deallocate(grad)
             grad = g
-            drv.complete_all_events()
+            complete()
         pool.deallocate(grad)
         for g in grads:  # optimizer step: a temporary per parameter, then the gradients go
             t = pool.allocate(2 * MiB * 2)
             pool.deallocate(t)
             pool.deallocate(g)
-        drv.complete_all_events()
+        complete()
+    pool.synchronize()
+    seconds = time.perf_counter() - t0
     s = pool.stats()
     for p in params + state:
         pool.deallocate(p)
+    pool.trim()
     return {
+        "driver": "cuda" if cuda else "host",
         "segments": segments,
         "hysteresis": hysteresis if segments == "growable" else None,
         "steps": steps,
@@ -73,6 +84,8 @@ def run(segments: str, hysteresis: bool, steps: int, seed: int, warm: int = 10) 
         "peak_in_use_mib": s["peak_bytes_in_use"] / MiB,
         "peak_reserved_mib": s["peak_bytes_reserved"] / MiB,
         "reserved_over_live": s["peak_bytes_reserved"] / s["peak_bytes_in_use"],
+        "ms_per_step": seconds * 1e3 / steps,
+        "growable": bool(pool.growable),
     }
 
 
@@ -81,24 +94,28 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", help="write the results as JSON")
+    ap.add_argument("--cuda", action="store_true", help="the CUDA driver, device 0")
     a = ap.parse_args()
     rows = [
-        run("fixed", True, a.steps, a.seed),
-        run("growable", False, a.steps, a.seed),
-        run("growable", True, a.steps, a.seed),
+        run("fixed", True, a.steps, a.seed, cuda=a.cuda),
+        run("growable", False, a.steps, a.seed, cuda=a.cuda),
+        run("growable", True, a.steps, a.seed, cuda=a.cuda),
     ]
-    print(f"PyTorch-like training loop over the host driver: {a.steps} steps, seed {a.seed}\n")
+    where = "the CUDA driver" if a.cuda else "the host driver"
+    print(f"PyTorch-like training loop over {where}: {a.steps} steps, seed {a.seed}\n")
     print("| segments | hysteresis | page maps / step | page unmaps / step | peak in use (MiB) "
-          "| peak reserved (MiB) | reserved / in use |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+          "| peak reserved (MiB) | reserved / in use | ms / step |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         hy = "-" if r["hysteresis"] is None else ("on" if r["hysteresis"] else "off")
         print(f"| {r['segments']} | {hy} | {r['page_maps_per_step']:.1f} | "
               f"{r['page_unmaps_per_step']:.1f} | {r['peak_in_use_mib']:.0f} | "
-              f"{r['peak_reserved_mib']:.0f} | {r['reserved_over_live']:.3f} |")
+              f"{r['peak_reserved_mib']:.0f} | {r['reserved_over_live']:.3f} | "
+              f"{r['ms_per_step']:.2f} |")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"benchmark": "growable_steps", "seed": a.seed, "results": rows}, f, indent=2)
+            json.dump({"benchmark": "growable_steps", "driver": "cuda" if a.cuda else "host",
+                       "seed": a.seed, "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

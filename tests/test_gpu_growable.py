@@ -95,6 +95,23 @@ def test_replay_on_the_cuda_driver_is_at_most_1_10():
     assert r["ratio"] <= 1.10, r
 
 
+def test_hysteresis_maps_fewer_pages_per_step_on_the_cuda_driver():
+    """benchmarks/growable_steps.py over the CUDA driver: at a new peak only the free pages that
+    keep reserved at the peak are unmapped; far fewer cuMemMap/cuMemUnmap per step, and no
+    slower per step (each map is cuMemCreate + cuMemMap + cuMemSetAccess)."""
+    growable_pool()  # skips without VMM
+    spec = importlib.util.spec_from_file_location("growable_steps",
+                                                  ROOT / "benchmarks" / "growable_steps.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    off = bench.run("growable", False, steps=40, seed=1, cuda=True)
+    on = bench.run("growable", True, steps=40, seed=1, cuda=True)
+    print("growable_steps on the CUDA driver:", off, on)
+    assert on["growable"] and off["growable"]
+    assert on["page_maps_per_step"] * 2 <= off["page_maps_per_step"], (on, off)
+    assert on["ms_per_step"] <= off["ms_per_step"] * 1.10, (on, off)
+
+
 @pytest.mark.parametrize("scenario", ["IPC_PRODUCER", "IPC_SAME_SEGMENT_OPEN_TOGETHER",
                                       "IPC_FOREIGN", "ALLOC_SIZES"])
 def test_numba_ipc_and_allocations_with_growable_segments(scenario, monkeypatch, numba_package):
