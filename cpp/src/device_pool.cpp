@@ -91,13 +91,18 @@ device_pool::block* device_pool::take_best_fit(std::size_t rounded, bool growabl
   return free_.take(rounded, rounded <= options_.small_request, alignment);
 }
 
-device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream,
-                                                   bool growable)
+device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
 {
   if (options_.mode != pool_mode::pool) { return nullptr; }
   // Stream order: a block this stream freed lately needs no fence for this stream's work.
-  if (auto* blk = policy_.take_in_stream_order(stream, rounded)) { return blk; }
-  return growable ? growable_.take(rounded, false) : take_best_fit(rounded);
+  auto* blk = policy_.take_in_stream_order(stream, rounded);
+  return blk != nullptr ? blk : take_best_fit(rounded);
+}
+
+device_pool::block* device_pool::take_growable_without_cuda(std::size_t rounded, stream_ref stream)
+{
+  auto* blk = policy_.take_in_stream_order(stream, rounded);  // pool mode: serves() said so
+  return blk != nullptr ? blk : growable_.take(rounded, false);  // no page mapped here
 }
 
 std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
@@ -108,7 +113,8 @@ std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_ha
   if (!lock.owns_lock() || forked_) { return std::nullopt; }
   auto const key = policy_.allocation_key(stream);
   if (policy_.fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
-  if (auto* blk = take_without_cuda(rounded, key, growable_.serves(rounded, tag))) {
+  if (auto* blk = growable_.serves(rounded, tag) ? take_growable_without_cuda(rounded, key)
+                                                 : take_without_cuda(rounded, key)) {
     if (generation_out != nullptr) { *generation_out = generation_; }
     return hand_out(blk, bytes, key, tag);
   }
@@ -132,16 +138,20 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
                         miss->version == policy_.version();
 
   bool const pooled = options_.mode == pool_mode::pool;
-  bool const g      = growable_.serves(rounded, tag);  // mapping pages: after step 1's fences
+  bool g            = false;  // a growable request (set at a miss): maps after step 1's fences
   block* blk        = nullptr;
   if (!pooled) {
     maintain(key);  // returns completed frees' segments to the driver
     blk = grow(rounded, true);
   } else {
     if (policy_.fence_due()) { maintain(key); }  // fence the waiting frees now, not at a miss
-    if (!searched) { blk = take_without_cuda(rounded, key, g); }
+    if (!searched) {
+      blk = growable_.serves(rounded, tag) ? take_growable_without_cuda(rounded, key)
+                                           : take_without_cuda(rounded, key);
+    }
     if (blk == nullptr) {
       // Ladder step 1: fence what was freed since the last miss, reuse what has completed.
+      g = growable_.serves(rounded, tag);
       auto const before = free_.insertions();
       maintain(key);
       if (g || free_.insertions() != before) { blk = take_best_fit(rounded, g); }
@@ -402,7 +412,7 @@ void device_pool::release_block(block* blk)
   auto* seg = blk->seg;
   --seg->live_blocks;
   if (options_.mode == pool_mode::pool) {
-    free_.coalesce(blk);
+    (seg->growable ? growable_.free_list() : free_).coalesce(blk);
     return;
   }
   free_.insert(blk);  // passthrough: the segment, wholly free, goes back to the driver
@@ -446,7 +456,7 @@ void device_pool::reset()
 
   // What is left holds live blocks: retire it, so that it is never handed out again.
   for (auto& [base, seg] : segments_) {
-    free_.erase_all_of(*seg);
+    if (!seg->growable) { free_.erase_all_of(*seg); }  // growable: drop() did
     stats_.bytes_reserved -= seg->growable ? growable_mapped : seg->size;
     --stats_.segments;
   }

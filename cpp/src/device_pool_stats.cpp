@@ -27,9 +27,8 @@ pool_stats device_pool::stats() const
 pool_stats device_pool::stats_locked() const
 {
   pool_stats s         = stats_;
-  std::size_t mapped = 0, address = 0;  // a growable segment's free blocks: only their pages
-  growable_.free_bytes(&mapped, &address);
-  s.bytes_free         = free_.bytes() - address + mapped;
+  // A growable segment's free blocks are address space: only their mapped pages count.
+  s.bytes_free         = free_.bytes() + growable_.free_mapped_bytes();
   s.largest_free_block = free_.largest();
   s.bytes_waiting      = policy_.waiting_bytes();
   s.batches_closed     = policy_.batches_closed();

@@ -30,15 +30,15 @@ block* growable_space::take(std::size_t rounded, bool may_map)
   bool ready = false;
   // The best fit needs new pages: a slightly larger free block whose pages are mapped serves
   // without a driver call (and without unmapping others at a new peak).
-  auto* blk = free_->find_growable(
+  auto* blk = free_.find_large(
     rounded, [&](block const* b) { return pages_->unmapped_in(b->ptr, rounded) == 0; }, 8, &ready);
   if (blk == nullptr || (!ready && !may_map)) { return nullptr; }  // mapping: allocate() only
-  free_->erase(blk);  // off the list: unmapping spares it
+  free_.erase(blk);  // off the list: unmapping spares it
   if (!ready && !map_for(blk->ptr, rounded, blk->size)) {
-    free_->insert(blk);
+    free_.insert(blk);
     return nullptr;
   }
-  return free_->split(blk, rounded, block_alignment);
+  return free_.split(blk, rounded, block_alignment);
 }
 
 bool growable_space::map_for(device_ptr ptr, std::size_t rounded, std::size_t available)
@@ -101,7 +101,7 @@ block* growable_space::grow(std::size_t rounded,
     seg->first    = blk;
     seg_          = seg.get();
     segments.emplace(seg->base, std::move(seg));
-    free_->insert(blk);
+    free_.insert(blk);
     ++stats_->segment_allocations;
     ++stats_->segments;
   }
@@ -125,7 +125,7 @@ std::size_t growable_space::unmap_free(std::size_t limit)
   std::size_t done  = 0;
   try {
     // Largest free blocks first: the least likely to be carved whole by the next requests.
-    free_->for_each_growable([&](block const* b) {
+    free_.for_each_large([&](block const* b) {
       done += pages_->unmap_inside(b->ptr, b->size, excess - done);
       return done + page_ <= excess;
     });
@@ -152,7 +152,7 @@ void growable_space::drop(std::map<device_ptr, std::unique_ptr<segment>>& segmen
     count_unmapped(mapped);
     for (auto* b = seg_->first; b != nullptr;) {
       auto* next = b->next;
-      if (b->state == block_state::free) { free_->erase(b); }
+      if (b->state == block_state::free) { free_.erase(b); }
       arena_->recycle(b);
       b = next;
     }
@@ -160,7 +160,9 @@ void growable_space::drop(std::map<device_ptr, std::unique_ptr<segment>>& segmen
     ++stats_->segment_releases;
     segments.erase(seg_->base);
   } else {
-    // Retired with live blocks (reset): its pages stay mapped until the process ends.
+    // Retired with live blocks (reset): its pages stay mapped until the process ends; its free
+    // blocks are never handed out again.
+    free_.erase_all_of(*seg_);
     retired_.push_back(std::move(pages_));
   }
   pages_.reset();
@@ -176,15 +178,15 @@ void growable_space::release_at_teardown() noexcept
   }
 }
 
-void growable_space::free_bytes(std::size_t* mapped, std::size_t* address) const
+std::size_t growable_space::free_mapped_bytes() const
 {
-  *mapped = *address = 0;
-  if (pages_ == nullptr) { return; }
-  free_->for_each_growable([&](block const* b) {
-    *mapped += pages_->mapped_overlap(b->ptr, b->size);
-    *address += b->size;
+  std::size_t mapped = 0;
+  if (pages_ == nullptr) { return 0; }
+  free_.for_each_large([&](block const* b) {
+    mapped += pages_->mapped_overlap(b->ptr, b->size);
     return true;
   });
+  return mapped;
 }
 
 void growable_space::throw_no_ipc()

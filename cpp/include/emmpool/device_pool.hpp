@@ -180,8 +180,8 @@ class device_pool : private detail::pool_lifecycle {
 
   // All private members expect mutex_ held.
   // ---- allocation
-  block* take_without_cuda(std::size_t rounded, stream_ref stream,  // stream order, best fit
-                           bool growable = false);                   // (growable: no mapping)
+  block* take_without_cuda(std::size_t rounded, stream_ref stream);  // stream order, best fit
+  block* take_growable_without_cuda(std::size_t rounded, stream_ref stream);  // maps no page
   block* take_best_fit(std::size_t rounded, bool growable = false);  // and split
   device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);
   /// The last try_allocate() that searched and missed, so that the allocate() after it neither
@@ -222,9 +222,10 @@ class device_pool : private detail::pool_lifecycle {
   detail::free_lists free_{blocks_};
   detail::retired_segments retired_{*driver_, device_, blocks_};  // outlived a reset()
   pool_stats stats_{};
-  detail::growable_space growable_{*driver_, device_, blocks_, free_, stats_,  // issue #18
-                                   [this](std::size_t n) { release_free_segments(true, n); }};
   detail::trace_log trace_;
+  // Last: the members above keep the layout (cache lines) of fixed segments' hot path.
+  detail::growable_space growable_{*driver_, device_, blocks_, stats_,  // issue #18
+                                   [this](std::size_t n) { release_free_segments(true, n); }};
 };
 
 }  // namespace emmpool

@@ -2,13 +2,15 @@
  * @file detail/free_list.hpp
  * @brief The device pool's free blocks: best fit, split and coalesce (as RMM's free_list).
  *
- * Three size-ordered sets, one for blocks of small segments, one for blocks of large ones and
- * one for the growable segment's (address space: detail/growable_space.hpp picks from it; a
- * segment serves one kind of request only, so the sets never mix). Best fit is the smallest
+ * Two size-ordered sets, one for blocks of small segments and one for blocks of large ones
+ * (a segment serves one kind of request only, so the two never mix). Best fit is the smallest
  * block of at least the requested size, lowest address first among equals: O(log n). A block
  * taken for less than its size is split, the rest going back to the set; a block returned
  * merges with its free physical neighbours (same segment: segments are separate driver
  * allocations), found in O(1) through the segment's address-ordered block list.
+ *
+ * The growable segment (detail/growable_space.hpp) has a free_lists of its own, whose large
+ * set holds its blocks (address space): find_large() and for_each_large() serve it.
  *
  * Knows nothing of streams or fences: a block reaches insert() or coalesce() only once the
  * reuse policy says no work can still touch it (reuse_policy.hpp). Not thread-safe: its pool's
@@ -22,7 +24,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <set>
-#include <utility>
 
 namespace emmpool::detail {
 
@@ -59,32 +60,32 @@ class free_lists {
   /// recycled, and insert the result. @return the merged block
   block* coalesce(block* blk);
 
-  /// @brief The growable set's best fit for `size` or, when `ready` (its pages are mapped)
-  /// says no to it, the first of the next `candidates` larger blocks that is ready; null if
-  /// none fits. The block stays in the set (erase() takes it). `*is_ready`: what ready said.
+  /// @brief The large set's best fit for `size` or, when `ready` says no to it, the first of
+  /// the next `candidates` larger blocks that is ready; null if none fits. The block stays in
+  /// the set (erase() takes it). `*is_ready`: what ready said of the block returned.
   template <class Ready>
-  [[nodiscard]] block* find_growable(std::size_t size, Ready&& ready, int candidates,
-                                     bool* is_ready) const
+  [[nodiscard]] block* find_large(std::size_t size, Ready&& ready, int candidates,
+                                  bool* is_ready) const
   {
     block probe;
     probe.size = size;
-    auto it    = growable_.lower_bound(&probe);
-    if (it == growable_.end()) { return nullptr; }
+    auto it    = large_.lower_bound(&probe);
+    if (it == large_.end()) { return nullptr; }
     *is_ready = true;
-    for (auto alt = it; candidates >= 0 && alt != growable_.end(); --candidates, ++alt) {
+    for (auto alt = it; candidates >= 0 && alt != large_.end(); --candidates, ++alt) {
       if (ready(*alt)) { return *alt; }
     }
     *is_ready = false;
     return *it;
   }
-  /// @brief Every free block of the growable segment, largest first, while f(blk) says true.
+  /// @brief Every block of the large set, largest first, while f(blk) says true.
   template <class F>
-  void for_each_growable(F&& f) const
+  void for_each_large(F&& f) const
   {
-    for (auto it = growable_.rbegin(); it != growable_.rend() && f(*it); ++it) {}
+    for (auto it = large_.rbegin(); it != large_.rend() && f(*it); ++it) {}
   }
 
-  /// @brief Bytes in free blocks (the growable segment's address space included).
+  /// @brief Bytes in free blocks.
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
   /// @brief The largest free block's size (0 if none).
   [[nodiscard]] std::size_t largest() const noexcept;
@@ -101,17 +102,12 @@ class free_lists {
   // Nodes recycled through nodes_: splits and coalesces insert and erase constantly, and a
   // malloc + free per insert/erase showed in the allocate/free pair.
   using set = std::set<block*, by_size, cached_allocator<block*>>;
-  [[nodiscard]] set& set_of(block const* blk) noexcept
-  {
-    auto const* seg = blk->seg;
-    return seg->small ? small_ : !seg->growable ? large_ : growable_;
-  }
+  [[nodiscard]] set& set_of(block const* blk) noexcept { return blk->seg->small ? small_ : large_; }
 
   block_arena* arena_;
   node_cache nodes_;  // before the sets: outlives them
   set small_{by_size{}, set::allocator_type{&nodes_}};
   set large_{by_size{}, set::allocator_type{&nodes_}};
-  set growable_{by_size{}, set::allocator_type{&nodes_}};
   std::size_t bytes_{};
   std::uint64_t insertions_{};
 };

@@ -40,9 +40,9 @@ class growable_space {
   /// `at_peak(need)`: the pool, unless cleanup is deferred or it is a fork child, gives back
   /// its wholly free large fixed segments, then calls unmap_for_peak(need) (need = all_free:
   /// every wholly free page, the cap).
-  growable_space(driver& drv, int device, block_arena& arena, free_lists& free, pool_stats& stats,
+  growable_space(driver& drv, int device, block_arena& arena, pool_stats& stats,
                  std::function<void(std::size_t)> at_peak)
-    : driver_{&drv}, device_{device}, arena_{&arena}, free_{&free}, stats_{&stats},
+    : driver_{&drv}, device_{device}, arena_{&arena}, free_{arena}, stats_{&stats},
       at_peak_{std::move(at_peak)}
   {
   }
@@ -79,8 +79,10 @@ class growable_space {
   /// @throws pool_error: a block of a growable segment has no IPC handle.
   [[noreturn]] static void throw_no_ipc();
 
-  /// Mapped bytes inside free blocks (stats' bytes_free); address bytes of free blocks.
-  void free_bytes(std::size_t* mapped, std::size_t* address) const;
+  /// The segment's free blocks (address space): a block of it comes back here (coalesce).
+  [[nodiscard]] free_lists& free_list() noexcept { return free_; }
+  /// Mapped bytes inside free blocks (stats' bytes_free).
+  [[nodiscard]] std::size_t free_mapped_bytes() const;
   /// Bytes mapped (what the segment counts in reserved).
   [[nodiscard]] std::size_t mapped_bytes() const noexcept
   {
@@ -99,7 +101,7 @@ class growable_space {
   driver* driver_;
   int device_;
   block_arena* arena_;
-  free_lists* free_;
+  free_lists free_;  // its large set: the segment's free blocks
   pool_stats* stats_;
   std::function<void(std::size_t)> at_peak_;
   std::size_t page_{};            // 0: fixed segments only
