@@ -4,8 +4,8 @@
  * a request, when pages are mapped, and when wholly free pages go back.
  *
  * The segment is one address reservation (detail/growable_segment.hpp: its page map) whose
- * blocks live in the free lists' growable set (detail/free_list.hpp) and are split and
- * coalesced as any other. A request takes the best fit, or a slightly larger free block whose
+ * blocks live in a free_lists of its own (detail/free_list.hpp: its large set) and are split
+ * and coalesced as any other. A request takes the best fit, or a slightly larger free block whose
  * pages are already mapped; missing pages are mapped, with up to growable_room of the block
  * beyond the request (room for the next requests of that size).
  *
