@@ -10,16 +10,19 @@ GPU keeps up (every fence completes at once). On an H100, every page map/unmap i
 cuMemCreate+cuMemMap+cuMemSetAccess / cuMemUnmap+cuMemRelease: what made the growable loop
 32.8 ms/step vs 15.8 fixed (benchmarks/results/NVIDIA-H100-2026-11-23-torch-training.md).
 
-    python benchmarks/growable_steps.py [--steps 200] [--seed 1] [--out FILE.json] [--cuda]
+    python benchmarks/growable_steps.py [--steps 200] [--seed 1] [--out FILE.json|DIR] [--cuda]
 
 --cuda: the same over the CUDA driver on device 0 (no kernels: fences complete at once), with
-milliseconds per step: what each page map/unmap costs there.
+milliseconds per step: what each page map/unmap costs there. With --out DIR (as .ci/gpu runs
+benchmarks) it writes DIR/growable_steps.json and .md, over the CUDA driver where a GPU with
+virtual memory management is usable, else the host driver.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 
@@ -96,22 +99,34 @@ def main() -> None:
     ap.add_argument("--out", help="write the results as JSON")
     ap.add_argument("--cuda", action="store_true", help="the CUDA driver, device 0")
     a = ap.parse_args()
+    out_dir = a.out if a.out and (os.path.isdir(a.out) or not a.out.endswith(".json")) else None
+    if out_dir and not a.cuda:
+        try:
+            a.cuda = bool(_core.DevicePool(None, 0, segments="growable").growable)
+        except Exception:  # no GPU, no driver: the host driver
+            a.cuda = False
     rows = [
         run("fixed", True, a.steps, a.seed, cuda=a.cuda),
         run("growable", False, a.steps, a.seed, cuda=a.cuda),
         run("growable", True, a.steps, a.seed, cuda=a.cuda),
     ]
     where = "the CUDA driver" if a.cuda else "the host driver"
-    print(f"PyTorch-like training loop over {where}: {a.steps} steps, seed {a.seed}\n")
-    print("| segments | hysteresis | page maps / step | page unmaps / step | peak in use (MiB) "
-          "| peak reserved (MiB) | reserved / in use | ms / step |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    lines = [f"PyTorch-like training loop over {where}: {a.steps} steps, seed {a.seed}", "",
+             "| segments | hysteresis | page maps / step | page unmaps / step | peak in use (MiB) "
+             "| peak reserved (MiB) | reserved / in use | ms / step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         hy = "-" if r["hysteresis"] is None else ("on" if r["hysteresis"] else "off")
-        print(f"| {r['segments']} | {hy} | {r['page_maps_per_step']:.1f} | "
-              f"{r['page_unmaps_per_step']:.1f} | {r['peak_in_use_mib']:.0f} | "
-              f"{r['peak_reserved_mib']:.0f} | {r['reserved_over_live']:.3f} | "
-              f"{r['ms_per_step']:.2f} |")
+        lines.append(f"| {r['segments']} | {hy} | {r['page_maps_per_step']:.1f} | "
+                     f"{r['page_unmaps_per_step']:.1f} | {r['peak_in_use_mib']:.0f} | "
+                     f"{r['peak_reserved_mib']:.0f} | {r['reserved_over_live']:.3f} | "
+                     f"{r['ms_per_step']:.2f} |")
+    print("\n".join(lines))
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "growable_steps.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        a.out = os.path.join(out_dir, "growable_steps.json")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"benchmark": "growable_steps", "driver": "cuda" if a.cuda else "host",
