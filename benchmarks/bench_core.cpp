@@ -8,7 +8,7 @@
 //   bench_core --replay [--trace FILE] [--out FILE]  fragmentation replay over host_driver
 //              [--large-segment B] [--small-request B] [--small-segment B]
 //              [--seed S] [--ops N] [--live N]
-//              [--capacity B] [--maximum-size B] [--passthrough]
+//              [--capacity B] [--maximum-size B] [--passthrough] [--growable]
 //
 // Timing: one "pair" is allocate(n) + deallocate(ptr). Each case is warmed up, then timed in
 // blocks of `pairs` pairs (sized to ~20 ms, 5 ms with --quick); a block's time / pairs is one
@@ -73,7 +73,8 @@ struct options {
                "usage: bench_core [--host | --replay [--trace FILE]] [--out FILE] [--quick]\n"
                "                  [--device N] [--seed S] [--ops N] [--live N]\n"
                "                  [--large-segment B] [--small-request B] [--small-segment B]\n"
-               "                  [--capacity B] [--maximum-size B] [--passthrough]   (replay)\n",
+               "                  [--capacity B] [--maximum-size B] [--passthrough]   (replay)\n"
+               "                  [--growable]   (--host, --replay: growable segments)\n",
                why);
   std::exit(2);
 }
@@ -112,6 +113,8 @@ options parse(int argc, char** argv)
       o.pool.maximum_size = number();
     } else if (a == "--passthrough") {
       o.pool.mode = emmpool::pool_mode::passthrough;
+    } else if (a == "--growable") {
+      o.pool.segments = emmpool::segment_kind::growable;
     } else if (a == "--large-segment") {
       o.pool.large_segment = number();
     } else if (a == "--small-request") {

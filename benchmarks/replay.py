@@ -11,8 +11,11 @@ log-uniform in [256 B, 64 MiB]. Every backend replays the same trace; the result
 
 Backends (each skipped, with the reason, where it cannot run):
   emmpool-host  emmpool's DevicePool over HostDriver (events complete at once: an idle GPU).
-                Runs without a GPU.
-  emmpool       emmpool's DevicePool over the CUDA driver; reserved = peak_bytes_reserved.
+                Runs without a GPU. Segments as EMMPOOL_SEGMENTS says (default fixed).
+  emmpool       emmpool's DevicePool over the CUDA driver; reserved = peak_bytes_reserved
+                (growable segments: bytes of pages mapped). Segments as EMMPOOL_SEGMENTS says.
+  emmpool-host-fixed, emmpool-host-growable, emmpool-fixed, emmpool-growable: the same with
+                the segments named (the default run: these, CuPy and PyTorch).
   cupy          cupy.cuda.MemoryPool; reserved = total_bytes(), sampled after every malloc.
   torch         PyTorch's caching allocator; reserved = torch.cuda.max_memory_reserved().
 
@@ -38,7 +41,10 @@ OPS = 40_000
 MIN_BYTES = 256
 MAX_BYTES = 64 << 20
 MiB = 1 << 20
-BACKENDS = ["emmpool-host", "emmpool", "cupy", "torch"]
+BACKENDS = ["emmpool-host", "emmpool", "cupy", "torch", "emmpool-host-fixed",
+            "emmpool-host-growable", "emmpool-fixed", "emmpool-growable"]
+DEFAULT_BACKENDS = ["emmpool-host-fixed", "emmpool-host-growable", "emmpool-fixed",
+                    "emmpool-growable", "cupy", "torch"]
 
 
 def make_trace(seed=SEED, live=LIVE, ops=OPS):
@@ -62,7 +68,7 @@ def write_trace(path, trace):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=BACKENDS)
+    ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=DEFAULT_BACKENDS)
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--ops", type=int, default=OPS)
     ap.add_argument("--live", type=int, default=LIVE)

@@ -37,6 +37,14 @@ pool_mode parse_mode(std::string const& mode)
   throw std::invalid_argument{"unknown mode '" + mode + "': expected 'pool' or 'passthrough'"};
 }
 
+segment_kind parse_segments(std::string const& segments)
+{
+  if (segments == "fixed") { return segment_kind::fixed; }
+  if (segments == "growable") { return segment_kind::growable; }
+  throw std::invalid_argument{"unknown segments '" + segments +
+                              "': expected 'fixed' or 'growable'"};
+}
+
 pool_options make_options(std::string const& mode, std::size_t initial_size,
                           std::size_t maximum_size, double maximum_fraction,
                           std::size_t small_request, std::size_t small_segment,
@@ -63,6 +71,8 @@ py::dict options_dict(pool_options const& o)
   d["small_request"]    = o.small_request;
   d["small_segment"]    = o.small_segment;
   d["large_segment"]    = o.large_segment;
+  d["segments"]         = o.segments == segment_kind::growable ? "growable" : "fixed";
+  d["growable_hysteresis"] = o.growable_hysteresis;
   return d;
 }
 
@@ -86,6 +96,8 @@ py::dict stats_dict(pool_stats const& s)
   d["same_stream_reuses"]  = s.same_stream_reuses;
   d["dormant_fences"]      = s.dormant_fences;
   d["out_of_memory"]       = s.out_of_memory;
+  d["page_maps"]           = s.page_maps;
+  d["page_unmaps"]         = s.page_unmaps;
   py::dict by_tag;
   for (std::size_t i = 0; i < alloc_tag_count; ++i) {
     py::dict t;
@@ -173,6 +185,13 @@ PYBIND11_MODULE(_core, m)
     .def("fail_next_allocations", &host_driver::fail_next_allocations, py::arg("n"))
     .def("fail_next_event_records", &host_driver::fail_next_event_records, py::arg("n"))
     .def("fail_next_deallocations", &host_driver::fail_next_deallocations, py::arg("n"))
+    .def("set_vmm_supported", &host_driver::set_vmm_supported, py::arg("on"),
+         "Off: the device lacks virtual memory management (growable segments fall back).")
+    .def("fail_next_maps", &host_driver::fail_next_maps, py::arg("n"))
+    .def("fail_next_unmaps", &host_driver::fail_next_unmaps, py::arg("n"))
+    .def("fail_next_reservations", &host_driver::fail_next_reservations, py::arg("n"))
+    .def("accessible", &host_driver::accessible, py::arg("device"), py::arg("ptr"),
+         py::arg("size"), "Whether the range is memory: a live segment or mapped pages.")
     .def("set_capacity", &host_driver::set_capacity, py::arg("device"), py::arg("bytes"))
     .def("invalidate_device", &host_driver::invalidate_device, py::arg("device"))
     .def("create_stream", &host_driver::create_stream,
@@ -194,6 +213,11 @@ PYBIND11_MODULE(_core, m)
       out["device_syncs"]     = c.device_syncs;
       out["stream_id_queries"] = c.stream_id_queries;
       out["dead_stream_uses"]  = c.dead_stream_uses;
+      out["maps"]              = c.maps;
+      out["unmaps"]            = c.unmaps;
+      out["bytes_mapped"]      = c.bytes_mapped;
+      out["live_mappings"]     = c.live_mappings;
+      out["live_reservations"] = c.live_reservations;
       return out;
     });
 
@@ -201,17 +225,23 @@ PYBIND11_MODULE(_core, m)
     .def(py::init([](host_driver* drv, int device, std::string const& mode,
                      std::size_t initial_size, std::size_t maximum_size, double maximum_fraction,
                      std::size_t small_request, std::size_t small_segment,
-                     std::size_t large_segment) {
+                     std::size_t large_segment, std::string const& segments,
+                     std::optional<std::size_t> growable_room, bool growable_hysteresis) {
            driver& d = drv != nullptr ? static_cast<driver&>(*drv) : cuda_driver();
-           return new device_pool{d, device,
-                                  make_options(mode, initial_size, maximum_size, maximum_fraction,
-                                               small_request, small_segment, large_segment)};
+           auto o    = make_options(mode, initial_size, maximum_size, maximum_fraction,
+                                    small_request, small_segment, large_segment);
+           o.segments = parse_segments(segments);
+           if (growable_room) { o.growable_room = *growable_room; }
+           o.growable_hysteresis = growable_hysteresis;
+           return new device_pool{d, device, o};
          }),
          py::arg("driver"), py::arg("device") = 0, py::kw_only(), py::arg("mode") = "pool",
          py::arg("initial_size") = 0, py::arg("maximum_size") = 0,
          py::arg("maximum_fraction") = 0.0, py::arg("small_request") = pool_options{}.small_request,
          py::arg("small_segment") = pool_options{}.small_segment,
-         py::arg("large_segment") = pool_options{}.large_segment, py::keep_alive<1, 2>())
+         py::arg("large_segment") = pool_options{}.large_segment, py::arg("segments") = "fixed",
+         py::arg("growable_room") = py::none(),
+         py::arg("growable_hysteresis") = pool_options{}.growable_hysteresis, py::keep_alive<1, 2>())
     // Every call that takes a pool's mutex lets go of the GIL first: a thread holding that
     // mutex may be waiting for GPU work queued behind a host callback that needs the GIL. The
     // hot pair first tries without letting go (try_allocate / try_deallocate: no wait for the
@@ -308,7 +338,9 @@ PYBIND11_MODULE(_core, m)
       return p.forked();
     })
     .def_property_readonly("device", &device_pool::device)
-    .def_property_readonly("options", [](device_pool const& p) { return options_dict(p.options()); });
+    .def_property_readonly("options", [](device_pool const& p) { return options_dict(p.options()); })
+    .def_property_readonly("growable", &device_pool::growable,
+                           "Whether growable segments are in use (asked for and supported).");
 
   py::class_<host_pool>(m, "HostPool", "A cache of pinned host memory for one device's context")
     .def(py::init([](host_driver* drv, int device, std::size_t limit) {
@@ -389,9 +421,10 @@ PYBIND11_MODULE(_core, m)
   m.def(
     "configure",
     [](std::string const& mode, std::size_t initial_size, std::size_t maximum_size,
-       double maximum_fraction, std::size_t pinned_limit) {
+       double maximum_fraction, std::size_t pinned_limit, std::string const& segments) {
       pool_options o = pool_registry::instance().options();
       o.mode             = parse_mode(mode);
+      o.segments         = parse_segments(segments);
       o.initial_size     = initial_size;
       o.maximum_size     = maximum_size;
       o.maximum_fraction = maximum_fraction;
@@ -399,6 +432,7 @@ PYBIND11_MODULE(_core, m)
     },
     py::kw_only(), py::arg("mode") = "pool", py::arg("initial_size") = 0,
     py::arg("maximum_size") = 0, py::arg("maximum_fraction") = 0.0, py::arg("pinned_limit") = 0,
+    py::arg("segments") = "fixed",
     "Set the options of the process-wide pools; only before the first one exists.");
   m.def(
     "set_tracing", [](bool on) { pool_registry::instance().set_tracing(on); }, py::arg("on"),

@@ -11,6 +11,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <map>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -203,7 +204,155 @@ class cuda_driver_impl final : public driver {
     check(api_.cuMemHostUnregister(ptr), "cuMemHostUnregister", EMMPOOL_WHERE);
   }
 
+  // --- virtual memory management: optional entry points (vmm_ below), so that a driver
+  // without them still serves fixed segments.
+
+  [[nodiscard]] std::size_t vmm_page_size(int device) override
+  {
+    (void)load();
+    if (!vmm_.complete()) { return 0; }
+    CUdevice dev{};
+    check(api_.cuDeviceGet(&dev, device), "cuDeviceGet", EMMPOOL_WHERE);
+    int supported = 0;
+    if (vmm_.cuDeviceGetAttribute(&supported,
+                                  CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                  dev) != CUDA_SUCCESS ||
+        supported == 0) {
+      return 0;
+    }
+    auto const prop = allocation_prop(dev);
+    std::size_t granularity = 0;
+    if (vmm_.cuMemGetAllocationGranularity(&granularity, &prop,
+                                           CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) != CUDA_SUCCESS) {
+      return 0;
+    }
+    return granularity;
+  }
+
+  [[nodiscard]] device_ptr reserve_address(int device, std::size_t bytes) override
+  {
+    scoped_context ctx{*this, device};
+    require_vmm("cuMemAddressReserve");
+    CUdeviceptr p{};
+    check(vmm_.cuMemAddressReserve(&p, bytes, 0, 0, 0), "cuMemAddressReserve", EMMPOOL_WHERE);
+    return static_cast<device_ptr>(p);
+  }
+
+  void free_address(int device, device_ptr base, std::size_t bytes) override
+  {
+    scoped_context ctx{*this, device};
+    require_vmm("cuMemAddressFree");
+    check(vmm_.cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes), "cuMemAddressFree",
+          EMMPOOL_WHERE);
+  }
+
+  [[nodiscard]] physical_handle map_physical(int device, device_ptr at, std::size_t bytes) override
+  {
+    scoped_context ctx{*this, device};
+    require_vmm("cuMemCreate");
+    CUdevice dev{};
+    check(api_.cuDeviceGet(&dev, device), "cuDeviceGet", EMMPOOL_WHERE);
+    auto const prop = allocation_prop(dev);
+    CUmemGenericAllocationHandle h{};
+    auto const r = vmm_.cuMemCreate(&h, bytes, &prop, 0);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+      throw out_of_memory{"cuMemCreate of " + std::to_string(bytes) + " bytes: out of memory"};
+    }
+    check(r, "cuMemCreate", EMMPOOL_WHERE);
+    auto const p = static_cast<CUdeviceptr>(at);
+    auto const m = vmm_.cuMemMap(p, bytes, 0, h, 0);
+    if (m != CUDA_SUCCESS) {
+      vmm_.cuMemRelease(h);
+      check(m, "cuMemMap", EMMPOOL_WHERE);
+    }
+    // Read/write for the device and for every device that can access it as a peer, as a
+    // cuMemAlloc segment is once peer access is enabled (VMM mappings need no enabling).
+    auto const& readers = accessors(dev);
+    std::vector<CUmemAccessDesc> access(readers.size());
+    for (std::size_t i = 0; i < readers.size(); ++i) {
+      access[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      access[i].location.id   = readers[i];
+      access[i].flags         = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    }
+    auto const a = vmm_.cuMemSetAccess(p, bytes, access.data(), access.size());
+    if (a != CUDA_SUCCESS) {
+      vmm_.cuMemUnmap(p, bytes);
+      vmm_.cuMemRelease(h);
+      check(a, "cuMemSetAccess", EMMPOOL_WHERE);
+    }
+    return static_cast<physical_handle>(h);
+  }
+
+  void unmap_physical(int device, device_ptr at, std::size_t bytes, physical_handle h) override
+  {
+    scoped_context ctx{*this, device};
+    require_vmm("cuMemUnmap");
+    check(vmm_.cuMemUnmap(static_cast<CUdeviceptr>(at), bytes), "cuMemUnmap", EMMPOOL_WHERE);
+    check(vmm_.cuMemRelease(static_cast<CUmemGenericAllocationHandle>(h)), "cuMemRelease",
+          EMMPOOL_WHERE);
+  }
+
  private:
+  struct vmm_api {
+    decltype(&::cuDeviceGetAttribute) cuDeviceGetAttribute                     = nullptr;
+    decltype(&::cuMemGetAllocationGranularity) cuMemGetAllocationGranularity = nullptr;
+    decltype(&::cuMemAddressReserve) cuMemAddressReserve                       = nullptr;
+    decltype(&::cuMemAddressFree) cuMemAddressFree                             = nullptr;
+    decltype(&::cuMemCreate) cuMemCreate                                       = nullptr;
+    decltype(&::cuMemRelease) cuMemRelease                                     = nullptr;
+    decltype(&::cuMemMap) cuMemMap                                             = nullptr;
+    decltype(&::cuMemUnmap) cuMemUnmap                                         = nullptr;
+    decltype(&::cuMemSetAccess) cuMemSetAccess                                 = nullptr;
+    decltype(&::cuDeviceCanAccessPeer) cuDeviceCanAccessPeer = nullptr;  // optional: own device only
+    [[nodiscard]] bool complete() const noexcept
+    {
+      return cuDeviceGetAttribute && cuMemGetAllocationGranularity && cuMemAddressReserve &&
+             cuMemAddressFree && cuMemCreate && cuMemRelease && cuMemMap && cuMemUnmap &&
+             cuMemSetAccess;
+    }
+  };
+
+  static CUmemAllocationProp allocation_prop(CUdevice dev)
+  {
+    CUmemAllocationProp prop{};
+    prop.type          = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id   = dev;
+    return prop;
+  }
+
+  // The device itself, then the devices that can access its memory as peers; asked once.
+  std::vector<CUdevice> const& accessors(CUdevice dev)
+  {
+    std::lock_guard lock{contexts_mutex_};
+    auto& list = accessors_[static_cast<int>(dev)];
+    if (list.empty()) {
+      list.push_back(dev);
+      int n = 0;
+      if (api_.cuDeviceGetCount(&n) == CUDA_SUCCESS && vmm_.cuDeviceCanAccessPeer != nullptr) {
+        for (int d = 0; d < n; ++d) {
+          CUdevice other{};
+          int can = 0;
+          if (d == static_cast<int>(dev) || api_.cuDeviceGet(&other, d) != CUDA_SUCCESS) {
+            continue;
+          }
+          if (vmm_.cuDeviceCanAccessPeer(&can, other, dev) == CUDA_SUCCESS && can != 0) {
+            list.push_back(other);
+          }
+        }
+      }
+    }
+    return list;
+  }
+
+  void require_vmm(char const* call) const
+  {
+    if (!vmm_.complete()) {
+      throw cuda_error{call, static_cast<int>(CUDA_ERROR_NOT_SUPPORTED), "CUDA_ERROR_NOT_SUPPORTED",
+                       EMMPOOL_WHERE};
+    }
+  }
+
   // Makes the device's primary context current for one call when it is not already. Numba,
   // CuPy and PyTorch all work in primary contexts; finalizer threads may have none current.
   class scoped_context {
@@ -285,6 +434,19 @@ class cuda_driver_impl final : public driver {
     // under the same handle, and so never names a stream after the call that passed it.
     stream_get_id_ = reinterpret_cast<decltype(&::cuStreamGetId)>(
       ::dlsym(handle_, EMMPOOL_STRINGIFY(cuStreamGetId)));
+    // Optional too: growable segments (virtual memory management, CUDA 10.2+).
+#define EMMPOOL_VMM(fn) vmm_.fn = reinterpret_cast<decltype(vmm_.fn)>(::dlsym(handle_, EMMPOOL_STRINGIFY(fn)));
+    EMMPOOL_VMM(cuDeviceGetAttribute)
+    EMMPOOL_VMM(cuMemGetAllocationGranularity)
+    EMMPOOL_VMM(cuMemAddressReserve)
+    EMMPOOL_VMM(cuMemAddressFree)
+    EMMPOOL_VMM(cuMemCreate)
+    EMMPOOL_VMM(cuMemRelease)
+    EMMPOOL_VMM(cuMemMap)
+    EMMPOOL_VMM(cuMemUnmap)
+    EMMPOOL_VMM(cuMemSetAccess)
+    EMMPOOL_VMM(cuDeviceCanAccessPeer)
+#undef EMMPOOL_VMM
     auto const r = api_.cuInit(0);
     if (r != CUDA_SUCCESS) {
       char const* name = nullptr;
@@ -323,6 +485,8 @@ class cuda_driver_impl final : public driver {
   void* handle_ = nullptr;
   api api_{};
   decltype(&::cuStreamGetId) stream_get_id_ = nullptr;
+  vmm_api vmm_{};
+  std::map<int, std::vector<CUdevice>> accessors_;  // contexts_mutex_
   std::string load_call_;
   std::string load_error_;
   int load_code_ = 0;

@@ -50,6 +50,7 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
                   "initial_size exceeds the maximum pool size");
   live_.reserve(4096);
   trace_.set(options_.trace);
+  growable_.configure(options_, max_reserved_);
   if (options_.initial_size > 0 && options_.mode == pool_mode::pool) {
     std::lock_guard lock{mutex_};
     auto* blk = grow(round_up(options_.initial_size, large_granularity), true);
@@ -73,18 +74,20 @@ device_pool::~device_pool()
   }
   for (auto& [base, seg] : segments_) {
     try {
-      driver_->deallocate(device_, base);
+      if (!seg->growable) { driver_->deallocate(device_, base); }
     } catch (...) {
     }
   }
+  growable_.release_at_teardown();
   retired_.release_all();
   (void)policy_.abandon();
 }
 
 // ---- allocation: stream order, then best fit, then the out-of-memory ladder -------------------
 
-device_pool::block* device_pool::take_best_fit(std::size_t rounded)
+device_pool::block* device_pool::take_best_fit(std::size_t rounded, bool growable)
 {
+  if (growable) { return growable_.take(rounded, true); }  // maps pages (detail/growable_space)
   return free_.take(rounded, rounded <= options_.small_request, alignment);
 }
 
@@ -96,6 +99,12 @@ device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_r
   return blk != nullptr ? blk : take_best_fit(rounded);
 }
 
+device_pool::block* device_pool::take_growable_without_cuda(std::size_t rounded, stream_ref stream)
+{
+  auto* blk = policy_.take_in_stream_order(stream, rounded);  // pool mode: serves() said so
+  return blk != nullptr ? blk : growable_.take(rounded, false);  // no page mapped here
+}
+
 std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
                                                     alloc_tag tag, std::uint64_t* generation_out)
 {
@@ -104,7 +113,8 @@ std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_ha
   if (!lock.owns_lock() || forked_) { return std::nullopt; }
   auto const key = policy_.allocation_key(stream);
   if (policy_.fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
-  if (auto* blk = take_without_cuda(rounded, key)) {
+  if (auto* blk = growable_.serves(rounded, tag) ? take_growable_without_cuda(rounded, key)
+                                                 : take_without_cuda(rounded, key)) {
     if (generation_out != nullptr) { *generation_out = generation_; }
     return hand_out(blk, bytes, key, tag);
   }
@@ -128,32 +138,37 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
                         miss->version == policy_.version();
 
   bool const pooled = options_.mode == pool_mode::pool;
+  bool g            = false;  // a growable request (set at a miss): maps after step 1's fences
   block* blk        = nullptr;
   if (!pooled) {
     maintain(key);  // returns completed frees' segments to the driver
     blk = grow(rounded, true);
   } else {
     if (policy_.fence_due()) { maintain(key); }  // fence the waiting frees now, not at a miss
-    if (!searched) { blk = take_without_cuda(rounded, key); }
+    if (!searched) {
+      blk = growable_.serves(rounded, tag) ? take_growable_without_cuda(rounded, key)
+                                           : take_without_cuda(rounded, key);
+    }
     if (blk == nullptr) {
       // Ladder step 1: fence what was freed since the last miss, reuse what has completed.
+      g = growable_.serves(rounded, tag);
       auto const before = free_.insertions();
       maintain(key);
-      if (free_.insertions() != before) { blk = take_best_fit(rounded); }
+      if (g || free_.insertions() != before) { blk = take_best_fit(rounded, g); }
     }
-    if (blk == nullptr && (blk = grow(rounded, false)) != nullptr) {  // step 2: grow
+    if (blk == nullptr && (blk = grow(rounded, false, g)) != nullptr) {  // step 2: grow
       blk = free_.split(blk, rounded, alignment);
     }
   }
   if (blk == nullptr && policy_.has_waiting()) {
     // Step 3: wait for every pending free.
     drain();
-    blk = pooled ? take_best_fit(rounded) : grow(rounded, true);
+    blk = pooled ? take_best_fit(rounded, g) : grow(rounded, true);
   }
-  // Step 4: give wholly free segments back (unless cleanup is deferred), then grow with an
-  // exact-size segment.
+  // Step 4: give wholly free segments (and free pages) back (unless cleanup is deferred),
+  // then grow with an exact-size segment.
   if (blk == nullptr && (release_free_segments() > 0 || pooled) &&
-      (blk = grow(rounded, true)) != nullptr) {
+      (blk = grow(rounded, true, g)) != nullptr) {
     blk = free_.split(blk, rounded, alignment);
   }
   if (blk == nullptr) {
@@ -181,8 +196,12 @@ device_ptr device_pool::hand_out(block* blk, std::size_t bytes, stream_ref strea
 
 // ---- growth and giving memory back ----------------------------------------------------------
 
-device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
+device_pool::block* device_pool::grow(std::size_t rounded, bool exact, bool growable)
 {
+  if (growable) {
+    if (auto* blk = growable_.grow(rounded, segments_)) { return blk; }
+    // No address space left, or no memory: a fixed segment, as without growable segments.
+  }
   bool const small = options_.mode == pool_mode::pool && rounded <= options_.small_request;
   std::size_t size = rounded;
   if (options_.mode == pool_mode::pool) {
@@ -208,7 +227,7 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact)
     // size mixes (replay: peak reserved / peak live 1.40 -> 1.24) at the cost of a cuMemFree,
     // which synchronizes the device, only on growth past the peak. Small segments stay: they
     // are cheap and soon reused.
-    release_free_segments(true);
+    release_free_segments(true, size);
   }
 
   device_ptr base{};
@@ -261,18 +280,21 @@ void device_pool::release_segment(segment* seg)
   segments_.erase(seg->base);
 }
 
-std::size_t device_pool::release_free_segments(bool large_only)
+std::size_t device_pool::release_free_segments(bool at_peak, std::size_t need)
 {
   if (cleanup_deferred() || forked_) { return 0; }
   std::vector<segment*> idle;
   for (auto& [base, seg] : segments_) {
-    if (seg->live_blocks == 0 && !(large_only && seg->small)) { idle.push_back(seg.get()); }
+    if (seg->live_blocks == 0 && !(at_peak && seg->small) && !seg->growable) {
+      idle.push_back(seg.get());
+    }
   }
-  std::size_t released = 0;
+  std::size_t released = at_peak ? 0 : growable_.unmap_free(~std::size_t{0});
   for (auto* seg : idle) {
     released += seg->size;
     release_segment(seg);
   }
+  if (at_peak) { released += growable_.unmap_for_peak(need); }  // what the peak needs
   return released;
 }
 
@@ -390,7 +412,7 @@ void device_pool::release_block(block* blk)
   auto* seg = blk->seg;
   --seg->live_blocks;
   if (options_.mode == pool_mode::pool) {
-    free_.coalesce(blk);
+    (seg->growable ? growable_.free_list() : free_).coalesce(blk);
     return;
   }
   free_.insert(blk);  // passthrough: the segment, wholly free, goes back to the driver
@@ -429,11 +451,13 @@ void device_pool::reset()
   if (forked_) { return; }
   policy_.drain_or_abandon([this](block* b) { release_block(b); });
   regardless_of_deferrals([this] { release_free_segments(); });  // errors ignored
+  auto const growable_mapped = growable_.mapped_bytes();
+  growable_.drop(segments_);  // wholly free: released; else its pages stay mapped, retired
 
   // What is left holds live blocks: retire it, so that it is never handed out again.
   for (auto& [base, seg] : segments_) {
-    free_.erase_all_of(*seg);
-    stats_.bytes_reserved -= seg->size;
+    if (!seg->growable) { free_.erase_all_of(*seg); }  // growable: drop() did
+    stats_.bytes_reserved -= seg->growable ? growable_mapped : seg->size;
     --stats_.segments;
   }
   for (auto& [ptr, blk] : live_) { stats_.count_out_of_use(blk->size, blk->tag); }
@@ -464,58 +488,11 @@ std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
   --it;
   auto& seg = *it->second;
   if (ptr >= seg.base + seg.size || seg.live_blocks == 0) { return std::nullopt; }
+  if (seg.growable) { detail::growable_space::throw_no_ipc(); }
   if (!seg.ipc) { seg.ipc = driver_->ipc_handle(device_, seg.base); }
   return ipc_info{*seg.ipc, seg.base, seg.size, static_cast<std::size_t>(ptr - seg.base)};
 }
 
-// ---- tracing and statistics -----------------------------------------------------------------
-
-void device_pool::set_tracing(bool on)
-{
-  std::lock_guard lock{mutex_};
-  trace_.set(on);
-}
-
-std::vector<trace_record> device_pool::take_trace()
-{
-  std::lock_guard lock{mutex_};
-  return trace_.take();
-}
-
-pool_stats device_pool::stats() const
-{
-  std::lock_guard lock{mutex_};
-  return stats_locked();
-}
-
-pool_stats device_pool::stats_locked() const
-{
-  pool_stats s         = stats_;
-  s.bytes_free         = free_.bytes();
-  s.largest_free_block = free_.largest();
-  s.bytes_waiting      = policy_.waiting_bytes();
-  s.batches_closed     = policy_.batches_closed();
-  s.dormant_fences     = policy_.dormant_fences();
-  s.same_stream_reuses = policy_.stream_order_reuses();
-  return s;
-}
-
-void device_pool::reset_peaks()
-{
-  std::lock_guard lock{mutex_};
-  stats_.peak_bytes_in_use   = stats_.bytes_in_use;
-  stats_.peak_bytes_reserved = stats_.bytes_reserved;
-}
-
-std::string device_pool::describe() const
-{
-  std::lock_guard lock{mutex_};
-  return describe_locked();
-}
-
-std::string device_pool::describe_locked() const
-{
-  return emmpool::describe(stats_locked(), device_, max_reserved_);
-}
+// Tracing and statistics: device_pool_stats.cpp.
 
 }  // namespace emmpool

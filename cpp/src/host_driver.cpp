@@ -1,8 +1,10 @@
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 
 namespace emmpool {
 
@@ -83,6 +85,25 @@ void host_driver::invalidate_device(int device)
       counters_.bytes_reserved -= it->second.bytes;
       --counters_.live_segments;
       it = segments_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = mappings_.begin(); it != mappings_.end();) {
+    if (it->second.device == device) {
+      used_[static_cast<std::size_t>(device)] -= it->second.bytes;
+      counters_.bytes_mapped -= it->second.bytes;
+      --counters_.live_mappings;
+      it = mappings_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = reservations_.begin(); it != reservations_.end();) {
+    if (it->second.device == device) {
+      counters_.bytes_address_reserved -= it->second.bytes;
+      --counters_.live_reservations;
+      it = reservations_.erase(it);
     } else {
       ++it;
     }
@@ -347,6 +368,166 @@ void host_driver::host_unregister(int, void* ptr)
     throw cuda_error{"cuMemHostUnregister", 713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
                      EMMPOOL_WHERE};
   }
+}
+
+}  // namespace emmpool
+
+// ---- virtual memory management ------------------------------------------------------------
+
+namespace emmpool {
+
+void host_driver::set_vmm_supported(bool on)
+{
+  std::lock_guard lock{mutex_};
+  vmm_supported_ = on;
+}
+
+void host_driver::fail_next_maps(int n)
+{
+  std::lock_guard lock{mutex_};
+  fail_maps_ = n;
+}
+
+void host_driver::fail_next_unmaps(int n)
+{
+  std::lock_guard lock{mutex_};
+  fail_unmaps_ = n;
+}
+
+void host_driver::fail_next_reservations(int n)
+{
+  std::lock_guard lock{mutex_};
+  fail_reservations_ = n;
+}
+
+std::size_t host_driver::vmm_page_size(int device)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  return vmm_supported_ ? granularity : 0;
+}
+
+device_ptr host_driver::reserve_address(int device, std::size_t bytes)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  if (!vmm_supported_) {
+    throw cuda_error{"cuMemAddressReserve", 801, "CUDA_ERROR_NOT_SUPPORTED", EMMPOOL_WHERE};
+  }
+  if (fail_reservations_ > 0) {
+    --fail_reservations_;
+    throw cuda_error{"cuMemAddressReserve", 2, "CUDA_ERROR_OUT_OF_MEMORY", EMMPOOL_WHERE};
+  }
+  if (bytes == 0 || bytes % granularity != 0) {
+    throw cuda_error{"cuMemAddressReserve", invalid_value_code, "CUDA_ERROR_INVALID_VALUE",
+                     EMMPOOL_WHERE};
+  }
+  auto& next         = next_address_[static_cast<std::size_t>(device)];
+  device_ptr const p = next;
+  next += bytes + granularity;  // a gap: nothing may coalesce across reservations
+  reservations_.emplace(p, reservation{device, bytes});
+  counters_.bytes_address_reserved += bytes;
+  ++counters_.live_reservations;
+  return p;
+}
+
+void host_driver::free_address(int device, device_ptr base, std::size_t bytes)
+{
+  std::lock_guard lock{mutex_};
+  auto it = reservations_.find(base);
+  if (it == reservations_.end() || it->second.device != device || it->second.bytes != bytes) {
+    throw cuda_error{"cuMemAddressFree", invalid_value_code, "CUDA_ERROR_INVALID_VALUE",
+                     EMMPOOL_WHERE};
+  }
+  auto m = mappings_.lower_bound(base);
+  if (m != mappings_.end() && m->first < base + bytes) {
+    // CUDA leaves the physical memory mapped and unreachable: in the model, a pool bug.
+    throw cuda_error{"cuMemAddressFree", invalid_value_code,
+                     "CUDA_ERROR_INVALID_VALUE (range still mapped)", EMMPOOL_WHERE};
+  }
+  counters_.bytes_address_reserved -= bytes;
+  --counters_.live_reservations;
+  reservations_.erase(it);
+}
+
+physical_handle host_driver::map_physical(int device, device_ptr at, std::size_t bytes)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  auto const d = static_cast<std::size_t>(device);
+  if (fail_maps_ > 0) {
+    --fail_maps_;
+    throw out_of_memory{"host_driver: injected cuMemCreate failure"};
+  }
+  auto const invalid = [] {
+    return cuda_error{"cuMemMap", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
+  };
+  if (bytes == 0 || bytes % granularity != 0 || at % granularity != 0) { throw invalid(); }
+  auto r = reservations_.upper_bound(at);
+  if (r == reservations_.begin()) { throw invalid(); }
+  --r;
+  if (r->second.device != device || at + bytes > r->first + r->second.bytes) { throw invalid(); }
+  auto m = mappings_.lower_bound(at);
+  if (m != mappings_.end() && m->first < at + bytes) { throw invalid(); }  // overlaps above
+  if (m != mappings_.begin() && std::prev(m)->first + std::prev(m)->second.bytes > at) {
+    throw invalid();  // overlaps below
+  }
+  if (bytes > capacity_[d] - used_[d] || used_[d] > capacity_[d]) {
+    throw out_of_memory{"host_driver: device " + std::to_string(device) + " is full (cuMemCreate)"};
+  }
+  physical_handle const h = next_handle_++;
+  mappings_.emplace(at, mapping{device, bytes, h});
+  used_[d] += bytes;
+  ++counters_.maps;
+  counters_.bytes_mapped += bytes;
+  ++counters_.live_mappings;
+  return h;
+}
+
+void host_driver::unmap_physical(int device, device_ptr at, std::size_t bytes, physical_handle h)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  if (fail_unmaps_ > 0) {
+    --fail_unmaps_;
+    throw cuda_error{"cuMemUnmap", 700, "CUDA_ERROR_ILLEGAL_ADDRESS", EMMPOOL_WHERE};
+  }
+  auto m = mappings_.find(at);
+  if (m == mappings_.end() || m->second.device != device || m->second.bytes != bytes ||
+      m->second.handle != h) {
+    throw cuda_error{"cuMemUnmap", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
+  }
+  used_[static_cast<std::size_t>(device)] -= bytes;
+  ++counters_.unmaps;
+  counters_.bytes_mapped -= bytes;
+  --counters_.live_mappings;
+  mappings_.erase(m);
+}
+
+}  // namespace emmpool
+
+namespace emmpool {
+
+bool host_driver::accessible(int device, device_ptr ptr, std::size_t bytes) const
+{
+  std::lock_guard lock{mutex_};
+  device_ptr const end = ptr + bytes;
+  auto s = segments_.upper_bound(ptr);
+  if (s != segments_.begin()) {
+    --s;
+    if (s->second.device == device && end <= s->first + s->second.bytes) { return true; }
+  }
+  // Mappings are page-granular and may be adjacent: walk them from the one holding ptr.
+  auto m = mappings_.upper_bound(ptr);
+  if (m == mappings_.begin()) { return false; }
+  --m;
+  device_ptr covered = ptr;
+  while (m != mappings_.end() && m->first <= covered && m->second.device == device) {
+    covered = std::max(covered, m->first + m->second.bytes);
+    if (covered >= end) { return true; }
+    ++m;
+  }
+  return false;
 }
 
 }  // namespace emmpool

@@ -44,7 +44,10 @@ void retired_segments::free(block* blk)
   auto* seg = blk->seg;
   if (--seg->live_blocks > 0) { return; }
   try {
-    if (!process_is_exiting() && driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
+    // A growable segment's pages are left mapped (they may not be this process's any more
+    // after a context reset; docs/limits.md).
+    if (!seg->growable && !process_is_exiting() &&
+        driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
       driver_->deallocate(device_, seg->base);
     }
   } catch (...) {
@@ -63,7 +66,7 @@ void retired_segments::release_all() noexcept
 {
   for (auto& seg : segments_) {
     try {
-      if (driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
+      if (!seg->growable && driver_->buffer_id(device_, seg->base) == seg->buffer_id) {
         driver_->deallocate(device_, seg->base);
       }
     } catch (...) {

@@ -51,6 +51,7 @@ class Config:
     log: str = ""  # level of the "emmpool" logger; "": left to the application
     pinned: str = "pool"  # Numba's pinned/mapped host memory: "pool" (emmpool's) or "numba"
     pinned_limit: int | None = None  # bytes the pinned cache may hold; None: RAM / 4
+    segments: str = "fixed"  # "fixed" or "growable" (VMM pages mapped on demand; not Numba's)
 
 
 # ---- parsers: one per kind of value, shared by the environment and configure() --------------
@@ -194,6 +195,7 @@ _OPTIONS = {
     "log": _Option("EMMPOOL_LOG", _one("log", _choice(*_LOG_LEVELS))),
     "pinned": _Option("EMMPOOL_PINNED", _one("pinned", _choice("pool", "numba"))),
     "pinned_limit": _Option("EMMPOOL_PINNED_LIMIT", _one("pinned_limit", _positive_size)),
+    "segments": _Option("EMMPOOL_SEGMENTS", _one("segments", _choice("fixed", "growable"))),
 }
 _FIELDS = [f.name for f in fields(Config)]
 _DEFAULT = "default"
@@ -286,6 +288,7 @@ def configure(**options) -> Config:
                 maximum_size=cfg.maximum_pool_size or 0,  # the core's "no cap"
                 maximum_fraction=cfg.maximum_pool_fraction or 0.0,
                 pinned_limit=cfg.pinned_limit or 0,  # the core's "a quarter of RAM"
+                segments=cfg.segments,
             )
         except RuntimeError as e:  # std::logic_error: a pool exists
             raise RuntimeError(str(e)) from None
@@ -359,6 +362,7 @@ def _in_force() -> tuple[Config, dict[str, str]]:
         "maximum_pool_size": o["maximum_size"] or None,
         "maximum_pool_fraction": o["maximum_fraction"] or None,
         "pinned_limit": o["pinned_limit"] or None,
+        "segments": o["segments"],
     }
     sources.update(dict.fromkeys(core, _BEFORE_CONFIGURATION))
     return Config(**{**asdict(cfg), **core}), sources
@@ -397,6 +401,10 @@ def report() -> list[Setting]:
                    "numba": "numba (Numba's own pinned memory)"}[cfg.pinned],
         "pinned_limit": _bytes(cfg.pinned_limit) if cfg.pinned_limit is not None
         else f"a quarter of physical memory, {_human(_physical_memory() // 4)} here",
+        "segments": {"fixed": "fixed (cuMemAlloc segments)",
+                     "growable": "growable (pages mapped on demand where the device supports "
+                                 "virtual memory management; Numba's blocks on fixed segments)",
+                     }[cfg.segments],
     }
     return [Setting(name, text, sources[name]) for name, text in words.items()]
 

@@ -76,30 +76,40 @@ def _drive(ops, alloc: Callable, free: Callable, reserved_now: Callable | None =
             "ops": len(ops)}
 
 
-def _emmpool(ops, driver) -> dict:
-    pool = _core.DevicePool(driver, 0, mode="pool")
+def _emmpool(ops, driver, segments="fixed") -> dict:
+    pool = _core.DevicePool(driver, 0, mode="pool", segments=segments)
+    if segments == "growable" and not pool.growable:
+        raise Skip("the device does not support virtual memory management (growable segments)")
     r = _drive(ops, pool.allocate, pool.deallocate)
     st = pool.stats()
     r.update(peak_reserved=st["peak_bytes_reserved"], segment_allocations=st["segment_allocations"],
-             segment_releases=st["segment_releases"])
+             segment_releases=st["segment_releases"], page_maps=st["page_maps"],
+             page_unmaps=st["page_unmaps"], segments=segments)
     pool.synchronize()
     pool.trim()
     return r
 
 
-def _emmpool_host(ops) -> dict:
+def _configured_segments() -> str:
+    # EMMPOOL_SEGMENTS (the one parser), as the process-wide pools would get it.
+    from . import _config
+
+    return _config.config().segments
+
+
+def _emmpool_host(ops, segments=None) -> dict:
     driver = _core.HostDriver(devices=1, capacity=1 << 44)  # no memory pressure: the policy alone
     driver.set_auto_complete(True)
-    return _emmpool(ops, driver)
+    return _emmpool(ops, driver, segments or _configured_segments())
 
 
-def _emmpool_cuda(ops) -> dict:
+def _emmpool_cuda(ops, segments=None) -> dict:
     try:
         if _core.device_count() < 1:
             raise Skip("no CUDA device")
     except _core.CudaError as e:
         raise Skip(f"no usable CUDA driver: {e}") from None
-    return _emmpool(ops, None)
+    return _emmpool(ops, None, segments or _configured_segments())
 
 
 def _cupy(ops) -> dict:
@@ -137,8 +147,14 @@ def _torch(ops) -> dict:
 
 
 BACKENDS: dict[str, Callable[[list], dict]] = {
+    # emmpool-host and emmpool: the segments EMMPOOL_SEGMENTS asks for (default fixed); the
+    # -fixed and -growable backends name theirs, for a comparison in one run.
     "emmpool-host": _emmpool_host,
+    "emmpool-host-fixed": lambda ops: _emmpool_host(ops, "fixed"),
+    "emmpool-host-growable": lambda ops: _emmpool_host(ops, "growable"),
     "emmpool": _emmpool_cuda,
+    "emmpool-fixed": lambda ops: _emmpool_cuda(ops, "fixed"),
+    "emmpool-growable": lambda ops: _emmpool_cuda(ops, "growable"),
     "cupy": _cupy,
     "torch": _torch,
 }

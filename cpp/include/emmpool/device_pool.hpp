@@ -25,6 +25,7 @@
 
 #include <emmpool/detail/block.hpp>
 #include <emmpool/detail/free_list.hpp>
+#include <emmpool/detail/growable_space.hpp>
 #include <emmpool/detail/pool_lifecycle.hpp>
 #include <emmpool/detail/retired_segments.hpp>
 #include <emmpool/detail/trace_log.hpp>
@@ -131,7 +132,13 @@ class device_pool : private detail::pool_lifecycle {
   /// @brief IPC description of the block containing ptr (which may point inside it);
   /// std::nullopt if the pool did not allocate it. A segment is never released to the driver
   /// while a block in it is live, exported or not.
+  /// @throws pool_error for a block of a growable segment (cuIpcGetMemHandle cannot export
+  /// VMM memory; Numba's blocks never live there)
   [[nodiscard]] std::optional<ipc_info> ipc_handle(device_ptr ptr);
+
+  /// @brief Whether requests above small_request (other than Numba's) use a growable
+  /// segment: asked for in the options and supported by the driver and device.
+  [[nodiscard]] bool growable() const noexcept { return growable_.enabled(); }
 
   /// @brief Release wholly free segments to the driver (unless cleanup is deferred).
   /// @return bytes released
@@ -174,7 +181,8 @@ class device_pool : private detail::pool_lifecycle {
   // All private members expect mutex_ held.
   // ---- allocation
   block* take_without_cuda(std::size_t rounded, stream_ref stream);  // stream order, best fit
-  block* take_best_fit(std::size_t rounded);                         // and split
+  block* take_growable_without_cuda(std::size_t rounded, stream_ref stream);  // maps no page
+  block* take_best_fit(std::size_t rounded, bool growable = false);  // and split
   device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);
   /// The last try_allocate() that searched and missed, so that the allocate() after it neither
   /// checks the same request nor searches again while the batches (reuse_policy::version) and
@@ -189,8 +197,9 @@ class device_pool : private detail::pool_lifecycle {
   };
   std::optional<missed_request> missed_;
   // ---- growth and giving memory back
-  block* grow(std::size_t rounded, bool exact);
-  std::size_t release_free_segments(bool large_only = false);
+  block* grow(std::size_t rounded, bool exact, bool growable = false);
+  // At a new peak (growing by `need`): large segments only, and few pages (growable_space).
+  std::size_t release_free_segments(bool at_peak = false, std::size_t need = 0);
   void release_segment(segment* seg);
   // ---- frees
   void free_live(device_ptr ptr, stream_handle stream, int tag = -1);  // of library tag (>= 0)
@@ -214,6 +223,9 @@ class device_pool : private detail::pool_lifecycle {
   detail::retired_segments retired_{*driver_, device_, blocks_};  // outlived a reset()
   pool_stats stats_{};
   detail::trace_log trace_;
+  // Last: the members above keep the layout (cache lines) of fixed segments' hot path.
+  detail::growable_space growable_{*driver_, device_, blocks_, stats_,  // issue #18
+                                   [this](std::size_t n) { release_free_segments(true, n); }};
 };
 
 }  // namespace emmpool

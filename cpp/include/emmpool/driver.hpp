@@ -33,6 +33,7 @@ namespace emmpool {
 using device_ptr    = std::uintptr_t;  ///< A device address (CUdeviceptr).
 using stream_handle = std::uintptr_t;  ///< A CUstream, as an integer.
 using event_handle  = std::uintptr_t;  ///< A CUevent, as an integer.
+using physical_handle = std::uint64_t;  ///< A CUmemGenericAllocationHandle (cuMemCreate).
 
 /// CU_STREAM_LEGACY: the legacy default stream, whatever the per-thread setting of the caller.
 /// To the pool it also means "no stream named": Numba's allocations and frees carry none.
@@ -121,6 +122,29 @@ class driver {
   /// @brief cuMemHostRegister of caller memory (flags: host_mapped and/or host_portable).
   virtual void host_register(int device, void* ptr, std::size_t bytes, unsigned flags) = 0;
   virtual void host_unregister(int device, void* ptr) = 0;
+
+  // --- virtual memory management (growable segments, detail/growable_segment.hpp) ------------
+  // Address space is reserved once; physical memory is created and mapped into it page by
+  // page, and unmapped page by page. The defaults say "unsupported": a driver that does not
+  // override them gives the pool fixed segments only.
+
+  /// @brief The page size of physical allocations on the device (cuMemGetAllocationGranularity,
+  /// recommended), or 0 where virtual memory management is unsupported: a device without
+  /// CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, or a driver lacking the calls.
+  [[nodiscard]] virtual std::size_t vmm_page_size(int device);
+  /// @brief cuMemAddressReserve of `bytes` (a multiple of the page size), page aligned; no
+  /// memory behind it. @throws cuda_error
+  [[nodiscard]] virtual device_ptr reserve_address(int device, std::size_t bytes);
+  /// @brief cuMemAddressFree of a whole reservation, which must hold no mapping any more.
+  virtual void free_address(int device, device_ptr base, std::size_t bytes);
+  /// @brief cuMemCreate of `bytes` of the device's memory, cuMemMap at `at` (page aligned,
+  /// inside a reservation, not mapped) and cuMemSetAccess read/write for the device; all or
+  /// nothing. @return the physical handle, for unmap_physical. @throws out_of_memory, cuda_error
+  [[nodiscard]] virtual physical_handle map_physical(int device, device_ptr at, std::size_t bytes);
+  /// @brief cuMemUnmap of exactly what one map_physical mapped, then cuMemRelease of its
+  /// handle. The caller guarantees no work that may still touch the range (the reuse rule's
+  /// fence completed): unmapping memory a kernel uses is a crash. @throws cuda_error
+  virtual void unmap_physical(int device, device_ptr at, std::size_t bytes, physical_handle h);
 };
 
 /// @brief The process-wide CUDA driver implementation. Loading is deferred to its first call;

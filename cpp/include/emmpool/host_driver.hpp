@@ -63,6 +63,16 @@ class host_driver final : public driver {
   void destroy_stream(stream_handle stream);
   /// @brief Off: stream_id() answers 0, as a driver without cuStreamGetId (before CUDA 12).
   void set_stream_ids(bool on);
+  /// @brief Off: vmm_page_size() answers 0, as a device without
+  /// CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (the pool falls back to fixed
+  /// segments). On by default, with 2 MiB pages.
+  void set_vmm_supported(bool on);
+  /// @brief The next n calls to map_physical() fail with out_of_memory (cuMemCreate).
+  void fail_next_maps(int n);
+  /// @brief The next n calls to unmap_physical() fail with a cuda_error.
+  void fail_next_unmaps(int n);
+  /// @brief The next n calls to reserve_address() fail with a cuda_error.
+  void fail_next_reservations(int n);
 
   struct counters {
     std::uint64_t allocations, deallocations, event_records, event_queries, event_syncs;
@@ -73,8 +83,18 @@ class host_driver final : public driver {
     std::uint64_t device_syncs;
     std::uint64_t stream_id_queries;
     std::uint64_t dead_stream_uses;  ///< must stay 0: see the file comment
+    // Virtual memory management. Physical pages count against the device's capacity as
+    // segments do; bytes_mapped is not part of bytes_reserved.
+    std::uint64_t maps, unmaps;
+    std::size_t bytes_mapped;        ///< physical pages mapped, all devices
+    std::size_t live_mappings;
+    std::size_t live_reservations;
+    std::size_t bytes_address_reserved;
   };
   [[nodiscard]] counters stats() const;
+  /// @brief Whether every byte of [ptr, ptr + bytes) is memory a kernel could touch: inside a
+  /// live segment, or inside mapped pages. What a block in use or pending must always be.
+  [[nodiscard]] bool accessible(int device, device_ptr ptr, std::size_t bytes) const;
 
   // --- driver -------------------------------------------------------------------------------
   [[nodiscard]] std::string name() const override { return "host"; }
@@ -97,8 +117,25 @@ class host_driver final : public driver {
   void host_deallocate(int device, void* ptr) override;
   void host_register(int device, void* ptr, std::size_t bytes, unsigned flags) override;
   void host_unregister(int device, void* ptr) override;
+  // VMM, modelled as CUDA checks it: reservations are page aligned; a mapping must lie inside
+  // one reservation, page aligned, over no other mapping; an unmap must name exactly one
+  // mapping and its handle; a reservation is freed whole and only once it holds no mapping.
+  [[nodiscard]] std::size_t vmm_page_size(int device) override;
+  [[nodiscard]] device_ptr reserve_address(int device, std::size_t bytes) override;
+  void free_address(int device, device_ptr base, std::size_t bytes) override;
+  [[nodiscard]] physical_handle map_physical(int device, device_ptr at, std::size_t bytes) override;
+  void unmap_physical(int device, device_ptr at, std::size_t bytes, physical_handle h) override;
 
  private:
+  struct reservation {
+    int device;
+    std::size_t bytes;
+  };
+  struct mapping {
+    int device;
+    std::size_t bytes;
+    physical_handle handle;
+  };
   struct segment {
     int device;
     std::size_t bytes;
@@ -113,6 +150,13 @@ class host_driver final : public driver {
   std::vector<std::size_t> used_;
   std::vector<device_ptr> next_address_;
   std::map<device_ptr, segment> segments_;
+  std::map<device_ptr, reservation> reservations_;
+  std::map<device_ptr, mapping> mappings_;
+  physical_handle next_handle_ = 1;
+  bool vmm_supported_ = true;
+  int fail_maps_ = 0;
+  int fail_unmaps_ = 0;
+  int fail_reservations_ = 0;
   std::unordered_map<event_handle, bool> events_;  // event -> completed
   std::unordered_map<void*, std::size_t> host_allocations_;
   std::map<std::uintptr_t, std::size_t> host_registrations_;

@@ -14,6 +14,13 @@ inline constexpr std::size_t block_alignment = 256;
 
 enum class pool_mode : std::uint8_t { pool, passthrough };
 
+/// How pool mode gets memory for requests above small_request. `growable`: one address
+/// reservation whose pages are mapped on demand and unmapped when wholly free
+/// (detail/growable_space.hpp), where the device supports virtual memory management (fixed
+/// elsewhere). Numba's blocks stay on fixed segments either way: Numba's IPC
+/// (cuIpcGetMemHandle) cannot export VMM memory.
+enum class segment_kind : std::uint8_t { fixed, growable };
+
 /// @brief How a pool grows and what it keeps.
 struct pool_options {
   pool_mode mode{pool_mode::pool};
@@ -26,6 +33,16 @@ struct pool_options {
   std::size_t open_batch_limit{64u << 20};  ///< fence freed blocks past this many bytes
                                             ///< unfenced (dormant streams: one device sync)
   bool trace{false};                    ///< record every allocation and free (set_tracing)
+  segment_kind segments{segment_kind::fixed};  ///< see segment_kind
+  std::size_t growable_reserve{0};      ///< address space of a growable segment; 0: the
+                                        ///< device's memory (at most the cap)
+  std::size_t growable_room{20u << 20};  ///< growth maps up to this much of the free block
+                                         ///< it carves (room for the next requests); 0: only
+                                         ///< the pages the request needs
+  bool growable_hysteresis{true};       ///< at a new peak, unmap only the wholly free pages
+                                        ///< that keep reserved at the peak, not all of them
+                                        ///< (detail/growable_space.hpp); trim, the cap and
+                                        ///< the out-of-memory ladder unmap all of them
 
   /// @brief Check that the options are consistent (the device's own limits aside).
   /// @throws std::invalid_argument saying which is not

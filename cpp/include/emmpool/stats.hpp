@@ -19,7 +19,8 @@ inline constexpr std::size_t alloc_tag_count = 5;
 struct pool_stats {
   std::size_t bytes_in_use{};        ///< held by callers
   std::size_t peak_bytes_in_use{};
-  std::size_t bytes_reserved{};      ///< obtained from the driver (segments)
+  std::size_t bytes_reserved{};      ///< obtained from the driver: fixed segments, and the
+                                     ///< pages mapped in growable ones (memory, not addresses)
   std::size_t peak_bytes_reserved{};
   std::size_t bytes_waiting{};       ///< freed, waiting for their fences (reuse_policy.hpp)
   std::size_t bytes_free{};          ///< in the free lists, reusable now
@@ -35,6 +36,8 @@ struct pool_stats {
   std::uint64_t dormant_fences{};    ///< device synchronizations that fenced frees of streams
                                      ///< that may be gone (reuse_policy.hpp)
   std::uint64_t out_of_memory{};     ///< requests that failed after the whole ladder
+  std::uint64_t page_maps{};         ///< growable segments: pages mapped (cuMemCreate + cuMemMap)
+  std::uint64_t page_unmaps{};       ///< growable segments: pages unmapped and released
   std::array<std::size_t, alloc_tag_count> bytes_in_use_by_tag{};
   std::array<std::uint64_t, alloc_tag_count> allocations_by_tag{};
 

@@ -70,6 +70,8 @@ struct segment {
   std::size_t size{};
   std::uint64_t buffer_id{};           ///< driver's unique id: guards against freeing reused addresses
   bool small{};                        ///< serves small requests only (size classes)
+  bool growable{};                     ///< address space with pages mapped on demand
+                                       ///< (growable_segment.hpp); never IPC-exported
   std::size_t live_blocks{};           ///< blocks allocated or pending: never released while > 0
   std::optional<ipc_bytes> ipc;        ///< cuIpcGetMemHandle, fetched once
   block* first{};

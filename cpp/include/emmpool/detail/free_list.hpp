@@ -9,6 +9,9 @@
  * merges with its free physical neighbours (same segment: segments are separate driver
  * allocations), found in O(1) through the segment's address-ordered block list.
  *
+ * The growable segment (detail/growable_space.hpp) has a free_lists of its own, whose large
+ * set holds its blocks (address space): find_large() and for_each_large() serve it.
+ *
  * Knows nothing of streams or fences: a block reaches insert() or coalesce() only once the
  * reuse policy says no work can still touch it (reuse_policy.hpp). Not thread-safe: its pool's
  * mutex.
@@ -56,6 +59,31 @@ class free_lists {
   /// @brief Merge a returned block (not in a set) with its free neighbours, whose records are
   /// recycled, and insert the result. @return the merged block
   block* coalesce(block* blk);
+
+  /// @brief The large set's best fit for `size` or, when `ready` says no to it, the first of
+  /// the next `candidates` larger blocks that is ready; null if none fits. The block stays in
+  /// the set (erase() takes it). `*is_ready`: what ready said of the block returned.
+  template <class Ready>
+  [[nodiscard]] block* find_large(std::size_t size, Ready&& ready, int candidates,
+                                  bool* is_ready) const
+  {
+    block probe;
+    probe.size = size;
+    auto it    = large_.lower_bound(&probe);
+    if (it == large_.end()) { return nullptr; }
+    *is_ready = true;
+    for (auto alt = it; candidates >= 0 && alt != large_.end(); --candidates, ++alt) {
+      if (ready(*alt)) { return *alt; }
+    }
+    *is_ready = false;
+    return *it;
+  }
+  /// @brief Every block of the large set, largest first, while f(blk) says true.
+  template <class F>
+  void for_each_large(F&& f) const
+  {
+    for (auto it = large_.rbegin(); it != large_.rend() && f(*it); ++it) {}
+  }
 
   /// @brief Bytes in free blocks.
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }

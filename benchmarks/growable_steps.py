@@ -1,0 +1,137 @@
+"""Page maps and unmaps per step of a PyTorch-like training loop over the host driver (no GPU):
+emmpool's growable segments with and without the hysteresis (issue #18 follow-up), fixed
+segments for reference.
+
+The loop: parameters and optimizer state held throughout; per step a batch shape drawn anew
+(sequence length and batch size change every step, as in torch_training.py), activations
+allocated layer by layer (forward, with a temporary per layer), then per layer in reverse a
+gradient allocated and the activation freed (backward), then the optimizer's temporaries. The
+GPU keeps up (every fence completes at once). On an H100, every page map/unmap is a
+cuMemCreate+cuMemMap+cuMemSetAccess / cuMemUnmap+cuMemRelease: what made the growable loop
+32.8 ms/step vs 15.8 fixed (benchmarks/results/NVIDIA-H100-2026-11-23-torch-training.md).
+
+    python benchmarks/growable_steps.py [--steps 200] [--seed 1] [--out FILE.json|DIR] [--cuda]
+
+--cuda: the same over the CUDA driver on device 0 (no kernels: fences complete at once), with
+milliseconds per step: what each page map/unmap costs there. With --out DIR (as .ci/gpu runs
+benchmarks) it writes DIR/growable_steps.json and .md, over the CUDA driver where a GPU with
+virtual memory management is usable, else the host driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+from emmpool import _core
+
+MiB = 1 << 20
+
+
+def run(segments: str, hysteresis: bool, steps: int, seed: int, warm: int = 10,
+        cuda: bool = False) -> dict:
+    drv = None if cuda else _core.HostDriver(devices=1, capacity=1 << 40)
+    pool = _core.DevicePool(drv, 0, segments=segments, growable_hysteresis=hysteresis)
+    complete = (lambda: None) if cuda else drv.complete_all_events
+    rng = random.Random(seed)
+    layers = 24
+    width = [rng.choice([1, 2, 3, 4, 6, 8]) for _ in range(layers)]  # MiB per unit of shape
+    params = [pool.allocate(w * 2 * MiB) for w in width]
+    state = [pool.allocate(w * 4 * MiB) for w in width]  # Adam's two moments
+    maps0 = unmaps0 = 0
+    for step in range(warm + steps):
+        if step == warm:
+            s = pool.stats()
+            maps0, unmaps0 = s["page_maps"], s["page_unmaps"]
+            pool.reset_peaks()
+            t0 = time.perf_counter()
+        shape = rng.randint(4, 16) * rng.choice([1, 2])  # sequence length x batch, in units
+        acts = []
+        for w in width:  # forward
+            tmp = pool.allocate(w * shape * MiB // 8 + rng.randrange(64) * 256)
+            acts.append(pool.allocate(w * shape * MiB // 4 + rng.randrange(64) * 256))
+            pool.deallocate(tmp)
+            complete()
+        grad = None
+        grads = []
+        for w, a in zip(reversed(width), reversed(acts)):  # backward
+            g = pool.allocate(w * shape * MiB // 4)
+            grads.append(pool.allocate(w * 2 * MiB))  # parameter gradient
+            pool.deallocate(a)
+            if grad is not None:
+                pool.deallocate(grad)
+            grad = g
+            complete()
+        pool.deallocate(grad)
+        for g in grads:  # optimizer step: a temporary per parameter, then the gradients go
+            t = pool.allocate(2 * MiB * 2)
+            pool.deallocate(t)
+            pool.deallocate(g)
+        complete()
+    pool.synchronize()
+    seconds = time.perf_counter() - t0
+    s = pool.stats()
+    for p in params + state:
+        pool.deallocate(p)
+    pool.trim()
+    return {
+        "driver": "cuda" if cuda else "host",
+        "segments": segments,
+        "hysteresis": hysteresis if segments == "growable" else None,
+        "steps": steps,
+        "page_maps_per_step": (s["page_maps"] - maps0) / steps,
+        "page_unmaps_per_step": (s["page_unmaps"] - unmaps0) / steps,
+        "peak_in_use_mib": s["peak_bytes_in_use"] / MiB,
+        "peak_reserved_mib": s["peak_bytes_reserved"] / MiB,
+        "reserved_over_live": s["peak_bytes_reserved"] / s["peak_bytes_in_use"],
+        "ms_per_step": seconds * 1e3 / steps,
+        "growable": bool(pool.growable),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", help="write the results as JSON")
+    ap.add_argument("--cuda", action="store_true", help="the CUDA driver, device 0")
+    a = ap.parse_args()
+    out_dir = a.out if a.out and (os.path.isdir(a.out) or not a.out.endswith(".json")) else None
+    if out_dir and not a.cuda:
+        try:
+            a.cuda = bool(_core.DevicePool(None, 0, segments="growable").growable)
+        except Exception:  # no GPU, no driver: the host driver
+            a.cuda = False
+    rows = [
+        run("fixed", True, a.steps, a.seed, cuda=a.cuda),
+        run("growable", False, a.steps, a.seed, cuda=a.cuda),
+        run("growable", True, a.steps, a.seed, cuda=a.cuda),
+    ]
+    where = "the CUDA driver" if a.cuda else "the host driver"
+    lines = [f"PyTorch-like training loop over {where}: {a.steps} steps, seed {a.seed}", "",
+             "| segments | hysteresis | page maps / step | page unmaps / step | peak in use (MiB) "
+             "| peak reserved (MiB) | reserved / in use | ms / step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        hy = "-" if r["hysteresis"] is None else ("on" if r["hysteresis"] else "off")
+        lines.append(f"| {r['segments']} | {hy} | {r['page_maps_per_step']:.1f} | "
+                     f"{r['page_unmaps_per_step']:.1f} | {r['peak_in_use_mib']:.0f} | "
+                     f"{r['peak_reserved_mib']:.0f} | {r['reserved_over_live']:.3f} | "
+                     f"{r['ms_per_step']:.2f} |")
+    print("\n".join(lines))
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "growable_steps.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        a.out = os.path.join(out_dir, "growable_steps.json")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"benchmark": "growable_steps", "driver": "cuda" if a.cuda else "host",
+                       "seed": a.seed, "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

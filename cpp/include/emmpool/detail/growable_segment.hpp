@@ -1,0 +1,82 @@
+/**
+ * @file detail/growable_segment.hpp
+ * @brief The pages of a growable segment: one address reservation, physical memory mapped into
+ * it page by page as blocks need it and unmapped page by page when no block uses it.
+ *
+ * A growable segment is an ordinary segment to device_pool (blocks, best fit, split, coalesce),
+ * except that its free blocks are address space, not memory: a block handed out must first
+ * have every page it overlaps mapped (map), and a page that lies wholly inside one free block
+ * may be unmapped (unmap_inside). Free blocks are coalesced, so a page overlapped by no
+ * allocated or pending block lies inside one free block. "Free" means the block came back
+ * through the reuse policy (its fence completed, reuse_policy.hpp): no work
+ * issued before its free can touch it, so unmapping it cannot pull memory from under a kernel.
+ * Pending blocks (and their pages) are never unmapped.
+ *
+ * One physical allocation per page (as PyTorch's expandable segments), so that any page can
+ * go back on its own. Which pages go back when: detail/growable_space.hpp. Internal to device_pool; not thread-safe (the pool's mutex).
+ */
+#pragma once
+
+#include <emmpool/driver.hpp>
+
+#include <cstddef>
+#include <vector>
+
+namespace emmpool::detail {
+
+class growable_pages {
+ public:
+  /// Reserves `bytes` (rounded up to pages) of address space. @throws cuda_error
+  growable_pages(driver& drv, int device, std::size_t page_size, std::size_t bytes);
+  /// Calls no driver: release() first, or the reservation and its pages are left to the
+  /// driver (process exit, a context reset).
+  ~growable_pages() = default;
+  growable_pages(growable_pages const&)            = delete;
+  growable_pages& operator=(growable_pages const&) = delete;
+
+  [[nodiscard]] device_ptr base() const noexcept { return base_; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] std::size_t page_size() const noexcept { return page_; }
+  /// Bytes physically mapped: what the pool counts as reserved.
+  [[nodiscard]] std::size_t mapped_bytes() const noexcept { return mapped_pages_ * page_; }
+
+  /// Bytes of unmapped pages overlapping [ptr, ptr + bytes).
+  [[nodiscard]] std::size_t unmapped_in(device_ptr ptr, std::size_t bytes) const noexcept;
+  /// Mapped bytes inside [ptr, ptr + bytes) (a page partly inside counts its part).
+  [[nodiscard]] std::size_t mapped_overlap(device_ptr ptr, std::size_t bytes) const noexcept;
+  /// Map every unmapped page overlapping [ptr, ptr + bytes); all or nothing: on failure the
+  /// pages this call mapped are unmapped again. @return bytes newly mapped
+  /// @throws out_of_memory, cuda_error
+  std::size_t map(device_ptr ptr, std::size_t bytes);
+  /// Unmap the mapped pages lying wholly inside [ptr, ptr + bytes), the highest first, at
+  /// most `limit` bytes of them. @return bytes unmapped
+  /// @throws cuda_error (pages unmapped before the failure stay unmapped; mapped_bytes() says)
+  std::size_t unmap_inside(device_ptr ptr, std::size_t bytes, std::size_t limit);
+  /// Unmap every page and free the reservation. @throws cuda_error (consistent as above)
+  void release();
+
+  /// Counters for statistics and tests.
+  [[nodiscard]] std::uint64_t maps() const noexcept { return maps_; }
+  [[nodiscard]] std::uint64_t unmaps() const noexcept { return unmaps_; }
+
+ private:
+  [[nodiscard]] bool mapped(std::size_t page) const noexcept
+  {
+    return page < mapped_.size() && mapped_[page];
+  }
+  void unmap_page(std::size_t page);
+
+  driver* driver_;
+  int device_;
+  std::size_t page_;
+  std::size_t size_;
+  device_ptr base_{};
+  // Per page, grown on demand up to the highest page ever mapped (beyond: unmapped).
+  std::vector<physical_handle> handles_;
+  std::vector<bool> mapped_;
+  std::size_t mapped_pages_{};
+  std::uint64_t maps_{};
+  std::uint64_t unmaps_{};
+};
+
+}  // namespace emmpool::detail

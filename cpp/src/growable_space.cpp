@@ -1,0 +1,211 @@
+#include <emmpool/detail/growable_space.hpp>
+#include <emmpool/error.hpp>
+
+#include <algorithm>
+
+namespace emmpool::detail {
+
+namespace {
+constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
+}  // namespace
+
+void growable_space::configure(pool_options const& o, std::size_t max_reserved) noexcept
+{
+  small_request_ = o.small_request;
+  reserve_       = o.growable_reserve;
+  room_          = o.growable_room;
+  hysteresis_    = o.growable_hysteresis;
+  max_reserved_  = max_reserved;
+  if (o.segments != segment_kind::growable || o.mode != pool_mode::pool) { return; }
+  try {
+    page_ = driver_->vmm_page_size(device_);  // 0: unsupported, fixed segments
+  } catch (...) {
+    page_ = 0;
+  }
+}
+
+block* growable_space::take(std::size_t rounded, bool may_map)
+{
+  if (pages_ == nullptr) { return nullptr; }
+  bool ready = false;
+  // The best fit needs new pages: a slightly larger free block whose pages are mapped serves
+  // without a driver call (and without unmapping others at a new peak).
+  auto* blk = free_.find_large(
+    rounded, [&](block const* b) { return pages_->unmapped_in(b->ptr, rounded) == 0; }, 8, &ready);
+  if (blk == nullptr || (!ready && !may_map)) { return nullptr; }  // mapping: allocate() only
+  free_.erase(blk);  // off the list: unmapping spares it
+  if (!ready && !map_for(blk->ptr, rounded, blk->size)) {
+    free_.insert(blk);
+    return nullptr;
+  }
+  return free_.split(blk, rounded, block_alignment);
+}
+
+bool growable_space::map_for(device_ptr ptr, std::size_t rounded, std::size_t available)
+{
+  std::size_t need = pages_->unmapped_in(ptr, rounded);
+  if (!fits(need)) {
+    // The cap: give back everything no block uses, as the fixed segments' ladder does.
+    at_peak_(all_free);
+  } else if (stats_->bytes_reserved + need > stats_->peak_bytes_reserved) {
+    // About to reach a new peak: give back wholly free large fixed segments, then free pages
+    // (growable_space.hpp: as many as keep reserved at the peak), as grow() does.
+    at_peak_(need);
+  }
+  need = pages_->unmapped_in(ptr, rounded);
+  if (!fits(need)) { return false; }
+  try {
+    count_mapped(pages_->map(ptr, rounded));
+  } catch (out_of_memory const&) {
+    return false;  // the ladder goes on: wait for frees, give pages back, try again
+  }
+  // Room for the next few requests of this size (best effort, within the cap): without it a
+  // caller that frees and allocates mid-sized blocks on no stream would miss on every request
+  // (its freed block is still pending), where a fixed segment has up to large_segment to spare.
+  std::size_t const room = std::min(available, std::max(rounded, room_));
+  if (room > rounded && fits(pages_->unmapped_in(ptr, room))) {
+    try {
+      count_mapped(pages_->map(ptr, room));
+    } catch (cuda_error const&) {
+    } catch (out_of_memory const&) {
+    }
+  }
+  stats_->peak_bytes_reserved = std::max(stats_->peak_bytes_reserved, stats_->bytes_reserved);
+  return true;
+}
+
+block* growable_space::grow(std::size_t rounded,
+                            std::map<device_ptr, std::unique_ptr<segment>>& segments)
+{
+  if (page_ == 0) { return nullptr; }
+  if (pages_ == nullptr) {
+    // The address space of all the device's memory (at most the cap): growth never runs out
+    // of addresses before it runs out of memory. Addresses cost no memory.
+    std::size_t bytes = reserve_;
+    if (bytes == 0) { bytes = std::min(max_reserved_, driver_->memory_info_of(device_).total); }
+    bytes = std::max(round_up(bytes, page_), round_up(rounded, page_));
+    try {
+      pages_ = std::make_unique<growable_pages>(*driver_, device_, page_, bytes);
+    } catch (cuda_error const&) {
+      page_ = 0;  // the driver refuses reservations: fixed segments from now on
+      return nullptr;
+    }
+    auto seg      = std::make_unique<segment>();
+    seg->base     = pages_->base();
+    seg->size     = pages_->size();
+    seg->growable = true;
+    auto* blk     = arena_->make();
+    blk->ptr      = seg->base;
+    blk->size     = seg->size;
+    blk->seg      = seg.get();
+    seg->first    = blk;
+    seg_          = seg.get();
+    segments.emplace(seg->base, std::move(seg));
+    free_.insert(blk);
+    ++stats_->segment_allocations;
+    ++stats_->segments;
+  }
+  return take(rounded, true);
+}
+
+std::size_t growable_space::unmap_for_peak(std::size_t need)
+{
+  if (pages_ == nullptr) { return 0; }
+  if (!hysteresis_ || need == all_free) { return unmap_free(all_free); }
+  auto const after = stats_->bytes_reserved + need;
+  if (after <= stats_->peak_bytes_reserved) { return 0; }
+  return unmap_free(round_up(after - stats_->peak_bytes_reserved, page_));
+}
+
+std::size_t growable_space::unmap_free(std::size_t limit)
+{
+  if (pages_ == nullptr || limit < page_) { return 0; }
+  std::size_t const excess = std::min(limit, pages_->mapped_bytes());
+  auto const before = pages_->mapped_bytes();
+  std::size_t done  = 0;
+  try {
+    // Largest free blocks first: the least likely to be carved whole by the next requests.
+    free_.for_each_large([&](block const* b) {
+      done += pages_->unmap_inside(b->ptr, b->size, excess - done);
+      return done + page_ <= excess;
+    });
+  } catch (cuda_error const&) {
+    // cuMemUnmap failed (a sticky error, say): the page stays mapped and counted, for a later
+    // trim, as a segment whose cuMemFree failed.
+  }
+  auto const n = before - pages_->mapped_bytes();
+  count_unmapped(n);
+  return n;
+}
+
+void growable_space::drop(std::map<device_ptr, std::unique_ptr<segment>>& segments)
+{
+  if (seg_ == nullptr) { return; }
+  if (seg_->live_blocks == 0) {
+    // Wholly free: unmap everything, free the reservation, forget the segment.
+    auto const mapped = pages_->mapped_bytes();
+    try {
+      pages_->release();
+    } catch (cuda_error const&) {
+      retired_.push_back(std::move(pages_));  // left to the driver
+    }
+    count_unmapped(mapped);
+    for (auto* b = seg_->first; b != nullptr;) {
+      auto* next = b->next;
+      if (b->state == block_state::free) { free_.erase(b); }
+      arena_->recycle(b);
+      b = next;
+    }
+    --stats_->segments;
+    ++stats_->segment_releases;
+    segments.erase(seg_->base);
+  } else {
+    // Retired with live blocks (reset): its pages stay mapped until the process ends; its free
+    // blocks are never handed out again.
+    free_.erase_all_of(*seg_);
+    retired_.push_back(std::move(pages_));
+  }
+  pages_.reset();
+  seg_ = nullptr;
+}
+
+void growable_space::release_at_teardown() noexcept
+{
+  if (pages_ == nullptr) { return; }
+  try {
+    pages_->release();
+  } catch (...) {
+  }
+}
+
+std::size_t growable_space::free_mapped_bytes() const
+{
+  std::size_t mapped = 0;
+  if (pages_ == nullptr) { return 0; }
+  free_.for_each_large([&](block const* b) {
+    mapped += pages_->mapped_overlap(b->ptr, b->size);
+    return true;
+  });
+  return mapped;
+}
+
+void growable_space::throw_no_ipc()
+{
+  throw pool_error{"emmpool: no IPC handle for a block of a growable segment (cuIpcGetMemHandle "
+                   "cannot export memory mapped with cuMemMap). Numba's allocations never come "
+                   "from one; for other libraries use EMMPOOL_SEGMENTS=fixed"};
+}
+
+void growable_space::count_mapped(std::size_t n)
+{
+  stats_->bytes_reserved += n;
+  stats_->page_maps += n / page_;
+}
+
+void growable_space::count_unmapped(std::size_t n)
+{
+  stats_->bytes_reserved -= n;
+  stats_->page_unmaps += n / page_;
+}
+
+}  // namespace emmpool::detail

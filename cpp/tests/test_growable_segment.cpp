@@ -1,0 +1,482 @@
+// Tests of growable segments (detail/growable_segment.hpp) over host_driver's model of CUDA's
+// virtual memory management: pages mapped on demand, unmapped only when wholly free (never
+// under a live or pending block), trim and the out-of-memory ladder, the fallback to fixed
+// segments, IPC, reset and failures.
+#include "check.hpp"
+
+#include <emmpool/device_pool.hpp>
+#include <emmpool/error.hpp>
+#include <emmpool/host_driver.hpp>
+
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace emmpool;
+
+namespace {
+
+constexpr std::size_t MiB  = std::size_t{1} << 20;
+constexpr std::size_t page = 2 * MiB;  // host_driver's granularity
+
+pool_options growable_options(std::size_t cap = 0)
+{
+  pool_options o;
+  o.segments     = segment_kind::growable;
+  o.maximum_size = cap;
+  o.growable_room = 0;  // map exactly the pages a block needs: the tests count them
+  return o;
+}
+
+struct fixture {
+  host_driver drv;
+  std::unique_ptr<device_pool> pool;
+  explicit fixture(pool_options options = growable_options(), bool vmm = true)
+    : drv{1, std::size_t{1} << 34}
+  {
+    drv.set_vmm_supported(vmm);
+    pool = std::make_unique<device_pool>(drv, 0, options);
+  }
+  device_pool* operator->() { return pool.get(); }
+};
+
+/// Reserved is what the driver has mapped plus its fixed segments; every byte of the pool is
+/// in use, waiting or free (free counts only mapped bytes of a growable segment).
+std::string consistency(fixture& f)
+{
+  auto const s = f->stats();
+  auto const c = f.drv.stats();
+  std::string problems;
+  if (s.bytes_in_use + s.bytes_waiting + s.bytes_free != s.bytes_reserved) {
+    problems += "in_use " + std::to_string(s.bytes_in_use) + " + waiting " +
+                std::to_string(s.bytes_waiting) + " + free " + std::to_string(s.bytes_free) +
+                " != reserved " + std::to_string(s.bytes_reserved) + "; ";
+  }
+  if (c.bytes_mapped + c.bytes_reserved != s.bytes_reserved) {
+    problems += "driver maps " + std::to_string(c.bytes_mapped) + " + segments " +
+                std::to_string(c.bytes_reserved) + " != pool reserved " +
+                std::to_string(s.bytes_reserved) + "; ";
+  }
+  if (s.peak_bytes_reserved < s.bytes_reserved) { problems += "peak < reserved; "; }
+  return problems;
+}
+
+}  // namespace
+
+TEST(growable_maps_pages_on_demand)
+{
+  fixture f;
+  CHECK(f->growable());
+  auto const a = f->allocate(3 * MiB);  // pages 0 and 1 of the reservation
+  auto const s = f->stats();
+  CHECK_EQ(s.bytes_reserved, 2 * page);
+  CHECK_EQ(s.page_maps, 2u);
+  CHECK_EQ(s.segments, 1u);
+  CHECK_EQ(f.drv.stats().live_reservations, 1u);
+  CHECK_EQ(f.drv.stats().live_mappings, 2u);
+  CHECK(f.drv.accessible(0, a, 3 * MiB));
+  CHECK_EQ(consistency(f), "");
+  f->deallocate(a);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_grows_in_page_steps)
+{
+  fixture f;
+  std::vector<device_ptr> blocks;
+  for (int i = 0; i < 5; ++i) { blocks.push_back(f->allocate(3 * MiB)); }
+  // 15 MiB back to back: 8 pages, where fixed segments would hold a 20 MiB segment.
+  CHECK_EQ(f->stats().bytes_reserved, 8 * page);
+  for (std::size_t i = 1; i < blocks.size(); ++i) { CHECK_EQ(blocks[i], blocks[i - 1] + 3 * MiB); }
+  for (auto p : blocks) { CHECK(f.drv.accessible(0, p, 3 * MiB)); }
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_growth_maps_room_for_the_next_requests)
+{
+  auto o          = growable_options();
+  o.growable_room = 20 * MiB;
+  fixture f{o};
+  std::vector<device_ptr> blocks;
+  for (int i = 0; i < 5; ++i) { blocks.push_back(f->allocate(4 * MiB)); }
+  CHECK_EQ(f->stats().page_maps, 10u);  // one growth of 20 MiB served all five
+  CHECK_EQ(f->stats().bytes_reserved, 20 * MiB);
+  for (auto p : blocks) { CHECK(f.drv.accessible(0, p, 4 * MiB)); }
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_trim_unmaps_only_wholly_free_pages)
+{
+  fixture f;
+  auto const a = f->allocate(3 * MiB);  // [0, 3) MiB: pages 0, 1
+  auto const b = f->allocate(3 * MiB);  // [3, 6) MiB: pages 1, 2
+  CHECK_EQ(f->stats().bytes_reserved, 3 * page);
+  f->deallocate(a);
+  f->trim();  // waits for a's fence: page 0 is wholly free, page 1 still holds part of b
+  CHECK_EQ(f->stats().bytes_reserved, 2 * page);
+  CHECK(f.drv.accessible(0, b, 3 * MiB));
+  CHECK_EQ(consistency(f), "");
+  f->deallocate(b);
+  f->trim();
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(f.drv.stats().live_mappings, 0u);
+  CHECK_EQ(f.drv.stats().live_reservations, 1u);  // address space is kept
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_pending_blocks_are_never_unmapped)
+{
+  fixture f;
+  auto const a = f->allocate(8 * MiB);
+  f->deallocate(a);  // pending: its fence has not completed
+  // Past the peak: the pool gives back wholly free pages first, but a is not free yet.
+  auto const b = f->allocate(20 * MiB);
+  CHECK(f.drv.accessible(0, a, 8 * MiB));
+  CHECK(f.drv.accessible(0, b, 20 * MiB));
+  CHECK_EQ(consistency(f), "");
+  (void)f->trim();  // waits for a: now it may go
+  CHECK(!f.drv.accessible(0, a, 8 * MiB));
+  CHECK(f.drv.accessible(0, b, 20 * MiB));
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_new_peak_unmaps_free_pages_first)
+{
+  auto o          = growable_options();
+  o.growable_hysteresis = false;  // every wholly free page goes back at a new peak
+  fixture f{o};
+  auto const a = f->allocate(8 * MiB);
+  auto const b = f->allocate(8 * MiB);
+  f->deallocate(a);
+  f->synchronize();  // a's fence completed: a is free
+  auto const c = f->allocate(20 * MiB);  // a's 8 MiB hole cannot hold it: new pages
+  // a's pages went back before c's were mapped: the peak is b + c, not a + b + c.
+  CHECK_EQ(f->stats().peak_bytes_reserved, 28 * MiB);
+  CHECK(!f.drv.accessible(0, a, 8 * MiB));
+  CHECK(f.drv.accessible(0, b, 8 * MiB));
+  CHECK(f.drv.accessible(0, c, 20 * MiB));
+  CHECK_EQ(consistency(f), "");
+  // A free block whose pages are still mapped is preferred to a better fit that would need
+  // new pages: no driver call at all.
+  f->deallocate(c);
+  f->synchronize();
+  auto const maps = f->stats().page_maps;
+  auto const d    = f->allocate(6 * MiB);
+  CHECK_EQ(d, c);
+  CHECK_EQ(f->stats().page_maps, maps);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_new_peak_unmaps_only_what_the_peak_needs)
+{
+  fixture f;  // growable_hysteresis: the default
+  auto const a = f->allocate(8 * MiB);
+  auto const b = f->allocate(8 * MiB);
+  auto const c = f->allocate(8 * MiB);
+  auto const d = f->allocate(2 * MiB);  // keeps c's pages off the free tail
+  f->deallocate(a);
+  f->deallocate(c);
+  f->synchronize();  // 16 MiB of wholly free pages, reserved = peak = 26 MiB
+  auto const e = f->allocate(12 * MiB);  // the 8 MiB holes cannot hold it: 12 MiB new pages
+  // Only 12 MiB of free pages went back (c's, then a's top half), where every free page went
+  // back before: reserved stays at the peak.
+  CHECK_EQ(f->stats().page_unmaps, 6u);
+  CHECK_EQ(f->stats().peak_bytes_reserved, 26 * MiB);
+  CHECK_EQ(f->stats().bytes_reserved, 26 * MiB);
+  CHECK(!f.drv.accessible(0, c, 2 * MiB));
+  CHECK(f.drv.accessible(0, a, 4 * MiB));
+  CHECK(!f.drv.accessible(0, a + 4 * MiB, 2 * MiB));
+  CHECK(f.drv.accessible(0, e, 12 * MiB));
+  CHECK_EQ(consistency(f), "");
+  // a's pages still mapped serve the next request without a driver call.
+  auto const maps = f->stats().page_maps;
+  auto const g    = f->allocate(4 * MiB);
+  CHECK_EQ(g, a);
+  CHECK_EQ(f->stats().page_maps, maps);
+  // Trim keeps nothing.
+  for (auto p : {b, d, e, g}) { f->deallocate(p); }
+  (void)f->trim();
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+namespace {
+
+struct step_counts {
+  double maps_per_step, unmaps_per_step;
+  std::size_t peak_reserved, peak_in_use;
+};
+
+/// A PyTorch training loop's pattern, shapes changing every step: parameters held throughout;
+/// per step a batch scale, activations allocated layer by layer (forward), then per layer in
+/// reverse a gradient allocated and the activation freed (backward). The GPU keeps up.
+step_counts torch_like_steps(bool hysteresis, int steps)
+{
+  auto o          = growable_options();
+  o.growable_room = 20 * MiB;  // the default
+  o.growable_hysteresis = hysteresis;
+  fixture f{o};
+  std::mt19937_64 rng{7};
+  std::vector<device_ptr> params;
+  for (int i = 0; i < 8; ++i) { params.push_back(f->allocate(6 * MiB)); }
+  constexpr int layers = 16;
+  std::vector<std::size_t> base(layers);
+  for (auto& b : base) { b = (1 + rng() % 16) * 256 * 1024; }  // 0.25 .. 4 MiB per unit
+  std::uint64_t maps0 = 0, unmaps0 = 0;
+  int const warm = 5;
+  for (int s = 0; s < warm + steps; ++s) {
+    if (s == warm) {
+      maps0   = f->stats().page_maps;
+      unmaps0 = f->stats().page_unmaps;
+    }
+    std::size_t const scale = 1 + rng() % 8;
+    std::vector<device_ptr> act(layers);
+    for (int l = 0; l < layers; ++l) {
+      act[l] = f->allocate(base[l] * scale + (rng() % 64) * 256);
+      f.drv.complete_all_events();
+    }
+    device_ptr grad = 0;
+    for (int l = layers - 1; l >= 0; --l) {
+      auto const g = f->allocate(base[l] * scale);
+      f->deallocate(act[l]);
+      if (grad != 0) { f->deallocate(grad); }
+      grad = g;
+      f.drv.complete_all_events();
+    }
+    f->deallocate(grad);
+    f.drv.complete_all_events();
+  }
+  auto const st = f->stats();
+  CHECK_EQ(consistency(f), "");
+  for (auto p : params) { f->deallocate(p); }
+  return {double(st.page_maps - maps0) / steps, double(st.page_unmaps - unmaps0) / steps,
+          st.peak_bytes_reserved, st.peak_bytes_in_use};
+}
+
+}  // namespace
+
+TEST(growable_hysteresis_maps_less_on_a_torch_like_loop)
+{
+  auto const before = torch_like_steps(false, 60);  // every free page back at each new peak
+  auto const after  = torch_like_steps(true, 60);
+  std::printf("torch-like loop, per step (2 MiB pages): without hysteresis %.1f maps %.1f "
+              "unmaps, peak reserved %zu MiB; with: %.1f maps %.1f unmaps, peak reserved %zu "
+              "MiB (peak in use %zu MiB)\n",
+              before.maps_per_step, before.unmaps_per_step, before.peak_reserved / MiB,
+              after.maps_per_step, after.unmaps_per_step, after.peak_reserved / MiB,
+              after.peak_in_use / MiB);
+  CHECK(after.maps_per_step * 2 <= before.maps_per_step);
+  CHECK(after.unmaps_per_step * 2 <= before.unmaps_per_step);
+  CHECK(after.peak_reserved <= before.peak_reserved + 20 * MiB);  // what it costs: little
+}
+
+TEST(growable_deferred_cleanup_unmaps_nothing)
+{
+  for (bool hysteresis : {true, false}) {
+    auto o                = growable_options(32 * MiB);
+    o.growable_hysteresis = hysteresis;
+    fixture f{o};
+    auto const a = f->allocate(8 * MiB);
+    auto const b = f->allocate(8 * MiB);
+    f->deallocate(a);
+    f->synchronize();
+    f->defer_cleanup_begin();
+    auto const c = f->allocate(12 * MiB);  // a new peak, and then the cap: nothing unmapped
+    CHECK_EQ(f->stats().page_unmaps, 0u);
+    CHECK(f.drv.accessible(0, a, 8 * MiB));
+    CHECK_EQ(consistency(f), "");
+    CHECK_THROWS((void)f->allocate(12 * MiB), out_of_memory);  // the cap, cleanup deferred
+    CHECK_EQ(f->stats().page_unmaps, 0u);
+    f->defer_cleanup_end();
+    f->deallocate(b);
+    f->deallocate(c);
+    (void)f->trim();
+    CHECK_EQ(f->stats().bytes_reserved, 0u);
+    CHECK_EQ(consistency(f), "");
+  }
+}
+
+TEST(growable_reuse_waits_for_the_fence)
+{
+  fixture f;
+  auto const a = f->allocate(4 * MiB);
+  f->deallocate(a);
+  auto const b = f->allocate(4 * MiB);  // miss: a is fenced but its event has not completed
+  CHECK_NE(a, b);
+  f.drv.complete_all_events();
+  auto const c = f->allocate(4 * MiB);  // miss: maintenance promotes a
+  CHECK_EQ(c, a);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_cap_and_out_of_memory_ladder)
+{
+  fixture f{growable_options(16 * MiB)};
+  auto const a = f->allocate(10 * MiB);
+  CHECK_EQ(f->stats().bytes_reserved, 10 * MiB);
+  f->deallocate(a);  // pending
+  // 10 + 12 MiB would pass the cap; the ladder waits for a, whose pages then serve again.
+  auto const b = f->allocate(12 * MiB);
+  CHECK_EQ(b, a);
+  CHECK_EQ(f->stats().bytes_reserved, 12 * MiB);
+  CHECK_EQ(consistency(f), "");
+  CHECK_THROWS(f->allocate(6 * MiB), out_of_memory);  // 12 + 6 > 16, nothing to give back
+  CHECK_EQ(consistency(f), "");
+  f->deallocate(b);
+  auto const c = f->allocate(16 * MiB);
+  CHECK(f.drv.accessible(0, c, 16 * MiB));
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_failed_maps_and_unmaps_keep_the_pool_consistent)
+{
+  fixture f;
+  f.drv.fail_next_maps(1);  // cuMemCreate fails once: served by a fixed segment instead
+  auto const a = f->allocate(6 * MiB);
+  CHECK(f.drv.accessible(0, a, 6 * MiB));
+  CHECK_EQ(f.drv.stats().bytes_reserved, 20 * MiB);
+  CHECK_EQ(consistency(f), "");
+  auto const b = f->allocate(16 * MiB);  // maps again
+  CHECK_EQ(f.drv.stats().bytes_mapped, 16 * MiB);
+  f.drv.fail_next_maps(1000);
+  f.drv.fail_next_allocations(1000);  // no fixed segment either
+  CHECK_THROWS(f->allocate(40 * MiB), out_of_memory);  // no half-mapped block is left
+  CHECK_EQ(f.drv.stats().bytes_mapped, 16 * MiB);
+  CHECK_EQ(consistency(f), "");
+  f.drv.fail_next_maps(0);
+  f.drv.fail_next_allocations(0);
+  f->deallocate(a);
+  f->deallocate(b);
+  f.drv.fail_next_unmaps(1);
+  (void)f->trim();  // an unmap fails: pages stay mapped and counted, for the next trim
+  CHECK(f->stats().bytes_reserved >= page);
+  CHECK_EQ(consistency(f), "");
+  (void)f->trim();
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(f.drv.stats().live_mappings, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_falls_back_to_fixed_segments_without_vmm)
+{
+  fixture f{growable_options(), false};  // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED 0
+  CHECK(!f->growable());
+  (void)f->allocate(3 * MiB);
+  CHECK_EQ(f->stats().bytes_reserved, 20 * MiB);  // today's large segment
+  CHECK_EQ(f.drv.stats().live_reservations, 0u);
+  CHECK_EQ(consistency(f), "");
+
+  fixture g;  // supported, but the reservation fails: fixed segments from then on
+  g.drv.fail_next_reservations(1);
+  (void)g->allocate(3 * MiB);
+  CHECK(!g->growable());
+  CHECK_EQ(g->stats().bytes_reserved, 20 * MiB);
+  CHECK_EQ(consistency(g), "");
+
+  pool_options fixed;  // the default
+  fixture h{fixed};
+  CHECK(!h->growable());
+}
+
+TEST(growable_numba_blocks_stay_fixed_for_ipc)
+{
+  fixture f;
+  auto const n = f->allocate(3 * MiB, legacy_stream, alloc_tag::numba);
+  auto const info = f->ipc_handle(n);
+  REQUIRE(info.has_value());
+  CHECK_EQ(info->segment_size, 20 * MiB);  // a fixed segment, cuIpcGetMemHandle-able
+  auto const c = f->allocate(3 * MiB, legacy_stream, alloc_tag::cupy);
+  CHECK_THROWS((void)f->ipc_handle(c), pool_error);
+  CHECK_THROWS((void)f->ipc_handle(c + 1024), pool_error);
+  auto const small = f->allocate(4096, legacy_stream, alloc_tag::cupy);  // small segments: fixed
+  CHECK(f->ipc_handle(small).has_value());
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_reset_and_destruction_return_everything)
+{
+  {
+    fixture f;
+    auto const a = f->allocate(5 * MiB);
+    f->deallocate(a);
+    f->reset();  // nothing live: pages unmapped, reservation freed
+    CHECK_EQ(f.drv.stats().live_mappings, 0u);
+    CHECK_EQ(f.drv.stats().live_reservations, 0u);
+    CHECK_EQ(f->stats().bytes_reserved, 0u);
+    auto const b = f->allocate(5 * MiB);  // a new growable segment
+    CHECK(f.drv.accessible(0, b, 5 * MiB));
+    CHECK_EQ(consistency(f), "");
+  }
+  {
+    fixture f;
+    auto const gen = f->generation();
+    auto const a   = f->allocate(5 * MiB);
+    f->reset();  // a is live: its segment is retired, its pages stay mapped
+    CHECK(f.drv.accessible(0, a, 5 * MiB));
+    CHECK_EQ(f->stats().bytes_reserved, 0u);
+    f->deallocate(a, legacy_stream, gen);
+    auto const b = f->allocate(5 * MiB);
+    CHECK_NE(b, a);
+  }
+  {
+    auto f = std::make_unique<fixture>();
+    (void)(*f)->allocate(5 * MiB);
+    (void)(*f)->allocate(50 * MiB);
+    f->pool.reset();  // the destructor unmaps and frees the reservation
+    CHECK_EQ(f->drv.stats().live_mappings, 0u);
+    CHECK_EQ(f->drv.stats().live_reservations, 0u);
+  }
+}
+
+TEST(growable_fuzz_live_and_pending_blocks_stay_mapped)
+{
+  fixture f{growable_options(512 * MiB)};
+  std::mt19937_64 rng{20240601};
+  std::uniform_real_distribution<double> logsize{8.0, 26.0};  // 256 B .. 64 MiB
+  struct live_block {
+    device_ptr ptr;
+    std::size_t size;
+  };
+  std::vector<live_block> live, pending;
+  for (int op = 0; op < 4000; ++op) {
+    auto const r     = rng() % 100;
+    auto const waits = f.drv.stats().event_syncs + f.drv.stats().device_syncs;
+    if (r < 50 || live.empty()) {
+      auto const n   = static_cast<std::size_t>(std::exp2(logsize(rng)));
+      auto const tag = static_cast<alloc_tag>(rng() % alloc_tag_count);
+      auto const stream = (rng() % 3 == 0) ? stream_handle{0x5000} : legacy_stream;
+      try {
+        live.push_back({f->allocate(n, stream, tag), n});
+      } catch (out_of_memory const&) {
+      }
+    } else if (r < 95) {
+      auto const i = rng() % live.size();
+      f->deallocate(live[i].ptr, rng() % 2 ? legacy_stream : allocation_stream);
+      pending.push_back(live[i]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+    } else if (r < 98) {
+      f.drv.complete_all_events();
+      pending.clear();
+    } else {
+      (void)f->trim();
+      pending.clear();
+    }
+    // The pool waited for the GPU (the ladder, a dormant fence): what was pending may be free
+    // now, and so may be unmapped. Only blocks freed after that are checked.
+    if (f.drv.stats().event_syncs + f.drv.stats().device_syncs != waits) { pending.clear(); }
+    for (auto const& b : live) {
+      REQUIRE(f.drv.accessible(0, b.ptr, b.size));
+    }
+    for (auto const& b : pending) {
+      REQUIRE(f.drv.accessible(0, b.ptr, b.size));
+    }
+    if (op % 97 == 0) { REQUIRE(consistency(f) == ""); }
+  }
+  for (auto const& b : live) { f->deallocate(b.ptr); }
+  (void)f->trim();
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(consistency(f), "");
+}

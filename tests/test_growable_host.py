@@ -1,0 +1,147 @@
+"""Growable segments (EMMPOOL_SEGMENTS=growable) over the host driver's model of CUDA's virtual
+memory management: no GPU needed. The C++ tests (cpp/tests/test_growable_segment.cpp) cover the
+page logic in depth; these cover the Python surface, the fallback, IPC and the replay figure."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from emmpool import _config, _core, replay
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+NUMBA_TAG, CUPY_TAG = 1, 2
+
+
+def growable_pool(vmm=True, **options):
+    drv = _core.HostDriver(devices=1, capacity=1 << 36)
+    drv.set_vmm_supported(vmm)
+    options.setdefault("growable_room", 0)  # exactly the pages each block needs: counted below
+    return drv, _core.DevicePool(drv, 0, segments="growable", **options)
+
+
+def test_pages_are_mapped_on_demand_and_unmapped_by_trim():
+    drv, pool = growable_pool()
+    assert pool.growable and pool.options["segments"] == "growable"
+    a = pool.allocate(3 * MiB)
+    b = pool.allocate(3 * MiB)
+    assert b == a + 3 * MiB
+    st = pool.stats()
+    assert st["bytes_reserved"] == 6 * MiB == drv.stats()["bytes_mapped"]  # 3 pages of 2 MiB
+    assert st["page_maps"] == 3
+    assert drv.accessible(0, a, 6 * MiB)
+    pool.deallocate(a)
+    pool.trim()  # a's whole page goes; the page a and b share stays
+    assert pool.stats()["bytes_reserved"] == 4 * MiB
+    assert drv.accessible(0, b, 3 * MiB) and not drv.accessible(0, a, 2 * MiB)
+    pool.deallocate(b)
+    pool.trim()
+    assert pool.stats()["bytes_reserved"] == 0 and drv.stats()["live_mappings"] == 0
+
+
+def test_falls_back_to_fixed_segments_without_vmm():
+    drv, pool = growable_pool(vmm=False)
+    assert not pool.growable
+    pool.allocate(3 * MiB)
+    assert pool.stats()["bytes_reserved"] == 20 * MiB  # a fixed large segment
+    assert drv.stats()["live_reservations"] == 0
+
+
+def test_numba_blocks_export_ipc_and_growable_blocks_refuse_clearly():
+    _, pool = growable_pool()
+    n = pool.allocate(3 * MiB, tag=NUMBA_TAG)
+    handle, base, size, offset = pool.ipc_handle(n)
+    assert size == 20 * MiB and offset == n - base
+    c = pool.allocate(3 * MiB, tag=CUPY_TAG)
+    with pytest.raises(_core.PoolError, match="growable segment.*EMMPOOL_SEGMENTS=fixed"):
+        pool.ipc_handle(c)
+
+
+def test_out_of_memory_leaves_nothing_mapped_half_way():
+    drv, pool = growable_pool(maximum_size=16 * MiB)
+    a = pool.allocate(10 * MiB)
+    with pytest.raises(MemoryError):
+        pool.allocate(8 * MiB)
+    assert pool.stats()["bytes_reserved"] == drv.stats()["bytes_mapped"] == 10 * MiB
+    pool.deallocate(a)
+    pool.allocate(16 * MiB)  # the ladder gives a's pages back first
+
+
+def _benchmark_trace():
+    pytest.importorskip("numpy")
+    spec = importlib.util.spec_from_file_location("bench_replay", ROOT / "benchmarks" / "replay.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return replay.from_slots(*bench.make_trace())
+
+
+def test_replay_figure_of_issue_18():
+    """The fixed replay trace (40k operations, 256 live, 256 B - 64 MiB): growable segments
+    keep peak reserved / peak live at most 1.10 (fixed segments: 1.22)."""
+    ops = _benchmark_trace()
+    growable = replay.run(ops, "emmpool-host-growable")
+    fixed = replay.run(ops, "emmpool-host-fixed")
+    assert growable["ratio"] <= 1.10, growable
+    assert growable["ratio"] < fixed["ratio"]
+
+
+@pytest.fixture
+def clean_config(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("EMMPOOL_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(_config, "_applied", None)
+    monkeypatch.setattr(_config, "_applied_sources", {})
+
+
+def test_config_reads_emmpool_segments(clean_config, monkeypatch):
+    assert _config.config().segments == "fixed"
+    monkeypatch.setenv("EMMPOOL_SEGMENTS", "growable")
+    assert _config.config().segments == "growable"
+    line = {s.option: s for s in _config.report()}["segments"]
+    assert line.value.startswith("growable") and line.source == "EMMPOOL_SEGMENTS='growable'"
+    monkeypatch.setenv("EMMPOOL_SEGMENTS", "elastic")
+    with pytest.raises(ValueError, match="EMMPOOL_SEGMENTS"):
+        _config.check_environment()
+    assert _config.resolve({"segments": "growable"}, _config.Config()).segments == "growable"
+
+
+def test_emmpool_host_replay_follows_the_variable(clean_config, monkeypatch):
+    ops = [("alloc", 0, 3 * MiB), ("alloc", 1, 3 * MiB), ("free", 0, 0)]
+    assert replay.run(ops, "emmpool-host")["segments"] == "fixed"
+    monkeypatch.setenv("EMMPOOL_SEGMENTS", "growable")
+    assert replay.run(ops, "emmpool-host")["segments"] == "growable"
+
+
+def test_cli_info_reports_segments():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMMPOOL_")}
+    env["EMMPOOL_SEGMENTS"] = "growable"
+    p = subprocess.run([sys.executable, "-m", "emmpool", "info"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    lines = {line.split()[0]: line for line in p.stdout.splitlines() if line.startswith("  ")}
+    assert " growable " in lines["segments"], p.stdout
+    assert lines["segments"].endswith("from EMMPOOL_SEGMENTS='growable'")
+
+
+def test_hysteresis_maps_fewer_pages_per_step_on_a_torch_like_loop():
+    """benchmarks/growable_steps.py: a PyTorch-like loop whose shapes change every step. At a
+    new peak only the free pages that keep reserved at the peak go back (hysteresis), not all
+    of them: far fewer maps and unmaps per step, peak reserved about the same."""
+    path = ROOT / "benchmarks" / "growable_steps.py"
+    if not path.exists():
+        pytest.skip("benchmarks/ not shipped here")
+    spec = importlib.util.spec_from_file_location("growable_steps", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    off = bench.run("growable", False, steps=60, seed=1)
+    on = bench.run("growable", True, steps=60, seed=1)
+    assert on["page_maps_per_step"] * 2 <= off["page_maps_per_step"], (on, off)
+    assert on["page_unmaps_per_step"] * 2 <= off["page_unmaps_per_step"], (on, off)
+    assert on["peak_reserved_mib"] <= off["peak_reserved_mib"] * 1.05, (on, off)
+    assert _core.DevicePool(_core.HostDriver(devices=1), 0).options["growable_hysteresis"]
