@@ -130,10 +130,21 @@ def test_torch_compile(extension_builds):
 
 @pytest.mark.parametrize("child", ["extension", "native"])
 def test_cross_process_tensor_sharing(child, extension_builds):
-    r, raised, out = scenario("ipc", "extension", child)
+    r, raised, out = scenario("ipc", "extension", child, env={"EMMPOOL_SEGMENTS": "fixed"})
     assert raised is None, out
     assert r["child_sum"] == r["expected"] and r["child_exit"] == 0, r
     assert r["written_back"], r
+
+
+def test_cross_process_sharing_of_a_growable_block_raises_emmpool_error(extension_builds):
+    """README: under EMMPOOL_SEGMENTS=growable a tensor above 1 MiB lives in VMM-mapped pages,
+    which have no cuIpcGetMemHandle handle: sharing it raises emmpool's error, naming the way
+    out; small tensors (fixed segments) still share."""
+    env = {"EMMPOOL_SEGMENTS": "growable", "EMMPOOL_TEST_IPC_ELEMENTS": str(1 << 20)}  # 4 MiB
+    _, raised, out = scenario("ipc", "extension", env=env)
+    assert raised is not None and "EMMPOOL_SEGMENTS=fixed" in raised, out
+    r, raised, out = scenario("ipc", "extension", env={"EMMPOOL_SEGMENTS": "growable"})
+    assert raised is None and r["child_sum"] == r["expected"], out
 
 
 def test_cross_process_pluggable_raises_pytorchs_error():

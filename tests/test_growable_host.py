@@ -98,6 +98,10 @@ def clean_config(monkeypatch):
             monkeypatch.delenv(name)
     monkeypatch.setattr(_config, "_applied", None)
     monkeypatch.setattr(_config, "_applied_sources", {})
+    # As before the first pool: on a GPU machine earlier tests made the process-wide pools,
+    # whose options (not the environment's) are then in force.
+    monkeypatch.setattr(_core, "pools", lambda: [])
+    monkeypatch.setattr(_core, "pinned_pools", lambda: [])
 
 
 def test_config_reads_emmpool_segments(clean_config, monkeypatch):

@@ -11,6 +11,7 @@ cannot do under this allocator it reports as ``RAISES <type>: <message>``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -181,7 +182,9 @@ def ipc(torch, allocator):
     queue, done = ctx.Queue(), ctx.Queue()
     # a tensor in the middle of a segment: the handle's offset matters
     pad = torch.zeros(1000, device="cuda")  # noqa: F841
-    t = torch.arange(1024, dtype=torch.float32, device="cuda")
+    # EMMPOOL_TEST_IPC_ELEMENTS: a tensor above 1 MiB lands in a growable segment, if enabled
+    n = int(os.environ.get("EMMPOOL_TEST_IPC_ELEMENTS", "1024"))
+    t = torch.arange(n, dtype=torch.float32, device="cuda")
     torch.cuda.synchronize()
     child_allocator = sys.argv[3] if len(sys.argv) > 3 else allocator
     try:
@@ -198,8 +201,8 @@ def ipc(torch, allocator):
     seen = done.get(timeout=120)
     p.join(timeout=120)
     torch.cuda.synchronize()
-    result(child_sum=seen, expected=float(1023 * 1024 / 2), child_exit=p.exitcode,
-           written_back=bool((t == torch.arange(1024, device="cuda") + 1).all()))
+    result(child_sum=seen, expected=float(n * (n - 1) // 2), child_exit=p.exitcode,
+           written_back=bool((t == torch.arange(n, device="cuda") + 1).all()))
 
 
 def memory_fraction(torch, allocator):
