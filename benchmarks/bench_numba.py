@@ -39,6 +39,9 @@ MANAGERS = [
     ("nothing", {}),
     ("emmpool", {"EMMPOOL_MODE": "pool"}),
     ("emmpool-passthrough", {"EMMPOOL_MODE": "passthrough"}),
+    # Growable segments (issue #18): Numba's blocks stay on fixed segments, so this is what the
+    # mode costs a Numba program beside a library that uses them.
+    ("emmpool-growable", {"EMMPOOL_MODE": "pool", "EMMPOOL_SEGMENTS": "growable"}),
 ]
 FLOOR = "nothing"
 # Managers timed in every round; the others (anchors) in the first --anchor-rounds only.
@@ -115,7 +118,12 @@ def _load_manager(name):
     if name == "numba-default":
         return None
     if name.startswith("emmpool"):
-        return _import_emmpool_plugin()
+        manager = _import_emmpool_plugin()
+        sys.path.insert(0, HERE)
+        import baselines
+
+        baselines.check_imported()  # emmpool@NAME: the earlier build, or fail
+        return manager
     sys.path.insert(0, HERE)
     import anchors
 
@@ -481,7 +489,8 @@ def _markdown(report):
         + (f"CPUs {report['cpus']} (near the GPU)" if report.get("cpus") else "CPUs not pinned"),
         "",
         f"µs per op. **Quoted: the median over interleaved rounds** (one process per manager "
-        f"and round; {report['rounds']} rounds for the floor and emmpool, "
+        f"and round; {report['rounds']} rounds for the floor, emmpool and earlier builds "
+        "(`emmpool@NAME`, benchmarks/baselines.py), "
         f"{report.get('anchor_rounds', report['rounds'])} for the other managers, the floor "
         "running in every round); after it, `best`: the best round. A round's figure is the "
         f"median over {report['repeats']} timed blocks of the mean per-op time (device "
@@ -574,6 +583,14 @@ def parent_main(args):
         knobs["budget"] = args.budget
     os.makedirs(args.out, exist_ok=True)
     suite_managers, suite_cases, _, stem, _ = SUITES[args.suite]
+    sys.path.insert(0, HERE)
+    import baselines
+
+    # Earlier builds (EMMPOOL_BENCH_BASELINES), timed in every round like emmpool itself.
+    earlier = [(f"emmpool@{name}", {"EMMPOOL_MODE": "pool", **baselines.child_env(path)})
+               for name, path in baselines.baselines()]
+    ALL_ROUNDS.update(name for name, _ in earlier)
+    suite_managers = list(suite_managers) + (earlier if args.suite == "device" else [])
     selected = [m for m in suite_managers if not args.managers or m[0] in args.managers]
     if not selected:
         sys.exit(f"none of {args.managers} runs in the {args.suite} suite "
@@ -663,8 +680,8 @@ def main(argv=None):
                    help="pin every process to this many CPUs near the GPU; 0: no pinning "
                         "(default 4)")
     p.add_argument("--managers", nargs="+", metavar="NAME",
-                   choices=sorted({m for ms, *_ in SUITES.values() for m, _ in ms}),
-                   help="run only these managers")
+                   help="run only these managers (emmpool@NAME: an earlier build named in "
+                        "EMMPOOL_BENCH_BASELINES, see baselines.py)")
     p.add_argument("--suite", choices=sorted(SUITES), default="device",
                    help="device allocations (default) or pinned host memory")
     p.add_argument("--child", help=argparse.SUPPRESS)

@@ -10,6 +10,7 @@ One child process per configuration (an allocator is fixed at a library's first 
   CuPy, the size itself for PyTorch; nothing touches the memory of an ``empty``), i.e. what
   CuPy's CFunctionAllocator and PyTorch's CUDAPluggableAllocator cost by themselves;
 - ``emmpool``: ``emmpool.use_for_cupy()`` / ``use_for_torch()``;
+- ``emmpool@NAME``: an earlier build of emmpool (``EMMPOOL_BENCH_BASELINES``, baselines.py);
 - ``emmpool-direct`` (CuPy): the same C functions without the hook's C wrapper (the size rounded to 512 bytes, and the null check where CuPy needs it).
 
 Reports, per configuration and size, the median ns per empty()+del over timed blocks (the best
@@ -22,12 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = str(Path(__file__).resolve().parent)
+sys.path.insert(0, HERE)
+import baselines  # noqa: E402
 import cpus  # noqa: E402
 
 SIZES = [256, 1 << 16, 1 << 22, 1 << 26]
@@ -36,6 +40,8 @@ CHILD = r"""
 import ctypes, json, statistics, sys, time
 lib, alloc, sizes = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3].split(",")]
 libc = ctypes.CDLL("libc.so.6")
+if alloc.startswith("emmpool"):
+    import baselines; baselines.check_imported()  # emmpool@NAME: the earlier build, or fail
 if lib == "cupy":
     import cupy
     if alloc.startswith("emmpool"):
@@ -53,7 +59,7 @@ if lib == "cupy":
     sync = cupy.cuda.Device().synchronize
 else:
     import torch
-    if alloc == "emmpool":
+    if alloc.startswith("emmpool") and alloc != "emmpool-direct":
         import emmpool; emmpool.use_for_torch()
     elif alloc == "floor":
         # alloc: memset(ptr = size, c = device, n = stream), free: memset(ptr, c = size,
@@ -120,13 +126,17 @@ def main() -> None:
     # Interleaved rounds (own, floor, emmpool, ... then again): a drift of clocks or host load
     # over the minute lands on every configuration alike; each cell is the best round.
     rounds: dict = {}
+    earlier = {f"emmpool@{name}": baselines.child_env(path)
+               for name, path in baselines.baselines()}  # EMMPOOL_BENCH_BASELINES
     for rnd in range(args.rounds):
         order = ",".join(str(n) for n in SIZES[rnd % len(SIZES):] + SIZES[:rnd % len(SIZES)])
         for lib, allocs in CONFIGS.items():
-            for alloc in allocs:
+            for alloc in (*allocs, *earlier):
+                env = {**os.environ, **earlier.get(alloc, {})}
+                env["PYTHONPATH"] = HERE + os.pathsep + env.get("PYTHONPATH", "")  # baselines.py
                 p = subprocess.run(
                     [sys.executable, "-c", CHILD, lib, alloc, order], capture_output=True,
-                    text=True, timeout=300,
+                    text=True, timeout=300, env=env,
                 )
                 line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
                 rounds.setdefault(f"{lib}/{alloc}", []).append(
