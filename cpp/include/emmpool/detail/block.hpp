@@ -77,6 +77,29 @@ struct segment {
   block* first{};
 };
 
+/// @brief Make `rest` (a fresh record) the part of `blk` past its first `size` bytes, next to
+/// it in the segment's block list.
+inline void split_off(block* blk, std::size_t size, block* rest) noexcept
+{
+  rest->ptr  = blk->ptr + size;
+  rest->size = blk->size - size;
+  rest->seg  = blk->seg;
+  rest->prev = blk;
+  rest->next = blk->next;
+  if (blk->next != nullptr) { blk->next->prev = rest; }
+  blk->next = rest;
+  blk->size = size;
+}
+
+/// @brief Extend `lower` over `upper`, its next neighbour, and unlink upper (whose record the
+/// caller recycles).
+inline void absorb(block* lower, block* upper) noexcept
+{
+  lower->size += upper->size;
+  lower->next = upper->next;
+  if (upper->next != nullptr) { upper->next->prev = lower; }
+}
+
 /// @brief Owns block records and recycles them: splits and frees make and drop records at a
 /// high rate, and a free list keeps that off the heap. Not thread-safe (its pool's mutex).
 class block_arena {
