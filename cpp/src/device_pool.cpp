@@ -34,7 +34,9 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
   : driver_{&drv},
     device_{device},
     options_{options},
-    policy_{drv, device, reuse_options{true, options.open_batch_limit}}
+    policy_{drv, device,
+            reuse_options{true, options.open_batch_limit, options.mode == pool_mode::pool},
+            &blocks_}  // only its address: blocks_ is built later, and outlives policy_'s use
 {
   EMMPOOL_EXPECTS(device >= 0, "device must be a non-negative ordinal");
   options_.check();
@@ -91,18 +93,31 @@ device_pool::block* device_pool::take_best_fit(std::size_t rounded, bool growabl
   return free_.take(rounded, rounded <= options_.small_request, alignment);
 }
 
+template <class Fenced>
+device_pool::block* device_pool::take_unfenced(std::size_t rounded, stream_ref stream,
+                                               detail::block_kind kind, Fenced&& fenced)
+{
+  // Stream order: a block this stream freed needs no fence for this stream's work. A near fit
+  // first (at most 1/8 larger); then a free block, rather than cut a larger pending one that
+  // a larger request on this stream may want whole; then any pending block, split.
+  if (auto* blk = policy_.take_in_stream_order(stream, rounded, kind)) { return blk; }
+  if (auto* blk = fenced()) { return blk; }
+  return policy_.split_in_stream_order(stream, rounded, kind);
+}
+
 device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
 {
   if (options_.mode != pool_mode::pool) { return nullptr; }
-  // Stream order: a block this stream freed lately needs no fence for this stream's work.
-  auto* blk = policy_.take_in_stream_order(stream, rounded);
-  return blk != nullptr ? blk : take_best_fit(rounded);
+  auto const kind = rounded <= options_.small_request ? detail::block_kind::small
+                                                      : detail::block_kind::large;
+  return take_unfenced(rounded, stream, kind, [&] { return take_best_fit(rounded); });
 }
 
 device_pool::block* device_pool::take_growable_without_cuda(std::size_t rounded, stream_ref stream)
 {
-  auto* blk = policy_.take_in_stream_order(stream, rounded);  // pool mode: serves() said so
-  return blk != nullptr ? blk : growable_.take(rounded, false);  // no page mapped here
+  // Pool mode: serves() said so. growable_.take(.., false) maps no page here.
+  return take_unfenced(rounded, stream, detail::block_kind::growable,
+                       [&] { return growable_.take(rounded, false); });
 }
 
 std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
