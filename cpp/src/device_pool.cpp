@@ -281,6 +281,7 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact, bool grow
   blk->ptr   = base;
   blk->size  = size;
   blk->seg   = seg.get();
+  blk->kind  = seg->kind();
   seg->first = blk;
   segments_.emplace(base, std::move(seg));
 

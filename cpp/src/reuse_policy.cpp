@@ -49,6 +49,16 @@ constexpr bool same_fence(detail::stream_ref a, detail::stream_ref b) noexcept
 
 }  // namespace
 
+void reuse_policy::enqueue(detail::block* blk, stream_ref key)
+{
+  if (blk->also_fence.is_none() && (options_.stream_order || key.is_context())) {
+    // The common case: one fence, at the next allocation on a live stream.
+    push(may_merge(blk) ? merge_pending_neighbours(blk, key) : blk, key);
+    return;
+  }
+  queue_freed(blk, key);
+}
+
 void reuse_policy::queue_freed(detail::block* blk, stream_ref key)
 {
   if (!blk->also_fence.is_none() && !same_fence(blk->also_fence, key)) {
@@ -135,7 +145,7 @@ void reuse_policy::index_in_sets(stream_ref s, detail::block* blk)
   }
   if (auto* older = std::exchange(l->newest, blk)) {
     try {
-      l->sets[static_cast<std::size_t>(older->seg->kind())].insert(older);
+      l->sets[static_cast<std::size_t>(older->kind)].insert(older);
     } catch (std::bad_alloc const&) {
       older->takeable = false;  // likewise
     }
@@ -145,7 +155,7 @@ void reuse_policy::index_in_sets(stream_ref s, detail::block* blk)
 
 void reuse_policy::erase_from_sets(lane& l, detail::block* blk) noexcept
 {
-  l.sets[static_cast<std::size_t>(blk->seg->kind())].erase(blk);
+  l.sets[static_cast<std::size_t>(blk->kind)].erase(blk);
 }
 
 namespace {
@@ -166,7 +176,7 @@ detail::block* reuse_policy::best_fit(lane& l, std::size_t size, detail::block_k
   auto consider        = [&](detail::block* b) {
     if (b->size >= size && (best == nullptr || b->size < best->size)) { best = b; }
   };
-  if (auto* n = l.newest; n != nullptr && serves(kind, n->seg->kind())) {
+  if (auto* n = l.newest; n != nullptr && serves(kind, n->kind)) {
     if (n->size == size) { return n; }  // nothing fits better (a loop of frees and allocations)
     consider(n);
   }

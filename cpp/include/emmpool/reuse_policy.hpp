@@ -185,12 +185,7 @@ class reuse_policy {
   {
     auto const key = stream == allocation_stream ? blk->alloc_stream : ref_of(stream);
     off_books(key);
-    if (blk->also_fence.is_none() && (options_.stream_order || key.is_context())) {
-      // The common case: one fence, at the next allocation on a live stream.
-      push(may_merge(blk) ? merge_pending_neighbours(blk, key) : blk, key);
-      return;
-    }
-    queue_freed(blk, key);
+    enqueue(blk, key);
   }
 
   /// @brief Declare that `stream` (alive now; 0 is the legacy stream) also uses `blk` until its
@@ -293,7 +288,10 @@ class reuse_policy {
 
   // ---- batches: a block joins one (attach) and leaves it (detach, or its release)
   void push(detail::block* blk, stream_ref stream) { attach(open_batch(stream), blk); }
-  void queue_freed(detail::block* blk, stream_ref key);  // free()'s fences
+  // free() after its off_books: the block onto key's batches (out of line: inlined into every
+  // free, it kept the key in memory, and cost the pair a stalled reload)
+  void enqueue(detail::block* blk, stream_ref key);
+  void queue_freed(detail::block* blk, stream_ref key);  // enqueue()'s record_stream fences
   batch& open_batch(stream_ref stream);                  // stream's, opened if none
   batch& open_new_batch(stream_ref stream);
   void attach(batch& b, detail::block* blk);             // pending in b, counted, indexed

@@ -66,6 +66,7 @@ struct block {
   /// Pending, and in its stream's stream-order index (reuse_policy.hpp): an allocation on that
   /// stream may take it, a neighbour freed on that stream may merge with it.
   bool takeable{};
+  block_kind kind{};             ///< its segment's kind (seg->kind()), here for the hot path
   std::uint32_t slot{};          ///< its index in owner->blocks while pending
   pending_batch* owner{};        ///< the batch (one fence) it waits in while pending
   /// A second stream the free must wait for (device_pool::record_stream): the block is fenced
@@ -101,6 +102,7 @@ inline void split_off(block* blk, std::size_t size, block* rest) noexcept
   rest->ptr  = blk->ptr + size;
   rest->size = blk->size - size;
   rest->seg  = blk->seg;
+  rest->kind = blk->kind;
   rest->prev = blk;
   rest->next = blk->next;
   if (blk->next != nullptr) { blk->next->prev = rest; }
