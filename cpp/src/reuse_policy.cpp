@@ -86,9 +86,10 @@ void reuse_policy::record_stream(detail::block* blk, stream_handle stream) const
 
 reuse_policy::batch& reuse_policy::open_new_batch(stream_ref stream)
 {
-  auto b    = new_batch();
-  b->stream = stream;
-  b->open   = true;
+  auto b     = new_batch();
+  b->stream  = stream;
+  b->open    = true;
+  b->ordered = orders(stream);
   open_.push_back(std::move(b));
   return *open_.back();
 }

@@ -131,6 +131,7 @@ struct pending_batch {
   event_handle event{};
   std::size_t bytes{};
   bool open{};                 ///< not fenced yet (its bytes count in open_bytes())
+  bool ordered{};              ///< its stream orders (reuse_policy::orders): blocks indexed
   std::vector<block*> blocks;  ///< blocks[i]->slot == i: any block leaves in O(1)
 };
 
@@ -386,7 +387,7 @@ inline void reuse_policy::attach(batch& b, detail::block* blk)
   ++waiting_blocks_;
   if (b.open) { open_bytes_ += blk->size; }
   ++version_;
-  if (blk->also_fence.is_none() && orders(b.stream)) { index(b.stream, blk); }
+  if (b.ordered && blk->also_fence.is_none()) { index(b.stream, blk); }
 }
 
 inline reuse_policy::batch& reuse_policy::detach(detail::block* blk, lane* l)
