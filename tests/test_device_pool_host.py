@@ -465,9 +465,9 @@ def test_sizes_far_from_the_freed_block_are_not_served_from_it(host):
     pool = make_pool(host)
     p = pool.allocate(8192, S)
     pool.deallocate(p, S)
-    assert pool.allocate(1024, S) != p           # would waste 7/8 of the block
+    assert pool.allocate(1024, S) != p           # a free block first: p is cut only if none
     assert pool.allocate(8192 + 256, S) != p     # does not fit
-    assert pool.allocate(8192 - 512, S) == p     # within 1/8
+    assert pool.allocate(8192 - 512, S) == p     # within 1/8: whole
 
 
 def test_record_stream_of_the_null_stream_keeps_one_fence_and_stream_order(host):

@@ -34,7 +34,9 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
   : driver_{&drv},
     device_{device},
     options_{options},
-    policy_{drv, device, reuse_options{true, options.open_batch_limit}}
+    policy_{drv, device,
+            reuse_options{true, options.open_batch_limit, options.mode == pool_mode::pool},
+            &blocks_}  // only its address: blocks_ is built later, and outlives policy_'s use
 {
   EMMPOOL_EXPECTS(device >= 0, "device must be a non-negative ordinal");
   options_.check();
@@ -85,24 +87,41 @@ device_pool::~device_pool()
 
 // ---- allocation: stream order, then best fit, then the out-of-memory ladder -------------------
 
-device_pool::block* device_pool::take_best_fit(std::size_t rounded, bool growable)
+device_pool::block* device_pool::take_best_fit(std::size_t rounded, bool growable, bool may_map)
 {
-  if (growable) { return growable_.take(rounded, true); }  // maps pages (detail/growable_space)
+  if (growable) { return growable_.take(rounded, may_map); }  // detail/growable_space
   return free_.take(rounded, rounded <= options_.small_request, alignment);
+}
+
+detail::block_kind device_pool::kind_of(std::size_t rounded, bool growable) const noexcept
+{
+  if (growable) { return detail::block_kind::growable; }
+  return rounded <= options_.small_request ? detail::block_kind::small : detail::block_kind::large;
+}
+
+template <class Fenced>
+device_pool::block* device_pool::take_unfenced(std::size_t rounded, stream_ref stream,
+                                               detail::block_kind kind, Fenced&& fenced)
+{
+  // Stream order: a block this stream freed needs no fence for this stream's work. A near fit
+  // (at most 1/8 larger), else a free block. Cutting a larger pending block waits for the
+  // ladder's first step (allocate()): what completed since may fit better, coalesced.
+  if (auto* blk = policy_.take_in_stream_order(stream, rounded, kind)) { return blk; }
+  return fenced();
 }
 
 device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
 {
   if (options_.mode != pool_mode::pool) { return nullptr; }
-  // Stream order: a block this stream freed lately needs no fence for this stream's work.
-  auto* blk = policy_.take_in_stream_order(stream, rounded);
-  return blk != nullptr ? blk : take_best_fit(rounded);
+  return take_unfenced(rounded, stream, kind_of(rounded, false),
+                       [&] { return take_best_fit(rounded); });
 }
 
 device_pool::block* device_pool::take_growable_without_cuda(std::size_t rounded, stream_ref stream)
 {
-  auto* blk = policy_.take_in_stream_order(stream, rounded);  // pool mode: serves() said so
-  return blk != nullptr ? blk : growable_.take(rounded, false);  // no page mapped here
+  // Pool mode: serves() said so. growable_.take(.., false) maps no page here.
+  return take_unfenced(rounded, stream, detail::block_kind::growable,
+                       [&] { return growable_.take(rounded, false); });
 }
 
 std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
@@ -150,11 +169,16 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
                                            : take_without_cuda(rounded, key);
     }
     if (blk == nullptr) {
-      // Ladder step 1: fence what was freed since the last miss, reuse what has completed.
+      // Ladder step 1: fence what was freed since the last miss, reuse what has completed,
+      // else cut a larger block this stream freed (no fence needed), before any growth.
       g = growable_.serves(rounded, tag);
       auto const before = free_.insertions();
       maintain(key);
-      if (g || free_.insertions() != before) { blk = take_best_fit(rounded, g); }
+      if (g || free_.insertions() != before) { blk = take_best_fit(rounded, g, false); }
+      if (blk == nullptr) {
+        blk = policy_.split_in_stream_order(key, rounded, kind_of(rounded, g));
+      }
+      if (blk == nullptr && g) { blk = take_best_fit(rounded, true); }  // may map pages
     }
     if (blk == nullptr && (blk = grow(rounded, false, g)) != nullptr) {  // step 2: grow
       blk = free_.split(blk, rounded, alignment);
@@ -257,6 +281,7 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact, bool grow
   blk->ptr   = base;
   blk->size  = size;
   blk->seg   = seg.get();
+  blk->kind  = seg->kind();
   seg->first = blk;
   segments_.emplace(base, std::move(seg));
 

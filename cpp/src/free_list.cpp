@@ -28,9 +28,7 @@ void free_lists::erase_all_of(segment const& seg)
 block* free_lists::take_best_fit(std::size_t size, bool small)
 {
   auto& s = small ? small_ : large_;
-  block probe;
-  probe.size = size;
-  auto it    = s.lower_bound(&probe);
+  auto it = best_fit(s, size);
   if (it == s.end()) { return nullptr; }
   auto* blk = *it;
   s.erase(it);
@@ -42,14 +40,7 @@ block* free_lists::split(block* blk, std::size_t size, std::size_t min_rest)
 {
   if (blk->size - size < min_rest) { return blk; }
   auto* rest = arena_->make();
-  rest->ptr  = blk->ptr + size;
-  rest->size = blk->size - size;
-  rest->seg  = blk->seg;
-  rest->prev = blk;
-  rest->next = blk->next;
-  if (blk->next != nullptr) { blk->next->prev = rest; }
-  blk->next = rest;
-  blk->size = size;
+  split_off(blk, size, rest);
   insert(rest);
   return blk;
 }
@@ -58,17 +49,13 @@ block* free_lists::coalesce(block* blk)
 {
   if (auto* prev = blk->prev; prev != nullptr && prev->state == block_state::free) {
     erase(prev);
-    prev->size += blk->size;
-    prev->next = blk->next;
-    if (blk->next != nullptr) { blk->next->prev = prev; }
+    absorb(prev, blk);
     arena_->recycle(blk);
     blk = prev;
   }
   if (auto* next = blk->next; next != nullptr && next->state == block_state::free) {
     erase(next);
-    blk->size += next->size;
-    blk->next = next->next;
-    if (next->next != nullptr) { next->next->prev = blk; }
+    absorb(blk, next);
     arena_->recycle(next);
   }
   insert(blk);

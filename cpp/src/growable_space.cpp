@@ -98,6 +98,7 @@ block* growable_space::grow(std::size_t rounded,
     blk->ptr      = seg->base;
     blk->size     = seg->size;
     blk->seg      = seg.get();
+    blk->kind     = seg->kind();
     seg->first    = blk;
     seg_          = seg.get();
     segments.emplace(seg->base, std::move(seg));

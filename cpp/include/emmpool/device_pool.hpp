@@ -182,7 +182,13 @@ class device_pool : private detail::pool_lifecycle {
   // ---- allocation
   block* take_without_cuda(std::size_t rounded, stream_ref stream);  // stream order, best fit
   block* take_growable_without_cuda(std::size_t rounded, stream_ref stream);  // maps no page
-  block* take_best_fit(std::size_t rounded, bool growable = false);  // and split
+  template <class Fenced>  // stream order (a near fit), else fenced(): a free block
+  block* take_unfenced(std::size_t rounded, stream_ref stream, detail::block_kind kind,
+                       Fenced&& fenced);
+  // and split; a growable request maps pages only if may_map
+  block* take_best_fit(std::size_t rounded, bool growable = false, bool may_map = true);
+  // which segments serve a request (a segment serves one kind)
+  [[nodiscard]] detail::block_kind kind_of(std::size_t rounded, bool growable) const noexcept;
   device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);
   /// The last try_allocate() that searched and missed, so that the allocate() after it neither
   /// checks the same request nor searches again while the batches (reuse_policy::version) and

@@ -34,6 +34,23 @@
  * stream must be synchronized with S by the user, or declared with record_stream (such a block
  * is never taken this way).
  *
+ * Such blocks (pending on S, no record_stream fence: "takeable", indexed per stream by best
+ * fit over every batch of S) may also change shape while they wait, as in PyTorch's pool,
+ * where a block freed on S is S's at once:
+ *  - split (split_in_stream_order): S takes the front of a larger one; the rest stays in the
+ *    same batch, so it waits for exactly the fence it waited for: no other stream, and no
+ *    Numba request, gets it before that fence completed.
+ *  - merge (free on S): a block freed on S absorbs its physical neighbours (same segment)
+ *    that are takeable on S, in any batch of S, and the result joins S's *open* batch. Each
+ *    neighbour was freed on S earlier; the work that may still touch it was issued to S before
+ *    its free, hence before this free, and events on one stream complete in issue order: S's
+ *    next event covers it as well as the one it waited for. A merged block therefore waits
+ *    longer, never less. Never merged: blocks of another stream, Numba's (legacy) blocks,
+ *    record_stream blocks (two fences), free blocks (the free lists'), blocks of another
+ *    segment. The growable segment's blocks too: a pending block's pages are mapped and stay
+ *    so (only pages wholly inside free blocks are unmapped), and a merge turns no pending
+ *    byte free.
+ *
  * STREAM LIFETIME: a stream handle reaches CUDA only while it is certain to be alive
  * --------------------------------------------------------------------------------------
  * Clients destroy their streams whenever they like: CuPy destroys a Stream when its Python
@@ -69,12 +86,16 @@
 #pragma once
 
 #include <emmpool/detail/block.hpp>
+#include <emmpool/detail/free_list.hpp>
+#include <emmpool/detail/node_cache.hpp>
 #include <emmpool/driver.hpp>
 #include <emmpool/error.hpp>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <vector>
 
 namespace emmpool {
@@ -93,16 +114,37 @@ struct reuse_options {
   bool stream_order{true};
   /// Unfenced bytes of dormant batches past which maintain() fences them (one device sync).
   std::size_t open_batch_limit{64u << 20};
+  /// Blocks freed on a named stream go back to that stream's allocations unfenced, by best fit
+  /// over all its pending blocks, split and merged with their pending neighbours of that stream
+  /// (take_in_stream_order, split_in_stream_order; the reuse rule above). Needs stream_order
+  /// and the pool's block arena: device_pool in pool mode (passthrough never hands a block out
+  /// twice).
+  bool reuse_in_stream_order{false};
 };
+
+namespace detail {
+
+/// @brief Blocks freed on one stream, all waiting for one fence (an event on that stream). Its
+/// address stays put from its opening to its release (its blocks point at it: block::owner).
+struct pending_batch {
+  stream_ref stream{};
+  event_handle event{};
+  std::size_t bytes{};
+  bool open{};                 ///< not fenced yet (its bytes count in open_bytes())
+  bool ordered{};              ///< its stream orders (reuse_policy::orders): blocks indexed
+  std::vector<block*> blocks;  ///< blocks[i]->slot == i: any block leaves in O(1)
+};
+
+}  // namespace detail
 
 class reuse_policy {
  public:
   using stream_ref = detail::stream_ref;
 
-  reuse_policy(driver& drv, int device, reuse_options options = {})
-    : driver_{&drv}, device_{device}, options_{options}
-  {
-  }
+  /// `arena`: the pool's block records, which stream-order splits and merges make and recycle
+  /// (required with reuse_options::reuse_in_stream_order).
+  reuse_policy(driver& drv, int device, reuse_options options = {},
+               detail::block_arena* arena = nullptr);
   ~reuse_policy();
   reuse_policy(reuse_policy const&)            = delete;
   reuse_policy& operator=(reuse_policy const&) = delete;
@@ -144,11 +186,7 @@ class reuse_policy {
   {
     auto const key = stream == allocation_stream ? blk->alloc_stream : ref_of(stream);
     off_books(key);
-    if (blk->also_fence.is_none() && (options_.stream_order || key.is_context())) {
-      push(blk, key);  // the common case: one fence, at the next allocation on a live stream
-      return;
-    }
-    queue_freed(blk, key);
+    enqueue(blk, key);
   }
 
   /// @brief Declare that `stream` (alive now; 0 is the legacy stream) also uses `blk` until its
@@ -158,12 +196,23 @@ class reuse_policy {
 
   // ---- allocations ---------------------------------------------------------------------------
 
-  /// @brief Take back, unfenced, a block recently freed on `stream` (its open batch, or its
-  /// latest closed one, whose event may not have completed) of at least `size` bytes and at
-  /// most 1/8 more, for an allocation on that same stream; null if none among the last few,
-  /// and always for legacy_stream ("no stream named"). Blocks with a record_stream fence
-  /// pending are never taken.
-  detail::block* take_in_stream_order(stream_ref stream, std::size_t size);
+  /// @brief Take back, unfenced, for an allocation of `size` bytes on `stream`, the best fit
+  /// among the blocks freed on that same stream that still wait for a fence (any batch of it),
+  /// of the request's kind (`kind`; a growable request may also take a large fixed block), if
+  /// it is at most 1/8 larger: whole. Null if none, and always for legacy_stream ("no stream
+  /// named") or without reuse_options::reuse_in_stream_order. Blocks with a record_stream
+  /// fence pending are never taken. O(log n); one branch while no stream has such blocks.
+  detail::block* take_in_stream_order(stream_ref stream, std::size_t size, detail::block_kind kind)
+  {
+    return lanes_.empty() ? nullptr : take_from_lane(stream, size, kind, false);
+  }
+
+  /// @brief take_in_stream_order()'s best fit of any size, split down to `size` (the rest
+  /// stays pending in the same batch: it waits for the fence it waited for).
+  detail::block* split_in_stream_order(stream_ref stream, std::size_t size, detail::block_kind kind)
+  {
+    return lanes_.empty() ? nullptr : take_from_lane(stream, size, kind, true);
+  }
 
   /// @brief Whether dormant frees wait past reuse_options::open_batch_limit, or more streams
   /// than max_dormant have open batches: then maintain() fences them (a device sync).
@@ -210,7 +259,12 @@ class reuse_policy {
   [[nodiscard]] std::size_t waiting_blocks() const noexcept { return waiting_blocks_; }
   /// @brief Bytes in open batches (freed, not yet fenced).
   [[nodiscard]] std::size_t open_bytes() const noexcept { return open_bytes_; }
-  [[nodiscard]] bool has_waiting() const noexcept { return !open_.empty() || !closed_.empty(); }
+  /// @brief Whether a block waits, or a closed batch (emptied by stream-order takes) still
+  /// holds its event.
+  [[nodiscard]] bool has_waiting() const noexcept
+  {
+    return waiting_blocks_ != 0 || !closed_.empty();
+  }
   /// @brief Changes to the batches so far (a block in or out, a batch closed or gone): a
   /// stream-order search that missed misses again until this changes.
   [[nodiscard]] std::uint64_t version() const noexcept { return version_; }
@@ -220,14 +274,29 @@ class reuse_policy {
   static constexpr std::size_t max_dormant = 32;
 
  private:
-  struct batch {
-    stream_ref stream{};
-    event_handle event{};
-    std::size_t bytes{};
-    std::vector<detail::block*> blocks;
+  using batch     = detail::pending_batch;
+  using batch_ptr = std::unique_ptr<batch>;
+  /// The stream-order index of one named stream: its takeable blocks (block::takeable), by
+  /// best fit, one set per block_kind; the newest one kept out of the sets, so that a stream
+  /// that frees and allocates one size in turn never touches them.
+  struct lane {
+    lane(stream_ref s, detail::node_cache* nodes);
+    [[nodiscard]] bool empty() const noexcept;
+    stream_ref stream;
+    detail::block* newest{};
+    std::array<detail::block_set, detail::block_kinds> sets;
   };
-  void push(detail::block* blk, stream_ref stream);  // onto the open batch of stream
-  void queue_freed(detail::block* blk, stream_ref key);  // free()'s fences
+
+  // ---- batches: a block joins one (attach) and leaves it (detach, or its release)
+  void push(detail::block* blk, stream_ref stream) { attach(open_batch(stream), blk); }
+  // free() after its off_books: the block onto key's batches (out of line: inlined into every
+  // free, it kept the key in memory, and cost the pair a stalled reload)
+  void enqueue(detail::block* blk, stream_ref key);
+  void queue_freed(detail::block* blk, stream_ref key);  // enqueue()'s record_stream fences
+  batch& open_batch(stream_ref stream);                  // stream's, opened if none
+  batch& open_new_batch(stream_ref stream);
+  void attach(batch& b, detail::block* blk);             // pending in b, counted, indexed
+  batch& detach(detail::block* blk, lane* l = nullptr);  // out of its batch and l (its lane)
   void close_now(stream_ref alive);                  // close alive's open batch, if identified
   std::size_t close_open_batches(stream_ref alive);  // see maintain()
   // Every block of b: to release(), or to its second fence while a record_stream fence was
@@ -238,19 +307,55 @@ class reuse_policy {
   void promote_completed(Release& release);  // completed closed batches, never blocking
   template <class Release>
   void fence_dormant(Release& release);      // one device sync, then every batch
-  void close(std::vector<batch>::iterator b);  // record its event; move it to closed_
+  void close(std::vector<batch_ptr>::iterator b);  // record its event; move it to closed_
   [[nodiscard]] event_handle take_event();
-  void recycle(std::vector<detail::block*>&& blocks) noexcept;  // into spare_lists_
+  [[nodiscard]] batch_ptr new_batch();
+  void recycle(batch_ptr b) noexcept;  // its event and block list kept for the next batch
+
+  // ---- stream order: the index, splits and merges
+  /// Whether blocks freed on s may go back to s unfenced: a named, identified stream.
+  [[nodiscard]] bool orders(stream_ref s) const noexcept
+  {
+    return options_.reuse_in_stream_order && s.handle != legacy_stream && s.identified();
+  }
+  [[nodiscard]] lane* lane_of(stream_ref s) noexcept
+  {
+    for (auto& l : lanes_) {
+      if (l.stream == s) { return &l; }
+    }
+    return nullptr;
+  }
+  void index(stream_ref s, detail::block* blk);
+  void index_in_sets(stream_ref s, detail::block* blk);  // index()'s other cases
+  void unindex(lane& l, detail::block* blk) noexcept;
+  static void erase_from_sets(lane& l, detail::block* blk) noexcept;
+  // Whether a neighbour of blk is takeable (by some stream): merge_pending_neighbours() then
+  // checks which. One branch while no stream has any.
+  [[nodiscard]] bool may_merge(detail::block const* blk) const noexcept
+  {
+    return !lanes_.empty() && ((blk->prev != nullptr && blk->prev->takeable) ||
+                               (blk->next != nullptr && blk->next->takeable));
+  }
+  [[nodiscard]] detail::block* best_fit(lane& l, std::size_t size, detail::block_kind kind);
+  detail::block* take_from_lane(stream_ref stream, std::size_t size, detail::block_kind kind,
+                                bool split);
+  detail::block* take_split(lane& l, detail::block* blk, std::size_t size);  // blk: l's
+  // blk, freed on key, merged with its takeable neighbours pending on key (they leave their
+  // batches: the result goes to key's open batch).
+  detail::block* merge_pending_neighbours(detail::block* blk, stream_ref key);
 
   driver* driver_;
   int device_;
   reuse_options options_;
-  std::vector<batch> open_;     // at most one per stream; few streams, so a vector
-  std::deque<batch> closed_;    // in closing order
+  detail::block_arena* arena_;
+  std::vector<batch_ptr> open_;   // at most one per stream; few streams, so a vector
+  std::deque<batch_ptr> closed_;  // in closing order
   std::vector<event_handle> spare_events_;
-  // Emptied block lists, kept with their capacity for the next batch: a stream that frees and
-  // allocates in turn empties and reopens its batch on every pair.
-  std::vector<std::vector<detail::block*>> spare_lists_;
+  // Emptied batches, kept with their block list's capacity for the next batch: a stream that
+  // frees and allocates in turn empties and reopens its batch on every pair.
+  std::vector<batch_ptr> spare_batches_;
+  detail::node_cache nodes_;  // before lanes_: outlives their sets
+  std::vector<lane> lanes_;   // streams with takeable blocks (and a few emptied lately)
   std::size_t waiting_bytes_{};
   std::size_t waiting_blocks_{};
   std::size_t open_bytes_{};
@@ -259,6 +364,69 @@ class reuse_policy {
   std::uint64_t batches_closed_{};
   std::uint64_t dormant_fences_{};
 };
+
+// ---- inline members: the path of an allocate/free pair -------------------------------------
+// Short and without their rare cases (out of line), so that the pair pays no call for them.
+
+inline reuse_policy::batch& reuse_policy::open_batch(stream_ref stream)
+{
+  for (auto& b : open_) {
+    if (b->stream == stream) { return *b; }
+  }
+  return open_new_batch(stream);
+}
+
+inline void reuse_policy::attach(batch& b, detail::block* blk)
+{
+  blk->slot = static_cast<std::uint32_t>(b.blocks.size());
+  b.blocks.push_back(blk);  // the one step that may throw: before anything is counted
+  blk->owner = &b;
+  blk->state = detail::block_state::pending;
+  b.bytes += blk->size;
+  waiting_bytes_ += blk->size;
+  ++waiting_blocks_;
+  if (b.open) { open_bytes_ += blk->size; }
+  ++version_;
+  if (b.ordered && blk->also_fence.is_none()) { index(b.stream, blk); }
+}
+
+inline reuse_policy::batch& reuse_policy::detach(detail::block* blk, lane* l)
+{
+  auto& b = *blk->owner;
+  if (blk->takeable) { unindex(l != nullptr ? *l : *lane_of(b.stream), blk); }
+  auto* last          = b.blocks.back();  // swap-remove: the last block takes blk's slot
+  last->slot          = blk->slot;
+  b.blocks[blk->slot] = last;
+  b.blocks.pop_back();
+  blk->owner = nullptr;
+  b.bytes -= blk->size;
+  waiting_bytes_ -= blk->size;
+  --waiting_blocks_;
+  if (b.open) { open_bytes_ -= blk->size; }
+  ++version_;
+  return b;
+}
+
+inline void reuse_policy::index(stream_ref s, detail::block* blk)
+{
+  auto* l = lane_of(s);
+  if (l == nullptr || l->newest != nullptr) {
+    index_in_sets(s, blk);
+    return;
+  }
+  l->newest     = blk;
+  blk->takeable = true;
+}
+
+inline void reuse_policy::unindex(lane& l, detail::block* blk) noexcept
+{
+  if (l.newest == blk) {
+    l.newest = nullptr;
+  } else {
+    erase_from_sets(l, blk);
+  }
+  blk->takeable = false;
+}
 
 // ---- template members ------------------------------------------------------------------------
 
@@ -271,8 +439,12 @@ void reuse_policy::release_batch(batch& b, Release& release, bool synced)
   while (!b.blocks.empty()) {
     auto* blk = b.blocks.back();
     b.blocks.pop_back();
+    b.bytes -= blk->size;
     waiting_bytes_ -= blk->size;
     --waiting_blocks_;
+    blk->owner = nullptr;
+    // Looked up anew for each: a push below may open a lane (which moves the others).
+    if (blk->takeable) { unindex(*lane_of(b.stream), blk); }
     if (!blk->also_fence.is_none()) {
       blk->also_fence = stream_ref::none();
       // The record_stream fence completed (or a device sync covered both): now the free's.
@@ -283,9 +455,6 @@ void reuse_policy::release_batch(batch& b, Release& release, bool synced)
     }
     release(blk);
   }
-  if (b.event != 0) { spare_events_.push_back(b.event); }
-  b.event = 0;
-  recycle(std::move(b.blocks));
 }
 
 template <class Release>
@@ -311,17 +480,18 @@ void reuse_policy::promote_completed(Release& release)
     return false;
   };
   for (auto it = closed_.begin(); it != closed_.end();) {
-    if (is_blocked(it->stream)) {
+    if (is_blocked((*it)->stream)) {
       ++it;
       continue;
     }
-    if (!driver_->event_completed(device_, it->event)) {
+    if (!driver_->event_completed(device_, (*it)->event)) {
       if (nblocked == std::size(blocked)) { break; }
-      blocked[nblocked++] = it->stream;
+      blocked[nblocked++] = (*it)->stream;
       ++it;
       continue;
     }
-    release_batch(*it, release);
+    release_batch(**it, release);
+    recycle(std::move(*it));
     it = closed_.erase(it);
   }
 }
@@ -335,13 +505,19 @@ void reuse_policy::fence_dormant(Release& release)
   // Every block here was freed before the synchronization, so its record_stream stream's work
   // is done too: no second fence (which, on a dead stream, would cost another synchronization).
   // Move the batches out first: releases must not meet the containers being walked.
-  std::vector<batch> open  = std::move(open_);
-  std::deque<batch> closed = std::move(closed_);
+  std::vector<batch_ptr> open  = std::move(open_);
+  std::deque<batch_ptr> closed = std::move(closed_);
   open_.clear();
   closed_.clear();
   open_bytes_ = 0;
-  for (auto& b : closed) { release_batch(b, release, true); }
-  for (auto& b : open) { release_batch(b, release, true); }
+  for (auto& b : closed) {
+    release_batch(*b, release, true);
+    recycle(std::move(b));
+  }
+  for (auto& b : open) {
+    release_batch(*b, release, true);
+    recycle(std::move(b));
+  }
 }
 
 template <class Release>
@@ -356,8 +532,9 @@ void reuse_policy::drain(Release&& release)
       continue;
     }
     while (!closed_.empty()) {
-      driver_->synchronize_event(device_, closed_.front().event);
-      release_batch(closed_.front(), release);
+      driver_->synchronize_event(device_, closed_.front()->event);
+      release_batch(*closed_.front(), release);
+      recycle(std::move(closed_.front()));
       closed_.pop_front();
     }
   } while (!open_.empty() || !closed_.empty());

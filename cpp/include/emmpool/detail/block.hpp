@@ -16,6 +16,7 @@
 namespace emmpool::detail {
 
 struct segment;
+struct pending_batch;  // reuse_policy.hpp
 
 /// @brief A stream as the pool remembers it: the handle, and the driver's id of the stream
 /// behind it (stream_id), taken while its owner guaranteed it alive. Context streams (null,
@@ -47,6 +48,11 @@ struct stream_ref {
 /// the reuse rule).
 enum class block_state : std::uint8_t { free, allocated, pending };
 
+/// Which requests a block may serve: a segment serves one kind only (small requests small
+/// segments, large ones large fixed segments or the growable segment).
+enum class block_kind : std::uint8_t { small, large, growable };
+inline constexpr std::size_t block_kinds = 3;
+
 /// @brief A contiguous range of a segment. Blocks of a segment form a doubly linked list in
 /// address order, so that a freed block finds its neighbours in O(1) to coalesce.
 struct block {
@@ -57,6 +63,12 @@ struct block {
   block* next{};  ///< physical neighbour above (same segment), or null
   block_state state{block_state::free};
   std::uint8_t tag{};  ///< which library allocated it (stats)
+  /// Pending, and in its stream's stream-order index (reuse_policy.hpp): an allocation on that
+  /// stream may take it, a neighbour freed on that stream may merge with it.
+  bool takeable{};
+  block_kind kind{};             ///< its segment's kind (seg->kind()), here for the hot path
+  std::uint32_t slot{};          ///< its index in owner->blocks while pending
+  pending_batch* owner{};        ///< the batch (one fence) it waits in while pending
   /// A second stream the free must wait for (device_pool::record_stream): the block is fenced
   /// on it first (an event recorded at the free), then on the stream of the free.
   stream_ref also_fence{stream_ref::none()};
@@ -73,9 +85,39 @@ struct segment {
   bool growable{};                     ///< address space with pages mapped on demand
                                        ///< (growable_segment.hpp); never IPC-exported
   std::size_t live_blocks{};           ///< blocks allocated or pending: never released while > 0
+                                       ///< (the reuse policy splits and merges pending ones)
   std::optional<ipc_bytes> ipc;        ///< cuIpcGetMemHandle, fetched once
   block* first{};
+
+  [[nodiscard]] block_kind kind() const noexcept
+  {
+    return small ? block_kind::small : growable ? block_kind::growable : block_kind::large;
+  }
 };
+
+/// @brief Make `rest` (a fresh record) the part of `blk` past its first `size` bytes, next to
+/// it in the segment's block list.
+inline void split_off(block* blk, std::size_t size, block* rest) noexcept
+{
+  rest->ptr  = blk->ptr + size;
+  rest->size = blk->size - size;
+  rest->seg  = blk->seg;
+  rest->kind = blk->kind;
+  rest->prev = blk;
+  rest->next = blk->next;
+  if (blk->next != nullptr) { blk->next->prev = rest; }
+  blk->next = rest;
+  blk->size = size;
+}
+
+/// @brief Extend `lower` over `upper`, its next neighbour, and unlink upper (whose record the
+/// caller recycles).
+inline void absorb(block* lower, block* upper) noexcept
+{
+  lower->size += upper->size;
+  lower->next = upper->next;
+  if (upper->next != nullptr) { upper->next->prev = lower; }
+}
 
 /// @brief Owns block records and recycles them: splits and frees make and drop records at a
 /// high rate, and a free list keeps that off the heap. Not thread-safe (its pool's mutex).

@@ -27,6 +27,25 @@
 
 namespace emmpool::detail {
 
+/// Blocks by size, lowest address first among equals: lower_bound is the best fit.
+struct by_size {
+  bool operator()(block const* a, block const* b) const noexcept
+  {
+    return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
+  }
+};
+// Nodes recycled through a node_cache: splits and coalesces insert and erase constantly, and a
+// malloc + free per insert/erase showed in the allocate/free pair.
+using block_set = std::set<block*, by_size, cached_allocator<block*>>;
+
+/// @brief The smallest block of `s` of at least `size` bytes (lowest address among equals).
+[[nodiscard]] inline block_set::iterator best_fit(block_set& s, std::size_t size)
+{
+  block probe;
+  probe.size = size;
+  return s.lower_bound(&probe);
+}
+
 class free_lists {
  public:
   explicit free_lists(block_arena& arena) noexcept : arena_{&arena} {}
@@ -93,15 +112,7 @@ class free_lists {
   [[nodiscard]] std::uint64_t insertions() const noexcept { return insertions_; }
 
  private:
-  struct by_size {
-    bool operator()(block const* a, block const* b) const noexcept
-    {
-      return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
-    }
-  };
-  // Nodes recycled through nodes_: splits and coalesces insert and erase constantly, and a
-  // malloc + free per insert/erase showed in the allocate/free pair.
-  using set = std::set<block*, by_size, cached_allocator<block*>>;
+  using set = block_set;
   [[nodiscard]] set& set_of(block const* blk) noexcept { return blk->seg->small ? small_ : large_; }
 
   block_arena* arena_;
