@@ -105,9 +105,20 @@ def record_stream(torch, allocator):
     x.record_stream(side)
     del x
     y = torch.empty(n, device="cuda")
-    reused_while_busy = y.data_ptr() == ptr
+    # Reuse is wrong only while the side stream's work still runs: a pool that synchronized
+    # (a fence on the whole device, say) may hand the block out again, correctly.
+    side_busy = not side.query()
+    reused_while_busy = y.data_ptr() == ptr and side_busy
     torch.cuda.synchronize()
-    result(reused_while_busy=reused_while_busy)
+    stats = {}
+    if allocator != "native":
+        import emmpool
+
+        s = emmpool.stats(0)
+        stats = {k: s[k] for k in ("dormant_fences", "batches_closed", "same_stream_reuses",
+                                   "segment_allocations", "segment_releases") if k in s}
+    result(reused_while_busy=reused_while_busy, reused=y.data_ptr() == ptr,
+           side_busy_after_allocation=side_busy, stats=stats)
 
 
 def cuda_graph(torch, allocator):
