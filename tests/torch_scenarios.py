@@ -96,8 +96,15 @@ def record_stream(torch, allocator):
     gets another address (with record_stream ignored it gets the same one at once)."""
     n = 4 << 20
     side = torch.cuda.Stream()
+    # Load both kernels first: a kernel's first launch loads its module, which may wait for the
+    # device (lazy loading), and the side stream's sleep would be over before the free.
+    w = torch.ones(16, device="cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1000)
+        w.mul_(2)
     x = torch.ones(n, device="cuda")
     torch.cuda.synchronize()
+    del w
     ptr = x.data_ptr()
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the side stream

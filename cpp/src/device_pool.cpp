@@ -99,29 +99,21 @@ detail::block_kind device_pool::kind_of(std::size_t rounded, bool growable) cons
   return rounded <= options_.small_request ? detail::block_kind::small : detail::block_kind::large;
 }
 
-template <class Fenced>
-device_pool::block* device_pool::take_unfenced(std::size_t rounded, stream_ref stream,
-                                               detail::block_kind kind, Fenced&& fenced)
-{
-  // Stream order: a block this stream freed needs no fence for this stream's work. A near fit
-  // (at most 1/8 larger), else a free block. Cutting a larger pending block waits for the
-  // ladder's first step (allocate()): what completed since may fit better, coalesced.
-  if (auto* blk = policy_.take_in_stream_order(stream, rounded, kind)) { return blk; }
-  return fenced();
-}
-
+// Stream order first: a block this stream freed needs no fence for this stream's work (a near
+// fit, at most 1/8 larger), else a free block. Cutting a larger pending block waits for the
+// ladder's first step (allocate()): what completed since may fit better, coalesced.
 device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
 {
   if (options_.mode != pool_mode::pool) { return nullptr; }
-  return take_unfenced(rounded, stream, kind_of(rounded, false),
-                       [&] { return take_best_fit(rounded); });
+  auto* blk = policy_.take_in_stream_order(stream, rounded, kind_of(rounded, false));
+  return blk != nullptr ? blk : take_best_fit(rounded);
 }
 
 device_pool::block* device_pool::take_growable_without_cuda(std::size_t rounded, stream_ref stream)
 {
   // Pool mode: serves() said so. growable_.take(.., false) maps no page here.
-  return take_unfenced(rounded, stream, detail::block_kind::growable,
-                       [&] { return growable_.take(rounded, false); });
+  auto* blk = policy_.take_in_stream_order(stream, rounded, detail::block_kind::growable);
+  return blk != nullptr ? blk : growable_.take(rounded, false);
 }
 
 std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,

@@ -182,10 +182,7 @@ class device_pool : private detail::pool_lifecycle {
   // ---- allocation
   block* take_without_cuda(std::size_t rounded, stream_ref stream);  // stream order, best fit
   block* take_growable_without_cuda(std::size_t rounded, stream_ref stream);  // maps no page
-  template <class Fenced>  // stream order (a near fit), else fenced(): a free block
-  block* take_unfenced(std::size_t rounded, stream_ref stream, detail::block_kind kind,
-                       Fenced&& fenced);
-  // and split; a growable request maps pages only if may_map
+  // best fit and split; a growable request maps pages only if may_map
   block* take_best_fit(std::size_t rounded, bool growable = false, bool may_map = true);
   // which segments serve a request (a segment serves one kind)
   [[nodiscard]] detail::block_kind kind_of(std::size_t rounded, bool growable) const noexcept;
