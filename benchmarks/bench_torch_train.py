@@ -19,6 +19,15 @@ turns it on: the pluggable allocator then fails, see README).
 
 Writes DIR/bench_torch_train.json and DIR/bench_torch_train.md. ``--quick``: 2 rounds of fewer
 steps (< 2 minutes on an H100); the full run: 3 rounds (about 4 minutes).
+
+``--trace``: instead, one emmpool child per model records every allocation and free
+(emmpool.trace, with a mark at each step's synchronize) into DIR/trace-<model>.csv, and
+``python -m emmpool replay`` replays each trace on PyTorch's caching allocator and on emmpool
+(the CUDA driver, and the host driver as an idle GPU and as one a step behind) into
+DIR/trace-replay.md. The request sequence does not depend on the allocator, so PyTorch's replay
+peak should be the training run's; emmpool's policy can then be tried on the trace without a
+GPU (``python -m emmpool replay DIR/trace-transformer.csv --backends emmpool-host
+emmpool-host-behind``).
 """
 
 from __future__ import annotations
@@ -97,7 +106,8 @@ def make_transformer(torch):
     return step
 
 
-def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: bool) -> None:
+def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: bool,
+          trace_to: Path | None = None) -> None:
     import torch
 
     how = None
@@ -105,6 +115,10 @@ def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: boo
         import emmpool
 
         how = emmpool.use_for_torch("pluggable" if config == "emmpool-pluggable" else "extension")
+    if trace_to is not None:
+        import emmpool.trace
+
+        emmpool.trace.start()  # before the model's first allocation: the whole lifetime
     torch.manual_seed(0)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = cudnn_benchmark
@@ -115,6 +129,8 @@ def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: boo
         loss = step(i)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
+        if trace_to is not None:
+            emmpool.trace.mark_synchronize()
         losses.append(loss.item())
         if i >= warmup:
             times.append((t1 - t0) * 1e3)
@@ -139,6 +155,8 @@ def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: boo
             "same_stream_reuses", "dormant_fences")}
         if out["peak_reserved"] is None:
             out["peak_reserved"] = s["peak_bytes_reserved"]
+    if trace_to is not None:
+        out["trace_rows"] = emmpool.trace.write_csv(trace_to, emmpool.trace.stop())
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -146,9 +164,11 @@ def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: boo
 # parent
 
 
-def run_child(model, config, args) -> dict:
+def run_child(model, config, args, trace_to: Path | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", model, config, "--warmup", str(args.warmup),
            "--steps", str(args.steps)] + (["--cudnn-benchmark"] if args.cudnn_benchmark else [])
+    if trace_to is not None:
+        cmd += ["--trace-to", str(trace_to)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -195,6 +215,31 @@ def summarize(runs: list[dict], configs: list[str]) -> tuple[list[dict], str]:
     return rows, "\n".join(lines)
 
 
+REPLAY_BACKENDS = ("torch", "emmpool-fixed", "emmpool-host", "emmpool-host-behind")
+
+
+def trace_and_replay(args, models) -> None:
+    """--trace: a traced emmpool child per model, then each trace replayed (module docstring)."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = ["# bench_torch_train --trace", ""]
+    for model in models:
+        path = args.out / f"trace-{model}.csv"
+        res = run_child(model, "emmpool", args, trace_to=path)
+        if "error" in res:
+            report += [f"## {model}: the traced run failed", "", "```", res["error"], "```", ""]
+            continue
+        report += [f"## {model}", "",
+                   f"Traced run ({args.warmup} + {args.steps} steps): peak reserved "
+                   f"{res['peak_reserved'] / 2**20:.1f} MiB (emmpool's own peak "
+                   f"{res['emmpool_peak_reserved'] / 2**20:.1f} MiB), {res['trace_rows']} rows, "
+                   f"counts {json.dumps(res['emmpool_counts'])}.", ""]
+        p = subprocess.run([sys.executable, "-m", "emmpool", "replay", str(path), "--backends",
+                            *REPLAY_BACKENDS], capture_output=True, text=True, timeout=600)
+        report += [p.stdout.strip(), p.stderr.strip()[-2000:], ""]
+        print("\n".join(report[-4:]), flush=True)
+    (args.out / "trace-replay.md").write_text("\n".join(report) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
@@ -206,10 +251,13 @@ def main() -> None:
     ap.add_argument("--pluggable", action="store_true", help="also the CUDAPluggableAllocator")
     ap.add_argument("--cudnn-benchmark", action="store_true")
     ap.add_argument("--cpus", type=int, default=8, help="pin to this many CPUs near the GPU")
+    ap.add_argument("--trace", action="store_true",
+                    help="record and replay each model's allocation trace (see above)")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    ap.add_argument("--trace-to", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(*args.child, args.warmup, args.steps, args.cudnn_benchmark)
+        child(*args.child, args.warmup, args.steps, args.cudnn_benchmark, args.trace_to)
         return
     if args.out is None:
         ap.error("--out DIR is required")
@@ -217,6 +265,9 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else (8 if args.quick else 15)
     args.steps = args.steps or (25 if args.quick else 60)
     pinned = cpus.pin_near_gpu(args.cpus)
+    if args.trace:
+        trace_and_replay(args, [m for m in args.models.split(",") if m])
+        return
     configs = ["native", "emmpool"] + (["emmpool-pluggable"] if args.pluggable else [])
     models = [m for m in args.models.split(",") if m]
     runs = []

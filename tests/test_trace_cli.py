@@ -157,3 +157,53 @@ def test_cli_gpu_commands_without_gpu():
 def test_cli_usage_error():
     p = run_cli("frobnicate")
     assert p.returncode == 2 and "invalid choice" in p.stderr
+
+
+def test_marks_of_synchronization_are_collected_in_time_order(monkeypatch):
+    host = _core.HostDriver(devices=1, capacity=1 << 40)
+    pool = _core.DevicePool(host, 0)
+    monkeypatch.setattr(_core, "pools", lambda: [pool])  # collect()'s process-wide pools
+    pool.set_tracing(True)
+    a = pool.allocate(1000)
+    trace.mark_synchronize()  # steady clock on both sides: the mark sits between the two
+    pool.deallocate(a)
+    pool.set_tracing(False)
+    records = trace.collect()
+    assert [r.op for r in records] == ["alloc", "sync", "free"]
+    assert trace.collect() == []  # marks are taken with the records
+
+
+MiB = 1 << 20
+BIG = 64 * MiB
+SMALL = 2 * MiB  # one small segment
+
+
+@pytest.mark.parametrize(
+    "ops, idle, behind",
+    [
+        # Numba's kind (no stream named): a GPU behind keeps the freed block until a sync...
+        ([("alloc", 0, BIG), ("free", 0, 0), ("alloc", 1, BIG)], BIG, 2 * BIG),
+        # ... that follows its fence (recorded at the next allocation that misses: the 1 KiB)
+        ([("alloc", 0, BIG), ("free", 0, 0), ("sync", 0, 0), ("alloc", 1, BIG)], BIG, 2 * BIG),
+        ([("alloc", 0, BIG), ("free", 0, 0), ("alloc", 1, 1024), ("sync", 0, 0),
+          ("alloc", 2, BIG)], BIG + SMALL, BIG + SMALL),
+        # a named stream takes back its own block at once, behind or not
+        ([("alloc", 0, BIG, 0), ("free", 0, 0), ("alloc", 1, BIG, 0)], BIG, BIG),
+        # another named stream must wait for the fence
+        ([("alloc", 0, BIG, 0), ("free", 0, 0), ("alloc", 1, BIG, 77)], BIG, 2 * BIG),
+    ],
+)
+def test_replay_models_an_idle_gpu_and_one_a_step_behind(ops, idle, behind):
+    """Behind: an event completes at the first sync after it was recorded."""
+    assert replay.run(ops, "emmpool-host")["peak_reserved"] == idle
+    assert replay.run(ops, "emmpool-host-behind")["peak_reserved"] == behind
+
+
+def test_from_records_keeps_named_streams_and_marks():
+    rec = trace.TraceRecord
+    records = [rec(1, 0, "alloc", 10, 5, _core.LEGACY_STREAM, "numba"),
+               rec(2, 0, "alloc", 20, 6, 0, "torch"),
+               rec(3, 0, "sync", 0, 0, 0, ""),
+               rec(4, 0, "free", 20, 6, 0, "torch")]
+    assert replay.from_records(records) == [("alloc", 0, 5), ("alloc", 1, 6, 0), ("sync", 0, 0),
+                                            ("free", 1, 0)]

@@ -1,9 +1,18 @@
 """Replay an allocation trace against emmpool and other allocators: time and fragmentation.
 
-A trace is a list of operations ("alloc", id, size) / ("free", id, 0); `from_records` builds
-one from a recorded CSV (emmpool.trace), `from_slots` from a synthetic churn. For each backend
-the replay reports peak live bytes (the sum of requested sizes), peak reserved bytes (what the
-allocator held from the driver) and their ratio, and the replay's wall time.
+A trace is a list of operations ("alloc", id, size) / ("free", id, 0); an allocation that
+named a stream (CuPy's, PyTorch's) is ("alloc", id, size, stream), freed in that stream's
+order as its library frees it; ("sync", 0, 0) marks where the program synchronized the device
+(emmpool.trace.mark_synchronize). `from_records` builds one from a recorded CSV
+(emmpool.trace), `from_slots` from a synthetic churn. For each backend the replay reports peak
+live bytes (the sum of requested sizes), peak reserved bytes (what the allocator held from the
+driver) and their ratio, and the replay's wall time.
+
+The replay runs no kernels, so on a GPU every fence emmpool records has completed by the time
+it asks: "emmpool" and "emmpool-host" replay an idle GPU. "emmpool-host-behind" replays the
+other end, a GPU a whole step behind: events complete only at the trace's synchronizations, so
+only blocks freed in stream order on their own stream come back before them. A real run lies
+between the two.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from . import _core
 
 __all__ = ["Skip", "BACKENDS", "from_records", "from_slots", "run"]
 
-Op = tuple  # ("alloc"|"free", id, size)
+Op = tuple  # ("alloc", id, size[, stream]) | ("free", id, 0) | ("sync", 0, 0)
 
 
 class Skip(Exception):
@@ -24,15 +33,21 @@ class Skip(Exception):
 
 def from_records(records: Iterable, device: int | None = None) -> list[Op]:
     """Operations from trace records (emmpool.trace.TraceRecord); frees of pointers the trace
-    never saw allocated are dropped. Only one device's records if `device` is given."""
+    never saw allocated are dropped. Only one device's records if `device` is given.
+    Allocations on a named stream keep it (the trace's handle); legacy-stream ones (Numba's:
+    no stream named) do not."""
     ops, live, next_id = [], {}, 0
     for r in records:
         if device is not None and r.device != device:
             continue
         key = (r.device, r.ptr)
-        if r.op == "alloc":
+        if r.op == "sync":
+            ops.append(("sync", 0, 0))
+        elif r.op == "alloc":
             live[key] = next_id
-            ops.append(("alloc", next_id, r.size))
+            named = r.stream != _core.LEGACY_STREAM
+            ops.append(("alloc", next_id, r.size, r.stream) if named else
+                       ("alloc", next_id, r.size))
             next_id += 1
         elif key in live:
             ops.append(("free", live.pop(key), 0))
@@ -54,21 +69,27 @@ def from_slots(fill: Sequence[int], slots: Sequence[int], sizes: Sequence[int]) 
     return ops
 
 
-def _drive(ops, alloc: Callable, free: Callable, reserved_now: Callable | None = None) -> dict:
+def _drive(ops, alloc: Callable, free: Callable, reserved_now: Callable | None = None,
+           sync: Callable | None = None) -> dict:
+    """alloc(size, stream) (stream: the trace's handle, None for no stream named) -> handle;
+    free(handle); sync() at the trace's synchronizations."""
     handles, sizes = {}, {}
     live = peak_live = peak_sampled = 0
     t0 = time.perf_counter()
-    for op, key, size in ops:
-        if op == "alloc":
-            handles[key] = alloc(size)
+    for op in ops:
+        kind, key, size = op[:3]
+        if kind == "alloc":
+            handles[key] = alloc(size, op[3] if len(op) > 3 else None)
             sizes[key] = size
             live += size
             peak_live = max(peak_live, live)
             if reserved_now is not None:
                 peak_sampled = max(peak_sampled, reserved_now())
-        else:
+        elif kind == "free":
             free(handles.pop(key))
             live -= sizes.pop(key)
+        elif sync is not None:
+            sync()
     seconds = time.perf_counter() - t0
     for h in handles.values():
         free(h)
@@ -76,11 +97,46 @@ def _drive(ops, alloc: Callable, free: Callable, reserved_now: Callable | None =
             "ops": len(ops)}
 
 
-def _emmpool(ops, driver, segments="fixed") -> dict:
+class _StreamMap:
+    """The trace's stream handles as streams of the replay's driver: the context streams
+    (null, legacy, per-thread) as they are, any other handle as a stream made for it (the
+    host driver's; on a GPU every named stream is replayed on the null stream, which orders
+    the same way for a one-stream trace)."""
+
+    def __init__(self, make: Callable | None):
+        self.make, self.streams = make, {}
+
+    def __call__(self, handle: int | None) -> int:
+        if handle is None:
+            return _core.LEGACY_STREAM
+        if handle <= _core.PER_THREAD_STREAM or self.make is None:
+            return handle if handle <= _core.PER_THREAD_STREAM else 0
+        if handle not in self.streams:
+            self.streams[handle] = self.make()
+        return self.streams[handle]
+
+
+def _emmpool(ops, driver, segments="fixed", sync: Callable | None = None) -> dict:
     pool = _core.DevicePool(driver, 0, mode="pool", segments=segments)
     if segments == "growable" and not pool.growable:
         raise Skip("the device does not support virtual memory management (growable segments)")
-    r = _drive(ops, pool.allocate, pool.deallocate)
+    stream_of = _StreamMap(driver.create_stream if driver is not None else None)
+    named = set()  # blocks allocated on a named stream: freed in its order, as torch and CuPy do
+
+    def alloc(size, handle):
+        ptr = pool.allocate(size, stream_of(handle))
+        if handle is not None:
+            named.add(ptr)
+        return ptr
+
+    def free(ptr):
+        if ptr in named:
+            named.discard(ptr)
+            pool.deallocate(ptr, _core.ALLOCATION_STREAM)
+        else:
+            pool.deallocate(ptr)
+
+    r = _drive(ops, alloc, free, sync=sync)
     st = pool.stats()
     r.update(peak_reserved=st["peak_bytes_reserved"], segment_allocations=st["segment_allocations"],
              segment_releases=st["segment_releases"], page_maps=st["page_maps"],
@@ -97,10 +153,11 @@ def _configured_segments() -> str:
     return _config.config().segments
 
 
-def _emmpool_host(ops, segments=None) -> dict:
+def _emmpool_host(ops, segments=None, behind=False) -> dict:
     driver = _core.HostDriver(devices=1, capacity=1 << 44)  # no memory pressure: the policy alone
-    driver.set_auto_complete(True)
-    return _emmpool(ops, driver, segments or _configured_segments())
+    driver.set_auto_complete(not behind)  # behind: events complete at the trace's syncs only
+    return _emmpool(ops, driver, segments or _configured_segments(),
+                    sync=driver.complete_all_events if behind else None)
 
 
 def _emmpool_cuda(ops, segments=None) -> dict:
@@ -123,8 +180,9 @@ def _cupy(ops) -> dict:
     except cupy.cuda.runtime.CUDARuntimeError as e:
         raise Skip(f"no usable GPU for CuPy: {e}") from None
     pool = cupy.cuda.MemoryPool()
-    # MemoryPointer objects: dropping the last reference returns the block to the pool.
-    r = _drive(ops, pool.malloc, lambda h: None, pool.total_bytes)
+    # MemoryPointer objects: dropping the last reference returns the block to the pool. All on
+    # the current stream.
+    r = _drive(ops, lambda n, _s: pool.malloc(n), lambda h: None, pool.total_bytes)
     pool.free_all_blocks()
     return r
 
@@ -138,8 +196,8 @@ def _torch(ops) -> dict:
         raise Skip("torch.cuda.is_available() is False")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    stream = torch.cuda.current_stream()
-    r = _drive(ops, lambda n: torch.cuda.caching_allocator_alloc(n, 0, stream),
+    stream = torch.cuda.current_stream()  # every stream of the trace: a one-stream replay
+    r = _drive(ops, lambda n, _s: torch.cuda.caching_allocator_alloc(n, 0, stream),
                torch.cuda.caching_allocator_delete)
     r["peak_reserved"] = torch.cuda.max_memory_reserved()
     torch.cuda.empty_cache()
@@ -152,6 +210,7 @@ BACKENDS: dict[str, Callable[[list], dict]] = {
     "emmpool-host": _emmpool_host,
     "emmpool-host-fixed": lambda ops: _emmpool_host(ops, "fixed"),
     "emmpool-host-growable": lambda ops: _emmpool_host(ops, "growable"),
+    "emmpool-host-behind": lambda ops: _emmpool_host(ops, behind=True),
     "emmpool": _emmpool_cuda,
     "emmpool-fixed": lambda ops: _emmpool_cuda(ops, "fixed"),
     "emmpool-growable": lambda ops: _emmpool_cuda(ops, "growable"),
@@ -165,7 +224,7 @@ def run(ops: list[Op], backend: str) -> dict:
     Raises Skip where the backend cannot run here."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: expected one of {sorted(BACKENDS)}")
-    if not any(op == "alloc" for op, _, _ in ops):
+    if not any(op[0] == "alloc" for op in ops):
         raise ValueError("the trace holds no allocation")
     r = BACKENDS[backend](ops)
     r["ratio"] = r["peak_reserved"] / r["peak_live"] if r["peak_live"] else float("nan")

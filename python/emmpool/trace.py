@@ -2,6 +2,7 @@
 
     emmpool.trace.start()            # or EMMPOOL_TRACE=path.csv for the whole run
     ...                               # allocations through Numba, CuPy, PyTorch
+    emmpool.trace.mark_synchronize()  # optional: after each device synchronization
     records = emmpool.trace.stop()
     emmpool.trace.write_csv("trace.csv", records)
 
@@ -13,6 +14,8 @@ against emmpool and the other allocators.
 from __future__ import annotations
 
 import csv
+import threading
+import time
 from typing import Iterable, NamedTuple
 
 from . import _core
@@ -24,9 +27,9 @@ FIELDS = ("time_ns", "device", "op", "ptr", "size", "stream", "library")
 
 
 class TraceRecord(NamedTuple):
-    time_ns: int  # steady clock
+    time_ns: int  # steady clock (CLOCK_MONOTONIC, as time.monotonic_ns())
     device: int
-    op: str  # "alloc" or "free"
+    op: str  # "alloc", "free" or "sync" (mark_synchronize: no ptr, size, stream or library)
     ptr: int
     size: int  # bytes requested (alloc) or held (free)
     stream: int
@@ -38,10 +41,27 @@ def start() -> None:
     _core.set_tracing(True)
 
 
+_marks: list[TraceRecord] = []
+_marks_lock = threading.Lock()
+
+
+def mark_synchronize(device: int = 0) -> None:
+    """Note that the program has just synchronized `device` (torch.cuda.synchronize(),
+    cuda.synchronize()): every fence recorded before now has completed. A replay uses the
+    marks to model a GPU that runs behind the program (emmpool.replay, "emmpool-host-behind").
+    Kept until the next collect() without pools, which returns them in time order."""
+    with _marks_lock:
+        _marks.append(TraceRecord(time.monotonic_ns(), device, "sync", 0, 0, 0, ""))
+
+
 def collect(pools=None) -> list[TraceRecord]:
     """The records since the last collect(), in time order, of `pools` (default: the
-    process-wide pools). Tracing goes on."""
+    process-wide pools, and the marks of mark_synchronize()). Tracing goes on."""
     records = []
+    if pools is None:
+        with _marks_lock:
+            records.extend(_marks)
+            _marks.clear()
     for pool in _core.pools() if pools is None else pools:
         for t, op, ptr, size, stream, tag in pool.take_trace():
             records.append(
@@ -81,7 +101,7 @@ def read_csv(path) -> list[TraceRecord]:
         for lineno, row in enumerate(reader, start=2):
             try:
                 t, dev, op, ptr, size, stream, lib = row
-                if op not in ("alloc", "free") or lib not in LIBRARIES:
+                if not (op in ("alloc", "free") and lib in LIBRARIES or op == "sync"):
                     raise ValueError
                 out.append(TraceRecord(int(t), int(dev), op, int(ptr), int(size), int(stream), lib))
             except ValueError:
