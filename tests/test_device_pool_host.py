@@ -461,13 +461,59 @@ def test_per_thread_stream_is_never_reused_unfenced(host):
     assert pool.allocate(4096, _core.PER_THREAD_STREAM) != p
 
 
-def test_sizes_far_from_the_freed_block_are_not_served_from_it(host):
+def test_sizes_far_from_the_freed_block_are_not_served_from_it_whole(host):
     pool = make_pool(host)
     p = pool.allocate(8192, S)
     pool.deallocate(p, S)
-    assert pool.allocate(1024, S) != p           # a free block first: p is cut only if none
     assert pool.allocate(8192 + 256, S) != p     # does not fit
     assert pool.allocate(8192 - 512, S) == p     # within 1/8: whole
+    pool.deallocate(p, S)
+    # Smaller: the front of p, which fits tighter than the free rest of the segment; p's
+    # rest waits on S, taken by S's next fit.
+    assert pool.allocate(1024, S) == p
+    assert pool.allocate(4096, S) == p + 1024
+    assert pool.stats()["bytes_waiting"] == 8192 - 1024 - 4096
+
+
+def test_a_tighter_free_block_goes_before_cutting_a_pending_one(host):
+    host.set_auto_complete(True)
+    pool = make_pool(host)
+    a = pool.allocate(4096)                      # Numba's: fenced, then free
+    b = pool.allocate(65536, S)
+    pool.allocate(4096)                          # keeps b apart from the segment's free rest
+    pool.deallocate(a)
+    pool.allocate(3 << 20)                       # a miss fences and frees a (events complete)
+    pool.deallocate(b, S)
+    assert pool.allocate(2048, S) == a           # a (4 KiB, free) fits tighter than b (64 KiB)
+    assert pool.allocate(8192, S) == b           # then b's front, not the segment's free rest
+
+
+def test_a_free_on_the_null_stream_absorbs_free_neighbours_until_its_fence(host):
+    # As PyTorch's pool coalesces a freed block with its free neighbours: the null stream's
+    # next request of any size up to the merged block needs no new segment even while the GPU
+    # runs behind (no event completes); others get the free part back after the fence.
+    pool = make_pool(host)
+    p = pool.allocate(512 << 10, 0)              # a small segment (2 MiB): p, then free
+    pool.deallocate(p, 0)
+    st = pool.stats()
+    assert st["bytes_waiting"] == 2 << 20 and st["bytes_free"] == 0
+    q = pool.allocate(1 << 20, 0)                # larger than p: the merged block's front
+    assert q == p and pool.stats()["segment_allocations"] == 1
+    pool.deallocate(q, 0)
+    assert pool.allocate(4096) != p              # Numba: not before the null stream's fence
+    host.complete_all_events()                   # (a new segment: p, then 2 MiB - 4 KiB free)
+    got = [pool.allocate(1 << 20) for _ in range(3)]
+    assert p in got and pool.stats()["segment_allocations"] == 2  # after it, everyone's
+
+
+def test_a_free_on_another_named_stream_leaves_free_neighbours_free(host):
+    # Its batch may wait dormant (the stream may never allocate again): free bytes stay free.
+    pool = make_pool(host)
+    p = pool.allocate(1 << 20, S)
+    pool.deallocate(p, S)
+    st = pool.stats()
+    assert st["bytes_waiting"] == 1 << 20 and st["bytes_free"] == 1 << 20
+    assert pool.allocate(4096) == p + (1 << 20)  # Numba gets the free half at once
 
 
 def test_record_stream_of_the_null_stream_keeps_one_fence_and_stream_order(host):

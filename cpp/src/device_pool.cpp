@@ -36,7 +36,7 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
     options_{options},
     policy_{drv, device,
             reuse_options{true, options.open_batch_limit, options.mode == pool_mode::pool},
-            &blocks_}  // only its address: blocks_ is built later, and outlives policy_'s use
+            &blocks_, &free_}  // only their addresses: built later, they outlive policy_'s use
 {
   EMMPOOL_EXPECTS(device >= 0, "device must be a non-negative ordinal");
   options_.check();

@@ -10,8 +10,8 @@
 namespace emmpool {
 
 reuse_policy::reuse_policy(driver& drv, int device, reuse_options options,
-                           detail::block_arena* arena)
-  : driver_{&drv}, device_{device}, options_{options}, arena_{arena}
+                           detail::block_arena* arena, detail::free_lists* free)
+  : driver_{&drv}, device_{device}, options_{options}, arena_{arena}, free_{free}
 {
   EMMPOOL_EXPECTS(!options_.reuse_in_stream_order || (options_.stream_order && arena != nullptr),
                   "reuse in stream order needs stream_order and a block arena");
@@ -53,7 +53,7 @@ void reuse_policy::enqueue(detail::block* blk, stream_ref key)
 {
   if (blk->also_fence.is_none() && (options_.stream_order || key.is_context())) {
     // The common case: one fence, at the next allocation on a live stream.
-    push(may_merge(blk) ? merge_pending_neighbours(blk, key) : blk, key);
+    push(may_merge(blk, key) ? merge_neighbours(blk, key) : blk, key);
     return;
   }
   queue_freed(blk, key);
@@ -201,11 +201,19 @@ detail::block* reuse_policy::take_from_lane(stream_ref stream, std::size_t size,
   if (l == nullptr) { return nullptr; }
   auto* blk = best_fit(*l, size, kind);
   if (blk == nullptr) { return nullptr; }
+  // The free lists' block instead, if it fits tighter: what is cut off a free block stays
+  // free, what a block handed out whole holds beyond the request is lost while it lives.
+  if (!split && blk->size != size && free_fits_tighter(blk->size, size, kind)) { return nullptr; }
   // A near fit goes whole, as before splitting existed: cutting off a sliver that this
   // stream's next free merges back would cost a split and a merge per pair in a loop that
   // frees and allocates one size next to a smaller pending block (bench_core's stream-ordered
   // 64 KiB pair: 41 -> 62 ns).
-  if (blk->size - size > size / 8) { return split ? take_split(*l, blk, size) : nullptr; }
+  if (blk->size - size > size / 8) {
+    // Before the ladder's first step only a kind whose free lists free_fits_tighter() asked:
+    // a growable request first sees what that step completes, coalesced.
+    bool const weighed = free_ != nullptr && kind != detail::block_kind::growable;
+    return split || weighed ? take_split(*l, blk, size) : nullptr;
+  }
   detach(blk, l);
   ++stream_order_reuses_;
   return blk;
@@ -225,32 +233,48 @@ detail::block* reuse_policy::take_split(lane& l, detail::block* blk, std::size_t
   return blk;
 }
 
-detail::block* reuse_policy::merge_pending_neighbours(detail::block* blk, stream_ref key)
+bool reuse_policy::free_fits_tighter(std::size_t have, std::size_t size,
+                                     detail::block_kind kind) const
 {
-  // Why a merged block may wait for key's newest fence alone: its neighbour was freed on key
-  // too (a takeable block of key's lane: no record_stream fence pending), earlier, so the work
-  // that may still touch it was issued to key before that free. Work on one stream completes
-  // in issue order, so an event recorded on key after this free (the open batch's) completes
-  // only after the older batch's would have: it fences both parts. The merged block waits
-  // longer than its older part would have, never less. Only the physical neighbours in the
-  // segment's block list: never across segments, nor with a free block (the free lists'),
-  // another stream's, a Numba (legacy) or a record_stream block. On the growable segment too:
-  // a pending block's pages are all mapped and stay so (growable_space unmaps only pages
-  // wholly inside free blocks), and merging turns no byte from pending to free.
-  auto mergeable = [&](detail::block const* n) {
-    return n != nullptr && n->takeable && n->owner->stream == key;
+  if (free_ == nullptr || kind == detail::block_kind::growable) { return false; }
+  auto const fit = free_->best_fit_size(size, kind == detail::block_kind::small);
+  return fit != 0 && fit < have;
+}
+
+detail::block* reuse_policy::merge_neighbours(detail::block* blk, stream_ref key)
+{
+  // Why a merged block may wait for key's newest fence alone: its pending neighbour was freed
+  // on key too (a takeable block of key's lane: no record_stream fence pending), earlier, so
+  // the work that may still touch it was issued to key before that free. Work on one stream
+  // completes in issue order, so an event recorded on key after this free (the open batch's)
+  // completes only after the older batch's would have: it fences both parts. The merged block
+  // waits longer than its older part would have, never less. A free neighbour needs no fence
+  // at all. Only the physical neighbours in the segment's block list: never across segments,
+  // nor with another stream's, a Numba (legacy) or a record_stream block. On the growable
+  // segment pending ones only: a pending block's pages are all mapped and stay so
+  // (growable_space unmaps only pages wholly inside free blocks), and merging turns no byte
+  // from pending to free.
+  bool const free_too = absorbs_free(blk, key);
+  auto off_its_list   = [&](detail::block* n) {  // n leaves its batch or free list, if it may
+    if (n == nullptr) { return false; }
+    if (n->takeable && n->owner->stream == key) {
+      detach(n);  // key's open batch may be left empty: the merged block refills it
+      --n->seg->live_blocks;  // two records allocated-or-pending become one
+      return true;
+    }
+    if (free_too && n->state == detail::block_state::free) {
+      free_->erase(n);  // free bytes become pending ones (blk's batch counts them)
+      return true;
+    }
+    return false;
   };
-  if (auto* prev = blk->prev; mergeable(prev)) {
-    detach(prev);  // key's open batch may be left empty: the merged block refills it
+  if (auto* prev = blk->prev; off_its_list(prev)) {
     detail::absorb(prev, blk);
-    --prev->seg->live_blocks;  // two records allocated-or-pending become one
     arena_->recycle(blk);
     blk = prev;
   }
-  if (auto* next = blk->next; mergeable(next)) {
-    detach(next);
+  if (auto* next = blk->next; off_its_list(next)) {
     detail::absorb(blk, next);
-    --blk->seg->live_blocks;
     arena_->recycle(next);
   }
   return blk;

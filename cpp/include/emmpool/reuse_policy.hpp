@@ -36,20 +36,26 @@
  *
  * Such blocks (pending on S, no record_stream fence: "takeable", indexed per stream by best
  * fit over every batch of S) may also change shape while they wait, as in PyTorch's pool,
- * where a block freed on S is S's at once:
- *  - split (split_in_stream_order): S takes the front of a larger one; the rest stays in the
- *    same batch, so it waits for exactly the fence it waited for: no other stream, and no
- *    Numba request, gets it before that fence completed.
+ * where a block freed on S is S's at once (so that a GPU running behind the program, whose
+ * fences complete late, costs S no more memory than it costs PyTorch):
+ *  - split (take_in_stream_order, split_in_stream_order): S takes the front of a larger one;
+ *    the rest stays in the same batch, so it waits for exactly the fence it waited for: no
+ *    other stream, and no Numba request, gets it before that fence completed.
  *  - merge (free on S): a block freed on S absorbs its physical neighbours (same segment)
  *    that are takeable on S, in any batch of S, and the result joins S's *open* batch. Each
  *    neighbour was freed on S earlier; the work that may still touch it was issued to S before
  *    its free, hence before this free, and events on one stream complete in issue order: S's
  *    next event covers it as well as the one it waited for. A merged block therefore waits
- *    longer, never less. Never merged: blocks of another stream, Numba's (legacy) blocks,
- *    record_stream blocks (two fences), free blocks (the free lists'), blocks of another
- *    segment. The growable segment's blocks too: a pending block's pages are mapped and stay
- *    so (only pages wholly inside free blocks are unmapped), and a merge turns no pending
- *    byte free.
+ *    longer, never less.
+ *  - absorb (free on the null stream, PyTorch's and CuPy's default): it also absorbs its
+ *    *free* neighbours of a fixed segment (taken off the pool's free lists). No work may touch
+ *    a free block, so any fence covers it; it is the null stream's until that fence completes
+ *    (every allocation that misses records it: a context stream), then everyone's again.
+ *    Another stream's batch may wait dormant, so it never hides free bytes. Never merged or absorbed: blocks
+ *    of another stream, Numba's (legacy) blocks, record_stream blocks (two fences), blocks of
+ *    another segment. On the growable segment only pending neighbours: a pending block's
+ *    pages are mapped and stay so (only pages wholly inside free blocks are unmapped, so a
+ *    free one may have none), and a merge there turns no pending byte free.
  *
  * STREAM LIFETIME: a stream handle reaches CUDA only while it is certain to be alive
  * --------------------------------------------------------------------------------------
@@ -142,9 +148,11 @@ class reuse_policy {
   using stream_ref = detail::stream_ref;
 
   /// `arena`: the pool's block records, which stream-order splits and merges make and recycle
-  /// (required with reuse_options::reuse_in_stream_order).
+  /// (required with reuse_options::reuse_in_stream_order). `free`: the pool's free lists of
+  /// fixed segments, whose blocks frees on an ordering stream absorb and whose best fit
+  /// take_in_stream_order() weighs (optional: without it neither).
   reuse_policy(driver& drv, int device, reuse_options options = {},
-               detail::block_arena* arena = nullptr);
+               detail::block_arena* arena = nullptr, detail::free_lists* free = nullptr);
   ~reuse_policy();
   reuse_policy(reuse_policy const&)            = delete;
   reuse_policy& operator=(reuse_policy const&) = delete;
@@ -198,17 +206,21 @@ class reuse_policy {
 
   /// @brief Take back, unfenced, for an allocation of `size` bytes on `stream`, the best fit
   /// among the blocks freed on that same stream that still wait for a fence (any batch of it),
-  /// of the request's kind (`kind`; a growable request may also take a large fixed block), if
-  /// it is at most 1/8 larger: whole. Null if none, and always for legacy_stream ("no stream
-  /// named") or without reuse_options::reuse_in_stream_order. Blocks with a record_stream
+  /// of the request's kind (`kind`; a growable request may also take a large fixed block):
+  /// whole if it is at most 1/8 larger, else its front (split_in_stream_order). Null if the
+  /// pool's free lists hold a tighter fit (the pool takes that: the less cut off, the less
+  /// lost), if none fits, and always for legacy_stream ("no stream named") or without
+  /// reuse_options::reuse_in_stream_order. A growable request splits only after the ladder's
+  /// first step (its free list is not the one given here). Blocks with a record_stream
   /// fence pending are never taken. O(log n); one branch while no stream has such blocks.
   detail::block* take_in_stream_order(stream_ref stream, std::size_t size, detail::block_kind kind)
   {
     return lanes_.empty() ? nullptr : take_from_lane(stream, size, kind, false);
   }
 
-  /// @brief take_in_stream_order()'s best fit of any size, split down to `size` (the rest
-  /// stays pending in the same batch: it waits for the fence it waited for).
+  /// @brief take_in_stream_order()'s best fit of any size and kind, split down to `size` (the
+  /// rest stays pending in the same batch: it waits for the fence it waited for), whatever
+  /// the free lists hold (the pool calls it once they missed).
   detail::block* split_in_stream_order(stream_ref stream, std::size_t size, detail::block_kind kind)
   {
     return lanes_.empty() ? nullptr : take_from_lane(stream, size, kind, true);
@@ -329,25 +341,43 @@ class reuse_policy {
   void index_in_sets(stream_ref s, detail::block* blk);  // index()'s other cases
   void unindex(lane& l, detail::block* blk) noexcept;
   static void erase_from_sets(lane& l, detail::block* blk) noexcept;
-  // Whether a neighbour of blk is takeable (by some stream): merge_pending_neighbours() then
-  // checks which. One branch while no stream has any.
-  [[nodiscard]] bool may_merge(detail::block const* blk) const noexcept
+  // Whether blk, freed on key (no record_stream fence), absorbs its free neighbours: on the
+  // null stream only (PyTorch's and CuPy's default), whose batch every allocation's miss
+  // fences (a context stream): free bytes absorbed by another stream's batch could wait,
+  // dormant, hidden from every other stream and from Numba, until that stream allocates again.
+  [[nodiscard]] bool absorbs_free(detail::block const* blk, stream_ref key) const noexcept
   {
-    return !lanes_.empty() && ((blk->prev != nullptr && blk->prev->takeable) ||
-                               (blk->next != nullptr && blk->next->takeable));
+    return free_ != nullptr && blk->kind != detail::block_kind::growable && key.is_context() &&
+           orders(key);
+  }
+  // Whether a neighbour of blk may merge with it: takeable (by some stream) or, for a free on
+  // a stream that orders, free. merge_neighbours() then checks which. Few branches for
+  // Numba's frees (legacy: no lane, no absorbing).
+  [[nodiscard]] bool may_merge(detail::block const* blk, stream_ref key) const noexcept
+  {
+    bool const free_too = absorbs_free(blk, key);
+    if (lanes_.empty() && !free_too) { return false; }
+    auto mergeable = [&](detail::block const* n) {
+      return n != nullptr && (n->takeable || (free_too && n->state == detail::block_state::free));
+    };
+    return mergeable(blk->prev) || mergeable(blk->next);
   }
   [[nodiscard]] detail::block* best_fit(lane& l, std::size_t size, detail::block_kind kind);
   detail::block* take_from_lane(stream_ref stream, std::size_t size, detail::block_kind kind,
                                 bool split);
   detail::block* take_split(lane& l, detail::block* blk, std::size_t size);  // blk: l's
   // blk, freed on key, merged with its takeable neighbours pending on key (they leave their
-  // batches: the result goes to key's open batch).
-  detail::block* merge_pending_neighbours(detail::block* blk, stream_ref key);
+  // batches: the result goes to key's open batch) and, if absorbs_free(), its free ones.
+  detail::block* merge_neighbours(detail::block* blk, stream_ref key);
+  // Whether the free lists' best fit for `size` is smaller than `have` bytes.
+  [[nodiscard]] bool free_fits_tighter(std::size_t have, std::size_t size,
+                                       detail::block_kind kind) const;
 
   driver* driver_;
   int device_;
   reuse_options options_;
   detail::block_arena* arena_;
+  detail::free_lists* free_;
   std::vector<batch_ptr> open_;   // at most one per stream; few streams, so a vector
   std::deque<batch_ptr> closed_;  // in closing order
   std::vector<event_handle> spare_events_;

@@ -64,6 +64,16 @@ class free_lists {
   /// null if none. The block leaves the set unsplit: see split().
   [[nodiscard]] block* take_best_fit(std::size_t size, bool small);
 
+  /// @brief The size of the block take_best_fit() would take; 0 if none.
+  [[nodiscard]] std::size_t best_fit_size(std::size_t size, bool small) const
+  {
+    auto const& s = small ? small_ : large_;
+    block probe;
+    probe.size = size;
+    auto it    = s.lower_bound(&probe);
+    return it != s.end() ? (*it)->size : 0;
+  }
+
   /// @brief take_best_fit(), then split() the block down to `size`.
   [[nodiscard]] block* take(std::size_t size, bool small, std::size_t min_rest)
   {
