@@ -3,6 +3,7 @@
 // under a live or pending block), trim and the out-of-memory ladder, the fallback to fixed
 // segments, IPC, reset and failures.
 #include "check.hpp"
+#include "pool_fixture.hpp"
 
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
@@ -31,35 +32,19 @@ pool_options growable_options(std::size_t cap = 0)
   return o;
 }
 
-struct fixture {
-  host_driver drv;
-  std::unique_ptr<device_pool> pool;
+/// Growable segments unless a test says otherwise.
+struct fixture : test::pool_fixture {
   explicit fixture(pool_options options = growable_options(), bool vmm = true)
-    : drv{1, std::size_t{1} << 34}
+    : pool_fixture{options, test::default_capacity, vmm}
   {
-    drv.set_vmm_supported(vmm);
-    pool = std::make_unique<device_pool>(drv, 0, options);
   }
-  device_pool* operator->() { return pool.get(); }
 };
 
-/// Reserved is what the driver has mapped plus its fixed segments; every byte of the pool is
-/// in use, waiting or free (free counts only mapped bytes of a growable segment).
+/// byte_accounting(), and the peak is at least what is reserved now.
 std::string consistency(fixture& f)
 {
   auto const s = f->stats();
-  auto const c = f.drv.stats();
-  std::string problems;
-  if (s.bytes_in_use + s.bytes_waiting + s.bytes_free != s.bytes_reserved) {
-    problems += "in_use " + std::to_string(s.bytes_in_use) + " + waiting " +
-                std::to_string(s.bytes_waiting) + " + free " + std::to_string(s.bytes_free) +
-                " != reserved " + std::to_string(s.bytes_reserved) + "; ";
-  }
-  if (c.bytes_mapped + c.bytes_reserved != s.bytes_reserved) {
-    problems += "driver maps " + std::to_string(c.bytes_mapped) + " + segments " +
-                std::to_string(c.bytes_reserved) + " != pool reserved " +
-                std::to_string(s.bytes_reserved) + "; ";
-  }
+  std::string problems = test::byte_accounting(s, f.drv.stats());
   if (s.peak_bytes_reserved < s.bytes_reserved) { problems += "peak < reserved; "; }
   return problems;
 }

@@ -7,13 +7,13 @@
 // recorded for S's frees at the next allocation on S that misses (maintenance), and a block
 // reaches another stream only after that event completed and a later maintenance released it.
 #include "check.hpp"
+#include "pool_fixture.hpp"
 
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
 
 #include <cstdio>
-#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -29,34 +29,12 @@ constexpr std::size_t big = 12 * MiB;
 constexpr stream_handle stream_a = 0x5000;  // named streams (opaque to host_driver)
 constexpr stream_handle stream_b = 0x6000;
 
-struct fixture {
-  host_driver drv;
-  std::unique_ptr<device_pool> pool;
-  explicit fixture(pool_options options = {})
-    : drv{1, std::size_t{1} << 36}, pool{std::make_unique<device_pool>(drv, 0, options)}
-  {
-  }
-  device_pool* operator->() { return pool.get(); }
+struct fixture : test::pool_fixture {
+  explicit fixture(pool_options options = {}) : pool_fixture{options, std::size_t{1} << 36} {}
 };
 
-/// Every byte of every segment is in use, waiting or free; the driver holds what the pool
-/// thinks it holds.
-std::string consistency(fixture& f)
-{
-  auto const s = f->stats();
-  auto const c = f.drv.stats();
-  std::string problems;
-  if (s.bytes_in_use + s.bytes_waiting + s.bytes_free != s.bytes_reserved) {
-    problems += "in_use " + std::to_string(s.bytes_in_use) + " + waiting " +
-                std::to_string(s.bytes_waiting) + " + free " + std::to_string(s.bytes_free) +
-                " != reserved " + std::to_string(s.bytes_reserved) + "; ";
-  }
-  if (c.bytes_reserved + c.bytes_mapped != s.bytes_reserved) {
-    problems += "driver holds " + std::to_string(c.bytes_reserved + c.bytes_mapped) +
-                " bytes, pool reserved " + std::to_string(s.bytes_reserved) + "; ";
-  }
-  return problems;
-}
+/// The byte accounting alone: each test checks the rest itself.
+std::string consistency(fixture& f) { return test::byte_accounting(f->stats(), f.drv.stats()); }
 
 bool overlaps(device_ptr p, std::size_t n, device_ptr q, std::size_t m)
 {

@@ -1,0 +1,61 @@
+/**
+ * @file pool_fixture.hpp
+ * @brief What the device_pool tests share: a pool over its own host_driver, and the byte
+ * accounting every consistency() check starts from.
+ *
+ * Each test file keeps its own consistency() for what only it checks (tags, segment counts,
+ * peaks). No CHECK here: check.hpp defines main() and belongs to the test file.
+ */
+#pragma once
+
+#include <emmpool/device_pool.hpp>
+#include <emmpool/host_driver.hpp>
+#include <emmpool/stats.hpp>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+namespace emmpool::test {
+
+inline constexpr std::size_t default_capacity = std::size_t{1} << 34;  // host_driver's default
+
+/// A pool over its own host_driver (declared first: it must outlive the pool).
+struct pool_fixture {
+  host_driver drv;
+  std::unique_ptr<device_pool> pool;
+  /// @param capacity bytes the driver hands out before it reports out of memory
+  /// @param vmm off: a device without virtual memory management (growable falls back to fixed)
+  explicit pool_fixture(pool_options options = {}, std::size_t capacity = default_capacity,
+                        bool vmm = true)
+    : drv{1, capacity}
+  {
+    drv.set_vmm_supported(vmm);  // before the pool, which asks when it is built
+    pool = std::make_unique<device_pool>(drv, 0, options);
+  }
+  device_pool* operator->() { return pool.get(); }
+};
+
+/// Every byte of the pool is in use, waiting or free (free counts only mapped bytes of a
+/// growable segment); the driver holds what the pool reserved: its fixed segments plus its
+/// mapped pages (host_driver counts them apart). Takes one snapshot of each, which the
+/// caller's own checks share. Returns the problems found, "" if none.
+/// @param driver_matches false once a reset retired segments the pool no longer counts
+inline std::string byte_accounting(pool_stats const& s, host_driver::counters const& c,
+                                   bool driver_matches = true)
+{
+  std::string problems;
+  if (s.bytes_in_use + s.bytes_waiting + s.bytes_free != s.bytes_reserved) {
+    problems += "in_use " + std::to_string(s.bytes_in_use) + " + waiting " +
+                std::to_string(s.bytes_waiting) + " + free " + std::to_string(s.bytes_free) +
+                " != reserved " + std::to_string(s.bytes_reserved) + "; ";
+  }
+  if (driver_matches && c.bytes_reserved + c.bytes_mapped != s.bytes_reserved) {
+    problems += "driver holds segments " + std::to_string(c.bytes_reserved) + " + mapped " +
+                std::to_string(c.bytes_mapped) + " != pool reserved " +
+                std::to_string(s.bytes_reserved) + "; ";
+  }
+  return problems;
+}
+
+}  // namespace emmpool::test
