@@ -136,7 +136,8 @@ TEST(stream_order_never_merges_across_streams_record_stream_free_or_numba_blocks
                  CHECK(f->allocate(n, stream_a) != v[0]);
                }),
            2 * n);
-  // A free block (fenced: the free lists'): never merged with a pending one.
+  // A free block (fenced: the free lists'): never absorbed by a named stream's pending block
+  // (its batch may wait dormant); the null stream's test follows.
   CHECK_EQ(run("free",
                [](fixture& f, auto const& v) {
                  f->deallocate(v[0], stream_a);
@@ -152,6 +153,41 @@ TEST(stream_order_never_merges_across_streams_record_stream_free_or_numba_blocks
   auto const r = f->allocate(2 * big, stream_a);
   CHECK(r != p && r != q);
   CHECK_EQ(f->stats().bytes_waiting, 2 * big);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(stream_order_null_stream_absorbs_free_neighbours_until_its_fence)
+{
+  // PyTorch's and CuPy's default stream: a block freed there absorbs its free neighbours, so
+  // the stream's larger request needs no new segment even while no event completes (a GPU
+  // running behind). The absorbed bytes are the null stream's until its fence completes: a
+  // Numba request misses them before, gets them after.
+  constexpr std::size_t n = 64 * KiB;
+  fixture f;
+  auto const v = adjacent(f, n, 0);
+  f->deallocate(v[0], 0);
+  f->synchronize();  // fenced: v[0] is free
+  CHECK_EQ(f->stats().bytes_free, 2 * MiB - 3 * n + n);
+  f->deallocate(v[2], 0);  // absorbs the segment's free rest above it
+  f->deallocate(v[1], 0);  // absorbs v[0] below it, merges with v[2] pending above
+  CHECK_EQ(f->stats().bytes_free, 0u);
+  CHECK_EQ(f->stats().bytes_waiting, 2 * MiB);
+  auto const segments = f->stats().segment_allocations;
+  CHECK_EQ(f->allocate(1 * MiB, 0), v[0]);  // the merged block's front, unfenced
+  CHECK_EQ(f->stats().segment_allocations, segments);
+  CHECK_EQ(f->stats().bytes_waiting, 1 * MiB);
+  auto const numba = f->allocate(n, legacy_stream, alloc_tag::numba);  // its miss fences
+  CHECK(!overlaps(numba, n, v[0], 2 * MiB));
+  CHECK_EQ(f->stats().segment_allocations, segments + 1);
+  f.drv.complete_all_events();
+  f->deallocate(numba);  // waits for a fence of its own (recorded at the next miss)
+  auto const rest = f->allocate(1 * MiB, legacy_stream, alloc_tag::numba);  // the new segment's
+  CHECK_EQ(rest, numba + n);
+  // The new segment has 1 MiB - n left: a miss, whose maintenance releases the null
+  // stream's completed batch.
+  CHECK_EQ(f->allocate(1 * MiB, legacy_stream, alloc_tag::numba), v[0] + 1 * MiB);
+  CHECK_EQ(f->stats().bytes_waiting, n);
+  CHECK_EQ(f->stats().segment_allocations, segments + 1);
   CHECK_EQ(consistency(f), "");
 }
 
