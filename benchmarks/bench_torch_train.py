@@ -13,8 +13,9 @@ answered from emmpool's pool, which holds PyTorch's memory alone here) plus, for
 emmpool.stats()'s own peak.
 
 Configurations: ``native``; ``emmpool`` (emmpool.use_for_torch(), the allocator extension);
-with ``--pluggable`` also ``emmpool-pluggable`` (PyTorch's CUDAPluggableAllocator over emmpool,
-the fallback). cuDNN: deterministic algorithms, benchmark mode off by default (``--cudnn-benchmark``
+``emmpool@NAME`` for each earlier build in EMMPOOL_BENCH_BASELINES (baselines.py: the same
+extension, built from that tree); with ``--pluggable`` also ``emmpool-pluggable`` (PyTorch's
+CUDAPluggableAllocator over emmpool, the fallback). cuDNN: deterministic algorithms, benchmark mode off by default (``--cudnn-benchmark``
 turns it on: the pluggable allocator then fails, see README).
 
 Writes DIR/bench_torch_train.json and DIR/bench_torch_train.md. ``--quick``: 2 rounds of fewer
@@ -41,7 +42,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = str(Path(__file__).resolve().parent)
+sys.path.insert(0, HERE)
+import baselines  # noqa: E402
 import cpus  # noqa: E402
 
 MODELS = ("resnet18", "transformer")
@@ -112,6 +115,7 @@ def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: boo
 
     how = None
     if config.startswith("emmpool"):
+        baselines.check_imported()  # emmpool@NAME: the earlier build, or fail
         import emmpool
 
         how = emmpool.use_for_torch("pluggable" if config == "emmpool-pluggable" else "extension")
@@ -164,12 +168,14 @@ def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: boo
 # parent
 
 
-def run_child(model, config, args, trace_to: Path | None = None) -> dict:
+def run_child(model, config, args, trace_to: Path | None = None,
+              env: dict[str, str] | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", model, config, "--warmup", str(args.warmup),
            "--steps", str(args.steps)] + (["--cudnn-benchmark"] if args.cudnn_benchmark else [])
     if trace_to is not None:
         cmd += ["--trace-to", str(trace_to)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, **env} if env else None)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -268,7 +274,10 @@ def main() -> None:
     if args.trace:
         trace_and_replay(args, [m for m in args.models.split(",") if m])
         return
-    configs = ["native", "emmpool"] + (["emmpool-pluggable"] if args.pluggable else [])
+    earlier = {f"emmpool@{name}": baselines.child_env(path)
+               for name, path in baselines.baselines()}  # EMMPOOL_BENCH_BASELINES
+    configs = (["native", "emmpool"] + list(earlier) +
+               (["emmpool-pluggable"] if args.pluggable else []))
     models = [m for m in args.models.split(",") if m]
     runs = []
     t0 = time.time()
@@ -276,7 +285,7 @@ def main() -> None:
         order = configs if r % 2 == 0 else configs[::-1]
         for model in models:
             for c in order:
-                res = run_child(model, c, args)
+                res = run_child(model, c, args, env=earlier.get(c))
                 res["round"] = r
                 runs.append(res)
                 brief = (f"{res['ms_per_step']:.2f} ms/step, peak reserved "
