@@ -51,9 +51,9 @@
  *    *free* neighbours of a fixed segment (taken off the pool's free lists). No work may touch
  *    a free block, so any fence covers it; it is the null stream's until that fence completes
  *    (every allocation that misses records it: a context stream), then everyone's again.
- *    Another stream's batch may wait dormant, so it never hides free bytes. Never merged or absorbed: blocks
- *    of another stream, Numba's (legacy) blocks, record_stream blocks (two fences), blocks of
- *    another segment. On the growable segment only pending neighbours: a pending block's
+ *    Another stream's batch may wait dormant, so it never hides free bytes. Never merged or
+ *    absorbed: blocks of another stream, Numba's (legacy) blocks, record_stream blocks (two
+ *    fences), blocks of another segment. On the growable segment only pending neighbours: a pending block's
  *    pages are mapped and stay so (only pages wholly inside free blocks are unmapped, so a
  *    free one may have none), and a merge there turns no pending byte free.
  *
@@ -149,7 +149,7 @@ class reuse_policy {
 
   /// `arena`: the pool's block records, which stream-order splits and merges make and recycle
   /// (required with reuse_options::reuse_in_stream_order). `free`: the pool's free lists of
-  /// fixed segments, whose blocks frees on an ordering stream absorb and whose best fit
+  /// fixed segments, whose blocks frees on the null stream absorb and whose best fit
   /// take_in_stream_order() weighs (optional: without it neither).
   reuse_policy(driver& drv, int device, reuse_options options = {},
                detail::block_arena* arena = nullptr, detail::free_lists* free = nullptr);
@@ -350,8 +350,8 @@ class reuse_policy {
     return free_ != nullptr && blk->kind != detail::block_kind::growable && key.is_context() &&
            orders(key);
   }
-  // Whether a neighbour of blk may merge with it: takeable (by some stream) or, for a free on
-  // a stream that orders, free. merge_neighbours() then checks which. Few branches for
+  // Whether a neighbour of blk may merge with it: takeable (by some stream) or, if
+  // absorbs_free(), free. merge_neighbours() then checks which. Few branches for
   // Numba's frees (legacy: no lane, no absorbing).
   [[nodiscard]] bool may_merge(detail::block const* blk, stream_ref key) const noexcept
   {
