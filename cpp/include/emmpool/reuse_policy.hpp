@@ -53,9 +53,9 @@
  *    (every allocation that misses records it: a context stream), then everyone's again.
  *    Another stream's batch may wait dormant, so it never hides free bytes. Never merged or
  *    absorbed: blocks of another stream, Numba's (legacy) blocks, record_stream blocks (two
- *    fences), blocks of another segment. On the growable segment only pending neighbours: a pending block's
- *    pages are mapped and stay so (only pages wholly inside free blocks are unmapped, so a
- *    free one may have none), and a merge there turns no pending byte free.
+ *    fences), blocks of another segment. On the growable segment only pending neighbours:
+ *    a pending block's pages are mapped and stay so (only pages wholly inside free blocks are
+ *    unmapped, so a free one may have none), and a merge there turns no pending byte free.
  *
  * STREAM LIFETIME: a stream handle reaches CUDA only while it is certain to be alive
  * --------------------------------------------------------------------------------------
