@@ -99,9 +99,10 @@ detail::block_kind device_pool::kind_of(std::size_t rounded, bool growable) cons
   return rounded <= options_.small_request ? detail::block_kind::small : detail::block_kind::large;
 }
 
-// Stream order first: a block this stream freed needs no fence for this stream's work (a near
-// fit, at most 1/8 larger), else a free block. Cutting a larger pending block waits for the
-// ladder's first step (allocate()): what completed since may fit better, coalesced.
+// Stream order first: a block this stream freed needs no fence for this stream's work (whole
+// if at most 1/8 larger, else cut), unless a free block fits tighter; else a free block. A
+// growable request cuts a pending block only at the ladder's first step (allocate()): what
+// completed since may fit better, coalesced.
 device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
 {
   if (options_.mode != pool_mode::pool) { return nullptr; }

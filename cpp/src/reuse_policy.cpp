@@ -211,8 +211,7 @@ detail::block* reuse_policy::take_from_lane(stream_ref stream, std::size_t size,
   if (blk->size - size > size / 8) {
     // Before the ladder's first step only a kind whose free lists free_fits_tighter() asked:
     // a growable request first sees what that step completes, coalesced.
-    bool const weighed = free_ != nullptr && kind != detail::block_kind::growable;
-    return split || weighed ? take_split(*l, blk, size) : nullptr;
+    return split || weighs_free(kind) ? take_split(*l, blk, size) : nullptr;
   }
   detach(blk, l);
   ++stream_order_reuses_;
@@ -236,7 +235,7 @@ detail::block* reuse_policy::take_split(lane& l, detail::block* blk, std::size_t
 bool reuse_policy::free_fits_tighter(std::size_t have, std::size_t size,
                                      detail::block_kind kind) const
 {
-  if (free_ == nullptr || kind == detail::block_kind::growable) { return false; }
+  if (!weighs_free(kind)) { return false; }
   auto const fit = free_->best_fit_size(size, kind == detail::block_kind::small);
   return fit != 0 && fit < have;
 }

@@ -109,8 +109,10 @@ class _StreamMap:
     def __call__(self, handle: int | None) -> int:
         if handle is None:
             return _core.LEGACY_STREAM
-        if handle <= _core.PER_THREAD_STREAM or self.make is None:
-            return handle if handle <= _core.PER_THREAD_STREAM else 0
+        if handle <= _core.PER_THREAD_STREAM:
+            return handle
+        if self.make is None:
+            return 0
         if handle not in self.streams:
             self.streams[handle] = self.make()
         return self.streams[handle]

@@ -347,8 +347,12 @@ class reuse_policy {
   // dormant, hidden from every other stream and from Numba, until that stream allocates again.
   [[nodiscard]] bool absorbs_free(detail::block const* blk, stream_ref key) const noexcept
   {
-    return free_ != nullptr && blk->kind != detail::block_kind::growable && key.is_context() &&
-           orders(key);
+    return weighs_free(blk->kind) && key.is_context() && orders(key);
+  }
+  // Whether the free lists given here (free_: fixed segments only) hold blocks of `kind`.
+  [[nodiscard]] bool weighs_free(detail::block_kind kind) const noexcept
+  {
+    return free_ != nullptr && kind != detail::block_kind::growable;
   }
   // Whether a neighbour of blk may merge with it: takeable (by some stream) or, if
   // absorbs_free(), free. merge_neighbours() then checks which. Few branches for

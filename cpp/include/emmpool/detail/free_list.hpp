@@ -39,7 +39,7 @@ struct by_size {
 using block_set = std::set<block*, by_size, cached_allocator<block*>>;
 
 /// @brief The smallest block of `s` of at least `size` bytes (lowest address among equals).
-[[nodiscard]] inline block_set::iterator best_fit(block_set& s, std::size_t size)
+[[nodiscard]] inline block_set::const_iterator best_fit(block_set const& s, std::size_t size)
 {
   block probe;
   probe.size = size;
@@ -68,9 +68,7 @@ class free_lists {
   [[nodiscard]] std::size_t best_fit_size(std::size_t size, bool small) const
   {
     auto const& s = small ? small_ : large_;
-    block probe;
-    probe.size = size;
-    auto it    = s.lower_bound(&probe);
+    auto it       = best_fit(s, size);
     return it != s.end() ? (*it)->size : 0;
   }
 
