@@ -1,6 +1,7 @@
 #include <emmpool/detail/free_list.hpp>
 
 #include <algorithm>
+#include <iterator>
 
 namespace emmpool::detail {
 
@@ -36,6 +37,36 @@ block* free_lists::take_best_fit(std::size_t size, bool small)
   return blk;
 }
 
+block* free_lists::take(std::size_t size, bool small, std::size_t min_rest)
+{
+  auto& s = small ? small_ : large_;
+  auto it = best_fit(s, size);
+  if (it == s.end()) { return nullptr; }
+  auto* blk = *it;
+  if (blk->size - size < min_rest) {  // handed out whole
+    s.erase(it);
+    bytes_ -= blk->size;
+    return blk;
+  }
+  auto* front = arena_->make();  // may throw: before anything changed
+  carve_front(blk, size, front);
+  bytes_ -= size;
+  reseat(s, it);  // blk, smaller: still in place unless a block of its new size sorts after it
+  return front;
+}
+
+void free_lists::reseat(set& s, set::const_iterator it)
+{
+  auto const less = s.key_comp();
+  auto const next = std::next(it);
+  if ((it == s.begin() || less(*std::prev(it), *it)) && (next == s.end() || less(*it, *next))) {
+    return;
+  }
+  auto* blk = *it;
+  s.erase(it);
+  s.insert(next, blk);  // erase() just cached the node it needs: cannot throw
+}
+
 block* free_lists::split(block* blk, std::size_t size, std::size_t min_rest)
 {
   if (blk->size - size < min_rest) { return blk; }
@@ -47,19 +78,34 @@ block* free_lists::split(block* blk, std::size_t size, std::size_t min_rest)
 
 block* free_lists::coalesce(block* blk)
 {
-  if (auto* prev = blk->prev; prev != nullptr && prev->state == block_state::free) {
-    erase(prev);
+  auto* prev          = blk->prev;
+  auto* next          = blk->next;
+  bool const free_below = prev != nullptr && prev->state == block_state::free;
+  bool const free_above = next != nullptr && next->state == block_state::free;
+  if (!free_below && !free_above) {
+    insert(blk);
+    return blk;
+  }
+  // A free neighbour grows over blk in place (its set's position found before its size
+  // changes); a second one, above, leaves the set.
+  auto* keep = free_below ? prev : next;
+  auto& s    = set_of(keep);
+  auto it    = s.find(keep);
+  if (free_below) {
+    if (free_above) { s.erase(next); }
     absorb(prev, blk);
-    arena_->recycle(blk);
-    blk = prev;
+    if (free_above) {
+      absorb(prev, next);
+      arena_->recycle(next);
+    }
+  } else {
+    absorb_down(blk, next);
   }
-  if (auto* next = blk->next; next != nullptr && next->state == block_state::free) {
-    erase(next);
-    absorb(blk, next);
-    arena_->recycle(next);
-  }
-  insert(blk);
-  return blk;
+  bytes_ += blk->size;
+  ++insertions_;
+  arena_->recycle(blk);
+  reseat(s, it);  // larger now: in place unless a block of its old size sorted after it
+  return keep;
 }
 
 std::size_t free_lists::largest() const noexcept

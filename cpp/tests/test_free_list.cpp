@@ -40,11 +40,8 @@ struct segment_fixture {
   // Take `size` bytes by best fit and split, as the pool does.
   block* take(std::size_t size, bool small = false)
   {
-    auto* blk = lists.take_best_fit(size, small);
-    if (blk != nullptr) {
-      blk = lists.split(blk, size, 256);
-      blk->state = block_state::allocated;
-    }
+    auto* blk = lists.take(size, small, 256);
+    if (blk != nullptr) { blk->state = block_state::allocated; }
     return blk;
   }
   // The blocks of a segment in address order: contiguous, linked both ways, covering it.
@@ -105,7 +102,10 @@ TEST(free_list_split_leaves_the_rest_free_and_coalesce_restores_the_segment)
   auto* b     = f.take(8 * KiB);
   auto* c     = f.take(4 * KiB);
   REQUIRE(a != nullptr && b != nullptr && c != nullptr);
-  CHECK_EQ(a, whole);  // the record of the whole segment, cut down
+  CHECK_EQ(seg.first, a);
+  CHECK_EQ(whole->ptr, device_ptr{0x100000 + 16 * KiB});  // the free rest keeps its record
+  CHECK_EQ(whole->size, 48 * KiB);
+  CHECK(whole->prev == c && whole->state == block_state::free);
   CHECK_EQ(a->ptr, device_ptr{0x100000});
   CHECK_EQ(b->ptr, device_ptr{0x100000 + 4 * KiB});
   CHECK_EQ(c->ptr, device_ptr{0x100000 + 12 * KiB});
@@ -195,4 +195,67 @@ TEST(free_list_random_split_and_coalesce_keep_segments_whole)
   for (auto* b : taken) { f.lists.coalesce(b); }
   CHECK(f.well_formed(f.segments[0]));
   CHECK_EQ(f.lists.largest(), size);
+}
+
+namespace {
+
+// The best fit by brute force: the smallest free block of at least `size` bytes, lowest
+// address among equals, over every segment of `kind` (small or not); null if none.
+block const* brute_best_fit(segment_fixture const& f, std::size_t size, bool small)
+{
+  block const* best = nullptr;
+  for (std::size_t i = 0; i < f.used; ++i) {
+    if (f.segments[i].small != small) { continue; }
+    for (auto const* b = f.segments[i].first; b != nullptr; b = b->next) {
+      if (b->state != block_state::free || b->size < size) { continue; }
+      if (best == nullptr || b->size < best->size ||
+          (b->size == best->size && b->ptr < best->ptr)) {
+        best = b;
+      }
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+// take() shrinks and coalesce() grows a block in place in its size-ordered set whenever its
+// order there allows; a block left out of order would be found late or never. Against a
+// brute-force best fit over every block, with sizes that collide (equal sizes, the tie broken
+// by address) and segments whose rests overtake each other.
+TEST(free_list_best_fit_stays_exact_while_blocks_change_size_in_place)
+{
+  segment_fixture f;
+  f.add_segment(0x1000000, 256 * KiB);
+  f.add_segment(0x2000000, 256 * KiB);
+  f.add_segment(0x3000000, 64 * KiB);
+  f.add_segment(0x4000000, 512 * KiB);
+  std::size_t const total = 1088 * KiB;
+  std::mt19937_64 rng{7};
+  std::vector<block*> taken;
+  for (int step = 0; step < 40000; ++step) {
+    if (taken.empty() || rng() % 2 == 0) {
+      std::size_t const n = (1 + rng() % 32) * 1024;
+      auto const* want    = brute_best_fit(f, n, false);
+      device_ptr const at = want != nullptr ? want->ptr : 0;
+      auto* b             = f.take(n);
+      REQUIRE((b == nullptr) == (want == nullptr));
+      if (b != nullptr) {
+        CHECK_EQ(b->ptr, at);
+        taken.push_back(b);
+      }
+    } else {
+      std::size_t const i = rng() % taken.size();
+      f.lists.coalesce(taken[i]);
+      taken[i] = taken.back();
+      taken.pop_back();
+    }
+    if (step % 500 == 0) {
+      for (std::size_t s = 0; s < f.used; ++s) { REQUIRE(f.well_formed(f.segments[s])); }
+    }
+  }
+  for (auto* b : taken) { f.lists.coalesce(b); }
+  for (std::size_t s = 0; s < f.used; ++s) { CHECK(f.well_formed(f.segments[s])); }
+  CHECK_EQ(f.lists.bytes(), total);
+  CHECK_EQ(f.lists.largest(), 512 * KiB);
 }

@@ -119,6 +119,41 @@ inline void absorb(block* lower, block* upper) noexcept
   if (upper->next != nullptr) { upper->next->prev = lower; }
 }
 
+/// @brief split_off()'s mirror: make `front` (a fresh record) the first `size` bytes of `blk`,
+/// which keeps the rest. For a caller that wants blk's record to stay where it is (in a
+/// size-ordered set: detail/free_list.hpp).
+inline void carve_front(block* blk, std::size_t size, block* front) noexcept
+{
+  front->ptr  = blk->ptr;
+  front->size = size;
+  front->seg  = blk->seg;
+  front->kind = blk->kind;
+  front->prev = blk->prev;
+  front->next = blk;
+  if (blk->prev != nullptr) {
+    blk->prev->next = front;
+  } else {
+    blk->seg->first = front;
+  }
+  blk->prev = front;
+  blk->ptr += size;
+  blk->size -= size;
+}
+
+/// @brief absorb()'s mirror: extend `upper` down over `lower`, its previous neighbour, and
+/// unlink lower (whose record the caller recycles).
+inline void absorb_down(block* lower, block* upper) noexcept
+{
+  upper->ptr = lower->ptr;
+  upper->size += lower->size;
+  upper->prev = lower->prev;
+  if (lower->prev != nullptr) {
+    lower->prev->next = upper;
+  } else {
+    lower->seg->first = upper;
+  }
+}
+
 /// @brief Owns block records and recycles them: splits and frees make and drop records at a
 /// high rate, and a free list keeps that off the heap. Not thread-safe (its pool's mutex).
 class block_arena {

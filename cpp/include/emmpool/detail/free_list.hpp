@@ -9,6 +9,14 @@
  * merges with its free physical neighbours (same segment: segments are separate driver
  * allocations), found in O(1) through the segment's address-ordered block list.
  *
+ * take() and coalesce() change a free block's size in place, in its set, whenever it still
+ * sorts between its neighbours there (reseat()): the usual case, a segment's large free rest
+ * cut from the front by each allocation and grown back by each return, then costs no set
+ * insertion or erasure (a tree rebalance each: a third of the allocate/free pair's
+ * instructions before). The record kept in the set is the one that stays free, so a split
+ * hands out a new record for the front, and a merge may keep the upper neighbour's record
+ * (segment::first follows).
+ *
  * The growable segment (detail/growable_space.hpp) has a free_lists of its own, whose large
  * set holds its blocks (address space): find_large() and for_each_large() serve it.
  *
@@ -72,19 +80,18 @@ class free_lists {
     return it != s.end() ? (*it)->size : 0;
   }
 
-  /// @brief take_best_fit(), then split() the block down to `size`.
-  [[nodiscard]] block* take(std::size_t size, bool small, std::size_t min_rest)
-  {
-    auto* blk = take_best_fit(size, small);
-    return blk != nullptr ? split(blk, size, min_rest) : nullptr;
-  }
+  /// @brief take_best_fit()'s block, cut down to its first `size` bytes if at least
+  /// `min_rest` would remain (a new record: the rest keeps the old one, in the set). Null if
+  /// none fits.
+  [[nodiscard]] block* take(std::size_t size, bool small, std::size_t min_rest);
 
   /// @brief Cut `blk` (taken, not in a set) down to `size` bytes if at least `min_rest` would
   /// remain; the rest, a new block record, joins the free set. @return blk
   block* split(block* blk, std::size_t size, std::size_t min_rest);
 
-  /// @brief Merge a returned block (not in a set) with its free neighbours, whose records are
-  /// recycled, and insert the result. @return the merged block
+  /// @brief Merge a returned block (not in a set) with its free neighbours and insert the
+  /// result. Of the records merged, one survives (the lowest free neighbour's, if any, else
+  /// the upper neighbour's, else blk's); the others are recycled. @return the merged block
   block* coalesce(block* blk);
 
   /// @brief The large set's best fit for `size` or, when `ready` says no to it, the first of
@@ -122,6 +129,9 @@ class free_lists {
  private:
   using set = block_set;
   [[nodiscard]] set& set_of(block const* blk) noexcept { return blk->seg->small ? small_ : large_; }
+  // The block at `it`, whose size or address just changed in place, back in order in s:
+  // nothing to do while it still sorts between its neighbours, else out and back in.
+  static void reseat(set& s, set::const_iterator it);
 
   block_arena* arena_;
   node_cache nodes_;  // before the sets: outlives them
