@@ -55,7 +55,7 @@ block* free_lists::take(std::size_t size, bool small, std::size_t min_rest)
   return front;
 }
 
-void free_lists::reseat(set& s, set::const_iterator it)
+void reseat(block_set& s, block_set::const_iterator it)
 {
   auto const less = s.key_comp();
   auto const next = std::next(it);
@@ -64,7 +64,7 @@ void free_lists::reseat(set& s, set::const_iterator it)
   }
   auto* blk = *it;
   s.erase(it);
-  s.insert(next, blk);  // erase() just cached the node it needs: cannot throw
+  s.insert(next, blk);
 }
 
 block* free_lists::split(block* blk, std::size_t size, std::size_t min_rest)

@@ -53,7 +53,11 @@ void reuse_policy::enqueue(detail::block* blk, stream_ref key)
 {
   if (blk->also_fence.is_none() && (options_.stream_order || key.is_context())) {
     // The common case: one fence, at the next allocation on a live stream.
-    push(may_merge(blk, key) ? merge_neighbours(blk, key) : blk, key);
+    if (!may_merge(blk, key)) {
+      push(blk, key);
+    } else if (auto* merged = merge_neighbours(blk, key)) {
+      push(merged, key);
+    }
     return;
   }
   queue_freed(blk, key);
@@ -221,15 +225,25 @@ detail::block* reuse_policy::take_from_lane(stream_ref stream, std::size_t size,
 detail::block* reuse_policy::take_split(lane& l, detail::block* blk, std::size_t size)
 {
   // The free lists' rule (device_pool): a rest of at least one alignment. Here always more.
-  auto* rest = arena_->make();  // may throw: before anything changed
-  auto& b    = detach(blk, &l);
-  // The rest stays in blk's batch: the fence it waited for is the one it still waits for, so
-  // another stream gets it only once that fence completed. One more pending record.
-  detail::split_off(blk, size, rest);
-  ++blk->seg->live_blocks;
-  attach(b, rest);
+  auto* front = arena_->make();  // may throw: before anything changed
+  // blk keeps the rest, where it is: in its batch (the fence it waited for is the one it
+  // still waits for, so another stream gets it only once that fence completed) and in l.
+  auto& set     = l.sets[static_cast<std::size_t>(blk->kind)];
+  auto const it = l.newest == blk ? set.end() : set.find(blk);
+  detail::carve_front(blk, size, front);
+  resized(*blk->owner, size, false);
+  if (it != set.end()) { detail::reseat(set, it); }
   ++stream_order_reuses_;
-  return blk;
+  return front;  // not pending: hand_out() counts it in its segment's live blocks
+}
+
+void reuse_policy::resized(batch& b, std::size_t bytes, bool grown) noexcept
+{
+  auto add = [&](std::size_t& n) { n = grown ? n + bytes : n - bytes; };
+  add(b.bytes);
+  add(waiting_bytes_);
+  if (b.open) { add(open_bytes_); }
+  ++version_;
 }
 
 bool reuse_policy::free_fits_tighter(std::size_t have, std::size_t size,
@@ -254,29 +268,59 @@ detail::block* reuse_policy::merge_neighbours(detail::block* blk, stream_ref key
   // (growable_space unmaps only pages wholly inside free blocks), and merging turns no byte
   // from pending to free.
   bool const free_too = absorbs_free(blk, key);
-  auto off_its_list   = [&](detail::block* n) {  // n leaves its batch or free list, if it may
-    if (n == nullptr) { return false; }
-    if (n->takeable && n->owner->stream == key) {
+  auto ours           = [&](detail::block const* n) {  // pending on key, merge-wise
+    return n != nullptr && n->takeable && n->owner->stream == key;
+  };
+  auto off_its_list = [&](detail::block* n) {  // n leaves its batch or free list, if it may
+    if (ours(n)) {
       detach(n);  // key's open batch may be left empty: the merged block refills it
       --n->seg->live_blocks;  // two records allocated-or-pending become one
       return true;
     }
-    if (free_too && n->state == detail::block_state::free) {
+    if (free_too && n != nullptr && n->state == detail::block_state::free) {
       free_->erase(n);  // free bytes become pending ones (blk's batch counts them)
       return true;
     }
     return false;
   };
-  if (auto* prev = blk->prev; off_its_list(prev)) {
-    detail::absorb(prev, blk);
-    arena_->recycle(blk);
-    blk = prev;
+  // A neighbour in key's open batch takes blk (and the other neighbour) in, where it is: in
+  // that batch, whose fence is recorded after this free, and in key's lane. A stream that
+  // frees next to the rest of the block it took (the pair above) then moves no record.
+  auto* host = ours(blk->next) && blk->next->owner->open   ? blk->next
+               : ours(blk->prev) && blk->prev->owner->open ? blk->prev
+                                                           : nullptr;
+  if (host == nullptr) {
+    if (auto* prev = blk->prev; off_its_list(prev)) {
+      detail::absorb(prev, blk);
+      arena_->recycle(blk);
+      blk = prev;
+    }
+    if (auto* next = blk->next; off_its_list(next)) {
+      detail::absorb(blk, next);
+      arena_->recycle(next);
+    }
+    return blk;
   }
-  if (auto* next = blk->next; off_its_list(next)) {
-    detail::absorb(blk, next);
-    arena_->recycle(next);
+  auto& l       = *lane_of(key);
+  auto& set     = l.sets[static_cast<std::size_t>(host->kind)];
+  auto const it = l.newest == host ? set.end() : set.find(host);  // before host changes
+  // The other neighbour leaves its list before host changes size: it may share host's set.
+  auto* other       = host == blk->next ? blk->prev : blk->next;
+  bool const merges = off_its_list(other);
+  auto const before = host->size;
+  --blk->seg->live_blocks;  // blk's record goes into host's
+  if (host == blk->next) {
+    detail::absorb_down(blk, host);
+    if (merges) { detail::absorb_down(other, host); }
+  } else {
+    detail::absorb(host, blk);
+    if (merges) { detail::absorb(host, other); }
   }
-  return blk;
+  arena_->recycle(blk);
+  if (merges) { arena_->recycle(other); }
+  resized(*host->owner, host->size - before, true);
+  if (it != set.end()) { detail::reseat(set, it); }
+  return nullptr;
 }
 
 event_handle reuse_policy::take_event()

@@ -370,9 +370,12 @@ class reuse_policy {
   detail::block* take_from_lane(stream_ref stream, std::size_t size, detail::block_kind kind,
                                 bool split);
   detail::block* take_split(lane& l, detail::block* blk, std::size_t size);  // blk: l's
-  // blk, freed on key, merged with its takeable neighbours pending on key (they leave their
-  // batches: the result goes to key's open batch) and, if absorbs_free(), its free ones.
+  // blk, freed on key, merged with its takeable neighbours pending on key and, if
+  // absorbs_free(), its free ones. Into a neighbour pending in key's open batch, in place
+  // (null returned: nothing left to push); else the others leave their batches or the free
+  // lists, and the result (returned) goes to key's open batch.
   detail::block* merge_neighbours(detail::block* blk, stream_ref key);
+  void resized(batch& b, std::size_t bytes, bool grown) noexcept;  // a block of b, in place
   // Whether the free lists' best fit for `size` is smaller than `have` bytes.
   [[nodiscard]] bool free_fits_tighter(std::size_t have, std::size_t size,
                                        detail::block_kind kind) const;

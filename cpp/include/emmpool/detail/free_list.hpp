@@ -54,6 +54,12 @@ using block_set = std::set<block*, by_size, cached_allocator<block*>>;
   return s.lower_bound(&probe);
 }
 
+/// @brief Put back in order the block at `it` of `s`, whose size or address just changed in
+/// place (found before the change): nothing to do while it still sorts between its
+/// neighbours, the usual case, else out and back in (which cannot throw: the erasure caches
+/// the node the insertion needs).
+void reseat(block_set& s, block_set::const_iterator it);
+
 class free_lists {
  public:
   explicit free_lists(block_arena& arena) noexcept : arena_{&arena} {}
@@ -129,9 +135,6 @@ class free_lists {
  private:
   using set = block_set;
   [[nodiscard]] set& set_of(block const* blk) noexcept { return blk->seg->small ? small_ : large_; }
-  // The block at `it`, whose size or address just changed in place, back in order in s:
-  // nothing to do while it still sorts between its neighbours, else out and back in.
-  static void reseat(set& s, set::const_iterator it);
 
   block_arena* arena_;
   node_cache nodes_;  // before the sets: outlives them
