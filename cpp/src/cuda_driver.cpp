@@ -10,6 +10,7 @@
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <array>
 #include <atomic>
 #include <map>
 #include <cstdlib>
@@ -125,6 +126,7 @@ class cuda_driver_impl final : public driver {
     CUdevice dev{};
     check(a.cuDeviceGet(&dev, device), "cuDeviceGet", EMMPOOL_WHERE);
     ctx = nullptr;
+    if (auto* k = known(device)) { k->store(nullptr); }
     check(a.cuDevicePrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease", EMMPOOL_WHERE);
   }
 
@@ -465,6 +467,9 @@ class cuda_driver_impl final : public driver {
 
   CUcontext primary_context(int device)
   {
+    // Every driver call asks (scoped_context): once retained, without the lock.
+    auto* const k = known(device);
+    if (auto* ctx = k != nullptr ? k->load(std::memory_order_acquire) : nullptr) { return ctx; }
     std::lock_guard lock{contexts_mutex_};
     if (device < 0) { throw std::invalid_argument{"device must be a non-negative ordinal"}; }
     if (static_cast<std::size_t>(device) >= contexts_.size()) {
@@ -477,6 +482,7 @@ class cuda_driver_impl final : public driver {
       // Retained until the pool's reset() (release_context); never released at exit, where
       // a release could race with the driver's own teardown.
       check(api_.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain", EMMPOOL_WHERE);
+      if (k != nullptr) { k->store(ctx, std::memory_order_release); }
     }
     return ctx;
   }
@@ -492,6 +498,12 @@ class cuda_driver_impl final : public driver {
   int load_code_ = 0;
   std::mutex contexts_mutex_;
   std::vector<CUcontext> contexts_;
+  std::array<std::atomic<CUcontext>, 64> known_{};  // contexts_' first 64, readable unlocked
+  [[nodiscard]] std::atomic<CUcontext>* known(int device) noexcept
+  {
+    auto const d = static_cast<std::size_t>(device);
+    return device >= 0 && d < known_.size() ? &known_[d] : nullptr;
+  }
 };
 
 cuda_driver_impl& instance()
