@@ -51,15 +51,16 @@ block* free_lists::take(std::size_t size, bool small, std::size_t min_rest)
   auto* front = arena_->make();  // may throw: before anything changed
   carve_front(blk, size, front);
   bytes_ -= size;
-  reseat(s, it);  // blk, smaller: still in place unless a block of its new size sorts after it
+  reseat(s, it, false);  // blk, smaller: stays put unless the block before it sorts higher now
   return front;
 }
 
-void reseat(block_set& s, block_set::const_iterator it)
+void reseat(block_set& s, block_set::const_iterator it, bool grew)
 {
+  // Only the side it moved toward can be out of order: a block that grew sorts no lower.
   auto const less = s.key_comp();
   auto const next = std::next(it);
-  if ((it == s.begin() || less(*std::prev(it), *it)) && (next == s.end() || less(*it, *next))) {
+  if (grew ? next == s.end() || less(*it, *next) : it == s.begin() || less(*std::prev(it), *it)) {
     return;
   }
   auto* blk = *it;
@@ -104,7 +105,7 @@ block* free_lists::coalesce(block* blk)
   bytes_ += blk->size;
   ++insertions_;
   arena_->recycle(blk);
-  reseat(s, it);  // larger now: in place unless a block of its old size sorted after it
+  reseat(s, it, true);  // larger: stays put unless the block after it sorts lower now
   return keep;
 }
 

@@ -31,13 +31,6 @@ reuse_policy::~reuse_policy()
   release_events();
 }
 
-reuse_policy::stream_ref reuse_policy::ref_of(stream_handle alive) const
-{
-  if (alive == per_thread_stream) { return {legacy_stream, 0}; }
-  if (is_context_stream(alive)) { return {alive, 0}; }
-  return {alive, driver_->stream_id(device_, alive)};
-}
-
 namespace {
 
 // The null stream and the legacy one are the same CUDA stream: one fence serves both. (No
@@ -232,7 +225,7 @@ detail::block* reuse_policy::take_split(lane& l, detail::block* blk, std::size_t
   auto const it = l.newest == blk ? set.end() : set.find(blk);
   detail::carve_front(blk, size, front);
   resized(*blk->owner, size, false);
-  if (it != set.end()) { detail::reseat(set, it); }
+  if (it != set.end()) { detail::reseat(set, it, false); }
   ++stream_order_reuses_;
   return front;  // not pending: hand_out() counts it in its segment's live blocks
 }
@@ -319,7 +312,7 @@ detail::block* reuse_policy::merge_neighbours(detail::block* blk, stream_ref key
   arena_->recycle(blk);
   if (merges) { arena_->recycle(other); }
   resized(*host->owner, host->size - before, true);
-  if (it != set.end()) { detail::reseat(set, it); }
+  if (it != set.end()) { detail::reseat(set, it, true); }
   return nullptr;
 }
 

@@ -162,7 +162,12 @@ class reuse_policy {
   /// @brief The stream_ref of a stream that its caller guarantees alive during this call: the
   /// per-thread stream as the legacy one (a free may come from another thread), context
   /// streams as they are, any other stream with its driver id (one cuStreamGetId).
-  [[nodiscard]] stream_ref ref_of(stream_handle alive) const;
+  [[nodiscard]] stream_ref ref_of(stream_handle alive) const
+  {
+    if (alive == per_thread_stream) { return {legacy_stream, 0}; }
+    if (is_context_stream(alive)) { return {alive, 0}; }
+    return {alive, driver_->stream_id(device_, alive)};
+  }
 
   /// @brief The key of the stream an allocation names (alive: it is allocated on).
   /// @throws std::invalid_argument for allocation_stream

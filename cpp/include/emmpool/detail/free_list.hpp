@@ -55,10 +55,10 @@ using block_set = std::set<block*, by_size, cached_allocator<block*>>;
 }
 
 /// @brief Put back in order the block at `it` of `s`, whose size or address just changed in
-/// place (found before the change): nothing to do while it still sorts between its
-/// neighbours, the usual case, else out and back in (which cannot throw: the erasure caches
-/// the node the insertion needs).
-void reseat(block_set& s, block_set::const_iterator it);
+/// place (found before the change; `grew`: it sorts higher now, else lower): nothing to do
+/// while it still sorts between its neighbours, the usual case, else out and back in (which
+/// cannot throw: the erasure caches the node the insertion needs).
+void reseat(block_set& s, block_set::const_iterator it, bool grew);
 
 class free_lists {
  public:
