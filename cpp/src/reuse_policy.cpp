@@ -277,8 +277,9 @@ detail::block* reuse_policy::merge_neighbours(detail::block* blk, stream_ref key
     return false;
   };
   // A neighbour in key's open batch takes blk (and the other neighbour) in, where it is: in
-  // that batch, whose fence is recorded after this free, and in key's lane. A stream that
-  // frees next to the rest of the block it took (the pair above) then moves no record.
+  // that batch, whose fence is recorded after this free, and in key's lane. A loop that
+  // allocates and frees on one stream (cutting a pending block, freeing next to its rest)
+  // then moves no record.
   auto* host = ours(blk->next) && blk->next->owner->open   ? blk->next
                : ours(blk->prev) && blk->prev->owner->open ? blk->prev
                                                            : nullptr;
