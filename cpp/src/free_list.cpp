@@ -30,7 +30,11 @@ block* free_lists::take_best_fit(std::size_t size, bool small)
 {
   auto& s = small ? small_ : large_;
   auto it = best_fit(s, size);
-  if (it == s.end()) { return nullptr; }
+  return it != s.end() ? erase_at(s, it) : nullptr;
+}
+
+block* free_lists::erase_at(set& s, set::const_iterator it)
+{
   auto* blk = *it;
   s.erase(it);
   bytes_ -= blk->size;
@@ -43,11 +47,7 @@ block* free_lists::take(std::size_t size, bool small, std::size_t min_rest)
   auto it = best_fit(s, size);
   if (it == s.end()) { return nullptr; }
   auto* blk = *it;
-  if (blk->size - size < min_rest) {  // handed out whole
-    s.erase(it);
-    bytes_ -= blk->size;
-    return blk;
-  }
+  if (blk->size - size < min_rest) { return erase_at(s, it); }  // handed out whole
   auto* front = arena_->make();  // may throw: before anything changed
   carve_front(blk, size, front);
   bytes_ -= size;

@@ -221,22 +221,21 @@ detail::block* reuse_policy::take_split(lane& l, detail::block* blk, std::size_t
   auto* front = arena_->make();  // may throw: before anything changed
   // blk keeps the rest, where it is: in its batch (the fence it waited for is the one it
   // still waits for, so another stream gets it only once that fence completed) and in l.
-  auto& set     = l.sets[static_cast<std::size_t>(blk->kind)];
-  auto const it = l.newest == blk ? set.end() : set.find(blk);
-  detail::carve_front(blk, size, front);
-  resized(*blk->owner, size, false);
-  if (it != set.end()) { detail::reseat(set, it, false); }
+  resize_in_lane(l, blk, [&] { detail::carve_front(blk, size, front); });
   ++stream_order_reuses_;
   return front;  // not pending: hand_out() counts it in its segment's live blocks
 }
 
-void reuse_policy::resized(batch& b, std::size_t bytes, bool grown) noexcept
+template <class Resize>
+void reuse_policy::resize_in_lane(lane& l, detail::block* blk, Resize&& resize)
 {
-  auto add = [&](std::size_t& n) { n = grown ? n + bytes : n - bytes; };
-  add(b.bytes);
-  add(waiting_bytes_);
-  if (b.open) { add(open_bytes_); }
-  ++version_;
+  auto& set         = l.sets[static_cast<std::size_t>(blk->kind)];
+  auto const it     = l.newest == blk ? set.end() : set.find(blk);  // by its size before
+  auto const before = blk->size;
+  resize();
+  bool const grew = blk->size > before;
+  count_bytes(*blk->owner, grew ? blk->size - before : before - blk->size, grew);
+  if (it != set.end()) { detail::reseat(set, it, grew); }
 }
 
 bool reuse_policy::free_fits_tighter(std::size_t have, std::size_t size,
@@ -295,25 +294,21 @@ detail::block* reuse_policy::merge_neighbours(detail::block* blk, stream_ref key
     }
     return blk;
   }
-  auto& l       = *lane_of(key);
-  auto& set     = l.sets[static_cast<std::size_t>(host->kind)];
-  auto const it = l.newest == host ? set.end() : set.find(host);  // before host changes
   // The other neighbour leaves its list before host changes size: it may share host's set.
   auto* other       = host == blk->next ? blk->prev : blk->next;
   bool const merges = off_its_list(other);
-  auto const before = host->size;
   --blk->seg->live_blocks;  // blk's record goes into host's
-  if (host == blk->next) {
-    detail::absorb_down(blk, host);
-    if (merges) { detail::absorb_down(other, host); }
-  } else {
-    detail::absorb(host, blk);
-    if (merges) { detail::absorb(host, other); }
-  }
+  resize_in_lane(*lane_of(key), host, [&] {
+    if (host == blk->next) {
+      detail::absorb_down(blk, host);
+      if (merges) { detail::absorb_down(other, host); }
+    } else {
+      detail::absorb(host, blk);
+      if (merges) { detail::absorb(host, other); }
+    }
+  });
   arena_->recycle(blk);
   if (merges) { arena_->recycle(other); }
-  resized(*host->owner, host->size - before, true);
-  if (it != set.end()) { detail::reseat(set, it, true); }
   return nullptr;
 }
 

@@ -380,7 +380,12 @@ class reuse_policy {
   // (null returned: nothing left to push); else the others leave their batches or the free
   // lists, and the result (returned) goes to key's open batch.
   detail::block* merge_neighbours(detail::block* blk, stream_ref key);
-  void resized(batch& b, std::size_t bytes, bool grown) noexcept;  // a block of b, in place
+  // b's byte counts (and the pool's) as `bytes` join b (`in`) or leave it
+  void count_bytes(batch& b, std::size_t bytes, bool in) noexcept;
+  // blk, takeable in l, changes size in place by resize(): its batch counts the difference,
+  // and l's set, where blk was found before the change, keeps it in order
+  template <class Resize>
+  void resize_in_lane(lane& l, detail::block* blk, Resize&& resize);
   // Whether the free lists' best fit for `size` is smaller than `have` bytes.
   [[nodiscard]] bool free_fits_tighter(std::size_t have, std::size_t size,
                                        detail::block_kind kind) const;
@@ -424,11 +429,8 @@ inline void reuse_policy::attach(batch& b, detail::block* blk)
   b.blocks.push_back(blk);  // the one step that may throw: before anything is counted
   blk->owner = &b;
   blk->state = detail::block_state::pending;
-  b.bytes += blk->size;
-  waiting_bytes_ += blk->size;
   ++waiting_blocks_;
-  if (b.open) { open_bytes_ += blk->size; }
-  ++version_;
+  count_bytes(b, blk->size, true);
   if (b.ordered && blk->also_fence.is_none()) { index(b.stream, blk); }
 }
 
@@ -441,12 +443,18 @@ inline reuse_policy::batch& reuse_policy::detach(detail::block* blk, lane* l)
   b.blocks[blk->slot] = last;
   b.blocks.pop_back();
   blk->owner = nullptr;
-  b.bytes -= blk->size;
-  waiting_bytes_ -= blk->size;
   --waiting_blocks_;
-  if (b.open) { open_bytes_ -= blk->size; }
-  ++version_;
+  count_bytes(b, blk->size, false);
   return b;
+}
+
+inline void reuse_policy::count_bytes(batch& b, std::size_t bytes, bool in) noexcept
+{
+  auto add = [&](std::size_t& n) { n = in ? n + bytes : n - bytes; };
+  add(b.bytes);
+  add(waiting_bytes_);
+  if (b.open) { add(open_bytes_); }
+  ++version_;
 }
 
 inline void reuse_policy::index(stream_ref s, detail::block* blk)

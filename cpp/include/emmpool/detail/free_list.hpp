@@ -135,6 +135,7 @@ class free_lists {
  private:
   using set = block_set;
   [[nodiscard]] set& set_of(block const* blk) noexcept { return blk->seg->small ? small_ : large_; }
+  block* erase_at(set& s, set::const_iterator it);  // *it, out of s and of bytes()
 
   block_arena* arena_;
   node_cache nodes_;  // before the sets: outlives them
