@@ -49,6 +49,24 @@ def test_blocks_come_back_only_after_their_fence(host):
         f()
 
 
+def test_neighbours_freed_before_one_fence_wait_as_one_block(host):
+    pool = _core.DevicePool(host, 0)
+    entry = _core.NumbaEntryPoints(pool)
+    frees = [entry.allocate(4096) for _ in range(64)]  # neighbours in one small segment
+    for f in frees[::2] + frees[1::2]:  # every other one first: the rest join both sides
+        f()
+    s = pool.stats()
+    assert s["bytes_waiting"] == 64 * 4096 and s["blocks_waiting"] == 1, s
+    fenced = entry.allocate(24 * MiB)  # a miss: the fence is recorded, not completed
+    assert not frees[0].ptr <= fenced.ptr < frees[0].ptr + 64 * 4096
+    host.complete_all_events()
+    pool.synchronize()
+    again = entry.allocate(64 * 4096)  # the joined block, coalesced back
+    assert again.ptr == frees[0].ptr and pool.stats()["blocks_waiting"] == 0
+    fenced()
+    again()
+
+
 def test_a_free_from_before_a_reset_frees_the_retired_block(host):
     pool = _core.DevicePool(host, 0)
     entry = _core.NumbaEntryPoints(pool)

@@ -87,6 +87,7 @@ py::dict stats_dict(pool_stats const& s)
   d["bytes_free"]          = s.bytes_free;
   d["largest_free_block"]  = s.largest_free_block;
   d["blocks_in_use"]       = s.blocks_in_use;
+  d["blocks_waiting"]      = s.blocks_waiting;
   d["segments"]            = s.segments;
   d["allocations"]         = s.allocations;
   d["frees"]               = s.frees;

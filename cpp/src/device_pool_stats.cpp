@@ -31,6 +31,7 @@ pool_stats device_pool::stats_locked() const
   s.bytes_free         = free_.bytes() + growable_.free_mapped_bytes();
   s.largest_free_block = free_.largest();
   s.bytes_waiting      = policy_.waiting_bytes();
+  s.blocks_waiting     = policy_.waiting_blocks();
   s.batches_closed     = policy_.batches_closed();
   s.dormant_fences     = policy_.dormant_fences();
   s.same_stream_reuses = policy_.stream_order_reuses();

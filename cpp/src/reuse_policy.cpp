@@ -46,7 +46,9 @@ void reuse_policy::enqueue(detail::block* blk, stream_ref key)
 {
   if (blk->also_fence.is_none() && (options_.stream_order || key.is_context())) {
     // The common case: one fence, at the next allocation on a live stream.
-    if (!may_merge(blk, key)) {
+    if (joins_open(key)) {
+      if (!join_open(blk, key)) { push(blk, key); }
+    } else if (!may_merge(blk, key)) {
       push(blk, key);
     } else if (auto* merged = merge_neighbours(blk, key)) {
       push(merged, key);
@@ -244,6 +246,39 @@ bool reuse_policy::free_fits_tighter(std::size_t have, std::size_t size,
   if (!weighs_free(kind)) { return false; }
   auto const fit = free_->best_fit_size(size, kind == detail::block_kind::small);
   return fit != 0 && fit < have;
+}
+
+bool reuse_policy::join_open(detail::block* blk, stream_ref key)
+{
+  // Only neighbours that wait for key's next fence and nothing else (no record_stream fence):
+  // the one blk waits for ("join" in the header). Both, if any, are in that one open batch.
+  auto joinable = [&](detail::block const* n) {
+    return n != nullptr && n->state == detail::block_state::pending && n->owner->open &&
+           n->owner->stream == key && n->also_fence.is_none();
+  };
+  auto* const prev = blk->prev;
+  auto* const next = blk->next;
+  bool const below = joinable(prev);
+  bool const above = joinable(next);
+  if (!below && !above) { return false; }
+  auto const bytes = blk->size;
+  --blk->seg->live_blocks;  // blk's record goes into a neighbour's
+  if (!below) {
+    detail::absorb_down(blk, next);  // next keeps its record and its place in the batch
+    count_bytes(*next->owner, bytes, true);
+  } else {
+    detail::absorb(prev, blk);
+    if (above) {  // three records become one: next leaves the batch, prev takes it in
+      detach(next);
+      --next->seg->live_blocks;
+      detail::absorb(prev, next);
+      count_bytes(*prev->owner, next->size, true);
+      arena_->recycle(next);
+    }
+    count_bytes(*prev->owner, bytes, true);
+  }
+  arena_->recycle(blk);
+  return true;
 }
 
 detail::block* reuse_policy::merge_neighbours(detail::block* blk, stream_ref key)

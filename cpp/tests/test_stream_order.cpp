@@ -191,6 +191,61 @@ TEST(stream_order_null_stream_absorbs_free_neighbours_until_its_fence)
   CHECK_EQ(consistency(f), "");
 }
 
+// ---- joins: Numba's frees (legacy stream, no stream order) ----------------------------------------
+
+TEST(numba_frees_join_pending_neighbours_and_keep_the_books)
+{
+  // Three neighbours freed by Numba in each order: joined below, above, both sides (the middle
+  // last) or one of each. All wait for the one fence; none is handed out before it completed,
+  // and once it has, the segment is wholly free again (its count of live records exact: trim
+  // gives it back).
+  constexpr std::size_t n = 64 * KiB;
+  for (auto const& order : {std::vector<int>{0, 1, 2}, std::vector<int>{2, 1, 0},
+                            std::vector<int>{0, 2, 1}, std::vector<int>{1, 0, 2}}) {
+    fixture f;
+    auto const v = adjacent(f, n, legacy_stream);
+    for (int i : order) { f->deallocate(v[static_cast<std::size_t>(i)], legacy_stream); }
+    CHECK_EQ(f->stats().bytes_waiting, 3 * n);
+    CHECK_EQ(f->stats().blocks_waiting, 1u);  // one record
+    CHECK_EQ(consistency(f), "");
+    for (auto const stream : {stream_b, legacy_stream}) {
+      auto const p = f->allocate(n, stream);  // a fit in the segment's free rest: no miss
+      CHECK(!overlaps(p, n, v[0], 3 * n));
+      f->deallocate(p, stream);
+    }
+    auto const other = f->allocate(big, legacy_stream);  // a miss: the fence is recorded
+    CHECK(!overlaps(other, big, v[0], 3 * n));
+    CHECK_EQ(f->stats().bytes_waiting, 3 * n + 2 * n);  // not completed: nothing reusable
+    f->deallocate(other, legacy_stream);
+    f->synchronize();
+    CHECK_EQ(f->stats().bytes_waiting, 0u);
+    f->trim();
+    CHECK_EQ(f->stats().segments, 0u);
+    CHECK_EQ(f.drv.stats().bytes_reserved, 0u);
+    CHECK_EQ(consistency(f), "");
+  }
+}
+
+TEST(numba_frees_never_join_a_neighbour_fenced_before_them)
+{
+  // v[0] is freed and its fence recorded (not complete) before v[1] is freed: v[1] waits for a
+  // later fence, so it must not join v[0], which that first fence alone makes reusable.
+  constexpr std::size_t n = 64 * KiB;
+  fixture f;
+  auto const v = adjacent(f, n, legacy_stream);
+  f->deallocate(v[0], legacy_stream);
+  (void)f->allocate(big, legacy_stream, alloc_tag::numba);  // a miss: v[0]'s fence recorded
+  f->deallocate(v[1], legacy_stream);
+  f.drv.complete_all_events();                              // v[0]'s fence completes
+  (void)f->allocate(big, legacy_stream, alloc_tag::numba);  // a miss: v[0] back, v[1] fenced
+  CHECK_EQ(f->stats().bytes_waiting, n);
+  CHECK_EQ(f->stats().blocks_waiting, 1u);
+  auto const p = f->allocate(2 * n, stream_b);  // 2n free at v[0], had v[1] joined it
+  CHECK(!overlaps(p, 2 * n, v[1], n));
+  CHECK_EQ(f->allocate(n, legacy_stream), v[0]);  // the tightest fit: v[0], alone
+  CHECK_EQ(consistency(f), "");
+}
+
 // ---- splits --------------------------------------------------------------------------------------
 
 TEST(stream_order_split_keeps_the_rest_fenced_until_its_event_completes)

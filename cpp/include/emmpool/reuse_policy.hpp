@@ -52,10 +52,16 @@
  *    a free block, so any fence covers it; it is the null stream's until that fence completes
  *    (every allocation that misses records it: a context stream), then everyone's again.
  *    Another stream's batch may wait dormant, so it never hides free bytes. Never merged or
- *    absorbed: blocks of another stream, Numba's (legacy) blocks, record_stream blocks (two
- *    fences), blocks of another segment. On the growable segment only pending neighbours:
+ *    absorbed: blocks of another stream, Numba's (legacy) blocks (but see "join" below),
+ *    record_stream blocks (two fences), blocks of another segment. On the growable segment only pending neighbours:
  *    a pending block's pages are mapped and stay so (only pages wholly inside free blocks are
  *    unmapped, so a free one may have none), and a merge there turns no pending byte free.
+ *
+ * Join (no stream order needed): a block freed on a stream that does not order (legacy_stream:
+ * Numba's frees) merges with its physical neighbours pending in that stream's *open* batch
+ * (join_open). All of them wait for that batch's fence, not recorded yet, so recorded after
+ * every one of their frees: the merged block waits for exactly the fence each part waited
+ * for. Neighbouring frees since the last fence then come back as one block, coalesced once.
  *
  * STREAM LIFETIME: a stream handle reaches CUDA only while it is certain to be alive
  * --------------------------------------------------------------------------------------
@@ -375,6 +381,16 @@ class reuse_policy {
   detail::block* take_from_lane(stream_ref stream, std::size_t size, detail::block_kind kind,
                                 bool split);
   detail::block* take_split(lane& l, detail::block* blk, std::size_t size);  // blk: l's
+  // Whether blocks freed on key, which does not order (legacy_stream: Numba's frees), join
+  // their neighbours pending in key's open batch ("join" above). Needs the pool's block arena
+  // (reuse_in_stream_order: the device pool in pool mode), whose records a join recycles.
+  [[nodiscard]] bool joins_open(stream_ref key) const noexcept
+  {
+    return options_.reuse_in_stream_order && !orders(key);
+  }
+  // blk, freed on key (joins_open), into its neighbour(s) pending in key's open batch, in
+  // place; false if neither is: then blk goes to that batch itself.
+  bool join_open(detail::block* blk, stream_ref key);
   // blk, freed on key, merged with its takeable neighbours pending on key and, if
   // absorbs_free(), its free ones. Into a neighbour pending in key's open batch, in place
   // (null returned: nothing left to push); else the others leave their batches or the free

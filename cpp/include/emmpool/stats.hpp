@@ -26,6 +26,7 @@ struct pool_stats {
   std::size_t bytes_free{};          ///< in the free lists, reusable now
   std::size_t largest_free_block{};
   std::size_t blocks_in_use{};
+  std::size_t blocks_waiting{};      ///< records waiting (neighbours freed together join)
   std::size_t segments{};
   std::uint64_t allocations{};       ///< successful allocate() calls
   std::uint64_t frees{};             ///< deallocate() calls
