@@ -4,6 +4,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -18,9 +19,9 @@ std::mutex& list_mutex()
   return *m;
 }
 
-std::vector<std::pair<std::mutex*, bool*>>& pools()
+std::vector<std::pair<pool_mutex*, bool*>>& pools()
 {
-  static auto* v = new std::vector<std::pair<std::mutex*, bool*>>{};
+  static auto* v = new std::vector<std::pair<pool_mutex*, bool*>>{};
   return *v;
 }
 
@@ -47,7 +48,7 @@ void child()
 
 }  // namespace
 
-void register_for_fork(std::mutex* mutex, bool* forked)
+void register_for_fork(pool_mutex* mutex, bool* forked)
 {
   static std::once_flag installed;
   std::call_once(installed, [] { ::pthread_atfork(&prepare, &parent, &child); });
@@ -55,7 +56,7 @@ void register_for_fork(std::mutex* mutex, bool* forked)
   pools().emplace_back(mutex, forked);
 }
 
-void unregister_for_fork(std::mutex* mutex)
+void unregister_for_fork(pool_mutex* mutex)
 {
   std::lock_guard lock{list_mutex()};
   auto& v = pools();

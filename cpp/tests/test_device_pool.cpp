@@ -9,6 +9,7 @@
 #include "pool_fixture.hpp"
 
 #include <emmpool/detail/address_map.hpp>
+#include <emmpool/detail/pool_mutex.hpp>
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
@@ -1515,6 +1516,37 @@ TEST(destroying_the_pool_returns_everything)
 // sizes on a few streams, hand blocks to each other to free, while another thread completes
 // events, trims and checks statistics. Every block handed out is checked against all blocks
 // live at that moment.
+TEST(pool_mutex_excludes_and_wakes_sleeping_waiters)
+{
+  // Threads take the pools' mutex (detail/pool_mutex.hpp) in turn, some holding it long enough
+  // that the others give up spinning and sleep: a lost wakeup hangs this test, a broken
+  // exclusion loses increments (a plain read-modify-write under the lock).
+  detail::pool_mutex mutex;
+  long counter = 0;
+  int const nthreads = 6, rounds = 2000;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < nthreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < rounds; ++i) {
+        if (i % 3 == 0) {
+          while (!mutex.try_lock()) { std::this_thread::yield(); }
+        } else {
+          mutex.lock();
+        }
+        long const seen = counter;
+        if ((i + t) % 97 == 0) { std::this_thread::sleep_for(std::chrono::microseconds{200}); }
+        counter = seen + 1;
+        mutex.unlock();
+      }
+    });
+  }
+  for (auto& th : threads) { th.join(); }
+  CHECK_EQ(counter, long{nthreads} * rounds);
+  CHECK(mutex.try_lock());  // left unlocked
+  CHECK(!mutex.try_lock());
+  mutex.unlock();
+}
+
 TEST(stress_threads)
 {
   int const nthreads = 8;

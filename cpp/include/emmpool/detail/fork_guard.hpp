@@ -6,13 +6,13 @@
  */
 #pragma once
 
-#include <mutex>
+#include <emmpool/detail/pool_mutex.hpp>
 
 namespace emmpool::detail {
 
 /// @brief Register a pool's mutex and flag (installs the atfork handlers on first use).
-void register_for_fork(std::mutex* mutex, bool* forked);
-void unregister_for_fork(std::mutex* mutex);
+void register_for_fork(pool_mutex* mutex, bool* forked);
+void unregister_for_fork(pool_mutex* mutex);
 
 /// @brief Throws the pool_error a forked child gets when it asks a pool for memory.
 [[noreturn]] void throw_forked();

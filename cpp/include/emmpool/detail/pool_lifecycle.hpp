@@ -7,6 +7,7 @@
 #pragma once
 
 #include <emmpool/detail/fork_guard.hpp>
+#include <emmpool/detail/pool_mutex.hpp>
 #include <emmpool/error.hpp>
 
 #include <cstdint>
@@ -69,7 +70,7 @@ class pool_lifecycle {
     return !forked_ && !process_is_exiting();
   }
 
-  mutable std::mutex mutex_;
+  mutable pool_mutex mutex_;
   bool forked_{};  // this process is a fork() child of the one that made the pool
   std::uint64_t generation_{};
   int cleanup_deferrals_{};
