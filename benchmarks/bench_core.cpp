@@ -237,6 +237,10 @@ struct cuda_api {
   decltype(&::cuDeviceGetDefaultMemPool) default_mem_pool{};
   decltype(&::cuMemPoolSetAttribute) mem_pool_set_attribute{};
   decltype(&::cuMemPoolTrimTo) mem_pool_trim_to{};
+  decltype(&::cuEventCreate) event_create{};
+  decltype(&::cuEventDestroy) event_destroy{};
+  decltype(&::cuEventRecord) event_record{};
+  decltype(&::cuEventQuery) event_query{};
 
   template <class F>
   void sym(F& f, char const* name)
@@ -266,6 +270,10 @@ struct cuda_api {
     sym(default_mem_pool, "cuDeviceGetDefaultMemPool");
     sym(mem_pool_set_attribute, "cuMemPoolSetAttribute");
     sym(mem_pool_trim_to, "cuMemPoolTrimTo");
+    sym(event_create, "cuEventCreate");
+    sym(event_destroy, "cuEventDestroy_v2");
+    sym(event_record, "cuEventRecord");
+    sym(event_query, "cuEventQuery");
   }
 };
 
@@ -351,6 +359,19 @@ std::string gpu_benchmarks(options const& o, std::vector<result>& out)
                           cu_check(cu.mem_free(p), "cuMemFree");
                         },
                         fence));
+  // What one of the pool's fences costs (reuse_policy.hpp: an event recorded on the legacy
+  // stream, then queried), which a Numba pair pays whenever its request misses the free lists:
+  // once per five pairs at 4 MiB (five such blocks per 20 MiB segment).
+  CUevent event{};
+  cu_check(cu.event_create(&event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+  out.push_back(measure("one fence of the pool", "cuEventRecord+cuEventQuery, legacy stream", 0,
+                        o.quick,
+                        [&] {
+                          cu_check(cu.event_record(event, legacy), "cuEventRecord");
+                          (void)cu.event_query(event);  // CUDA_SUCCESS on an idle GPU
+                        },
+                        fence));
+  cu.event_destroy(event);
   auto const s = pool.stats();
   std::printf("process-wide pool after the run: %s (%llu batches closed)\n",
               pool.describe().c_str(), static_cast<unsigned long long>(s.batches_closed));

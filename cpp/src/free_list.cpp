@@ -58,14 +58,15 @@ block* free_lists::take(std::size_t size, bool small, std::size_t min_rest)
 void reseat(block_set& s, block_set::const_iterator it, bool grew)
 {
   // Only the side it moved toward can be out of order: a block that grew sorts no lower.
+  // Only that side's neighbour is looked up: each step through the tree is a call.
   auto const less = s.key_comp();
-  auto const next = std::next(it);
-  if (grew ? next == s.end() || less(*it, *next) : it == s.begin() || less(*std::prev(it), *it)) {
+  if (grew) {
+    if (auto const next = std::next(it); next == s.end() || less(*it, *next)) { return; }
+  } else if (it == s.begin() || less(*std::prev(it), *it)) {
     return;
   }
   auto* blk = *it;
-  s.erase(it);
-  s.insert(next, blk);
+  s.insert(s.erase(it), blk);  // hinted where it was: it moved only a little, most often
 }
 
 block* free_lists::split(block* blk, std::size_t size, std::size_t min_rest)
