@@ -33,7 +33,8 @@ int* futex_word(std::atomic<int>& a) noexcept { return reinterpret_cast<int*>(&a
 
 void pool_mutex::lock_contended() noexcept
 {
-  // Most critical sections are a few hundred nanoseconds: spin that long before sleeping.
+  // Most critical sections are short (an allocate's or a free's: well under 100 ns): spin a
+  // little (64 pauses, about 0.3 to 3 us as CPUs go) before sleeping.
   for (int i = 0; i < 64; ++i) {
     cpu_relax();
     int expected = unlocked;

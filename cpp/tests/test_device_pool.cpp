@@ -1512,10 +1512,6 @@ TEST(destroying_the_pool_returns_everything)
 
 // ---- threads ------------------------------------------------------------------------------------
 
-// A deterministic stress test (fixed seeds; NOT a benchmark): threads allocate and free random
-// sizes on a few streams, hand blocks to each other to free, while another thread completes
-// events, trims and checks statistics. Every block handed out is checked against all blocks
-// live at that moment.
 TEST(pool_mutex_excludes_and_wakes_sleeping_waiters)
 {
   // Threads take the pools' mutex (detail/pool_mutex.hpp) in turn, some holding it long enough
@@ -1547,6 +1543,10 @@ TEST(pool_mutex_excludes_and_wakes_sleeping_waiters)
   mutex.unlock();
 }
 
+// A deterministic stress test (fixed seeds; NOT a benchmark): threads allocate and free random
+// sizes on a few streams, hand blocks to each other to free, while another thread completes
+// events, trims and checks statistics. Every block handed out is checked against all blocks
+// live at that moment.
 TEST(stress_threads)
 {
   int const nthreads = 8;

@@ -191,7 +191,7 @@ TEST(stream_order_null_stream_absorbs_free_neighbours_until_its_fence)
   CHECK_EQ(consistency(f), "");
 }
 
-// ---- joins: Numba's frees (legacy stream, no stream order) ----------------------------------------
+// ---- joins: Numba's frees (legacy stream, no stream order) --------------------------------------
 
 TEST(numba_frees_join_pending_neighbours_and_keep_the_books)
 {

@@ -53,9 +53,10 @@
  *    (every allocation that misses records it: a context stream), then everyone's again.
  *    Another stream's batch may wait dormant, so it never hides free bytes. Never merged or
  *    absorbed: blocks of another stream, Numba's (legacy) blocks (but see "join" below),
- *    record_stream blocks (two fences), blocks of another segment. On the growable segment only pending neighbours:
- *    a pending block's pages are mapped and stay so (only pages wholly inside free blocks are
- *    unmapped, so a free one may have none), and a merge there turns no pending byte free.
+ *    record_stream blocks (two fences), blocks of another segment. On the growable segment
+ *    only pending neighbours: a pending block's pages are mapped and stay so (only pages
+ *    wholly inside free blocks are unmapped, so a free one may have none), and a merge there
+ *    turns no pending byte free.
  *
  * Join (no stream order needed): a block freed on a stream that does not order (legacy_stream:
  * Numba's frees) merges with its physical neighbours pending in that stream's *open* batch

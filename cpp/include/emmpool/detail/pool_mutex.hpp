@@ -3,7 +3,7 @@
  * @brief The pools' mutex. Uncontended, lock() and unlock() are one atomic instruction each,
  * inline: std::mutex does the same two atomic operations, but through pthread_mutex_lock and
  * _unlock, whose checks of the mutex's kind cost the allocate+free pair (two locks) about a
- * hundred instructions, an eighth of it. Contended, a waiter spins briefly, then sleeps in the
+ * hundred instructions, a sixth of it. Contended, a waiter spins briefly, then sleeps in the
  * kernel (futex on Linux) until unlock() wakes it: a pool's lock is held across CUDA calls that
  * may wait for the GPU, so waiters must not burn a CPU.
  */
