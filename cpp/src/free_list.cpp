@@ -90,22 +90,16 @@ block* free_lists::coalesce(block* blk)
   }
   // A free neighbour grows over blk in place (its set's position found before its size
   // changes); a second one, above, leaves the set.
-  auto* keep = free_below ? prev : next;
-  auto& s    = set_of(keep);
-  auto it    = s.find(keep);
-  if (free_below) {
-    if (free_above) { s.erase(next); }
-    absorb(prev, blk);
-    if (free_above) {
-      absorb(prev, next);
-      arena_->recycle(next);
-    }
-  } else {
-    absorb_down(blk, next);
-  }
+  auto* keep  = free_below ? prev : next;
+  auto* other = free_below && free_above ? next : nullptr;
+  auto& s     = set_of(keep);
+  auto it     = s.find(keep);
+  if (other != nullptr) { s.erase(other); }
+  merge_into(keep, blk, other);
   bytes_ += blk->size;
   ++insertions_;
   arena_->recycle(blk);
+  if (other != nullptr) { arena_->recycle(other); }
   reseat(s, it, true);  // larger: stays put unless the block after it sorts lower now
   return keep;
 }

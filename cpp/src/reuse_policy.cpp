@@ -261,23 +261,20 @@ bool reuse_policy::join_open(detail::block* blk, stream_ref key)
   bool const below = joinable(prev);
   bool const above = joinable(next);
   if (!below && !above) { return false; }
-  auto const bytes = blk->size;
-  --blk->seg->live_blocks;  // blk's record goes into a neighbour's
-  if (!below) {
-    detail::absorb_down(blk, next);  // next keeps its record and its place in the batch
-    count_bytes(*next->owner, bytes, true);
-  } else {
-    detail::absorb(prev, blk);
-    if (above) {  // three records become one: next leaves the batch, prev takes it in
-      detach(next);
-      --next->seg->live_blocks;
-      detail::absorb(prev, next);
-      count_bytes(*prev->owner, next->size, true);
-      arena_->recycle(next);
-    }
-    count_bytes(*prev->owner, bytes, true);
+  // The neighbour kept grows where it is, in its batch; a second one, above, leaves the batch.
+  auto* const keep  = below ? prev : next;
+  auto* const other = below && above ? next : nullptr;
+  auto grown        = blk->size;
+  if (other != nullptr) {
+    detach(other);  // counts its bytes out of the batch: keep's growth counts them back in
+    --other->seg->live_blocks;
+    grown += other->size;
   }
+  --blk->seg->live_blocks;  // blk's record goes into keep's
+  detail::merge_into(keep, blk, other);
+  count_bytes(*keep->owner, grown, true);
   arena_->recycle(blk);
+  if (other != nullptr) { arena_->recycle(other); }
   return true;
 }
 
@@ -333,15 +330,8 @@ detail::block* reuse_policy::merge_neighbours(detail::block* blk, stream_ref key
   auto* other       = host == blk->next ? blk->prev : blk->next;
   bool const merges = off_its_list(other);
   --blk->seg->live_blocks;  // blk's record goes into host's
-  resize_in_lane(*lane_of(key), host, [&] {
-    if (host == blk->next) {
-      detail::absorb_down(blk, host);
-      if (merges) { detail::absorb_down(other, host); }
-    } else {
-      detail::absorb(host, blk);
-      if (merges) { detail::absorb(host, other); }
-    }
-  });
+  resize_in_lane(*lane_of(key), host,
+                 [&] { detail::merge_into(host, blk, merges ? other : nullptr); });
   arena_->recycle(blk);
   if (merges) { arena_->recycle(other); }
   return nullptr;

@@ -154,6 +154,20 @@ inline void absorb_down(block* lower, block* upper) noexcept
   }
 }
 
+/// @brief Merge `blk` into `keep`, its physical neighbour on either side, and `other` too (null,
+/// or blk's neighbour on the side opposite keep): keep's record then spans them all, in place.
+/// The caller recycles blk's and other's records.
+inline void merge_into(block* keep, block* blk, block* other) noexcept
+{
+  if (keep->next == blk) {
+    absorb(keep, blk);
+    if (other != nullptr) { absorb(keep, other); }
+  } else {
+    absorb_down(blk, keep);
+    if (other != nullptr) { absorb_down(other, keep); }
+  }
+}
+
 /// @brief Owns block records and recycles them: splits and frees make and drop records at a
 /// high rate, and a free list keeps that off the heap. Not thread-safe (its pool's mutex).
 class block_arena {
