@@ -28,10 +28,15 @@ def test_allocate_returns_the_finalizer_that_frees_the_block(host):
     assert free() is None
     assert not pool.owns(free.ptr)
     assert pool.stats()["bytes_waiting"] == 1024  # fenced on the legacy stream, as Numba's frees
-    with pytest.raises(_core.PoolError, match="not a live allocation"):
-        free()  # a second free is an error, as through DevicePool.deallocate
+    host.complete_all_events()
+    pool.synchronize()
+    again = entry.allocate(1000)
+    assert again.ptr == free.ptr
+    assert free() is None  # a second call does nothing: it never frees the block now there
+    assert pool.owns(again.ptr) and pool.stats()["blocks_in_use"] == 1
     with pytest.raises(TypeError):
         free(1)
+    again()
 
 
 def test_blocks_come_back_only_after_their_fence(host):
@@ -161,6 +166,66 @@ def test_plugin_memalloc_over_the_entry_points(numba_package):
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+def test_the_c_memalloc_is_the_python_one(numba_package):
+    # Once bound, a manager answers memalloc with its own C function (no Python frame): the
+    # same sizes, pointers and errors as the class's method, which a subclass may override.
+    code = textwrap.dedent(f"""
+        import types
+        import numpy as np
+        from emmpool import _core
+        host = _core.HostDriver(devices=1, capacity=256 << 20)
+        _core._use_driver_for_all_pools(host)
+        from emmpool import _numba_packages as packages, plugin
+        pkg = packages.by_name({numba_package.name!r})
+        emm = packages.emm_api(pkg)
+        ctx = emm.Context.__new__(emm.Context)
+        ctx.device = types.SimpleNamespace(id=0)
+        cls = plugin.manager_for(pkg.name)
+        mgr = cls(context=ctx)
+        mgr.initialize()
+        fast, slow = mgr.memalloc, lambda n: cls.memalloc(mgr, n)
+        assert "memalloc" in vars(mgr) and type(fast).__name__ == "builtin_function_or_method"
+        pool = mgr.pool
+
+        def outcome(f, size):
+            try:
+                m = f(size)
+            except Exception as e:
+                shown = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+                return (type(e), str(e), getattr(e, "code", None), shown)
+            out = (type(m), m.size, type(m.size), m.context.device.id, pool.owns(int(m.device_pointer)))
+            m.free()
+            return out
+
+        for size in (0, 1000, np.int64(4096), True, -1, -(1 << 70), 1.5, "8", 1 << 40, 1 << 64):
+            assert outcome(fast, size) == outcome(slow, size), (size, outcome(fast, size))
+        assert outcome(fast, 1 << 40)[0] is emm.CudaAPIError
+        assert outcome(fast, -1)[:2] == (ValueError, "cannot allocate a negative number of bytes (-1)")
+        assert pool.stats()["blocks_in_use"] == 0
+
+        def refused(*args, **kwargs):
+            raise RuntimeError("no pointer")
+        broken = mgr._entry.memalloc_for(refused, mgr._ctx, lambda e: e)
+        try:
+            broken(1000)
+        except RuntimeError as e:
+            assert str(e) == "no pointer"
+        else:
+            raise AssertionError("no error")
+        assert pool.stats()["blocks_in_use"] == 0  # the block went back
+
+        class Own(cls):
+            def memalloc(self, size):
+                return "own"
+        own = Own(context=ctx)
+        own.initialize()
+        assert "memalloc" not in vars(own) and own.memalloc(1) == "own"
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
 
 def test_numba_free_cannot_be_made_from_python():
     # Without DISALLOW_INSTANTIATION, NumbaFree inherited object's tp_new, so NumbaFree() makes a finalizer with entry NULL,

@@ -3,7 +3,10 @@
 //
 //   entry = _core.NumbaEntryPoints(pool)
 //   free  = entry.allocate(size)   # a new block; `free` is its finalizer, `free.ptr` its address
-//   free()                         # the block back to the pool (Numba's fenced free)
+//   free()                         # the block back to the pool (Numba's fenced free); once:
+//                                  # a second call does nothing, whatever is at ptr by then
+//   memalloc = entry.memalloc_for(MemoryPointer, context, as_error)
+//   memalloc(size)                 # the EMM plugin's memalloc, whole: no Python frame at all
 //
 // They keep the GIL rules of DevicePool.allocate / .deallocate exactly: first try without
 // waiting for the pool's lock and without a CUDA call (try_allocate / try_deallocate), holding
@@ -37,6 +40,7 @@ struct finalizer_object {
   entry_points_object* entry;  // strong: its pool outlives every block's free
   unsigned long long ptr;
   unsigned long long generation;
+  bool freed;  // a second call does nothing (memalloc's cleanup may precede weakref.finalize's)
 };
 
 // Set the Python error of the exception being handled, as a pybind11-bound call would.
@@ -74,13 +78,10 @@ void finalizer_dealloc(PyObject* self)
   Py_DECREF(type);  // instances of a heap type hold a reference to it
 }
 
-PyObject* finalizer_call(PyObject* self, PyObject* args, PyObject* kwargs)
+// Frees f's block once; false with the Python error set if the pool refused.
+bool free_block(finalizer_object* f)
 {
-  if (PyTuple_GET_SIZE(args) != 0 || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
-    PyErr_SetString(PyExc_TypeError, "the finalizer takes no arguments");
-    return nullptr;
-  }
-  auto const* f     = reinterpret_cast<finalizer_object*>(self);
+  if (f->freed) { return true; }
   device_pool* pool = f->entry->pool;
   try {
     if (!pool->try_deallocate(f->ptr, legacy_stream, f->generation)) {
@@ -89,9 +90,20 @@ PyObject* finalizer_call(PyObject* self, PyObject* args, PyObject* kwargs)
     }
   } catch (...) {
     set_error_from_current_exception();
+    return false;
+  }
+  f->freed = true;
+  return true;
+}
+
+PyObject* finalizer_call(PyObject* self, PyObject* args, PyObject* kwargs)
+{
+  if (PyTuple_GET_SIZE(args) != 0 || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "the finalizer takes no arguments");
     return nullptr;
   }
-  Py_RETURN_NONE;
+  return free_block(reinterpret_cast<finalizer_object*>(self)) ? (Py_INCREF(Py_None), Py_None)
+                                                               : nullptr;
 }
 
 PyMemberDef finalizer_members[] = {
@@ -112,11 +124,9 @@ void entry_points_dealloc(PyObject* self)
   Py_DECREF(type);
 }
 
-PyObject* entry_points_allocate(PyObject* self, PyObject* size_object)
+// A new block of e's pool, as its finalizer; nullptr with the Python error set on failure.
+finalizer_object* allocate_block(entry_points_object* e, std::size_t size)
 {
-  auto* e = reinterpret_cast<entry_points_object*>(self);
-  std::size_t const size = PyLong_AsSize_t(size_object);  // TypeError, or OverflowError if < 0
-  if (size == static_cast<std::size_t>(-1) && PyErr_Occurred() != nullptr) { return nullptr; }
   // The finalizer first: nothing can fail once the block is allocated.
   auto* f = PyObject_New(finalizer_object, finalizer_type);
   if (f == nullptr) { return nullptr; }
@@ -138,10 +148,153 @@ PyObject* entry_points_allocate(PyObject* self, PyObject* size_object)
     set_error_from_current_exception();
     return nullptr;
   }
-  Py_INCREF(self);
+  Py_INCREF(reinterpret_cast<PyObject*>(e));
   f->entry = e;
   f->ptr   = ptr;
-  return reinterpret_cast<PyObject*>(f);
+  f->freed = false;
+  return f;
+}
+
+PyObject* entry_points_allocate(PyObject* self, PyObject* size_object)
+{
+  std::size_t const size = PyLong_AsSize_t(size_object);  // TypeError, or OverflowError if < 0
+  if (size == static_cast<std::size_t>(-1) && PyErr_Occurred() != nullptr) { return nullptr; }
+  return reinterpret_cast<PyObject*>(
+    allocate_block(reinterpret_cast<entry_points_object*>(self), size));
+}
+
+// ---- memalloc: Numba's EMM call itself, with no Python frame -------------------------------
+
+// A manager's memalloc is a builtin function whose `self` is this tuple. A tuple holds no
+// reference to the manager, so the function, kept in the manager's __dict__, makes no cycle.
+enum memalloc_slot : Py_ssize_t {
+  slot_entry,         // the NumbaEntryPoints
+  slot_pointer_type,  // the package's MemoryPointer
+  slot_context,       // what the plugin passes as its context (a weakref.proxy)
+  slot_as_error,      // exception -> the exception to raise (the package's, for pool errors)
+  slot_kwnames,       // ("finalizer",)
+  slot_count
+};
+
+// The size as the plugin's Python memalloc takes it (an int, or what has __index__: NumPy
+// integers), with its errors. A new reference to the int, or nullptr with the error set.
+PyObject* size_of(PyObject* size, std::size_t* out)
+{
+  PyObject* n = PyNumber_Index(size);
+  if (n == nullptr) {
+    if (PyErr_ExceptionMatches(PyExc_TypeError) == 0) { return nullptr; }
+    PyErr_Clear();
+    PyObject* name = PyObject_GetAttrString(reinterpret_cast<PyObject*>(Py_TYPE(size)), "__name__");
+    if (name == nullptr) { return nullptr; }
+    PyErr_Format(PyExc_TypeError, "allocation size must be an integer number of bytes, not %S",
+                 name);
+    Py_DECREF(name);
+    return nullptr;
+  }
+  int overflow        = 0;
+  long long const big = PyLong_AsLongLongAndOverflow(n, &overflow);
+  if (overflow < 0 || (overflow == 0 && big < 0)) {
+    PyErr_Format(PyExc_ValueError, "cannot allocate a negative number of bytes (%S)", n);
+    Py_DECREF(n);
+    return nullptr;
+  }
+  *out = PyLong_AsSize_t(n);  // OverflowError past size_t
+  if (*out == static_cast<std::size_t>(-1) && PyErr_Occurred() != nullptr) {
+    Py_DECREF(n);
+    return nullptr;
+  }
+  return n;
+}
+
+// Replace the error being raised by as_error(error), raised as Python's `raise ... from None`.
+void raise_as(PyObject* as_error)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject* error = PyErr_GetRaisedException();
+#else
+  PyObject *type = nullptr, *error = nullptr, *traceback = nullptr;
+  PyErr_Fetch(&type, &error, &traceback);
+  PyErr_NormalizeException(&type, &error, &traceback);
+  if (traceback != nullptr) { PyException_SetTraceback(error, traceback); }
+  Py_XDECREF(type);
+  Py_XDECREF(traceback);
+#endif
+  PyObject* raised = PyObject_CallOneArg(as_error, error);
+  Py_DECREF(error);
+  if (raised == nullptr) { return; }
+  if (PyExceptionInstance_Check(raised) == 0) {
+    PyErr_Format(PyExc_TypeError, "memalloc's as_error returned %R, not an exception", raised);
+  } else {
+    PyException_SetCause(raised, nullptr);  // and __suppress_context__: `from None`
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(raised)), raised);
+  }
+  Py_DECREF(raised);
+}
+
+// memalloc(size) -> MemoryPointer(context, ptr, size, finalizer=free), as plugin.py's.
+PyObject* numba_memalloc(PyObject* state, PyObject* size_object)
+{
+  std::size_t size = 0;
+  PyObject* size_int = size_of(size_object, &size);
+  if (size_int == nullptr) { return nullptr; }
+  auto* e = reinterpret_cast<entry_points_object*>(PyTuple_GET_ITEM(state, slot_entry));
+  auto* f = allocate_block(e, size);
+  if (f == nullptr) {
+    Py_DECREF(size_int);
+    raise_as(PyTuple_GET_ITEM(state, slot_as_error));
+    return nullptr;
+  }
+  auto* free       = reinterpret_cast<PyObject*>(f);
+  PyObject* memory = nullptr;
+  if (PyObject* ptr = PyLong_FromUnsignedLongLong(f->ptr)) {
+    PyObject* args[] = {nullptr, PyTuple_GET_ITEM(state, slot_context), ptr, size_int, free};
+    memory = PyObject_Vectorcall(PyTuple_GET_ITEM(state, slot_pointer_type), args + 1,
+                                 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                 PyTuple_GET_ITEM(state, slot_kwnames));
+    Py_DECREF(ptr);
+  }
+  Py_DECREF(size_int);
+  if (memory == nullptr) {
+    // No MemoryPointer owns the block: give it back now, keeping the error being raised (the
+    // block is freed once even if a half-made pointer's weakref.finalize calls it too).
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject* error = PyErr_GetRaisedException();
+    if (!free_block(f)) { PyErr_Clear(); }
+    PyErr_SetRaisedException(error);
+#else
+    PyObject *type = nullptr, *error = nullptr, *traceback = nullptr;
+    PyErr_Fetch(&type, &error, &traceback);
+    if (!free_block(f)) { PyErr_Clear(); }
+    PyErr_Restore(type, error, traceback);
+#endif
+  }
+  Py_DECREF(free);
+  return memory;
+}
+
+PyMethodDef numba_memalloc_def = {
+  "memalloc", &numba_memalloc, METH_O,
+  "memalloc(size) -> MemoryPointer: a block of emmpool's pool for Numba (EMM), its finalizer "
+  "freeing it; failures raised as the package's own errors."};
+
+PyObject* entry_points_memalloc_for(PyObject* self, PyObject* args)
+{
+  PyObject *pointer_type = nullptr, *context = nullptr, *as_error = nullptr;
+  if (PyArg_ParseTuple(args, "OOO:memalloc_for", &pointer_type, &context, &as_error) == 0) {
+    return nullptr;
+  }
+  if (PyCallable_Check(pointer_type) == 0 || PyCallable_Check(as_error) == 0) {
+    PyErr_SetString(PyExc_TypeError, "memalloc_for needs a MemoryPointer class and a callable");
+    return nullptr;
+  }
+  PyObject* kwnames = Py_BuildValue("(s)", "finalizer");
+  if (kwnames == nullptr) { return nullptr; }
+  PyObject* state = PyTuple_Pack(slot_count, self, pointer_type, context, as_error, kwnames);
+  Py_DECREF(kwnames);
+  if (state == nullptr) { return nullptr; }
+  PyObject* function = PyCFunction_New(&numba_memalloc_def, state);
+  Py_DECREF(state);
+  return function;
 }
 
 PyObject* entry_points_new(PyTypeObject*, PyObject* args, PyObject* kwargs)
@@ -179,6 +332,10 @@ PyMethodDef entry_points_methods[] = {
    "allocate(size) -> finalizer: a block of the pool for Numba (no stream named, tagged "
    "numba); the finalizer (free.ptr: the address) frees it, fenced on the legacy stream, in "
    "the reset generation it was allocated in. Raises as DevicePool.allocate."},
+  {"memalloc_for", &entry_points_memalloc_for, METH_VARARGS,
+   "memalloc_for(MemoryPointer, context, as_error) -> memalloc: the EMM plugin's memalloc "
+   "(size: an int or what has __index__, >= 0) in C: MemoryPointer(context, address, size, "
+   "finalizer=free) over allocate(size); a failure e raised as `raise as_error(e) from None`."},
   {nullptr, nullptr, 0, nullptr}};
 
 PyMemberDef entry_points_members[] = {

@@ -1,7 +1,7 @@
 """Type stubs for emmpool._core (cpp/bindings/module.cpp; its CuPy functions:
 cpp/src/cupy_adapter.cpp). Keep in step with the bindings."""
 
-from typing import Any
+from typing import Any, Callable
 
 LEGACY_STREAM: int
 PER_THREAD_STREAM: int
@@ -98,6 +98,10 @@ class NumbaEntryPoints:
     @property
     def pool(self) -> DevicePool: ...
     def allocate(self, size: int, /) -> NumbaFree: ...
+    def memalloc_for(
+        self, pointer_type: Callable[..., Any], context: Any,
+        as_error: Callable[[BaseException], BaseException], /,
+    ) -> Callable[[int], Any]: ...
 
 class HostPool:
     def __init__(self, driver: HostDriver | None, device: int = 0, *, limit: int = 0) -> None: ...

@@ -40,6 +40,7 @@ deferred exactly as by Numba's own manager.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import types
@@ -107,6 +108,12 @@ class _EmmPoolManager:
         # the block's finalizer, which holds its address (.ptr) and reset generation.
         self._entry = _core.NumbaEntryPoints(pool)
         self._allocate = self._entry.allocate
+        if type(self).memalloc is _EmmPoolManager.memalloc:
+            # Numba calls memalloc for every array: from now on the instance's own, in C
+            # (memalloc_for), answers, with no Python frame. The same checks, pointer and
+            # errors as the method below, which a subclass may override: then it is kept.
+            self.memalloc = self._entry.memalloc_for(
+                self._emm.MemoryPointer, self._ctx, functools.partial(_memalloc_error, self._emm))
         self._pinned = _core.pinned_pool(self._device) if cfg.pinned == "pool" else None
         self._pinned_generation = self._pinned.generation if self._pinned is not None else 0
         self._pool = pool
@@ -121,6 +128,7 @@ class _EmmPoolManager:
 
     # -- the EMM interface ---------------------------------------------------------------
     def memalloc(self, size):
+        # Until the first bind; then the instance's C memalloc (_bind) does just this.
         if type(size) is not int:
             size = _as_size(size)
         if size < 0:
@@ -239,6 +247,14 @@ def _as_numba_error(emm, e: Exception) -> Exception:
     except (ValueError, AttributeError):
         code = result.CUDA_ERROR_UNKNOWN
     return emm.CudaAPIError(code, str(e))
+
+
+def _memalloc_error(emm, e: Exception) -> Exception:
+    """What memalloc raises for e: the package's own error for the pool's (_as_numba_error),
+    any other as it is."""
+    if isinstance(e, (_core.OutOfMemoryError, _core.CudaError)):
+        return _as_numba_error(emm, e)
+    return e
 
 
 def _host_finalizer(manager, release, ptr, mapped, generation=None):
