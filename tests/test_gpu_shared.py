@@ -133,6 +133,40 @@ print("OK")
 """
 
 
+# CuPy allocates holding the GIL. An allocation that must wait for the GPU (no room under the
+# cap but a pending free) while the GPU waits for a host callback, which needs the GIL, must let
+# go of it: holding it, the three wait for each other forever.
+CUPY_HOST_CALLBACK = r"""
+import cupy
+import emmpool
+emmpool.configure(maximum_pool_size=64 << 20)
+emmpool.use_for_cupy()
+spin = cupy.RawKernel('''
+extern "C" __global__ void spin(int ms) { for (int i = 0; i < ms; ++i) __nanosleep(1000000); }''',
+                      "spin")
+spin((1,), (1,), (1,))
+cupy.cuda.Device().synchronize()              # compiled
+ran = []
+n = 48 << 20
+a = cupy.empty(n, dtype=cupy.uint8)
+del a                                         # pending, fenced on the null stream
+S = cupy.cuda.Stream()                        # blocking: the null stream's fence waits for it
+with S:
+    spin((1,), (1,), (300,))                  # ~0.3 s
+S.launch_host_func(ran.append, 1)             # Python: CUDA's callback thread takes the GIL
+with cupy.cuda.Stream(non_blocking=True):
+    b = cupy.empty(n, dtype=cupy.uint8)       # 96 MiB > the cap: waits for a's fence
+assert ran == [1], ran
+assert emmpool.stats(0)["peak_bytes_reserved"] <= 64 << 20
+print("OK")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs CuPy")
+def test_a_cupy_allocation_waiting_for_the_gpu_lets_a_host_callback_run():
+    check(run(CUPY_HOST_CALLBACK, manager=None))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs CuPy")
 def test_cupy_memory_follows_cupys_current_stream():
     check(run(CUPY_STREAMS, manager=None))

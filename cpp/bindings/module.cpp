@@ -8,13 +8,16 @@
 #include <emmpool/host_pool.hpp>
 #include <emmpool/registry.hpp>
 
+#include "c_api.hpp"
 #include "cupy_adapter.hpp"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 
 namespace py = pybind11;
 
@@ -129,6 +132,22 @@ void raise_for_test(std::string const& kind)
   throw std::invalid_argument{"unknown kind"};
 }
 
+// The C entry points' caller lock (c_api.hpp) is the GIL: CuPy calls them holding it. Not
+// let go of while the interpreter finalizes: taking it back then would end the thread (a
+// daemon thread's) inside emmpool's frames.
+void* release_gil() noexcept
+{
+#if PY_VERSION_HEX >= 0x030D0000
+  bool const finalizing = Py_IsFinalizing() != 0;
+#else
+  bool const finalizing = _Py_IsFinalizing() != 0;
+#endif
+  if (finalizing || PyGILState_Check() == 0) { return nullptr; }
+  return PyEval_SaveThread();
+}
+
+void restore_gil(void* state) noexcept { PyEval_RestoreThread(static_cast<PyThreadState*>(state)); }
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m)
@@ -183,6 +202,36 @@ PYBIND11_MODULE(_core, m)
          py::arg("capacity") = std::size_t{1} << 34)
     .def("complete_all_events", &host_driver::complete_all_events)
     .def("set_auto_complete", &host_driver::set_auto_complete, py::arg("on"))
+    .def(
+      "set_sync_wait",
+      [](host_driver& d, py::object wait) {
+        if (wait.is_none()) {
+          d.set_sync_wait({});
+          return;
+        }
+        // Called without the GIL (the pool lets go of it around a wait for the GPU).
+        auto held = std::shared_ptr<py::object>(new py::object(std::move(wait)), [](py::object* o) {
+          py::gil_scoped_acquire gil;
+          delete o;
+        });
+        d.set_sync_wait([held] {
+          // On a thread of its own, as CUDA runs host callbacks: it deadlocks if the thread
+          // waiting for the GPU holds the GIL.
+          std::thread callback{[held] {
+            py::gil_scoped_acquire gil;
+            try {
+              (*held)();
+            } catch (py::error_already_set& e) {
+              e.discard_as_unraisable("emmpool HostDriver sync wait");
+            }
+          }};
+          callback.join();
+        });
+      },
+      py::arg("wait"),
+      "Every event and device synchronization waits for wait() to run on a thread of its own, "
+      "holding the GIL there: GPU work queued behind a host callback that needs the GIL. "
+      "None: stop.")
     .def("fail_next_allocations", &host_driver::fail_next_allocations, py::arg("n"))
     .def("fail_next_event_records", &host_driver::fail_next_event_records, py::arg("n"))
     .def("fail_next_deallocations", &host_driver::fail_next_deallocations, py::arg("n"))
@@ -502,4 +551,5 @@ PYBIND11_MODULE(_core, m)
   m.def("_raise_for_test", &raise_for_test, py::arg("kind"));
 
   emmpool::bindings::add_numba_entry_points(m.ptr());
+  emmpool::c_api::set_caller_lock({&release_gil, &restore_gil});
 }

@@ -9,6 +9,7 @@
 #include <emmpool/error.hpp>
 #include <emmpool/registry.hpp>
 
+#include <atomic>
 #include <stdexcept>
 
 namespace emmpool::c_api {
@@ -29,11 +30,46 @@ failure current_failure() noexcept
   }
 }
 
+namespace {
+
+std::atomic<void* (*)() noexcept> release_caller_lock{nullptr};
+std::atomic<void (*)(void*) noexcept> restore_caller_lock{nullptr};
+
+}  // namespace
+
+void set_caller_lock(caller_lock lock) noexcept
+{
+  // restore first: a thread that saw the new release also sees its restore.
+  restore_caller_lock.store(lock.restore, std::memory_order_release);
+  release_caller_lock.store(lock.release, std::memory_order_release);
+}
+
+caller_lock_released::caller_lock_released() noexcept
+{
+  if (auto* release = release_caller_lock.load(std::memory_order_acquire)) {
+    restore_ = restore_caller_lock.load(std::memory_order_acquire);
+    token_   = release();
+  }
+}
+
+caller_lock_released::~caller_lock_released()
+{
+  if (token_ != nullptr) { restore_(token_); }
+}
+
+device_ptr allocate_from(std::size_t size, int device, stream_handle stream, alloc_tag tag)
+{
+  auto& pool = pool_registry::instance().pool(device);
+  if (auto const p = pool.try_allocate(size, stream, tag)) { return *p; }
+  caller_lock_released unlocked;  // taken back before a failure is reported (it may need it)
+  return pool.allocate(size, stream, tag);
+}
+
 void* allocate_tagged(std::size_t size, int device, stream_handle stream, alloc_tag tag,
                       failure_fn report) noexcept
 {
   try {
-    return reinterpret_cast<void*>(pool_registry::instance().pool(device).allocate(size, stream, tag));
+    return reinterpret_cast<void*>(allocate_from(size, device, stream, tag));
   } catch (...) {
     auto const f = current_failure();
     return report != nullptr ? report(size, device, f.kind, f.what) : nullptr;
@@ -44,8 +80,11 @@ void free_on(void* ptr, int device, stream_handle stream, alloc_tag tag) noexcep
 {
   if (ptr == nullptr) { return; }
   try {
-    pool_registry::instance().pool(device).deallocate_tagged(reinterpret_cast<device_ptr>(ptr),
-                                                             stream, tag);
+    auto& pool     = pool_registry::instance().pool(device);
+    auto const at  = reinterpret_cast<device_ptr>(ptr);
+    if (pool.try_deallocate_tagged(at, stream, tag)) { return; }
+    caller_lock_released unlocked;
+    pool.deallocate_tagged(at, stream, tag);
   } catch (...) {
     // A foreign or doubly freed pointer: nothing safe to do from a C callback but ignore it.
   }

@@ -6,7 +6,8 @@
 // The PyTorch extension is compiled on the user's machine against the installed PyTorch and
 // finds these with dlsym() in this library, so nothing links against the other: the layout of
 // what they exchange is fixed by emmpool_torch_abi_version() (bump it on any change).
-// None of them throws across the C boundary.
+// None of them throws across the C boundary, and none holds the caller's GIL while it waits
+// for the pool's lock or the GPU (c_api.hpp, caller_lock).
 #include "c_api.hpp"
 
 #include <emmpool/registry.hpp>
@@ -63,8 +64,8 @@ EMMPOOL_C_API void* emmpool_torch_allocate(std::size_t size, int device, void* s
                                            int* kind, char* error, std::size_t error_length)
 {
   try {
-    return reinterpret_cast<void*>(emmpool::pool_registry::instance().pool(device).allocate(
-      size, reinterpret_cast<emmpool::stream_handle>(stream), emmpool::alloc_tag::torch));
+    return reinterpret_cast<void*>(emmpool::c_api::allocate_from(
+      size, device, reinterpret_cast<emmpool::stream_handle>(stream), emmpool::alloc_tag::torch));
   } catch (...) {
     auto const f = emmpool::c_api::current_failure();
     if (kind != nullptr) { *kind = f.kind; }
@@ -78,6 +79,7 @@ EMMPOOL_C_API void* emmpool_torch_allocate(std::size_t size, int device, void* s
 EMMPOOL_C_API int emmpool_torch_record_stream(void* ptr, int device, void* stream, char* error,
                                               std::size_t error_length)
 {
+  emmpool::c_api::caller_lock_released unlocked;
   try {
     emmpool::pool_registry::instance().pool(device).record_stream(
       reinterpret_cast<emmpool::device_ptr>(ptr), reinterpret_cast<emmpool::stream_handle>(stream));
@@ -98,6 +100,7 @@ EMMPOOL_C_API int emmpool_torch_record_stream(void* ptr, int device, void* strea
 /// torch.cuda.memory_stats(d) must not create a context on a device the program never used).
 EMMPOOL_C_API int emmpool_torch_stats(int device, std::uint64_t* out, int n)
 {
+  emmpool::c_api::caller_lock_released unlocked;
   auto* pool = existing_pool_of(device);
   if (pool == nullptr || out == nullptr) { return -1; }
   try {
@@ -121,6 +124,7 @@ EMMPOOL_C_API int emmpool_torch_stats(int device, std::uint64_t* out, int n)
 /// torch.cuda.reset_peak_memory_stats(): the pool's peaks (every library's) start again.
 EMMPOOL_C_API void emmpool_torch_reset_peaks(int device)
 {
+  emmpool::c_api::caller_lock_released unlocked;
   if (auto* pool = existing_pool_of(device)) {
     try {
       pool->reset_peaks();
@@ -133,6 +137,7 @@ EMMPOOL_C_API void emmpool_torch_reset_peaks(int device)
 /// released, 0 on any failure.
 EMMPOOL_C_API std::size_t emmpool_torch_trim(int device)
 {
+  emmpool::c_api::caller_lock_released unlocked;
   if (auto* pool = existing_pool_of(device)) {
     try {
       return pool->trim();
@@ -148,6 +153,7 @@ EMMPOOL_C_API std::size_t emmpool_torch_trim(int device)
 /// if that is more.
 EMMPOOL_C_API std::size_t emmpool_torch_largest_block(int device)
 {
+  emmpool::c_api::caller_lock_released unlocked;
   auto* pool = pool_of(device);
   if (pool == nullptr) { return 0; }
   try {
@@ -173,6 +179,7 @@ EMMPOOL_C_API int emmpool_torch_ipc_handle(void* ptr, int device, unsigned char*
                                            std::size_t* offset, char* error,
                                            std::size_t error_length)
 {
+  emmpool::c_api::caller_lock_released unlocked;
   auto* pool = pool_of(device);
   if (pool == nullptr) {
     say(error, error_length, "no pool for this device");

@@ -368,15 +368,20 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream)
   free_live(ptr, stream);
 }
 
-bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation)
+bool device_pool::try_free(device_ptr ptr, stream_handle stream, std::uint64_t const* generation,
+                           int tag)
 {
   std::unique_lock lock{mutex_, std::try_to_lock};
   if (!lock.owns_lock()) { return false; }
-  if (forked_) { return true; }                    // as deallocate(): nothing to do
-  if (generation != generation_) { return false; }  // a retired block: its free may call CUDA
+  if (forked_) { return true; }  // as deallocate(): nothing to do
+  // A retired block's free may call CUDA; a tagged free looks among them first.
+  if (generation != nullptr ? *generation != generation_ : retired_.holds_any()) { return false; }
   auto it = live_.find(ptr);
   // A bad pointer gets its error from deallocate().
-  if (it == live_.end() || !reuse_policy::free_is_local(*it->second, stream)) { return false; }
+  if (it == live_.end() || (tag >= 0 && it->second->tag != tag) ||
+      !reuse_policy::free_is_local(*it->second, stream)) {
+    return false;
+  }
   policy_.free(it->second, stream, [&](stream_ref key) { off_books(it, key); });  // no CUDA
   return true;
 }

@@ -50,6 +50,13 @@ void host_driver::set_auto_complete(bool on)
   auto_complete_ = on;
 }
 
+void host_driver::set_sync_wait(std::function<void()> wait)
+{
+  std::unique_lock lock{mutex_};
+  std::swap(sync_wait_, wait);
+  lock.unlock();  // the old one goes outside the lock (a Python callable's needs the GIL)
+}
+
 void host_driver::fail_next_allocations(int n)
 {
   std::lock_guard lock{mutex_};
@@ -281,13 +288,22 @@ bool host_driver::event_completed(int, event_handle event)
 
 void host_driver::synchronize_event(int, event_handle event)
 {
-  std::lock_guard lock{mutex_};
+  std::unique_lock lock{mutex_};
   ++counters_.event_syncs;
   auto it = events_.find(event);
   if (it == events_.end()) {
     throw cuda_error{"cuEventSynchronize", 400, "CUDA_ERROR_INVALID_HANDLE", EMMPOOL_WHERE};
   }
   it->second = true;  // waiting is what completes it
+  wait_for_work(lock);
+}
+
+void host_driver::wait_for_work(std::unique_lock<std::mutex>& lock)
+{
+  if (!sync_wait_) { return; }
+  auto wait = sync_wait_;
+  lock.unlock();
+  wait();
 }
 
 void host_driver::release_context(int device)
@@ -299,10 +315,11 @@ void host_driver::release_context(int device)
 
 void host_driver::synchronize_device(int device)
 {
-  std::lock_guard lock{mutex_};
+  std::unique_lock lock{mutex_};
   check_device(device);
   ++counters_.device_syncs;
   for (auto& [e, done] : events_) { done = true; }  // every recorded event has completed
+  wait_for_work(lock);
 }
 
 ipc_bytes host_driver::ipc_handle(int device, device_ptr segment_base)

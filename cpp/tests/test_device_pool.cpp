@@ -1321,6 +1321,30 @@ TEST(reset_then_address_reuse_by_the_driver)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(tagged_try_free_leaves_a_retired_block_to_the_full_free)
+{
+  // CuPy's and PyTorch's frees name no generation: deallocate_tagged() looks among the blocks
+  // a reset retired first. Its try (taken holding the GIL) must not skip that look.
+  fixture f;
+  auto const a = f->allocate(big, legacy_stream, alloc_tag::cupy);
+  f->reset();
+  f.drv.invalidate_device(0);
+  auto const x = f->allocate(big, legacy_stream, alloc_tag::cupy);
+  REQUIRE(x == a);  // the same library's live block at the retired one's address
+  CHECK(!f->try_deallocate_tagged(a, allocation_stream, alloc_tag::cupy));
+  CHECK(f->owns(x));
+  f->deallocate_tagged(a, allocation_stream, alloc_tag::cupy);  // the retired one
+  CHECK(f->owns(x));
+  CHECK(f->try_deallocate_tagged(x, allocation_stream, alloc_tag::cupy));  // none retired now
+  CHECK(!f->owns(x));
+  auto const y = f->allocate(4096, legacy_stream, alloc_tag::torch);
+  CHECK(!f->try_deallocate_tagged(y, allocation_stream, alloc_tag::cupy));  // another library's
+  CHECK(f->owns(y));
+  CHECK(f->try_deallocate_tagged(y, allocation_stream, alloc_tag::torch));
+  CHECK_EQ(f->stats().blocks_in_use, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(reset_with_record_stream_pending)
 {
   fixture f;

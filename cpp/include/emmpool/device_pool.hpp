@@ -110,12 +110,23 @@ class device_pool : private detail::pool_lifecycle {
   /// of the current generation, has no record_stream fence, and `stream` is a context stream
   /// or allocation_stream); false if it could not be done so: then call deallocate().
   [[nodiscard]] bool try_deallocate(device_ptr ptr, stream_handle stream,
-                                    std::uint64_t generation);
+                                    std::uint64_t generation)
+  {
+    return try_free(ptr, stream, &generation, -1);
+  }
 
   /// @brief Free a block for a caller that knows its library but not its reset generation
   /// (the CuPy and PyTorch entry points): a retired block of that library at `ptr` is taken
   /// first, then a live one; a block of another library is never touched.
   void deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag);
+
+  /// @brief deallocate_tagged() as try_deallocate() does it: false (then call
+  /// deallocate_tagged()) unless it takes no wait for the lock and no CUDA call. No block
+  /// retired by a reset may be live, since the free would look among them first.
+  [[nodiscard]] bool try_deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag)
+  {
+    return try_free(ptr, stream, nullptr, static_cast<std::uint8_t>(tag));
+  }
 
   /// @brief Incremented by every reset(); callers that may outlive a reset remember it.
   using pool_lifecycle::generation;
@@ -206,6 +217,8 @@ class device_pool : private detail::pool_lifecycle {
   void release_segment(segment* seg);
   // ---- frees
   void free_live(device_ptr ptr, stream_handle stream, int tag = -1);  // of library tag (>= 0)
+  // try_deallocate(_tagged): of that generation (null: none retired), of library tag (>= 0).
+  bool try_free(device_ptr ptr, stream_handle stream, std::uint64_t const* generation, int tag);
   using live_map = detail::live_map;
   void off_books(live_map::iterator it, stream_ref key);  // a freed block: stats, trace
   void release_block(block* blk);               // every fence done: into the free lists

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <map>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <unordered_map>
@@ -50,6 +51,10 @@ class host_driver final : public driver {
   void fail_next_event_records(int n);
   /// @brief The next n calls to deallocate() fail with a cuda_error (a sticky error, say).
   void fail_next_deallocations(int n);
+  /// @brief Run `wait` at every synchronize_event() and synchronize_device(), before they
+  /// return (and outside the driver's lock): the GPU work they wait for, e.g. a host callback
+  /// that needs a lock of the program's (Python's GIL). Empty: none.
+  void set_sync_wait(std::function<void()> wait);
   /// @brief Change a device's capacity (bytes).
   void set_capacity(int device, std::size_t bytes);
   /// @brief Pretend the device's context was reset: every live segment becomes invalid (its
@@ -142,6 +147,7 @@ class host_driver final : public driver {
     std::uint64_t id;
   };
   void check_device(int device) const;
+  void wait_for_work(std::unique_lock<std::mutex>& lock);  // sync_wait_, the lock let go
   std::uint64_t live_stream_id(stream_handle stream, char const* call);  // mutex_ held
 
   mutable std::mutex mutex_;
@@ -168,6 +174,7 @@ class host_driver final : public driver {
   std::uint64_t next_event_ = 1;
   std::uint64_t next_buffer_id_ = 1;
   bool auto_complete_ = false;
+  std::function<void()> sync_wait_;
   bool stream_ids_ = true;
   int fail_allocations_ = 0;
   int fail_event_records_ = 0;

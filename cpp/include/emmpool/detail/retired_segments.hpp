@@ -46,6 +46,9 @@ class retired_segments {
     return !live_.empty() && free_newest(ptr, tag);  // none, but after a reset
   }
 
+  /// @brief Whether a retired block is still live (a free may be one of them).
+  [[nodiscard]] bool holds_any() const noexcept { return !live_.empty(); }
+
   /// @brief The pool is going away: every segment the driver still knows goes back to it.
   void release_all() noexcept;
 
