@@ -4,6 +4,10 @@ The host driver's "pinned" memory is real (malloc), so the blocks can be written
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -135,3 +139,49 @@ def test_forked_child_gets_a_clear_error(host, pinned):
 
     assert _fork(child) == 0
     pinned.deallocate(inherited)
+
+
+def test_the_plugins_pinned_blocks_carry_the_generation_they_were_allocated_in(numba_package):
+    # The plugin once labelled a pinned block with the generation it kept on the side (updated
+    # after each reset), read after the allocation: a reset by another thread in between gave
+    # the block the next generation. Its free then looked for a live block of that generation,
+    # raised PoolError, and the retired block stayed live for ever.
+    code = textwrap.dedent(f"""
+        import sys, threading, types
+        from emmpool import _core
+        sys.setswitchinterval(1e-6)
+        host = _core.HostDriver(devices=1, capacity=1 << 34)
+        host.set_auto_complete(True)
+        _core._use_driver_for_all_pools(host)
+        from emmpool import _numba_packages as packages, plugin
+        pkg = packages.by_name({numba_package.name!r})
+        emm = packages.emm_api(pkg)
+        ctx = emm.Context.__new__(emm.Context)
+        ctx.device = types.SimpleNamespace(id=0)
+        mgr = plugin.manager_for(pkg.name)(context=ctx)
+        mgr.initialize()
+        blocks, lock, stop = [], threading.Lock(), [False]
+        def alloc():
+            mine = []
+            while not stop[0]:
+                mine.append(mgr.memhostalloc(4096))
+            with lock:
+                blocks.extend(mine)
+        def resetter():
+            for _ in range(100):
+                mgr._pinned.reset()
+            stop[0] = True
+        ts = [threading.Thread(target=alloc) for _ in range(4)] + [threading.Thread(target=resetter)]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        errors, count = [], len(blocks)
+        sys.unraisablehook = lambda u: errors.append(u.exc_value)  # the finalizers' errors
+        blocks.clear()  # each PinnedMemory's weakref.finalize frees its block
+        print(len(errors), mgr._pinned.stats()["bytes_in_use"], count)
+    """)
+    env = dict(os.environ, EMMPOOL_PINNED="pool")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    errors, in_use, count = map(int, out.stdout.split())
+    assert count > 0 and (errors, in_use) == (0, 0), out.stdout

@@ -408,6 +408,20 @@ PYBIND11_MODULE(_core, m)
       },
       py::arg("size"), py::arg("flags") = 0)
     .def(
+      "allocate_labelled",
+      [](host_pool& p, std::size_t size, unsigned flags) {
+        std::uint64_t generation = 0;
+        void* ptr                = nullptr;
+        {
+          py::gil_scoped_release nogil;
+          ptr = p.allocate(size, flags, &generation);
+        }
+        return py::make_tuple(reinterpret_cast<std::uintptr_t>(ptr), generation);
+      },
+      py::arg("size"), py::arg("flags") = 0,
+      "(address, the reset generation it was allocated in): to free it with, whatever reset "
+      "another thread makes meanwhile")
+    .def(
       "deallocate",
       [](host_pool& p, std::uintptr_t ptr, stream_handle stream, std::optional<std::uint64_t> gen) {
         py::gil_scoped_release nogil;

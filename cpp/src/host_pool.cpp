@@ -102,7 +102,7 @@ void host_pool::maintain()
   policy_.maintain({}, [this](block* b) { on_fenced(b); });
 }
 
-void* host_pool::allocate(std::size_t bytes, unsigned flags)
+void* host_pool::allocate(std::size_t bytes, unsigned flags, std::uint64_t* generation_out)
 {
   EMMPOOL_EXPECTS(bytes <= (std::size_t{1} << 46), "pinned allocation size is too large");
   EMMPOOL_EXPECTS(flags <= (host_portable | host_mapped | host_writecombined),
@@ -110,6 +110,7 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags)
   std::size_t const cls = size_class(bytes);
   std::lock_guard lock{mutex_};
   if (forked_) { detail::throw_forked(); }
+  if (generation_out != nullptr) { *generation_out = generation_; }
 
   block* b = take_cached(cls, flags);
   if (b == nullptr && policy_.has_waiting()) {

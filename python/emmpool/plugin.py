@@ -115,7 +115,6 @@ class _EmmPoolManager:
             self.memalloc = self._entry.memalloc_for(
                 self._emm.MemoryPointer, self._ctx, functools.partial(_memalloc_error, self._emm))
         self._pinned = _core.pinned_pool(self._device) if cfg.pinned == "pool" else None
-        self._pinned_generation = self._pinned.generation if self._pinned is not None else 0
         self._pool = pool
         log.info("Numba context on device %d allocates from emmpool (%s mode)", self._device,
                  pool.options["mode"])
@@ -153,11 +152,12 @@ class _EmmPoolManager:
             | (_core.HOST_WRITECOMBINED if wc else 0)
         )
         try:
-            ptr = self._pinned.allocate(size, flags)
+            # Labelled under the pool's lock: another thread's reset() may come between the
+            # allocation and any later read of the generation.
+            ptr, generation = self._pinned.allocate_labelled(size, flags)
         except (_core.OutOfMemoryError, _core.CudaError) as e:
             raise _as_numba_error(self._emm, e) from None
-        finalizer = _host_finalizer(self, self._pinned.deallocate, ptr, mapped,
-                                    self._pinned_generation)
+        finalizer = _host_finalizer(self, self._pinned.deallocate, ptr, mapped, generation)
         if mapped:
             mem = self._emm.MappedMemory(self._ctx, ptr, size, finalizer=finalizer)
             self.allocations[ptr] = mem
@@ -212,7 +212,6 @@ class _EmmPoolManager:
             self._pool.reset()
         if getattr(self, "_pinned", None) is not None:
             self._pinned.reset()
-            self._pinned_generation = self._pinned.generation
 
     @contextlib.contextmanager
     def defer_cleanup(self):

@@ -64,8 +64,11 @@ class host_pool : private detail::pool_lifecycle {
   [[nodiscard]] static std::size_t size_class(std::size_t bytes) noexcept;
 
   /// @brief Pinned host memory of at least `bytes` with `flags` (host_alloc_flags).
+  /// @param generation_out where given, the reset generation the block was allocated in, read
+  ///        under the pool's lock (a read after the call could already be a reset's)
   /// @throws out_of_memory past the limit or when the driver has none, after the ladder
-  [[nodiscard]] void* allocate(std::size_t bytes, unsigned flags);
+  [[nodiscard]] void* allocate(std::size_t bytes, unsigned flags,
+                               std::uint64_t* generation_out = nullptr);
   /// @brief Free a block: reusable once an event recorded on `stream` after now completes.
   /// A stream other than the null/legacy/per-thread one must be alive during the call: its
   /// event is recorded in it.
