@@ -133,10 +133,12 @@ void raise_for_test(std::string const& kind)
 }
 
 // The C entry points' caller lock (c_api.hpp) is the GIL: CuPy calls them holding it. Not
-// let go of while the interpreter finalizes: taking it back then would end the thread (a
-// daemon thread's) inside emmpool's frames.
+// let go of while the interpreter finalizes (taking it back then would end the thread, a
+// daemon thread, inside emmpool's frames) or once it has (PyTorch's static tensors freed at
+// exit: PyGILState_Check answers 1 without an interpreter).
 void* release_gil() noexcept
 {
+  if (Py_IsInitialized() == 0) { return nullptr; }
 #if PY_VERSION_HEX >= 0x030D0000
   bool const finalizing = Py_IsFinalizing() != 0;
 #else
