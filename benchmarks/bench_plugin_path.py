@@ -16,7 +16,8 @@ Variants (one op: ``m = mgr.memalloc(n); del m``):
 - ``pybind11``: the plugin's ``memalloc`` before the C entry points (pybind11's
   ``DevicePool.allocate`` + a ``functools.partial`` of ``DevicePool.deallocate`` as finalizer),
   kept here, verbatim but for the names, to compare;
-- ``emmpool``: the plugin's ``memalloc`` as installed.
+- ``emmpool``: the plugin's ``memalloc`` as installed (once bound, the manager's own, in C:
+  ``NumbaEntryPoints.memalloc_for``; so no Python frame, where the floor's is one).
 
 And the pool calls alone (no ``MemoryPointer``): ``pybind11 pair`` (allocate + a partial of
 deallocate, called) and ``entry pair`` (the C entry points: allocate + the finalizer, called).
