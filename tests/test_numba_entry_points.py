@@ -128,20 +128,37 @@ def test_threads_allocate_and_free_through_the_entry_points(host):
     assert s["blocks_in_use"] == 0 and s["allocations"] == s["frees"] == 8 * 50 * 64
 
 
+# What the plugin tests below run first, in a fresh interpreter: the process-wide pools over a
+# host driver (`host`), and `mgr`, a manager of the package (`cls`; `emm`, its EMM names) over a
+# bare context of device 0 (only what the manager reads: no CUDA).
+MANAGER_PREAMBLE = """
+import gc, sys, threading, types
+from emmpool import _core
+host = _core.HostDriver(devices=1, capacity={capacity})
+host.set_auto_complete({auto_complete})
+_core._use_driver_for_all_pools(host)
+from emmpool import _numba_packages as packages, plugin
+pkg = packages.by_name({package!r})
+emm = packages.emm_api(pkg)
+ctx = emm.Context.__new__(emm.Context)
+ctx.device = types.SimpleNamespace(id=0)
+cls = plugin.manager_for(pkg.name)
+mgr = cls(context=ctx)
+"""
+
+
+def run_with_a_manager(package, body, *, capacity=256 << 20, auto_complete=False, env=None):
+    """MANAGER_PREAMBLE, then `body`, in a fresh interpreter: its CompletedProcess."""
+    code = MANAGER_PREAMBLE.format(capacity=capacity, auto_complete=auto_complete,
+                                   package=package.name) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
 def test_plugin_memalloc_over_the_entry_points(numba_package):
-    # In a subprocess: the process-wide pools over a host driver, the plugin's memalloc as
-    # Numba calls it, its MemoryPointer's finalizer, reset, and Numba's out-of-memory error.
-    code = textwrap.dedent(f"""
-        import gc, types
-        from emmpool import _core
-        host = _core.HostDriver(devices=1, capacity=256 << 20)
-        _core._use_driver_for_all_pools(host)
-        from emmpool import _numba_packages as packages, plugin
-        pkg = packages.by_name({numba_package.name!r})
-        emm = packages.emm_api(pkg)
-        ctx = emm.Context.__new__(emm.Context)
-        ctx.device = types.SimpleNamespace(id=0)
-        mgr = plugin.manager_for(pkg.name)(context=ctx)
+    # The plugin's memalloc as Numba calls it, its MemoryPointer's finalizer, reset, and
+    # Numba's out-of-memory error.
+    out = run_with_a_manager(numba_package, """
         m = mgr.memalloc(1000)
         assert isinstance(m, emm.MemoryPointer) and m.size == 1000
         ptr = int(m.device_pointer)
@@ -164,25 +181,14 @@ def test_plugin_memalloc_over_the_entry_points(numba_package):
         assert mgr.pool.stats()["blocks_in_use"] == 0
         print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
 
 def test_the_c_memalloc_is_the_python_one(numba_package):
     # Once bound, a manager answers memalloc with its own C function (no Python frame): the
     # same sizes, pointers and errors as the class's method, which a subclass may override.
-    code = textwrap.dedent(f"""
-        import types
+    out = run_with_a_manager(numba_package, """
         import numpy as np
-        from emmpool import _core
-        host = _core.HostDriver(devices=1, capacity=256 << 20)
-        _core._use_driver_for_all_pools(host)
-        from emmpool import _numba_packages as packages, plugin
-        pkg = packages.by_name({numba_package.name!r})
-        emm = packages.emm_api(pkg)
-        ctx = emm.Context.__new__(emm.Context)
-        ctx.device = types.SimpleNamespace(id=0)
-        cls = plugin.manager_for(pkg.name)
-        mgr = cls(context=ctx)
         mgr.initialize()
         fast, slow = mgr.memalloc, lambda n: cls.memalloc(mgr, n)
         assert "memalloc" in vars(mgr) and type(fast).__name__ == "builtin_function_or_method"
@@ -223,7 +229,6 @@ def test_the_c_memalloc_is_the_python_one(numba_package):
         assert "memalloc" not in vars(own) and own.memalloc(1) == "own"
         print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -146,19 +143,10 @@ def test_the_plugins_pinned_blocks_carry_the_generation_they_were_allocated_in(n
     # after each reset), read after the allocation: a reset by another thread in between gave
     # the block the next generation. Its free then looked for a live block of that generation,
     # raised PoolError, and the retired block stayed live for ever.
-    code = textwrap.dedent(f"""
-        import sys, threading, types
-        from emmpool import _core
+    from tests.test_numba_entry_points import run_with_a_manager
+
+    out = run_with_a_manager(numba_package, """
         sys.setswitchinterval(1e-6)
-        host = _core.HostDriver(devices=1, capacity=1 << 34)
-        host.set_auto_complete(True)
-        _core._use_driver_for_all_pools(host)
-        from emmpool import _numba_packages as packages, plugin
-        pkg = packages.by_name({numba_package.name!r})
-        emm = packages.emm_api(pkg)
-        ctx = emm.Context.__new__(emm.Context)
-        ctx.device = types.SimpleNamespace(id=0)
-        mgr = plugin.manager_for(pkg.name)(context=ctx)
         mgr.initialize()
         blocks, lock, stop = [], threading.Lock(), [False]
         def alloc():
@@ -178,10 +166,7 @@ def test_the_plugins_pinned_blocks_carry_the_generation_they_were_allocated_in(n
         sys.unraisablehook = lambda u: errors.append(u.exc_value)  # the finalizers' errors
         blocks.clear()  # each PinnedMemory's weakref.finalize frees its block
         print(len(errors), mgr._pinned.stats()["bytes_in_use"], count)
-    """)
-    env = dict(os.environ, EMMPOOL_PINNED="pool")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=120)
+    """, capacity=1 << 34, auto_complete=True, env=dict(os.environ, EMMPOOL_PINNED="pool"))
     assert out.returncode == 0, out.stderr[-2000:]
     errors, in_use, count = map(int, out.stdout.split())
     assert count > 0 and (errors, in_use) == (0, 0), out.stdout
