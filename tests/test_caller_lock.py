@@ -43,15 +43,17 @@ SCRIPT = textwrap.dedent(
     # A free not yet fenced complete: the other thread's synchronize() waits for the GPU.
     cupy_free(None, cupy_malloc(None, 1 << 20, 0), 0)
 
-    entered = threading.Event()
+    entered, calling = threading.Event(), threading.Event()
     def host_callback():  # GPU work the synchronization waits for: it needs the GIL
         entered.set()
-        time.sleep(0.3)  # lets go of the GIL, and needs it back to return
+        calling.wait()  # returns only with the GIL, which the call below holds
     host.set_sync_wait(host_callback)
     holder = threading.Thread(target=pool.synchronize)  # the pool's lock, through the wait
     holder.start()
     entered.wait()
-    # From here the GIL is this thread's, held through the call (and the callback needs it).
+    sys.setswitchinterval(60)  # this thread keeps the GIL until it lets go of it itself
+    calling.set()
+    # From here the GIL is this thread's, held into the call, while the holder waits for it.
     call = sys.argv[1]
     if call == "cupy_malloc":
         assert cupy_malloc(None, 4096, 0)
@@ -122,4 +124,123 @@ def test_an_entry_point_lets_go_of_the_gil_while_the_pool_waits_for_the_gpu(call
                              text=True, timeout=30)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{call} held the GIL while waiting for the pool's lock: deadlock")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+EXIT_WITH_DAEMON_THREADS = textwrap.dedent(
+    """
+    import ctypes, threading, time
+    from emmpool import _core
+    host = _core.HostDriver(devices=1, capacity=1 << 32)
+    host.set_auto_complete(True)
+    _core._use_driver_for_all_pools(host)
+    held, free = ctypes.PyDLL(_core.__file__), ctypes.CDLL(_core.__file__)  # with, without GIL
+    P, Z, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    malloc, release, trim = held.emmpool_cupy_malloc, held.emmpool_cupy_free, free.emmpool_torch_trim
+    malloc.restype, malloc.argtypes = P, [P, Z, I]
+    release.restype, release.argtypes = None, [P, P, I]
+    trim.restype, trim.argtypes = Z, [I]
+    def cupy():
+        while True:
+            release(None, malloc(None, 1 << 20, 0), 0)
+    def torch():
+        while True:
+            trim(0)
+    entry = _core.NumbaEntryPoints(_core.pool(0))
+    def numba():
+        while True:
+            entry.allocate(1 << 20)()
+    for f in (cupy, cupy, torch, torch, numba, numba):
+        threading.Thread(target=f, daemon=True).start()
+    time.sleep(0.1)
+    print("ok")  # and exit, the daemon threads in the pool's entry points
+    """
+)
+
+
+def test_the_process_exits_cleanly_with_threads_inside_the_entry_points():
+    # A daemon thread that let go of the GIL in an entry point and takes it back while the
+    # interpreter finalizes would be ended by a forced unwind, through noexcept frames: abort.
+    for _ in range(8):
+        out = subprocess.run([sys.executable, "-c", EXIT_WITH_DAEMON_THREADS],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode,
+                                                                   out.stderr[-2000:])
+
+
+SUBINTERPRETER = textwrap.dedent(
+    """
+    import ctypes
+    try:
+        import _interpreters as interpreters
+    except ImportError:
+        import _xxsubinterpreters as interpreters
+    from emmpool import _core
+    host = _core.HostDriver(devices=1, capacity=1 << 32)
+    _core._use_driver_for_all_pools(host)
+    _core.pool(0)
+    stats = ctypes.CDLL(_core.__file__).emmpool_torch_stats  # called without the GIL
+    stats.restype, stats.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
+    out = (ctypes.c_uint64 * 16)()
+    assert stats(0, out, 16) == 16
+    interpreters.destroy(interpreters.create())  # from now on PyGILState_Check() answers 1
+    assert stats(0, out, 16) == 16
+    print("ok")
+    """
+)
+
+
+def test_an_entry_point_called_without_the_gil_after_a_subinterpreter():
+    try:
+        import _interpreters  # noqa: F401
+    except ImportError:
+        pytest.importorskip("_xxsubinterpreters", reason="no sub-interpreters in this Python")
+    out = subprocess.run([sys.executable, "-c", SUBINTERPRETER], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
+
+
+TWO_FREES = textwrap.dedent(
+    """
+    import sys, threading
+    from emmpool import _core
+    host = _core.HostDriver(devices=1, capacity=1 << 32)
+    pool = _core.DevicePool(host, 0)
+    entry = _core.NumbaEntryPoints(pool)
+    free = entry.allocate(4096)
+    entry.allocate(1 << 20)()  # pending: synchronize() waits
+    entered, go = threading.Event(), threading.Event()
+    def host_callback():
+        entered.set()
+        go.wait()
+    host.set_sync_wait(host_callback)
+    holder = threading.Thread(target=pool.synchronize)  # the pool's lock, through the wait
+    holder.start()
+    entered.wait()
+    errors = []
+    def call():
+        try:
+            free()  # the first waits for the lock without the GIL; the second finds it freed
+        except Exception as e:
+            errors.append(e)
+    callers = [threading.Thread(target=call) for _ in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(0.2)
+    go.set()
+    holder.join()
+    for t in callers:
+        t.join()
+    host.set_sync_wait(None)
+    assert not errors, errors
+    assert pool.stats()["frees"] == 2, pool.stats()
+    print("ok")
+    """
+)
+
+
+def test_a_numba_finalizer_called_from_two_threads_frees_once():
+    out = subprocess.run([sys.executable, "-c", TWO_FREES], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -8,8 +8,9 @@
 #include <emmpool/host_pool.hpp>
 #include <emmpool/registry.hpp>
 
-#include "c_api.hpp"
+#include "caller_lock.hpp"
 #include "cupy_adapter.hpp"
+#include "python_gil.hpp"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -131,24 +132,6 @@ void raise_for_test(std::string const& kind)
   if (kind == "invalid") { throw std::invalid_argument{"test invalid argument"}; }
   throw std::invalid_argument{"unknown kind"};
 }
-
-// The C entry points' caller lock (c_api.hpp) is the GIL: CuPy calls them holding it. Not
-// let go of while the interpreter finalizes (taking it back then would end the thread, a
-// daemon thread, inside emmpool's frames) or once it has (PyTorch's static tensors freed at
-// exit: PyGILState_Check answers 1 without an interpreter).
-void* release_gil() noexcept
-{
-  if (Py_IsInitialized() == 0) { return nullptr; }
-#if PY_VERSION_HEX >= 0x030D0000
-  bool const finalizing = Py_IsFinalizing() != 0;
-#else
-  bool const finalizing = _Py_IsFinalizing() != 0;
-#endif
-  if (finalizing || PyGILState_Check() == 0) { return nullptr; }
-  return PyEval_SaveThread();
-}
-
-void restore_gil(void* state) noexcept { PyEval_RestoreThread(static_cast<PyThreadState*>(state)); }
 
 }  // namespace
 
@@ -567,5 +550,6 @@ PYBIND11_MODULE(_core, m)
   m.def("_raise_for_test", &raise_for_test, py::arg("kind"));
 
   emmpool::bindings::add_numba_entry_points(m.ptr());
-  emmpool::c_api::set_caller_lock({&release_gil, &restore_gil});
+  // The entry points' caller lock (caller_lock.hpp) is the GIL: CuPy calls them holding it.
+  emmpool::caller_lock::install({&emmpool::python::let_go_of_gil, &emmpool::python::take_gil_back});
 }

@@ -11,9 +11,13 @@
 // They keep the GIL rules of DevicePool.allocate / .deallocate exactly: first try without
 // waiting for the pool's lock and without a CUDA call (try_allocate / try_deallocate), holding
 // the GIL; else let go of the GIL and take the lock (a thread holding it may be waiting for GPU
-// work queued behind a host callback that needs the GIL). C++ exceptions become the same Python
+// work queued behind a host callback that needs the GIL), through caller_lock.hpp, which takes
+// it back where a daemon thread's end at exit may unwind (pybind11's gil_scoped_release takes
+// it back in a destructor: that unwind would abort). C++ exceptions become the same Python
 // exceptions as through pybind11 (its registered translators).
 #include "numba_entry_points.hpp"
+
+#include "caller_lock.hpp"
 
 #include <emmpool/device_pool.hpp>
 
@@ -81,18 +85,23 @@ void finalizer_dealloc(PyObject* self)
 // Frees f's block once; false with the Python error set if the pool refused.
 bool free_block(finalizer_object* f)
 {
+  // Marked before the GIL may be let go of: a second call from another thread meanwhile must
+  // find it freed, not free the address again (by then, maybe another array's block).
   if (f->freed) { return true; }
+  f->freed          = true;
   device_pool* pool = f->entry->pool;
   try {
     if (!pool->try_deallocate(f->ptr, legacy_stream, f->generation)) {
-      py::gil_scoped_release nogil;
-      pool->deallocate(f->ptr, legacy_stream, f->generation);
+      caller_lock::without_caller_lock(
+        [&] { pool->deallocate(f->ptr, legacy_stream, f->generation); });
     }
-  } catch (...) {
+  }
+  EMMPOOL_LET_THREAD_END
+  catch (...) {
+    f->freed = false;  // the pool refused: nothing was freed
     set_error_from_current_exception();
     return false;
   }
-  f->freed = true;
   return true;
 }
 
@@ -139,11 +148,13 @@ finalizer_object* allocate_block(entry_points_object* e, std::size_t size)
     if (auto const p = e->pool->try_allocate(size, legacy_stream, alloc_tag::numba, &gen)) {
       ptr = *p;
     } else {
-      py::gil_scoped_release nogil;
-      ptr = e->pool->allocate(size, legacy_stream, alloc_tag::numba, &gen);
+      ptr = caller_lock::without_caller_lock(
+        [&] { return e->pool->allocate(size, legacy_stream, alloc_tag::numba, &gen); });
     }
     f->generation = gen;
-  } catch (...) {
+  }
+  EMMPOOL_LET_THREAD_END
+  catch (...) {
     Py_DECREF(reinterpret_cast<PyObject*>(f));
     set_error_from_current_exception();
     return nullptr;
@@ -220,12 +231,15 @@ void raise_as(PyObject* as_error)
   Py_XDECREF(traceback);
 #endif
   PyObject* raised = PyObject_CallOneArg(as_error, error);
+  bool const same  = raised == error;
   Py_DECREF(error);
   if (raised == nullptr) { return; }
   if (PyExceptionInstance_Check(raised) == 0) {
     PyErr_Format(PyExc_TypeError, "memalloc's as_error returned %R, not an exception", raised);
   } else {
-    PyException_SetCause(raised, nullptr);  // and __suppress_context__: `from None`
+    // A new exception: `from None` (its cause, and __suppress_context__); the error itself
+    // goes on as it was raised.
+    if (!same) { PyException_SetCause(raised, nullptr); }
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(raised)), raised);
   }
   Py_DECREF(raised);

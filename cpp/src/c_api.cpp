@@ -1,15 +1,18 @@
 // Plain C entry points into the process-wide pools, for allocators that call C function
 // pointers with no Python in between: PyTorch's CUDAPluggableAllocator (which dlsym()s these
 // names from this extension's .so) here, CuPy's CFunctionAllocator in cupy_adapter.cpp.
-// They must not throw across the C boundary: failures return NULL (allocation; for CuPy, what
-// the adapter's reporter says) or are dropped (free), as neither caller has a way to receive a
-// C++ exception.
+// They throw no exception across the C boundary: failures return NULL (allocation; for CuPy,
+// what the adapter's reporter says) or are dropped (free), as neither caller has a way to
+// receive a C++ exception. The one thing that crosses it is the end of a thread that takes the
+// GIL back while the interpreter finalizes: a forced unwind, which C frames let through and
+// noexcept ones would turn into an abort (caller_lock.hpp).
 #include "c_api.hpp"
+
+#include "caller_lock.hpp"
 
 #include <emmpool/error.hpp>
 #include <emmpool/registry.hpp>
 
-#include <atomic>
 #include <stdexcept>
 
 namespace emmpool::c_api {
@@ -30,62 +33,38 @@ failure current_failure() noexcept
   }
 }
 
-namespace {
-
-std::atomic<void* (*)() noexcept> release_caller_lock{nullptr};
-std::atomic<void (*)(void*) noexcept> restore_caller_lock{nullptr};
-
-}  // namespace
-
-void set_caller_lock(caller_lock lock) noexcept
-{
-  // restore first: a thread that saw the new release also sees its restore.
-  restore_caller_lock.store(lock.restore, std::memory_order_release);
-  release_caller_lock.store(lock.release, std::memory_order_release);
-}
-
-caller_lock_released::caller_lock_released() noexcept
-{
-  if (auto* release = release_caller_lock.load(std::memory_order_acquire)) {
-    restore_ = restore_caller_lock.load(std::memory_order_acquire);
-    token_   = release();
-  }
-}
-
-caller_lock_released::~caller_lock_released()
-{
-  if (token_ != nullptr) { restore_(token_); }
-}
-
 device_ptr allocate_from(std::size_t size, int device, stream_handle stream, alloc_tag tag)
 {
   auto& pool = pool_registry::instance().pool(device);
   if (auto const p = pool.try_allocate(size, stream, tag)) { return *p; }
-  caller_lock_released unlocked;  // taken back before a failure is reported (it may need it)
-  return pool.allocate(size, stream, tag);
+  // Taken back before a failure is reported (CuPy's reporter needs it).
+  return caller_lock::without_caller_lock([&] { return pool.allocate(size, stream, tag); });
 }
 
 void* allocate_tagged(std::size_t size, int device, stream_handle stream, alloc_tag tag,
-                      failure_fn report) noexcept
+                      failure_fn report)
 {
   try {
     return reinterpret_cast<void*>(allocate_from(size, device, stream, tag));
-  } catch (...) {
+  }
+  EMMPOOL_LET_THREAD_END
+  catch (...) {
     auto const f = current_failure();
     return report != nullptr ? report(size, device, f.kind, f.what) : nullptr;
   }
 }
 
-void free_on(void* ptr, int device, stream_handle stream, alloc_tag tag) noexcept
+void free_on(void* ptr, int device, stream_handle stream, alloc_tag tag)
 {
   if (ptr == nullptr) { return; }
   try {
-    auto& pool     = pool_registry::instance().pool(device);
-    auto const at  = reinterpret_cast<device_ptr>(ptr);
+    auto& pool    = pool_registry::instance().pool(device);
+    auto const at = reinterpret_cast<device_ptr>(ptr);
     if (pool.try_deallocate_tagged(at, stream, tag)) { return; }
-    caller_lock_released unlocked;
-    pool.deallocate_tagged(at, stream, tag);
-  } catch (...) {
+    caller_lock::without_caller_lock([&] { pool.deallocate_tagged(at, stream, tag); });
+  }
+  EMMPOOL_LET_THREAD_END
+  catch (...) {
     // A foreign or doubly freed pointer: nothing safe to do from a C callback but ignore it.
   }
 }

@@ -6,9 +6,10 @@
 // The PyTorch extension is compiled on the user's machine against the installed PyTorch and
 // finds these with dlsym() in this library, so nothing links against the other: the layout of
 // what they exchange is fixed by emmpool_torch_abi_version() (bump it on any change).
-// None of them throws across the C boundary, and none holds the caller's GIL while it waits
-// for the pool's lock or the GPU (c_api.hpp, caller_lock).
+// None of them throws across the C boundary (but a thread's end: caller_lock.hpp), and none
+// holds the caller's GIL while it waits for the pool's lock or the GPU.
 #include "c_api.hpp"
+#include "caller_lock.hpp"
 
 #include <emmpool/registry.hpp>
 
@@ -66,7 +67,9 @@ EMMPOOL_C_API void* emmpool_torch_allocate(std::size_t size, int device, void* s
   try {
     return reinterpret_cast<void*>(emmpool::c_api::allocate_from(
       size, device, reinterpret_cast<emmpool::stream_handle>(stream), emmpool::alloc_tag::torch));
-  } catch (...) {
+  }
+  EMMPOOL_LET_THREAD_END
+  catch (...) {
     auto const f = emmpool::c_api::current_failure();
     if (kind != nullptr) { *kind = f.kind; }
     say(error, error_length, f.what);
@@ -74,20 +77,26 @@ EMMPOOL_C_API void* emmpool_torch_allocate(std::size_t size, int device, void* s
   }
 }
 
+// The calls below take the pool's lock, maybe for a while: the GIL, if the caller holds it, is
+// let go of throughout (each body catches its own errors; caller_lock.hpp says why it must).
+using emmpool::caller_lock::without_caller_lock;
+
 /// PyTorch: tensor.record_stream(stream). 0 done; -1 with the reason in `error` (a pointer the
 /// pool did not allocate, a stream it cannot name).
 EMMPOOL_C_API int emmpool_torch_record_stream(void* ptr, int device, void* stream, char* error,
                                               std::size_t error_length)
 {
-  emmpool::c_api::caller_lock_released unlocked;
-  try {
-    emmpool::pool_registry::instance().pool(device).record_stream(
-      reinterpret_cast<emmpool::device_ptr>(ptr), reinterpret_cast<emmpool::stream_handle>(stream));
-    return 0;
-  } catch (...) {
-    say(error, error_length, emmpool::c_api::current_failure().what);
-  }
-  return -1;
+  return without_caller_lock([&]() noexcept {
+    try {
+      emmpool::pool_registry::instance().pool(device).record_stream(
+        reinterpret_cast<emmpool::device_ptr>(ptr),
+        reinterpret_cast<emmpool::stream_handle>(stream));
+      return 0;
+    } catch (...) {
+      say(error, error_length, emmpool::c_api::current_failure().what);
+    }
+    return -1;
+  });
 }
 
 /// What emmpool_torch_stats() fills, in this order (abi version 1): all uint64.
@@ -100,51 +109,54 @@ EMMPOOL_C_API int emmpool_torch_record_stream(void* ptr, int device, void* strea
 /// torch.cuda.memory_stats(d) must not create a context on a device the program never used).
 EMMPOOL_C_API int emmpool_torch_stats(int device, std::uint64_t* out, int n)
 {
-  emmpool::c_api::caller_lock_released unlocked;
-  auto* pool = existing_pool_of(device);
-  if (pool == nullptr || out == nullptr) { return -1; }
-  try {
-    auto const s             = pool->stats();
-    auto const torch         = static_cast<std::size_t>(emmpool::alloc_tag::torch);
-    std::uint64_t const v[] = {
-      s.bytes_in_use_by_tag[torch], s.bytes_in_use,        s.peak_bytes_in_use,
-      s.bytes_reserved,             s.peak_bytes_reserved, s.allocations_by_tag[torch],
-      s.frees,                      s.blocks_in_use,       s.segments,
-      s.segment_allocations,        s.segment_releases,    s.out_of_memory,
-      s.bytes_waiting,              s.bytes_free,          s.largest_free_block,
-      s.dormant_fences};
-    int const m = std::min<int>(n, static_cast<int>(sizeof v / sizeof v[0]));
-    std::copy(v, v + m, out);
-    return m;
-  } catch (...) {
-    return -1;
-  }
+  return without_caller_lock([&]() noexcept {
+    auto* pool = existing_pool_of(device);
+    if (pool == nullptr || out == nullptr) { return -1; }
+    try {
+      auto const s             = pool->stats();
+      auto const torch         = static_cast<std::size_t>(emmpool::alloc_tag::torch);
+      std::uint64_t const v[] = {
+        s.bytes_in_use_by_tag[torch], s.bytes_in_use,        s.peak_bytes_in_use,
+        s.bytes_reserved,             s.peak_bytes_reserved, s.allocations_by_tag[torch],
+        s.frees,                      s.blocks_in_use,       s.segments,
+        s.segment_allocations,        s.segment_releases,    s.out_of_memory,
+        s.bytes_waiting,              s.bytes_free,          s.largest_free_block,
+        s.dormant_fences};
+      int const m = std::min<int>(n, static_cast<int>(sizeof v / sizeof v[0]));
+      std::copy(v, v + m, out);
+      return m;
+    } catch (...) {
+      return -1;
+    }
+  });
 }
 
 /// torch.cuda.reset_peak_memory_stats(): the pool's peaks (every library's) start again.
 EMMPOOL_C_API void emmpool_torch_reset_peaks(int device)
 {
-  emmpool::c_api::caller_lock_released unlocked;
-  if (auto* pool = existing_pool_of(device)) {
-    try {
-      pool->reset_peaks();
-    } catch (...) {
+  without_caller_lock([&]() noexcept {
+    if (auto* pool = existing_pool_of(device)) {
+      try {
+        pool->reset_peaks();
+      } catch (...) {
+      }
     }
-  }
+  });
 }
 
 /// torch.cuda.empty_cache(): wait for pending frees and return wholly free segments. Bytes
 /// released, 0 on any failure.
 EMMPOOL_C_API std::size_t emmpool_torch_trim(int device)
 {
-  emmpool::c_api::caller_lock_released unlocked;
-  if (auto* pool = existing_pool_of(device)) {
-    try {
-      return pool->trim();
-    } catch (...) {
+  return without_caller_lock([&]() noexcept -> std::size_t {
+    if (auto* pool = existing_pool_of(device)) {
+      try {
+        return pool->trim();
+      } catch (...) {
+      }
     }
-  }
-  return 0;
+    return 0;
+  });
 }
 
 /// cuDNN's benchmark mode asks the allocator for the largest block it could hand out at once
@@ -153,23 +165,26 @@ EMMPOOL_C_API std::size_t emmpool_torch_trim(int device)
 /// if that is more.
 EMMPOOL_C_API std::size_t emmpool_torch_largest_block(int device)
 {
-  emmpool::c_api::caller_lock_released unlocked;
-  auto* pool = pool_of(device);
-  if (pool == nullptr) { return 0; }
-  try {
-    auto const s  = pool->stats();
-    auto& drv     = emmpool::pool_registry::instance().get_driver();
-    auto const mi = drv.memory_info_of(device);
-    auto const& o = pool->options();
-    std::size_t cap = o.maximum_size != 0 ? o.maximum_size : std::numeric_limits<std::size_t>::max();
-    if (o.maximum_fraction > 0.0) {
-      cap = std::min(cap, static_cast<std::size_t>(o.maximum_fraction * static_cast<double>(mi.total)));
+  return without_caller_lock([&]() noexcept -> std::size_t {
+    auto* pool = pool_of(device);
+    if (pool == nullptr) { return 0; }
+    try {
+      auto const s  = pool->stats();
+      auto& drv     = emmpool::pool_registry::instance().get_driver();
+      auto const mi = drv.memory_info_of(device);
+      auto const& o = pool->options();
+      std::size_t cap =
+        o.maximum_size != 0 ? o.maximum_size : std::numeric_limits<std::size_t>::max();
+      if (o.maximum_fraction > 0.0) {
+        cap = std::min(cap, static_cast<std::size_t>(o.maximum_fraction *
+                                                     static_cast<double>(mi.total)));
+      }
+      std::size_t const headroom = cap > s.bytes_reserved ? cap - s.bytes_reserved : 0;
+      return std::max(s.largest_free_block, std::min(mi.free, headroom));
+    } catch (...) {
+      return 0;
     }
-    std::size_t const headroom = cap > s.bytes_reserved ? cap - s.bytes_reserved : 0;
-    return std::max(s.largest_free_block, std::min(mi.free, headroom));
-  } catch (...) {
-    return 0;
-  }
+  });
 }
 
 /// torch.multiprocessing: the CUDA IPC handle (64 bytes into `handle`) of the pool segment that
@@ -179,23 +194,24 @@ EMMPOOL_C_API int emmpool_torch_ipc_handle(void* ptr, int device, unsigned char*
                                            std::size_t* offset, char* error,
                                            std::size_t error_length)
 {
-  emmpool::c_api::caller_lock_released unlocked;
-  auto* pool = pool_of(device);
-  if (pool == nullptr) {
-    say(error, error_length, "no pool for this device");
-    return -1;
-  }
-  try {
-    auto const info = pool->ipc_handle(reinterpret_cast<emmpool::device_ptr>(ptr));
-    if (!info) {
-      say(error, error_length, "the pointer is not a block of emmpool's pool");
+  return without_caller_lock([&]() noexcept {
+    auto* pool = pool_of(device);
+    if (pool == nullptr) {
+      say(error, error_length, "no pool for this device");
       return -1;
     }
-    std::memcpy(handle, info->handle.data(), info->handle.size());
-    *offset = info->offset;
-    return 0;
-  } catch (...) {
-    say(error, error_length, emmpool::c_api::current_failure().what);
-  }
-  return -1;
+    try {
+      auto const info = pool->ipc_handle(reinterpret_cast<emmpool::device_ptr>(ptr));
+      if (!info) {
+        say(error, error_length, "the pointer is not a block of emmpool's pool");
+        return -1;
+      }
+      std::memcpy(handle, info->handle.data(), info->handle.size());
+      *offset = info->offset;
+      return 0;
+    } catch (...) {
+      say(error, error_length, emmpool::c_api::current_failure().what);
+    }
+    return -1;
+  });
 }

@@ -4,6 +4,7 @@
 // extension (it needs Python); bind_cupy() adds its functions to emmpool._core.
 #include "c_api.hpp"
 #include "cupy_adapter.hpp"
+#include "python_gil.hpp"
 
 #include <emmpool/reuse_policy.hpp>
 
@@ -35,7 +36,7 @@ constexpr char const* cupy_stream_of_current_device_signature = "intptr_t (void)
 
 std::intptr_t cupy_stream_under_gil(int device)
 {
-  if (PyGILState_Check() == 0) { return -1; }
+  if (!python::holds_gil()) { return -1; }
   std::intptr_t const s = cupy_stream_of_device != nullptr ? cupy_stream_of_device(device)
                                                            : cupy_stream_of_current_device();
   if (s == -1 && PyErr_Occurred() != nullptr) {
@@ -78,7 +79,7 @@ PyObject* cupy_out_of_memory = nullptr;
 // propagated, -1 their marker) takes for "look for an exception". Without the GIL: NULL.
 void* raise_cupy_failure(std::size_t size, int, int kind, char const* what)
 {
-  if (PyGILState_Check() == 0) { return nullptr; }
+  if (!python::holds_gil()) { return nullptr; }
   if (kind == 0 && cupy_out_of_memory != nullptr) {
     if (PyObject* n = PyLong_FromSize_t(size)) {
       set_out_of_memory(cupy_out_of_memory, n);

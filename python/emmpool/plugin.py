@@ -108,13 +108,14 @@ class _EmmPoolManager:
         # the block's finalizer, which holds its address (.ptr) and reset generation.
         self._entry = _core.NumbaEntryPoints(pool)
         self._allocate = self._entry.allocate
+        self._pinned = _core.pinned_pool(self._device) if cfg.pinned == "pool" else None
         if type(self).memalloc is _EmmPoolManager.memalloc:
             # Numba calls memalloc for every array: from now on the instance's own, in C
             # (memalloc_for), answers, with no Python frame. The same checks, pointer and
             # errors as the method below, which a subclass may override: then it is kept.
+            # Last but for _pool: a bind that failed is tried again by the method.
             self.memalloc = self._entry.memalloc_for(
                 self._emm.MemoryPointer, self._ctx, functools.partial(_memalloc_error, self._emm))
-        self._pinned = _core.pinned_pool(self._device) if cfg.pinned == "pool" else None
         self._pool = pool
         log.info("Numba context on device %d allocates from emmpool (%s mode)", self._device,
                  pool.options["mode"])

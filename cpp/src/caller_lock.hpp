@@ -1,0 +1,76 @@
+// The caller's own lock — Python's GIL — let go of while the pool may wait. Internal to the
+// extension: the core knows no Python; the extension installs the GIL here (module.cpp).
+//
+// CuPy calls its allocator holding the GIL, PyTorch at times, Numba's entry points always.
+// Held while waiting for the pool's lock (whose holder may be waiting for GPU work queued behind
+// a host callback that needs the GIL) or for the GPU (the same callback), it deadlocks. So every
+// entry point first tries the pool without waiting, holding it, and otherwise works through
+// without_caller_lock().
+//
+// Taking the GIL back may end the thread: once the interpreter finalizes, Python ends a daemon
+// thread that asks for it (pthread_exit, a forced unwind through every frame above). That unwind
+// aborts the process (std::terminate) if it meets a noexcept frame, a destructor, or a
+// catch (...) that does not rethrow it. Hence: the lock is taken back outside any destructor or
+// catch block; no entry point is noexcept; every catch (...) on the way is preceded by
+// EMMPOOL_LET_THREAD_END.
+#pragma once
+
+#include <exception>
+#include <optional>
+#include <type_traits>
+#include <utility>
+
+#if defined(__GLIBCXX__)
+#include <cxxabi.h>
+/// Before a catch (...) that a thread's end (pthread_exit) may unwind through: let it go on.
+#define EMMPOOL_LET_THREAD_END \
+  catch (abi::__forced_unwind const&) { throw; }
+#else
+#define EMMPOOL_LET_THREAD_END
+#endif
+
+namespace emmpool::caller_lock {
+
+/// `release` lets go of the lock if the calling thread holds it and returns what `restore`
+/// takes it back with (nullptr: it was not held, nothing to take back).
+struct functions {
+  void* (*release)() noexcept;
+  void (*restore)(void* token);
+};
+/// Install them (once, at the extension's import); none by default: nothing is let go of.
+void install(functions f) noexcept;
+
+void* release() noexcept;
+void restore(void* token);
+
+/// @brief work() with the caller's lock let go of, then taken back; work's result, or its
+/// exception rethrown once the lock is back.
+template <class Work>
+auto without_caller_lock(Work&& work) -> decltype(work())
+{
+  using result       = decltype(work());
+  void* const token = release();
+  if (token == nullptr) { return work(); }
+  std::exception_ptr failure;
+  if constexpr (std::is_void_v<result>) {
+    try {
+      work();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    restore(token);
+    if (failure) { std::rethrow_exception(failure); }
+  } else {
+    std::optional<result> out;
+    try {
+      out.emplace(work());
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    restore(token);
+    if (failure) { std::rethrow_exception(failure); }
+    return std::move(*out);
+  }
+}
+
+}  // namespace emmpool::caller_lock
