@@ -150,7 +150,12 @@ EXIT_WITH_DAEMON_THREADS = textwrap.dedent(
     def numba():
         while True:
             entry.allocate(1 << 20)()
-    for f in (cupy, cupy, torch, torch, numba, numba):
+    pinned = _core.HostPool(host, 0, limit=1 << 30)
+    def numba_pinned():  # the plugin's memhostalloc and its finalizer
+        while True:
+            ptr, generation = pinned.allocate_labelled(1 << 16)
+            pinned.deallocate(ptr, _core.LEGACY_STREAM, generation)
+    for f in (cupy, cupy, torch, torch, numba, numba, numba_pinned, numba_pinned):
         threading.Thread(target=f, daemon=True).start()
     time.sleep(0.1)
     print("ok")  # and exit, the daemon threads in the pool's entry points

@@ -395,12 +395,11 @@ PYBIND11_MODULE(_core, m)
     .def(
       "allocate_labelled",
       [](host_pool& p, std::size_t size, unsigned flags) {
+        // The plugin's memhostalloc: without the GIL as the Numba entry points (a daemon
+        // thread's end at exit unwinds here: caller_lock.hpp; pybind11's dispatcher lets it).
         std::uint64_t generation = 0;
-        void* ptr                = nullptr;
-        {
-          py::gil_scoped_release nogil;
-          ptr = p.allocate(size, flags, &generation);
-        }
+        void* const ptr          = caller_lock::without_caller_lock(
+          [&] { return p.allocate(size, flags, &generation); });
         return py::make_tuple(reinterpret_cast<std::uintptr_t>(ptr), generation);
       },
       py::arg("size"), py::arg("flags") = 0,
@@ -409,12 +408,13 @@ PYBIND11_MODULE(_core, m)
     .def(
       "deallocate",
       [](host_pool& p, std::uintptr_t ptr, stream_handle stream, std::optional<std::uint64_t> gen) {
-        py::gil_scoped_release nogil;
-        if (gen) {
-          p.deallocate(reinterpret_cast<void*>(ptr), stream, *gen);
-        } else {
-          p.deallocate(reinterpret_cast<void*>(ptr), stream);
-        }
+        caller_lock::without_caller_lock([&] {
+          if (gen) {
+            p.deallocate(reinterpret_cast<void*>(ptr), stream, *gen);
+          } else {
+            p.deallocate(reinterpret_cast<void*>(ptr), stream);
+          }
+        });
       },
       py::arg("ptr"), py::arg("stream") = legacy_stream, py::arg("generation") = py::none())
     .def(
