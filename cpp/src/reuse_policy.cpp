@@ -223,21 +223,25 @@ detail::block* reuse_policy::take_split(lane& l, detail::block* blk, std::size_t
   auto* front = arena_->make();  // may throw: before anything changed
   // blk keeps the rest, where it is: in its batch (the fence it waited for is the one it
   // still waits for, so another stream gets it only once that fence completed) and in l.
-  resize_in_lane(l, blk, [&] { detail::carve_front(blk, size, front); });
+  resize_pending(&l, blk, [&] { detail::carve_front(blk, size, front); });
   ++stream_order_reuses_;
   return front;  // not pending: hand_out() counts it in its segment's live blocks
 }
 
 template <class Resize>
-void reuse_policy::resize_in_lane(lane& l, detail::block* blk, Resize&& resize)
+void reuse_policy::resize_pending(lane* l, detail::block* blk, Resize&& resize)
 {
-  auto& set         = l.sets[static_cast<std::size_t>(blk->kind)];
-  auto const it     = l.newest == blk ? set.end() : set.find(blk);  // by its size before
+  detail::block_set* set = nullptr;  // blk's, if in one (a lane's newest block is in none)
+  detail::block_set::const_iterator it;
+  if (l != nullptr && l->newest != blk) {
+    set = &l->sets[static_cast<std::size_t>(blk->kind)];
+    it  = set->find(blk);  // by its size before
+  }
   auto const before = blk->size;
   resize();
   bool const grew = blk->size > before;
   count_bytes(*blk->owner, grew ? blk->size - before : before - blk->size, grew);
-  if (it != set.end()) { detail::reseat(set, it, grew); }
+  if (set != nullptr && it != set->end()) { detail::reseat(*set, it, grew); }
 }
 
 bool reuse_policy::free_fits_tighter(std::size_t have, std::size_t size,
@@ -264,15 +268,12 @@ bool reuse_policy::join_open(detail::block* blk, stream_ref key)
   // The neighbour kept grows where it is, in its batch; a second one, above, leaves the batch.
   auto* const keep  = below ? prev : next;
   auto* const other = below && above ? next : nullptr;
-  auto grown        = blk->size;
   if (other != nullptr) {
     detach(other);  // counts its bytes out of the batch: keep's growth counts them back in
     --other->seg->live_blocks;
-    grown += other->size;
   }
   --blk->seg->live_blocks;  // blk's record goes into keep's
-  detail::merge_into(keep, blk, other);
-  count_bytes(*keep->owner, grown, true);
+  resize_pending(nullptr, keep, [&] { detail::merge_into(keep, blk, other); });  // no lane
   arena_->recycle(blk);
   if (other != nullptr) { arena_->recycle(other); }
   return true;
@@ -330,7 +331,7 @@ detail::block* reuse_policy::merge_neighbours(detail::block* blk, stream_ref key
   auto* other       = host == blk->next ? blk->prev : blk->next;
   bool const merges = off_its_list(other);
   --blk->seg->live_blocks;  // blk's record goes into host's
-  resize_in_lane(*lane_of(key), host,
+  resize_pending(lane_of(key), host,
                  [&] { detail::merge_into(host, blk, merges ? other : nullptr); });
   arena_->recycle(blk);
   if (merges) { arena_->recycle(other); }

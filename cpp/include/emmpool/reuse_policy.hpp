@@ -399,10 +399,11 @@ class reuse_policy {
   detail::block* merge_neighbours(detail::block* blk, stream_ref key);
   // b's byte counts (and the pool's) as `bytes` join b (`in`) or leave it
   void count_bytes(batch& b, std::size_t bytes, bool in) noexcept;
-  // blk, takeable in l, changes size in place by resize(): its batch counts the difference,
-  // and l's set, where blk was found before the change, keeps it in order
+  // blk, pending, changes size in place by resize(): its batch counts the difference, and l's
+  // set (blk takeable in l; null: blk is in no lane), where blk was found before the change,
+  // keeps it in order
   template <class Resize>
-  void resize_in_lane(lane& l, detail::block* blk, Resize&& resize);
+  void resize_pending(lane* l, detail::block* blk, Resize&& resize);
   // Whether the free lists' best fit for `size` is smaller than `have` bytes.
   [[nodiscard]] bool free_fits_tighter(std::size_t have, std::size_t size,
                                        detail::block_kind kind) const;
