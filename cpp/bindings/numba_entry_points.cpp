@@ -217,11 +217,11 @@ PyObject* size_of(PyObject* size, std::size_t* out)
   return n;
 }
 
-// Replace the error being raised by as_error(error), raised as Python's `raise ... from None`.
-void raise_as(PyObject* as_error)
+// The exception being raised, taken off (normalized, its traceback on it): a new reference.
+PyObject* take_raised()
 {
 #if PY_VERSION_HEX >= 0x030C0000
-  PyObject* error = PyErr_GetRaisedException();
+  return PyErr_GetRaisedException();
 #else
   PyObject *type = nullptr, *error = nullptr, *traceback = nullptr;
   PyErr_Fetch(&type, &error, &traceback);
@@ -229,7 +229,26 @@ void raise_as(PyObject* as_error)
   if (traceback != nullptr) { PyException_SetTraceback(error, traceback); }
   Py_XDECREF(type);
   Py_XDECREF(traceback);
+  return error;
 #endif
+}
+
+// Raise take_raised()'s exception again (stealing the reference).
+void raise_again(PyObject* error)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+  PyErr_SetRaisedException(error);
+#else
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(error));
+  Py_INCREF(type);
+  PyErr_Restore(type, error, PyException_GetTraceback(error));
+#endif
+}
+
+// Replace the error being raised by as_error(error), raised as Python's `raise ... from None`.
+void raise_as(PyObject* as_error)
+{
+  PyObject* error  = take_raised();
   PyObject* raised = PyObject_CallOneArg(as_error, error);
   bool const same  = raised == error;
   Py_DECREF(error);
@@ -271,16 +290,9 @@ PyObject* numba_memalloc(PyObject* state, PyObject* size_object)
   if (memory == nullptr) {
     // No MemoryPointer owns the block: give it back now, keeping the error being raised (the
     // block is freed once even if a half-made pointer's weakref.finalize calls it too).
-#if PY_VERSION_HEX >= 0x030C0000
-    PyObject* error = PyErr_GetRaisedException();
+    PyObject* error = take_raised();
     if (!free_block(f)) { PyErr_Clear(); }
-    PyErr_SetRaisedException(error);
-#else
-    PyObject *type = nullptr, *error = nullptr, *traceback = nullptr;
-    PyErr_Fetch(&type, &error, &traceback);
-    if (!free_block(f)) { PyErr_Clear(); }
-    PyErr_Restore(type, error, traceback);
-#endif
+    raise_again(error);
   }
   Py_DECREF(free);
   return memory;
