@@ -17,26 +17,49 @@ import textwrap
 
 import pytest
 
-SCRIPT = textwrap.dedent(
-    """
-    import ctypes, sys, threading, time
-    from emmpool import _core
+# What every script below runs first: the process-wide pools over a host driver (`host`) and
+# `entry_point(name, gil)`, a C entry point called through ctypes as its library calls it:
+# holding the GIL throughout (PyDLL, as CuPy), or having let go of it (CDLL, as PyTorch's ops).
+PREAMBLE = """
+import ctypes, sys, threading, time
+from emmpool import _core
+host = _core.HostDriver(devices=1, capacity={capacity})
+host.set_auto_complete({auto_complete})
+_core._use_driver_for_all_pools(host)
+P, Z, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+SIGNATURES = {{
+    "cupy_malloc": (P, [P, Z, I]),
+    "cupy_free": (None, [P, P, I]),
+    "torch_malloc": (P, [Z, I, P]),
+    "torch_free": (None, [P, Z, I, P]),
+    "torch_stats": (I, [I, ctypes.POINTER(ctypes.c_uint64), I]),
+    "torch_trim": (Z, [I]),
+}}
+def entry_point(name, gil=True):
+    f = getattr((ctypes.PyDLL if gil else ctypes.CDLL)(_core.__file__), "emmpool_" + name)
+    f.restype, f.argtypes = SIGNATURES[name]
+    return f
+"""
 
-    host = _core.HostDriver(devices=1, capacity=1 << 32)
-    _core._use_driver_for_all_pools(host)
+
+def run(body, *args, capacity=1 << 32, auto_complete=False, hang=None):
+    """PREAMBLE, then `body`, in a fresh interpreter; it must print "ok". `hang`: the failure
+    to report if it does not end in 30 s (a deadlock)."""
+    code = PREAMBLE.format(capacity=capacity, auto_complete=auto_complete) + textwrap.dedent(body)
+    try:
+        out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                             timeout=30 if hang else 60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(hang or "timed out")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode,
+                                                               out.stderr[-2000:])
+
+
+SCRIPT = """
     pool = _core.pool(0)
-    lib = ctypes.PyDLL(_core.__file__)  # PyDLL: the GIL stays held through the call, as CuPy's
-    def c(name, restype, *argtypes):
-        f = getattr(lib, name)
-        f.restype, f.argtypes = restype, list(argtypes)
-        return f
-    P, Z, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-    cupy_malloc = c("emmpool_cupy_malloc", P, P, Z, I)
-    cupy_free = c("emmpool_cupy_free", None, P, P, I)
-    torch_malloc = c("emmpool_torch_malloc", P, Z, I, P)
-    torch_free = c("emmpool_torch_free", None, P, Z, I, P)
-    torch_stats = c("emmpool_torch_stats", I, I, ctypes.POINTER(ctypes.c_uint64), I)
-    torch_trim = c("emmpool_torch_trim", Z, I)
+    cupy_malloc, cupy_free = entry_point("cupy_malloc"), entry_point("cupy_free")
+    torch_malloc, torch_free = entry_point("torch_malloc"), entry_point("torch_free")
+    torch_stats, torch_trim = entry_point("torch_stats"), entry_point("torch_trim")
     entry = _core.NumbaEntryPoints(pool)
 
     cupy_block, torch_block, numba_block = cupy_malloc(None, 4096, 0), torch_malloc(4096, 0, None), entry.allocate(4096)
@@ -75,22 +98,11 @@ SCRIPT = textwrap.dedent(
     holder.join()
     host.set_sync_wait(None)
     print("ok")
-    """
-)
+"""
 
-SINGLE_THREAD = textwrap.dedent(
-    """
-    import ctypes, sys
-    from emmpool import _core
-
+SINGLE_THREAD = """
     MiB = 1 << 20
-    host = _core.HostDriver(devices=1, capacity=8 * MiB)
-    _core._use_driver_for_all_pools(host)
-    lib = ctypes.PyDLL(_core.__file__)
-    P, Z, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-    malloc, free = lib.emmpool_cupy_malloc, lib.emmpool_cupy_free
-    malloc.restype, malloc.argtypes = P, [P, Z, I]
-    free.restype, free.argtypes = None, [P, P, I]
+    malloc, free = entry_point("cupy_malloc"), entry_point("cupy_free")
     free(None, malloc(None, 6 * MiB, 0), 0)  # pending: its fence has not completed
     ran = []
     host.set_sync_wait(lambda: ran.append(1))  # a host callback, queued before that fence
@@ -99,18 +111,13 @@ SINGLE_THREAD = textwrap.dedent(
     assert ran, "the allocation never waited for the GPU"
     host.set_sync_wait(None)
     print("ok")
-    """
-)
+"""
 
 
 def test_an_allocation_that_waits_for_the_gpu_lets_host_callbacks_take_the_gil():
     # One thread: the wait for the GPU is the allocation's own (no room left but pending frees).
-    try:
-        out = subprocess.run([sys.executable, "-c", SINGLE_THREAD], capture_output=True,
-                             text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the CuPy entry point waited for the GPU holding the GIL: deadlock")
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    run(SINGLE_THREAD, capacity=8 << 20,
+        hang="the CuPy entry point waited for the GPU holding the GIL: deadlock")
 
 
 CALLS = ["cupy_malloc", "cupy_free", "torch_malloc", "torch_free", "torch_stats", "torch_trim",
@@ -119,27 +126,12 @@ CALLS = ["cupy_malloc", "cupy_free", "torch_malloc", "torch_free", "torch_stats"
 
 @pytest.mark.parametrize("call", CALLS)
 def test_an_entry_point_lets_go_of_the_gil_while_the_pool_waits_for_the_gpu(call):
-    try:
-        out = subprocess.run([sys.executable, "-c", SCRIPT, call], capture_output=True,
-                             text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{call} held the GIL while waiting for the pool's lock: deadlock")
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    run(SCRIPT, call, hang=f"{call} held the GIL while waiting for the pool's lock: deadlock")
 
 
-EXIT_WITH_DAEMON_THREADS = textwrap.dedent(
-    """
-    import ctypes, threading, time
-    from emmpool import _core
-    host = _core.HostDriver(devices=1, capacity=1 << 32)
-    host.set_auto_complete(True)
-    _core._use_driver_for_all_pools(host)
-    held, free = ctypes.PyDLL(_core.__file__), ctypes.CDLL(_core.__file__)  # with, without GIL
-    P, Z, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-    malloc, release, trim = held.emmpool_cupy_malloc, held.emmpool_cupy_free, free.emmpool_torch_trim
-    malloc.restype, malloc.argtypes = P, [P, Z, I]
-    release.restype, release.argtypes = None, [P, P, I]
-    trim.restype, trim.argtypes = Z, [I]
+EXIT_WITH_DAEMON_THREADS = """
+    malloc, release = entry_point("cupy_malloc"), entry_point("cupy_free")
+    trim = entry_point("torch_trim", gil=False)
     def cupy():
         while True:
             release(None, malloc(None, 1 << 20, 0), 0)
@@ -159,40 +151,29 @@ EXIT_WITH_DAEMON_THREADS = textwrap.dedent(
         threading.Thread(target=f, daemon=True).start()
     time.sleep(0.1)
     print("ok")  # and exit, the daemon threads in the pool's entry points
-    """
-)
+"""
 
 
 def test_the_process_exits_cleanly_with_threads_inside_the_entry_points():
     # A daemon thread that let go of the GIL in an entry point and takes it back while the
     # interpreter finalizes would be ended by a forced unwind, through noexcept frames: abort.
     for _ in range(8):
-        out = subprocess.run([sys.executable, "-c", EXIT_WITH_DAEMON_THREADS],
-                             capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode,
-                                                                   out.stderr[-2000:])
+        run(EXIT_WITH_DAEMON_THREADS, auto_complete=True)
 
 
-SUBINTERPRETER = textwrap.dedent(
-    """
-    import ctypes
+SUBINTERPRETER = """
     try:
         import _interpreters as interpreters
     except ImportError:
         import _xxsubinterpreters as interpreters
-    from emmpool import _core
-    host = _core.HostDriver(devices=1, capacity=1 << 32)
-    _core._use_driver_for_all_pools(host)
     _core.pool(0)
-    stats = ctypes.CDLL(_core.__file__).emmpool_torch_stats  # called without the GIL
-    stats.restype, stats.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
+    stats = entry_point("torch_stats", gil=False)
     out = (ctypes.c_uint64 * 16)()
     assert stats(0, out, 16) == 16
     interpreters.destroy(interpreters.create())  # from now on PyGILState_Check() answers 1
     assert stats(0, out, 16) == 16
     print("ok")
-    """
-)
+"""
 
 
 def test_an_entry_point_called_without_the_gil_after_a_subinterpreter():
@@ -200,16 +181,10 @@ def test_an_entry_point_called_without_the_gil_after_a_subinterpreter():
         import _interpreters  # noqa: F401
     except ImportError:
         pytest.importorskip("_xxsubinterpreters", reason="no sub-interpreters in this Python")
-    out = subprocess.run([sys.executable, "-c", SUBINTERPRETER], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
+    run(SUBINTERPRETER)
 
 
-TWO_FREES = textwrap.dedent(
-    """
-    import sys, threading
-    from emmpool import _core
-    host = _core.HostDriver(devices=1, capacity=1 << 32)
+TWO_FREES = """
     pool = _core.DevicePool(host, 0)
     entry = _core.NumbaEntryPoints(pool)
     free = entry.allocate(4096)
@@ -241,11 +216,8 @@ TWO_FREES = textwrap.dedent(
     assert not errors, errors
     assert pool.stats()["frees"] == 2, pool.stats()
     print("ok")
-    """
-)
+"""
 
 
 def test_a_numba_finalizer_called_from_two_threads_frees_once():
-    out = subprocess.run([sys.executable, "-c", TWO_FREES], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    run(TWO_FREES)
