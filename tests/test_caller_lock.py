@@ -147,7 +147,22 @@ EXIT_WITH_DAEMON_THREADS = """
         while True:
             ptr, generation = pinned.allocate_labelled(1 << 16)
             pinned.deallocate(ptr, _core.LEGACY_STREAM, generation)
-    for f in (cupy, cupy, torch, torch, numba, numba, numba_pinned, numba_pinned):
+    import emmpool
+    def monitor():  # a program's own thread watching the pool: the public API and the pools'
+        while True:   # pybind11 methods
+            emmpool.stats(0), emmpool.trim(), _core.pool(0).synchronize()
+    private = _core.DevicePool(host, 0)
+    def methods():
+        while True:
+            private.deallocate(private.allocate(1 << 20), _core.LEGACY_STREAM)
+            private.stats(), private.trim(), private.generation
+            pinned.deallocate(pinned.allocate(1 << 16)), pinned.stats()
+    def failed(args):  # a thread that raised would leave its calls untried
+        print(args.exc_type.__name__, args.exc_value, file=sys.stderr, flush=True)
+        import os; os._exit(3)
+    threading.excepthook = failed
+    for f in (cupy, cupy, torch, torch, numba, numba, numba_pinned, numba_pinned, monitor,
+              monitor, methods, methods):
         threading.Thread(target=f, daemon=True).start()
     time.sleep(0.1)
     print("ok")  # and exit, the daemon threads in the pool's entry points
@@ -155,8 +170,9 @@ EXIT_WITH_DAEMON_THREADS = """
 
 
 def test_the_process_exits_cleanly_with_threads_inside_the_entry_points():
-    # A daemon thread that let go of the GIL in an entry point and takes it back while the
-    # interpreter finalizes would be ended by a forced unwind, through noexcept frames: abort.
+    # A daemon thread that let go of the GIL in an entry point or a pool's method and takes it
+    # back while the interpreter finalizes is ended by a forced unwind: through a noexcept
+    # frame or a destructor (pybind11's gil_scoped_release), it aborts.
     for _ in range(8):
         run(EXIT_WITH_DAEMON_THREADS, auto_complete=True)
 

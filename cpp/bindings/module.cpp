@@ -19,6 +19,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 
 namespace py = pybind11;
 
@@ -131,6 +132,28 @@ void raise_for_test(std::string const& kind)
   if (kind == "pool") { throw pool_error{"test pool error"}; }
   if (kind == "invalid") { throw std::invalid_argument{"test invalid argument"}; }
   throw std::invalid_argument{"unknown kind"};
+}
+
+// A pool method bound to run without the GIL (a thread holding the pool's mutex may be waiting
+// for GPU work queued behind a host callback that needs the GIL). Not pybind11's
+// gil_scoped_release: it takes the GIL back in a destructor, and a daemon thread that does so
+// while the interpreter finalizes is ended by an unwind that aborts there (caller_lock.hpp).
+// C is the class that declares the method: not for one of a private base (`generation`).
+template <class R, class C, class... A, bool NE>
+auto without_gil(R (C::*method)(A...) noexcept(NE))
+{
+  return [method](C& self, A... args) -> R {
+    return caller_lock::without_caller_lock(
+      [&]() -> R { return (self.*method)(std::forward<A>(args)...); });
+  };
+}
+template <class R, class C, class... A, bool NE>
+auto without_gil(R (C::*method)(A...) const noexcept(NE))
+{
+  return [method](C const& self, A... args) -> R {
+    return caller_lock::without_caller_lock(
+      [&]() -> R { return (self.*method)(std::forward<A>(args)...); });
+  };
 }
 
 }  // namespace
@@ -286,65 +309,53 @@ PYBIND11_MODULE(_core, m)
       [](device_pool& p, std::size_t size, stream_handle stream, int tag) {
         auto const t = to_tag(tag);
         if (auto const ptr = p.try_allocate(size, stream, t)) { return *ptr; }
-        py::gil_scoped_release nogil;
-        return p.allocate(size, stream, t);
+        return caller_lock::without_caller_lock([&] { return p.allocate(size, stream, t); });
       },
       py::arg("size"), py::arg("stream") = legacy_stream, py::arg("tag") = 0)
     .def(
       "deallocate",
       [](device_pool& p, device_ptr ptr, stream_handle stream, std::optional<std::uint64_t> gen) {
         if (gen && p.try_deallocate(ptr, stream, *gen)) { return; }
-        py::gil_scoped_release nogil;
-        if (gen) {
-          p.deallocate(ptr, stream, *gen);
-        } else {
-          p.deallocate(ptr, stream);
-        }
+        caller_lock::without_caller_lock([&] {
+          if (gen) {
+            p.deallocate(ptr, stream, *gen);
+          } else {
+            p.deallocate(ptr, stream);
+          }
+        });
       },
       py::arg("ptr"), py::arg("stream") = legacy_stream, py::arg("generation") = py::none())
     .def(
       "deallocate_tagged",
       [](device_pool& p, device_ptr ptr, stream_handle stream, int tag) {
         auto const t = to_tag(tag);
-        py::gil_scoped_release nogil;
-        p.deallocate_tagged(ptr, stream, t);
+        caller_lock::without_caller_lock([&] { p.deallocate_tagged(ptr, stream, t); });
       },
       py::arg("ptr"), py::arg("stream"), py::arg("tag"),
       "The free of the CuPy/PyTorch entry points (no reset generation; see device_pool.hpp).")
-    .def("record_stream", &device_pool::record_stream, py::arg("ptr"), py::arg("stream"),
-         py::call_guard<py::gil_scoped_release>())
-    .def("owns", &device_pool::owns, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
+    .def("record_stream", without_gil(&device_pool::record_stream), py::arg("ptr"),
+         py::arg("stream"))
+    .def("owns", without_gil(&device_pool::owns), py::arg("ptr"))
     .def(
       "ipc_handle",
       [](device_pool& p, device_ptr ptr) -> py::object {
-        std::optional<ipc_info> info;
-        {
-          py::gil_scoped_release nogil;
-          info = p.ipc_handle(ptr);
-        }
+        auto const info = caller_lock::without_caller_lock([&] { return p.ipc_handle(ptr); });
         if (!info) { return py::none(); }
         auto const* bytes = reinterpret_cast<char const*>(info->handle.data());
         return py::make_tuple(py::bytes(bytes, info->handle.size()), info->segment_base,
                               info->segment_size, info->offset);
       },
       py::arg("ptr"))
-    .def("trim", &device_pool::trim, py::call_guard<py::gil_scoped_release>())
-    .def("synchronize", &device_pool::synchronize, py::call_guard<py::gil_scoped_release>())
-    .def("reset", &device_pool::reset, py::call_guard<py::gil_scoped_release>())
-    .def("defer_cleanup_begin", &device_pool::defer_cleanup_begin,
-         py::call_guard<py::gil_scoped_release>())
-    .def("defer_cleanup_end", &device_pool::defer_cleanup_end,
-         py::call_guard<py::gil_scoped_release>())
-    .def("set_tracing", &device_pool::set_tracing, py::arg("on"),
-         py::call_guard<py::gil_scoped_release>())
+    .def("trim", without_gil(&device_pool::trim))
+    .def("synchronize", without_gil(&device_pool::synchronize))
+    .def("reset", without_gil(&device_pool::reset))
+    .def("defer_cleanup_begin", without_gil(&device_pool::defer_cleanup_begin))
+    .def("defer_cleanup_end", without_gil(&device_pool::defer_cleanup_end))
+    .def("set_tracing", without_gil(&device_pool::set_tracing), py::arg("on"))
     .def(
       "take_trace",
       [](device_pool& p) {
-        std::vector<trace_record> records;
-        {
-          py::gil_scoped_release nogil;
-          records = p.take_trace();
-        }
+        auto const records = caller_lock::without_caller_lock([&] { return p.take_trace(); });
         py::list out;
         for (auto const& r : records) {
           out.append(py::make_tuple(r.time_ns, std::string(1, r.op), r.ptr, r.size, r.stream,
@@ -355,22 +366,15 @@ PYBIND11_MODULE(_core, m)
       "Records since the last call: (time_ns, 'a'|'f', ptr, size, stream, tag), oldest first.")
     .def("stats",
          [](device_pool const& p) {
-           pool_stats s;
-           {
-             py::gil_scoped_release nogil;
-             s = p.stats();
-           }
-           return stats_dict(s);
+           return stats_dict(caller_lock::without_caller_lock([&] { return p.stats(); }));
          })
-    .def("reset_peaks", &device_pool::reset_peaks, py::call_guard<py::gil_scoped_release>())
-    .def("describe", &device_pool::describe, py::call_guard<py::gil_scoped_release>())
+    .def("reset_peaks", without_gil(&device_pool::reset_peaks))
+    .def("describe", without_gil(&device_pool::describe))
     .def_property_readonly("generation", [](device_pool const& p) {
-      py::gil_scoped_release nogil;
-      return p.generation();
+      return caller_lock::without_caller_lock([&] { return p.generation(); });  // under the lock
     })
     .def_property_readonly("forked", [](device_pool const& p) {
-      py::gil_scoped_release nogil;
-      return p.forked();
+      return caller_lock::without_caller_lock([&] { return p.forked(); });
     })
     .def_property_readonly("device", &device_pool::device)
     .def_property_readonly("options", [](device_pool const& p) { return options_dict(p.options()); })
@@ -388,8 +392,8 @@ PYBIND11_MODULE(_core, m)
     .def(
       "allocate",
       [](host_pool& p, std::size_t size, unsigned flags) {
-        py::gil_scoped_release nogil;
-        return reinterpret_cast<std::uintptr_t>(p.allocate(size, flags));
+        return reinterpret_cast<std::uintptr_t>(
+          caller_lock::without_caller_lock([&] { return p.allocate(size, flags); }));
       },
       py::arg("size"), py::arg("flags") = 0)
     .def(
@@ -420,34 +424,27 @@ PYBIND11_MODULE(_core, m)
     .def(
       "register_memory",
       [](host_pool& p, std::uintptr_t ptr, std::size_t size, unsigned flags) {
-        py::gil_scoped_release nogil;
-        p.register_memory(reinterpret_cast<void*>(ptr), size, flags);
+        caller_lock::without_caller_lock(
+          [&] { p.register_memory(reinterpret_cast<void*>(ptr), size, flags); });
       },
       py::arg("ptr"), py::arg("size"), py::arg("flags") = 0)
     .def(
       "unregister_memory",
       [](host_pool& p, std::uintptr_t ptr) {
-        py::gil_scoped_release nogil;
-        p.unregister_memory(reinterpret_cast<void*>(ptr));
+        caller_lock::without_caller_lock(
+          [&] { p.unregister_memory(reinterpret_cast<void*>(ptr)); });
       },
       py::arg("ptr"))
-    .def("trim", &host_pool::trim, py::call_guard<py::gil_scoped_release>())
-    .def("reset", &host_pool::reset, py::call_guard<py::gil_scoped_release>())
-    .def("defer_cleanup_begin", &host_pool::defer_cleanup_begin,
-         py::call_guard<py::gil_scoped_release>())
-    .def("defer_cleanup_end", &host_pool::defer_cleanup_end,
-         py::call_guard<py::gil_scoped_release>())
+    .def("trim", without_gil(&host_pool::trim))
+    .def("reset", without_gil(&host_pool::reset))
+    .def("defer_cleanup_begin", without_gil(&host_pool::defer_cleanup_begin))
+    .def("defer_cleanup_end", without_gil(&host_pool::defer_cleanup_end))
     .def_property_readonly("generation", [](host_pool const& p) {
-      py::gil_scoped_release nogil;
-      return p.generation();
+      return caller_lock::without_caller_lock([&] { return p.generation(); });
     })
     .def_property_readonly("device", &host_pool::device)
     .def("stats", [](host_pool const& p) {
-      host_pool_stats s;
-      {
-        py::gil_scoped_release nogil;
-        s = p.stats();
-      }
+      auto const s = caller_lock::without_caller_lock([&] { return p.stats(); });
       py::dict d;
       d["bytes_in_use"]       = s.bytes_in_use;
       d["bytes_waiting"]      = s.bytes_waiting;
@@ -484,8 +481,11 @@ PYBIND11_MODULE(_core, m)
     py::arg("segments") = "fixed",
     "Set the options of the process-wide pools; only before the first one exists.");
   m.def(
-    "set_tracing", [](bool on) { pool_registry::instance().set_tracing(on); }, py::arg("on"),
-    py::call_guard<py::gil_scoped_release>(),
+    "set_tracing",
+    [](bool on) {
+      caller_lock::without_caller_lock([&] { pool_registry::instance().set_tracing(on); });
+    },
+    py::arg("on"),
     "Trace every process-wide pool, present and future.");
   m.def("configured_options", [] {
     auto& registry     = pool_registry::instance();
@@ -494,15 +494,20 @@ PYBIND11_MODULE(_core, m)
     return d;
   });
   m.def(
-    "pool", [](int device) -> device_pool& { return pool_registry::instance().pool(device); },
+    "pool",
+    [](int device) -> device_pool& {
+      auto& registry = pool_registry::instance();
+      return *caller_lock::without_caller_lock([&] { return &registry.pool(device); });
+    },
     py::arg("device"), py::return_value_policy::reference,
-    py::call_guard<py::gil_scoped_release>(),
     "The process-wide pool of a device, created on first use.");
   m.def(
     "pinned_pool",
-    [](int device) -> host_pool& { return pool_registry::instance().pinned(device); },
+    [](int device) -> host_pool& {
+      auto& registry = pool_registry::instance();
+      return *caller_lock::without_caller_lock([&] { return &registry.pinned(device); });
+    },
     py::arg("device"), py::return_value_policy::reference,
-    py::call_guard<py::gil_scoped_release>(),
     "The process-wide pinned-host pool of a device's context, created on first use.");
   m.def("pinned_pools", [] {
     py::list out;
