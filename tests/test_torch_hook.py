@@ -5,6 +5,7 @@ emmpool._torch's choices and messages; no GPU needed (tests/test_gpu_torch.py ha
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
@@ -136,3 +137,33 @@ def test_extension_name_is_per_source_and_torch_version():
     name = _torch.extension_name(torch)
     assert name.startswith("emmpool_torch_" + torch.__version__.split("+")[0].replace(".", "_"))
     assert name == _torch.extension_name(torch)
+
+
+BUILD = textwrap.dedent(
+    """
+    from emmpool import _torch
+    module = _torch.build_extension()
+    assert module.abi >= 1 and callable(module.install)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed")
+def test_extension_builds_against_the_installed_torch(tmp_path):
+    # No GPU needed to compile and load it: what a user's `pip install torch` + first
+    # use_for_torch() does, with the flags PyTorch itself chooses (its C++ standard moved from
+    # 17 to 20 in 2.12, and 2.14's headers need 20: a -std of ours made every build fail).
+    import torch
+
+    from emmpool import _torch
+
+    if torch.version.cuda is None:
+        pytest.skip(f"torch {torch.__version__} is a CPU build: no CUDA allocator to build")
+    problem = _torch._build_problem()
+    if problem is not None:
+        pytest.skip(f"the extension cannot be built here: {problem}")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", BUILD], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -33,6 +33,10 @@ from ._config import ensure_configured, log
 
 SOURCE = Path(__file__).with_name("_torch_allocator.cpp")
 CHOICES = ("auto", "extension", "pluggable")
+# After PyTorch's own flags. No -std: PyTorch passes the standard its headers need (C++17 up to
+# 2.11, C++20 from 2.12; 2.14's headers fail in C++17), which one here would override
+# (.ci/torch-compat compiles the source with these against several releases' headers).
+EXTRA_CFLAGS = ["-O2"]
 
 _installed: list = []  # the allocator object(s) PyTorch was given, kept alive
 _how: str | None = None  # "extension" or "pluggable" once installed
@@ -91,8 +95,9 @@ def _cuda_home(guess: str | None) -> Path | None:
 
 
 def extension_name(torch) -> str:
-    """The module's name: one per emmpool source and PyTorch version (the build cache key)."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    """The module's name: one per emmpool source, flags and PyTorch version (the build cache
+    key)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + repr(EXTRA_CFLAGS).encode()).hexdigest()[:12]
     version = torch.__version__.split("+")[0].replace(".", "_")
     return f"emmpool_torch_{version}_{digest}"
 
@@ -118,7 +123,7 @@ def build_extension(verbose: bool = False):
             return cpp_extension.load(
                 name=name,
                 sources=[str(SOURCE)],
-                extra_cflags=["-O2", "-std=c++17"],
+                extra_cflags=EXTRA_CFLAGS,
                 with_cuda=True,
                 verbose=verbose,
             )
