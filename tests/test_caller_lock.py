@@ -157,9 +157,10 @@ EXIT_WITH_DAEMON_THREADS = """
             private.deallocate(private.allocate(1 << 20), _core.LEGACY_STREAM)
             private.stats(), private.trim(), private.generation
             pinned.deallocate(pinned.allocate(1 << 16)), pinned.stats()
+    import os
     def failed(args):  # a thread that raised would leave its calls untried
         print(args.exc_type.__name__, args.exc_value, file=sys.stderr, flush=True)
-        import os; os._exit(3)
+        os._exit(3)
     threading.excepthook = failed
     for f in (cupy, cupy, torch, torch, numba, numba, numba_pinned, numba_pinned, monitor,
               monitor, methods, methods):
