@@ -10,6 +10,7 @@
 
 #include "caller_lock.hpp"
 #include "cupy_adapter.hpp"
+#include "pool_calls.hpp"
 #include "python_gil.hpp"
 
 #include <pybind11/pybind11.h>
@@ -302,34 +303,27 @@ PYBIND11_MODULE(_core, m)
          py::arg("growable_hysteresis") = pool_options{}.growable_hysteresis, py::keep_alive<1, 2>())
     // Every call that takes a pool's mutex lets go of the GIL first: a thread holding that
     // mutex may be waiting for GPU work queued behind a host callback that needs the GIL. The
-    // hot pair first tries without letting go (try_allocate / try_deallocate: no wait for the
-    // mutex, no CUDA call), which saves a GIL hand-over per call when nothing contends.
+    // hot pair first tries without letting go (pool_calls.hpp).
     .def(
       "allocate",
       [](device_pool& p, std::size_t size, stream_handle stream, int tag) {
-        auto const t = to_tag(tag);
-        if (auto const ptr = p.try_allocate(size, stream, t)) { return *ptr; }
-        return caller_lock::without_caller_lock([&] { return p.allocate(size, stream, t); });
+        return pool_calls::allocate(p, size, stream, to_tag(tag));
       },
       py::arg("size"), py::arg("stream") = legacy_stream, py::arg("tag") = 0)
     .def(
       "deallocate",
       [](device_pool& p, device_ptr ptr, stream_handle stream, std::optional<std::uint64_t> gen) {
-        if (gen && p.try_deallocate(ptr, stream, *gen)) { return; }
-        caller_lock::without_caller_lock([&] {
-          if (gen) {
-            p.deallocate(ptr, stream, *gen);
-          } else {
-            p.deallocate(ptr, stream);
-          }
-        });
+        if (gen) {
+          pool_calls::deallocate(p, ptr, stream, *gen);
+        } else {
+          caller_lock::without_caller_lock([&] { p.deallocate(ptr, stream); });
+        }
       },
       py::arg("ptr"), py::arg("stream") = legacy_stream, py::arg("generation") = py::none())
     .def(
       "deallocate_tagged",
       [](device_pool& p, device_ptr ptr, stream_handle stream, int tag) {
-        auto const t = to_tag(tag);
-        caller_lock::without_caller_lock([&] { p.deallocate_tagged(ptr, stream, t); });
+        pool_calls::deallocate_tagged(p, ptr, stream, to_tag(tag));
       },
       py::arg("ptr"), py::arg("stream"), py::arg("tag"),
       "The free of the CuPy/PyTorch entry points (no reset generation; see device_pool.hpp).")

@@ -8,16 +8,15 @@
 //   memalloc = entry.memalloc_for(MemoryPointer, context, as_error)
 //   memalloc(size)                 # the EMM plugin's memalloc, whole: no Python frame at all
 //
-// They keep the GIL rules of DevicePool.allocate / .deallocate exactly: first try without
-// waiting for the pool's lock and without a CUDA call (try_allocate / try_deallocate), holding
-// the GIL; else let go of the GIL and take the lock (a thread holding it may be waiting for GPU
-// work queued behind a host callback that needs the GIL), through caller_lock.hpp, which takes
-// it back where a daemon thread's end at exit may unwind (pybind11's gil_scoped_release takes
-// it back in a destructor: that unwind would abort). C++ exceptions become the same Python
-// exceptions as through pybind11 (its registered translators).
+// They keep the GIL rules of DevicePool.allocate / .deallocate exactly, through the same
+// functions (pool_calls.hpp): first try without waiting for the pool's lock and without a CUDA
+// call, holding the GIL; else let go of it (caller_lock.hpp, which takes it back where a daemon
+// thread's end at exit may unwind). C++ exceptions become the same Python exceptions as through
+// pybind11 (its registered translators).
 #include "numba_entry_points.hpp"
 
 #include "caller_lock.hpp"
+#include "pool_calls.hpp"
 
 #include <emmpool/device_pool.hpp>
 
@@ -91,10 +90,7 @@ bool free_block(finalizer_object* f)
   f->freed          = true;
   device_pool* pool = f->entry->pool;
   try {
-    if (!pool->try_deallocate(f->ptr, legacy_stream, f->generation)) {
-      caller_lock::without_caller_lock(
-        [&] { pool->deallocate(f->ptr, legacy_stream, f->generation); });
-    }
+    pool_calls::deallocate(*pool, f->ptr, legacy_stream, f->generation);
   }
   EMMPOOL_LET_THREAD_END
   catch (...) {
@@ -145,12 +141,7 @@ finalizer_object* allocate_block(entry_points_object* e, std::size_t size)
     // The reset generation the allocation ran in, read under the pool's lock: one read before
     // it could be a reset's (by another thread) behind.
     std::uint64_t gen = 0;
-    if (auto const p = e->pool->try_allocate(size, legacy_stream, alloc_tag::numba, &gen)) {
-      ptr = *p;
-    } else {
-      ptr = caller_lock::without_caller_lock(
-        [&] { return e->pool->allocate(size, legacy_stream, alloc_tag::numba, &gen); });
-    }
+    ptr = pool_calls::allocate(*e->pool, size, legacy_stream, alloc_tag::numba, &gen);
     f->generation = gen;
   }
   EMMPOOL_LET_THREAD_END

@@ -8,7 +8,7 @@
 // noexcept ones would turn into an abort (caller_lock.hpp).
 #include "c_api.hpp"
 
-#include "caller_lock.hpp"
+#include "pool_calls.hpp"
 
 #include <emmpool/error.hpp>
 #include <emmpool/registry.hpp>
@@ -35,10 +35,8 @@ failure current_failure() noexcept
 
 device_ptr allocate_from(std::size_t size, int device, stream_handle stream, alloc_tag tag)
 {
-  auto& pool = pool_registry::instance().pool(device);
-  if (auto const p = pool.try_allocate(size, stream, tag)) { return *p; }
-  // Taken back before a failure is reported (CuPy's reporter needs it).
-  return caller_lock::without_caller_lock([&] { return pool.allocate(size, stream, tag); });
+  // The GIL is back before a failure is reported (CuPy's reporter needs it).
+  return pool_calls::allocate(pool_registry::instance().pool(device), size, stream, tag);
 }
 
 void* allocate_tagged(std::size_t size, int device, stream_handle stream, alloc_tag tag,
@@ -58,10 +56,8 @@ void free_on(void* ptr, int device, stream_handle stream, alloc_tag tag)
 {
   if (ptr == nullptr) { return; }
   try {
-    auto& pool    = pool_registry::instance().pool(device);
-    auto const at = reinterpret_cast<device_ptr>(ptr);
-    if (pool.try_deallocate_tagged(at, stream, tag)) { return; }
-    caller_lock::without_caller_lock([&] { pool.deallocate_tagged(at, stream, tag); });
+    pool_calls::deallocate_tagged(pool_registry::instance().pool(device),
+                                  reinterpret_cast<device_ptr>(ptr), stream, tag);
   }
   EMMPOOL_LET_THREAD_END
   catch (...) {

@@ -25,9 +25,8 @@ struct failure {
 /// std::invalid_argument 1, anything else 2). The one mapping every C entry point reports by.
 [[nodiscard]] failure current_failure() noexcept;
 
-/// Allocate from the process-wide pool of `device` as every C entry point does: first without
-/// waiting for the pool's lock or the GPU, holding the caller's lock (Python's GIL); else
-/// without it (caller_lock.hpp). @throws as device_pool::allocate
+/// Allocate from the process-wide pool of `device` as every entry point does (pool_calls.hpp).
+/// @throws as device_pool::allocate
 [[nodiscard]] device_ptr allocate_from(std::size_t size, int device, stream_handle stream,
                                        alloc_tag tag);
 
