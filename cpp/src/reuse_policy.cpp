@@ -244,6 +244,15 @@ void reuse_policy::resize_pending(lane* l, detail::block* blk, Resize&& resize)
   if (set != nullptr && it != set->end()) { detail::reseat(*set, it, grew); }
 }
 
+void reuse_policy::merge_pending(lane* l, detail::block* keep, detail::block* blk,
+                                 detail::block* other)
+{
+  --blk->seg->live_blocks;  // blk's record goes into keep's
+  resize_pending(l, keep, [&] { detail::merge_into(keep, blk, other); });
+  arena_->recycle(blk);
+  if (other != nullptr) { arena_->recycle(other); }
+}
+
 bool reuse_policy::free_fits_tighter(std::size_t have, std::size_t size,
                                      detail::block_kind kind) const
 {
@@ -272,10 +281,7 @@ bool reuse_policy::join_open(detail::block* blk, stream_ref key)
     detach(other);  // counts its bytes out of the batch: keep's growth counts them back in
     --other->seg->live_blocks;
   }
-  --blk->seg->live_blocks;  // blk's record goes into keep's
-  resize_pending(nullptr, keep, [&] { detail::merge_into(keep, blk, other); });  // no lane
-  arena_->recycle(blk);
-  if (other != nullptr) { arena_->recycle(other); }
+  merge_pending(nullptr, keep, blk, other);  // no lane
   return true;
 }
 
@@ -330,11 +336,7 @@ detail::block* reuse_policy::merge_neighbours(detail::block* blk, stream_ref key
   // The other neighbour leaves its list before host changes size: it may share host's set.
   auto* other       = host == blk->next ? blk->prev : blk->next;
   bool const merges = off_its_list(other);
-  --blk->seg->live_blocks;  // blk's record goes into host's
-  resize_pending(lane_of(key), host,
-                 [&] { detail::merge_into(host, blk, merges ? other : nullptr); });
-  arena_->recycle(blk);
-  if (merges) { arena_->recycle(other); }
+  merge_pending(lane_of(key), host, blk, merges ? other : nullptr);
   return nullptr;
 }
 

@@ -404,6 +404,10 @@ class reuse_policy {
   // keeps it in order
   template <class Resize>
   void resize_pending(lane* l, detail::block* blk, Resize&& resize);
+  // blk (being freed) and other (null, or blk's neighbour opposite keep, already off its
+  // list) into keep, blk's pending neighbour, in place (resize_pending; l as there); their
+  // records recycled
+  void merge_pending(lane* l, detail::block* keep, detail::block* blk, detail::block* other);
   // Whether the free lists' best fit for `size` is smaller than `have` bytes.
   [[nodiscard]] bool free_fits_tighter(std::size_t have, std::size_t size,
                                        detail::block_kind kind) const;
