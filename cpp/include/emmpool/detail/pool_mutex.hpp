@@ -19,20 +19,16 @@ class pool_mutex {
   pool_mutex(pool_mutex const&)            = delete;
   pool_mutex& operator=(pool_mutex const&) = delete;
 
-  void lock() noexcept
-  {
-    int expected = unlocked;
-    if (!state_.compare_exchange_strong(expected, locked, std::memory_order_acquire,
-                                        std::memory_order_relaxed)) {
-      lock_contended();
-    }
-  }
-
   [[nodiscard]] bool try_lock() noexcept
   {
     int expected = unlocked;
     return state_.compare_exchange_strong(expected, locked, std::memory_order_acquire,
                                           std::memory_order_relaxed);
+  }
+
+  void lock() noexcept
+  {
+    if (!try_lock()) { lock_contended(); }
   }
 
   void unlock() noexcept
