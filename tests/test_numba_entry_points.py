@@ -240,6 +240,29 @@ def test_numba_free_cannot_be_made_from_python():
     assert r.returncode == 0, (r.returncode, r.stderr[-400:])
 
 
+def allocate_while_resetting(allocate: str, reset: str) -> str:
+    """Script lines: 4 threads run `allocate` into `blocks` until another has run `reset` 100
+    times (a reset between an allocation and the reading of its generation, if one can be)."""
+    return textwrap.dedent(
+        f"""
+        blocks, lock, stop = [], threading.Lock(), [False]
+        def alloc():
+            mine = []
+            while not stop[0]:
+                mine.append({allocate})
+            with lock:
+                blocks.extend(mine)
+        def resetter():
+            for _ in range(100):
+                {reset}
+            stop[0] = True
+        ts = [threading.Thread(target=alloc) for _ in range(4)] + [threading.Thread(target=resetter)]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        """
+    )
+
+
 def test_a_block_is_labelled_with_the_generation_it_was_allocated_in():
     # A generation read outside the pool's lock (as the entry once kept it, updated after each
     # reset) could be a reset behind: the allocation may wait for the lock without the GIL while
@@ -255,22 +278,12 @@ def test_a_block_is_labelled_with_the_generation_it_was_allocated_in():
         host.set_auto_complete(True)
         pool = _core.DevicePool(host, 0)
         entry = _core.NumbaEntryPoints(pool)
-        frees, lock, stop = [], threading.Lock(), [False]
-        def alloc():
-            mine = []
-            while not stop[0]:
-                mine.append(entry.allocate(256))
-            with lock:
-                frees.extend(mine)
-        def resetter():
-            for _ in range(100):
-                pool.reset()
-            stop[0] = True
-        ts = [threading.Thread(target=alloc) for _ in range(4)] + [threading.Thread(target=resetter)]
-        for t in ts: t.start()
-        for t in ts: t.join()
+        """
+    ) + allocate_while_resetting("entry.allocate(256)", "pool.reset()")
+    code += textwrap.dedent(
+        """
         errors = 0
-        for f in frees:
+        for f in blocks:
             try:
                 f()
             except _core.PoolError:

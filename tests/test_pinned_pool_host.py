@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import textwrap
 
 import pytest
 
@@ -143,30 +144,20 @@ def test_the_plugins_pinned_blocks_carry_the_generation_they_were_allocated_in(n
     # after each reset), read after the allocation: a reset by another thread in between gave
     # the block the next generation. Its free then looked for a live block of that generation,
     # raised PoolError, and the retired block stayed live for ever.
-    from tests.test_numba_entry_points import run_with_a_manager
+    from tests.test_numba_entry_points import allocate_while_resetting, run_with_a_manager
 
-    out = run_with_a_manager(numba_package, """
+    script = textwrap.dedent("""
         sys.setswitchinterval(1e-6)
         mgr.initialize()
-        blocks, lock, stop = [], threading.Lock(), [False]
-        def alloc():
-            mine = []
-            while not stop[0]:
-                mine.append(mgr.memhostalloc(4096))
-            with lock:
-                blocks.extend(mine)
-        def resetter():
-            for _ in range(100):
-                mgr._pinned.reset()
-            stop[0] = True
-        ts = [threading.Thread(target=alloc) for _ in range(4)] + [threading.Thread(target=resetter)]
-        for t in ts: t.start()
-        for t in ts: t.join()
+    """) + allocate_while_resetting("mgr.memhostalloc(4096)", "mgr._pinned.reset()")
+    script += textwrap.dedent("""
         errors, count = [], len(blocks)
         sys.unraisablehook = lambda u: errors.append(u.exc_value)  # the finalizers' errors
         blocks.clear()  # each PinnedMemory's weakref.finalize frees its block
         print(len(errors), mgr._pinned.stats()["bytes_in_use"], count)
-    """, capacity=1 << 34, auto_complete=True, env=dict(os.environ, EMMPOOL_PINNED="pool"))
+    """)
+    out = run_with_a_manager(numba_package, script, capacity=1 << 34, auto_complete=True,
+                             env=dict(os.environ, EMMPOOL_PINNED="pool"))
     assert out.returncode == 0, out.stderr[-2000:]
     errors, in_use, count = map(int, out.stdout.split())
     assert count > 0 and (errors, in_use) == (0, 0), out.stdout
