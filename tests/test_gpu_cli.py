@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-
 import pytest
 
 from emmpool import trace
+from tests.processes import run_python
 
 pytestmark = pytest.mark.gpu
 
 
 def run_cli(*args, env=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "emmpool", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return run_python(["-m", "emmpool", *args], timeout=timeout, env=env)
 
 
 def test_info():
@@ -38,7 +35,7 @@ def test_numba_run_traced_to_csv_then_replayed(tmp_path):
         "del arrays[::2]\n"
     )
     env = dict(os.environ, EMMPOOL_TRACE=str(path), NUMBA_CUDA_MEMORY_MANAGER="emmpool.plugin")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    p = run_python(["-c", code], env=env, timeout=300)
     assert p.returncode == 0 and p.stderr == "", p.stderr
     records = trace.read_csv(path)
     allocs = [r for r in records if r.op == "alloc" and r.library == "numba"]

@@ -5,11 +5,11 @@ fewer than two GPUs, or dask-cuda or CuPy, are absent."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.processes import run_python
 
 pytestmark = pytest.mark.gpu
 
@@ -32,8 +32,7 @@ def test_readme_dask_example_on_two_gpus(tmp_path):
     # A file, as a user runs it: the workers are spawned processes that import it.
     script = tmp_path / "example.py"
     script.write_text(readme_dask_example())
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    done = run_python([str(script)], timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert float(lines[0]) == 2.0**52, done.stdout  # sum of 2x + 1 for x < 2**26

@@ -7,14 +7,13 @@ provides Numba's CUDA target (numba-cuda, numba-cuda-mlir)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests import gpu_scripts
+from tests.processes import run_python
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).parent
@@ -35,10 +34,7 @@ def run(code: str, *args: str, mode: str = "pool", manager: str | None = "emmpoo
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "scenario.py"
         script.write_text(code)
-        return subprocess.run(
-            [sys.executable, str(script), *args], env=env, capture_output=True, text=True,
-            timeout=300,
-        )
+        return run_python([str(script), *args], env=env, timeout=300)
 
 
 def check(p):

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import run_python
+
 
 
 def _unavailable() -> str | None:
@@ -46,8 +48,7 @@ def scenario(name: str, allocator: str, *extra: str, env: dict | None = None, ti
     e = dict(os.environ)
     e.pop("EMMPOOL_TORCH_ALLOCATOR", None)
     e.update(env or {})
-    p = subprocess.run([sys.executable, str(SCRIPT), name, allocator, *extra], env=e,
-                       capture_output=True, text=True, timeout=timeout)
+    p = run_python([str(SCRIPT), name, allocator, *extra], env=e, timeout=timeout)
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "\nOK" in "\n" + p.stdout, out[-4000:]
     results, raised = {}, None
