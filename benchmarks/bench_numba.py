@@ -79,10 +79,10 @@ CHURN_SCHEDULE = 1 << 14  # precomputed (size, slot) pairs, replayed cyclically
 AXPY_N = 1 << 20  # float64 elements (8 MiB per array)
 AXPY_TPB = 256
 
-# Timing knobs: (per-case time budget s, timed blocks, warm-up ops,
-# minimum calibration block s, min ops per block).
-FULL = dict(budget=1.0, repeats=7, warmup_ops=200, calib_s=0.02, min_ops=50)
-QUICK = dict(budget=0.15, repeats=3, warmup_ops=20, calib_s=0.01, min_ops=10)
+# Timing knobs: (per-case time budget s, timed blocks, warm-up ops (at least, and per warm-up
+# chunk), warm-up s (at least), minimum calibration block s, min ops per block).
+FULL = dict(budget=1.0, repeats=7, warmup_ops=200, warmup_s=0.5, calib_s=0.02, min_ops=50)
+QUICK = dict(budget=0.15, repeats=3, warmup_ops=20, warmup_s=0.05, calib_s=0.01, min_ops=10)
 MAX_OPS_PER_BLOCK = 200_000
 
 
@@ -148,9 +148,20 @@ def _measure(run, sync, knobs):
     takes about knobs['budget'] seconds whatever the manager.  The device is
     synchronised before each block (untimed) and at its end (timed), so work
     the op queued on the GPU is charged to it.
+
+    The op runs for knobs['warmup_s'] seconds before anything is timed. With a
+    fixed 200 ops (a few ms), churn's first two to four timed blocks (~0.15 s
+    each) ran 2-3x slower than the rest in every committed run, for the floor
+    and the pools alike (a fresh process settling), so the median of 7 blocks
+    fell inside or outside that transient by chance: the floor's churn moved
+    13-31 us between rounds on one H100 (results/*-s12-numba.json).
     """
-    run(knobs["warmup_ops"])
-    sync()
+    end = time.perf_counter() + knobs["warmup_s"]
+    while True:
+        run(knobs["warmup_ops"])
+        sync()
+        if time.perf_counter() >= end:
+            break
     n = 8
     while True:  # calibration, doubling as extra warm-up
         t0 = time.perf_counter()
@@ -494,7 +505,10 @@ def _markdown(report):
         f"{report.get('anchor_rounds', report['rounds'])} for the other managers, the floor "
         "running in every round); after it, `best`: the best round. A round's figure is the "
         f"median over {report['repeats']} timed blocks of the mean per-op time (device "
-        "synchronised at block ends). In parentheses: the ratio to the "
+        "synchronised at block ends)"
+        + (f", after {report['warmup_s']:g} s of warm-up per case" if "warmup_s" in report
+           else "")
+        + ". In parentheses: the ratio to the "
         f"`{FLOOR}` floor's figure of the same kind (median to median, best to best): "
         "Numba's own per-allocation overhead. Every round is in the JSON.",
         "",
@@ -639,6 +653,7 @@ def parent_main(args):
         "quick": args.quick,
         "budget_s_per_case": knobs["budget"],
         "repeats": knobs["repeats"],
+        "warmup_s": knobs["warmup_s"],
         "rounds": args.rounds,
         "anchor_rounds": anchor_rounds,
         "quoted": "median over rounds (us_per_op); best_us: the best round",
