@@ -21,7 +21,6 @@ import pytest
 from tests.processes import run_python
 
 
-
 def _unavailable() -> str | None:
     """Why these tests cannot run here (they need PyTorch and a GPU, not Numba: not the `gpu`
     marker, whose check asks Numba), or None."""
