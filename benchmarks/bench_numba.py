@@ -520,6 +520,10 @@ def _markdown(report):
     def note(text):
         notes.append(" ".join(str(text).split()))  # keep each note on one line
 
+    if report.get("rounds_asked", report["rounds"]) > report["rounds"]:
+        note(f"- stopped after {report['rounds']} of {report['rounds_asked']} rounds: the next "
+             "would have passed the time limit (--time-limit, EMMPOOL_BENCH_DEADLINE)")
+
     for name in managers:
         r = managers.get(name)
         if r is None:
@@ -591,6 +595,19 @@ def _merge_rounds(results):
     return merged
 
 
+def _deadline(args):
+    """When the results must be written, in time.time() seconds, or None: --time-limit from
+    now, else EMMPOOL_BENCH_DEADLINE (.ci/gpu sets it from the step's timeout), whichever is
+    sooner. A run cut off by a timeout would leave nothing; one that stops at its deadline
+    keeps the rounds it finished."""
+    limits = []
+    if args.time_limit is not None:
+        limits.append(time.time() + args.time_limit)
+    if os.environ.get("EMMPOOL_BENCH_DEADLINE"):
+        limits.append(float(os.environ["EMMPOOL_BENCH_DEADLINE"]))
+    return min(limits, default=None)
+
+
 def parent_main(args):
     knobs = dict(QUICK if args.quick else FULL)
     if args.budget is not None:
@@ -620,12 +637,28 @@ def parent_main(args):
     print(f"[bench] CPUs: {pinned_cpus or 'not pinned'}", file=sys.stderr, flush=True)
     rounds: dict[str, list] = {name: [] for name, _ in selected}
     anchor_rounds = min(args.rounds, args.anchor_rounds)
+    deadline = _deadline(args)
+    done = 0
+
+    def runs_in(rnd, name):
+        if rounds[name] and ("skipped" in rounds[name][0] or "failed" in rounds[name][0]):
+            return False
+        # an anchor runs in the first rounds only, so that five or more fit one device call
+        return name in ALL_ROUNDS or rnd < anchor_rounds
+
     for rnd in range(args.rounds):
+        if rnd > 0 and deadline is not None:
+            # Whole rounds only (a round is what keeps the managers' drift fair); the next is
+            # guessed from each manager's last child.
+            guess = sum(rounds[name][-1].get("wall_s", 0) for name, _ in selected
+                        if runs_in(rnd, name))
+            if time.time() + guess > deadline:
+                print(f"[bench] stopping after {rnd} of {args.rounds} rounds: the next "
+                      f"(~{guess:.0f} s) would pass the deadline", file=sys.stderr, flush=True)
+                break
         for name, extra_env in selected:
-            if rounds[name] and ("skipped" in rounds[name][0] or "failed" in rounds[name][0]):
+            if not runs_in(rnd, name):
                 continue
-            if name not in ALL_ROUNDS and rnd >= anchor_rounds:
-                continue  # an anchor: fewer rounds, so that five or more fit one device call
             print(f"[bench] round {rnd + 1}/{args.rounds}: {name} ...", file=sys.stderr,
                   flush=True)
             r = _run_child(name, extra_env, args)
@@ -634,6 +667,7 @@ def parent_main(args):
                 ("FAILED: " + r["failed"]) if "failed" in r else "ok")
             print(f"[bench] {name}: {status} ({r.get('wall_s', '?')} s)",
                   file=sys.stderr, flush=True)
+        done = rnd + 1
     managers = {name: _merge_rounds(rs) for name, rs in rounds.items()}
 
     first = next((r for r in managers.values() if "gpu" in r), {})
@@ -654,8 +688,9 @@ def parent_main(args):
         "budget_s_per_case": knobs["budget"],
         "repeats": knobs["repeats"],
         "warmup_s": knobs["warmup_s"],
-        "rounds": args.rounds,
-        "anchor_rounds": anchor_rounds,
+        "rounds": done,
+        "rounds_asked": args.rounds,
+        "anchor_rounds": min(anchor_rounds, done),
         "quoted": "median over rounds (us_per_op); best_us: the best round",
         "cpus": pinned_cpus,
         "floor": FLOOR,
@@ -688,6 +723,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5,
                    help="interleaved rounds over the managers; cells quote the median over "
                         "rounds, the best round next to it (default 5)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="start no round that would end more than S seconds from now (by the "
+                        "last round's time); the results keep the rounds run (at least one)")
     p.add_argument("--anchor-rounds", type=int, default=2,
                    help="rounds (the first ones) in which the managers other than the floor "
                         "and emmpool run (default 2)")
