@@ -120,10 +120,14 @@ print("OK")
 """
 
 # torch.cuda.ExternalStream over a stream that its owner destroys before the tensors die:
-# PyTorch's free then passes the dead handle.
+# PyTorch's free then passes the dead handle. (gc.freeze() here and in NUMBA_RECORD_STREAM: a
+# gc.collect() over the imported libraries took ~70-100 ms, 300 of them most of the 30-50 s
+# each of these scenarios took on one H100.)
 TORCH_EXTERNAL_STREAM = r"""
 import gc, cupy, torch, emmpool
 emmpool.use_for_torch()
+torch.zeros(1, device="cuda")
+gc.collect(); gc.freeze()  # the loop's gc.collect() then scans what the loop made alone
 for i in range(300):
     owner = cupy.cuda.Stream(non_blocking=True)
     ext = torch.cuda.ExternalStream(owner.ptr)
@@ -151,6 +155,8 @@ def fill(a, v):
     i = cuda.grid(1)
     if i < a.size:
         a[i] = v
+fill[1, 1](cuda.device_array(1), 0.0)
+gc.collect(); gc.freeze()  # the loop's gc.collect() then scans what the loop made alone
 bad = 0
 for i in range(300):
     s = cuda.stream()                # Numba's streams are ordinary (blocking) streams
