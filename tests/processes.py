@@ -4,7 +4,8 @@ A scenario that hangs (a deadlock, a wait on the GPU that never ends) would othe
 bare TimeoutExpired, or stop the whole run at its outer timeout with no word of where. Here the
 child runs with faulthandler on; past the timeout it gets SIGABRT, so it prints every thread's
 Python stack before it dies, and that comes back as the result's stderr with returncode
-HUNG (the callers' checks of the exit code and output then fail and show it).
+HUNG (the callers' checks of the exit code and output then fail and show it); hung() tells such
+a stop from a child's own abort.
 
 EMMPOOL_TEST_HANG_AFTER=<seconds> caps every such timeout: to find a hang fast on a GPU host
 whose time is short.
@@ -18,6 +19,13 @@ import subprocess
 import sys
 
 HUNG = -signal.SIGABRT  # the returncode of a child stopped by run_python's timeout
+_MARK = "[tests.processes] hung: stopped after"
+
+
+def hung(p: subprocess.CompletedProcess) -> bool:
+    """Whether run_python stopped `p` at its timeout (a child that aborted by itself, as
+    std::terminate does, has returncode HUNG too)."""
+    return p.stderr.rstrip("\n").rsplit("\n", 1)[-1].startswith(_MARK)  # its last line
 
 
 def run_python(args, *, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:
@@ -37,5 +45,5 @@ def run_python(args, *, timeout: float, env=None, cwd=None) -> subprocess.Comple
             except subprocess.TimeoutExpired:  # stuck even there (in the kernel, say)
                 p.kill()
                 out, err = p.communicate()
-            err += f"\n[tests.processes] hung: stopped after {timeout:g} s\n"
+            err += f"\n{_MARK} {timeout:g} s\n"
         return subprocess.CompletedProcess(argv, p.returncode, out, err)

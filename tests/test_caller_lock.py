@@ -11,11 +11,11 @@ holds the pool's lock in a synchronization: it must come back.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.processes import hung, run_python
 
 # What every script below runs first: the process-wide pools over a host driver (`host`) and
 # `entry_point(name, gil)`, a C entry point called through ctypes as its library calls it:
@@ -46,11 +46,9 @@ def run(body, *args, capacity=1 << 32, auto_complete=False, hang=None):
     """PREAMBLE, then `body`, in a fresh interpreter; it must print "ok". `hang`: the failure
     to report if it does not end in 30 s (a deadlock)."""
     code = PREAMBLE.format(capacity=capacity, auto_complete=auto_complete) + textwrap.dedent(body)
-    try:
-        out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                             timeout=30 if hang else 60)
-    except subprocess.TimeoutExpired:
-        pytest.fail(hang or "timed out")
+    out = run_python(["-c", code, *args], timeout=30 if hang else 60)
+    if hung(out):  # with every thread's stack: where it waits
+        pytest.fail(f"{hang or 'timed out'}\n{out.stderr[-4000:]}")
     assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode,
                                                                out.stderr[-2000:])
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.processes import HUNG, run_python
+from tests.processes import HUNG, hung, run_python
 
 COMPARE = Path(__file__).parent.parent / ".ci" / "compare_numba.py"
 
@@ -32,7 +32,7 @@ time.sleep(600)
 def test_a_scenario_that_hangs_is_stopped_with_every_threads_stack(monkeypatch):
     monkeypatch.delenv("EMMPOOL_TEST_HANG_AFTER", raising=False)
     p = run_python(["-c", HANGS], timeout=2)
-    assert p.returncode == HUNG, (p.returncode, p.stderr)
+    assert p.returncode == HUNG and hung(p), (p.returncode, p.stderr)
     assert 'File "<string>", line 6 in <module>' in p.stderr, p.stderr  # the main thread
     assert "in wait_forever" in p.stderr, p.stderr  # and the other
     assert p.stderr.endswith("hung: stopped after 2 s\n"), p.stderr
@@ -43,4 +43,6 @@ def test_hang_after_caps_the_timeout(monkeypatch):
     p = run_python(["-c", "import time; time.sleep(600)"], timeout=300)
     assert p.returncode == HUNG and "stopped after 1 s" in p.stderr, p.stderr
     p = run_python(["-c", "print('done')"], timeout=300)
-    assert p.returncode == 0 and p.stdout == "done\n" and p.stderr == ""
+    assert p.returncode == 0 and p.stdout == "done\n" and p.stderr == "" and not hung(p)
+    p = run_python(["-c", "import os; os.abort()"], timeout=300)  # aborts: not a hang
+    assert p.returncode == HUNG and not hung(p), p.stderr
