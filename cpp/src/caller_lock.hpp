@@ -48,26 +48,23 @@ void restore(void* token);
 template <class Work>
 auto without_caller_lock(Work&& work) -> decltype(work())
 {
-  using result       = decltype(work());
-  void* const token = release();
-  if (token == nullptr) { return work(); }
-  std::exception_ptr failure;
+  using result = decltype(work());
   if constexpr (std::is_void_v<result>) {
-    try {
+    without_caller_lock([&] {
       work();
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    restore(token);
-    if (failure) { std::rethrow_exception(failure); }
+      return true;
+    });
   } else {
+    void* const token = release();
+    if (token == nullptr) { return work(); }
     std::optional<result> out;
+    std::exception_ptr failure;
     try {
       out.emplace(work());
     } catch (...) {
       failure = std::current_exception();
     }
-    restore(token);
+    restore(token);  // not in a destructor or a catch block: the header says why
     if (failure) { std::rethrow_exception(failure); }
     return std::move(*out);
   }
