@@ -100,6 +100,7 @@ py::dict stats_dict(pool_stats const& s)
   d["segment_allocations"] = s.segment_allocations;
   d["segment_releases"]    = s.segment_releases;
   d["batches_closed"]      = s.batches_closed;
+  d["fence_queries"]       = s.fence_queries;
   d["same_stream_reuses"]  = s.same_stream_reuses;
   d["dormant_fences"]      = s.dormant_fences;
   d["out_of_memory"]       = s.out_of_memory;

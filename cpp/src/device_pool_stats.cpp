@@ -33,6 +33,7 @@ pool_stats device_pool::stats_locked() const
   s.bytes_waiting      = policy_.waiting_bytes();
   s.blocks_waiting     = policy_.waiting_blocks();
   s.batches_closed     = policy_.batches_closed();
+  s.fence_queries      = policy_.fence_queries();
   s.dormant_fences     = policy_.dormant_fences();
   s.same_stream_reuses = policy_.stream_order_reuses();
   return s;

@@ -329,6 +329,43 @@ TEST(event_must_be_recorded_after_the_free)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(a_miss_asks_earlier_fences_before_recording_its_own)
+{
+  // An event just recorded has not completed on a GPU: a miss asks the fences recorded before
+  // and, when one of them handed blocks back, leaves its own new fence for the next miss
+  // (reuse_policy::maintain). One cuEventQuery per miss, not two.
+  fixture f;
+  auto const p1 = f->allocate(big);
+  auto const p2 = f->allocate(big);
+  f->deallocate(p1);
+  auto const m1 = f->allocate(big);  // miss: records E1 (p1), asks it too (nothing else)
+  CHECK(m1 != p1);
+  CHECK_EQ(f->stats().fence_queries, 1u);
+  f->deallocate(p2);
+  f.drv.complete_all_events();  // E1 completes
+  auto const queries = f.drv.stats().event_queries;
+  auto const m2      = f->allocate(big);  // miss: asks E1 (p1 back), records E2 (p2), asks it not
+  CHECK_EQ(m2, p1);
+  CHECK_EQ(f.drv.stats().event_queries - queries, 1u);
+  CHECK_EQ(f->stats().fence_queries, 2u);
+  CHECK_EQ(f->stats().batches_closed, 2u);
+  CHECK_EQ(f->stats().bytes_waiting, big);  // p2 waits for E2, complete or not
+  f.drv.complete_all_events();
+  CHECK_EQ(f->allocate(big), p2);  // the next miss asks E2
+  for (auto q : {m1, m2, p2}) { f->deallocate(q); }
+  CHECK_EQ(consistency(f), "");
+
+  // Nothing earlier completed: the new fence is asked at once, and on an idle GPU (here the
+  // host driver completing events as they are recorded) its block comes back without growth.
+  fixture g;
+  g.drv.set_auto_complete(true);
+  auto const p = g->allocate(big);
+  g->deallocate(p);
+  CHECK_EQ(g->allocate(big), p);
+  CHECK_EQ(g->stats().segment_allocations, 1u);
+  CHECK_EQ(g->stats().fence_queries, 1u);
+}
+
 TEST(streams_fence_independently)
 {
   // A stream's frees are fenced on that stream, at an allocation on it (the moment it is sure

@@ -33,6 +33,7 @@ struct pool_stats {
   std::uint64_t segment_allocations{};
   std::uint64_t segment_releases{};
   std::uint64_t batches_closed{};    ///< events recorded to fence freed blocks
+  std::uint64_t fence_queries{};     ///< fences asked whether they completed (cuEventQuery)
   std::uint64_t same_stream_reuses{};  ///< blocks handed out again in stream order, unfenced
   std::uint64_t dormant_fences{};    ///< device synchronizations that fenced frees of streams
                                      ///< that may be gone (reuse_policy.hpp)
