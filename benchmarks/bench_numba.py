@@ -141,7 +141,7 @@ def _versions():
     return out
 
 
-def _measure(run, sync, knobs):
+def _measure(run, sync, knobs, counters=None):
     """Median over blocks of the mean time per op, in seconds.
 
     The op count per block adapts to the operation's cost so that every case
@@ -155,6 +155,9 @@ def _measure(run, sync, knobs):
     and the pools alike (a fresh process settling), so the median of 7 blocks
     fell inside or outside that transient by chance: the floor's churn moved
     13-31 us between rounds on one H100 (results/*-s12-numba.json).
+
+    counters: None, or a function returning a dict of counters (emmpool's pool statistics):
+    their change over the timed blocks, per op, is reported as "pool_per_op".
     """
     end = time.perf_counter() + knobs["warmup_s"]
     while True:
@@ -176,18 +179,47 @@ def _measure(run, sync, knobs):
     ops = max(knobs["min_ops"], min(ops, MAX_OPS_PER_BLOCK))
 
     means = []
+    before = counters() if counters else None
     for _ in range(knobs["repeats"]):
         sync()
         t0 = time.perf_counter()
         run(ops)
         sync()
         means.append((time.perf_counter() - t0) / ops)
-    return {
+    out = {
         "us_per_op": statistics.median(means) * 1e6,
         "block_means_us": [m * 1e6 for m in means],
         "ops_per_block": ops,
         "blocks": len(means),
     }
+    if counters:
+        after, total = counters(), ops * len(means)
+        out["pool_per_op"] = {k: (after[k] - before[k]) / total for k in before}
+    return out
+
+
+# The pool's work behind a Numba op (emmpool.stats() keys; builds without one skip it): events
+# recorded and queried to fence Numba's frees, segments taken from and given back to the driver.
+POOL_COUNTERS = ("batches_closed", "fence_queries", "segment_allocations", "segment_releases",
+                 "dormant_fences")
+
+
+def _pool_counters(name):
+    """A function returning the emmpool pool's counters for _measure, or None (other managers)."""
+    if not name.startswith("emmpool"):
+        return None
+    try:
+        import emmpool
+
+        have = set(emmpool.stats(0))
+    except Exception:  # noqa: BLE001 - counters are extra information, never a failure
+        return None
+
+    def counters():
+        s = emmpool.stats(0)
+        return {k: s[k] for k in POOL_COUNTERS if k in have}
+
+    return counters
 
 
 def _raw_device_array(n, dtype):
@@ -219,11 +251,12 @@ def _run_cases(name, knobs, result):
     f64 = np.float64
     cases = result["cases"]
     checks = result["checks"]
+    counters = _pool_counters(name)
 
     def timed(case, run):
         gc.collect()  # start each case clean; GC stays enabled (frees come from finalizers)
         try:
-            cases[case] = _measure(run, sync, knobs)
+            cases[case] = _measure(run, sync, knobs, counters)
         except Exception as e:
             cases[case] = {"error": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
@@ -563,6 +596,14 @@ def _markdown(report):
                 cell += " ✗"
             cells.append(cell)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        work = []
+        for case, c in r.get("cases", {}).items():
+            if "pool_per_op" in c:
+                counts = ", ".join(f"{v:.3g} {k}" for k, v in c["pool_per_op"].items() if v)
+                work.append(f"{case}: {counts or 'none'}")
+        if work:
+            note(f"- `{name}` pool work per op (last round; zero counts left out): "
+                 + "; ".join(work))
     if notes:
         lines += ["", "Notes:", ""] + notes + ["", "✗ = correctness check failed."]
     return "\n".join(lines) + "\n"

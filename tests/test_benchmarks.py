@@ -72,3 +72,38 @@ def test_without_a_limit_every_round_runs(bench_numba, monkeypatch, tmp_path):
     report = run_parent(bench_numba, tmp_path, "--rounds", "3")
     assert ran == ["nothing", "emmpool"] * 3 and report["rounds"] == 3
     assert "stopped after" not in (tmp_path / "bench_numba.md").read_text()
+
+
+def test_pool_counters_are_per_timed_op_and_noted(bench_numba, monkeypatch, tmp_path):
+    # _measure: the counters' change over the timed blocks only (not warm-up or calibration),
+    # divided by the timed ops.
+    done = {"ops": 0}
+
+    def run(n):
+        done["ops"] += n
+
+    def counters():  # one fence per five ops
+        return {"batches_closed": done["ops"] // 5}
+
+    knobs = dict(bench_numba.QUICK, warmup_s=0.0, budget=0.01)
+    c = bench_numba._measure(run, lambda: None, knobs, counters)
+    timed = c["ops_per_block"] * c["blocks"]
+    assert done["ops"] > 1.2 * timed  # warm-up and calibration ran ops too: not counted
+    assert c["pool_per_op"]["batches_closed"] == pytest.approx(0.2, abs=1.0 / timed)
+    assert "pool_per_op" not in bench_numba._measure(run, lambda: None, knobs)
+
+    # The markdown notes them for the managers that report them.
+    def run_child(name, extra_env, args):
+        cases = {k: {"us_per_op": 10.0} for k in bench_numba.CASES}
+        if name == "emmpool":
+            cases["churn"]["pool_per_op"] = {"batches_closed": 0.25, "fence_queries": 0.0}
+            cases["alloc_axpy"]["pool_per_op"] = {"batches_closed": 0.0}
+        return {"manager": name, "gpu": "fake GPU", "versions": {}, "checks": {},
+                "cases": cases, "wall_s": 0.0}
+
+    monkeypatch.delenv("EMMPOOL_BENCH_DEADLINE", raising=False)
+    monkeypatch.setattr(bench_numba, "_run_child", run_child)
+    run_parent(bench_numba, tmp_path, "--rounds", "1")
+    md = (tmp_path / "bench_numba.md").read_text()
+    assert "`emmpool` pool work per op" in md
+    assert "churn: 0.25 batches_closed;" in md and "alloc_axpy: none" in md
