@@ -538,10 +538,11 @@ void reuse_policy::maintain(stream_ref alive, Release&& release)
 {
   // The fences recorded before are asked first, the new ones recorded after: an event just
   // recorded has not completed yet on a GPU (about 0.4 us from record to completion on an idle
-  // H200, longer than a whole miss), so asking it at once cost one cuEventQuery (~130 ns) for
-  // nothing at nearly every miss. Only when none of the earlier ones had completed is the new
-  // one asked at once too: an idle GPU (and the host driver) may have completed it, and a block
-  // it hands back beats a new segment.
+  // H200, longer than a whole miss), so asking it at once is a driver call for nothing (one
+  // per miss: fence_queries). Measured on an H200, that query was cheap: the pair's time did
+  // not change (results/*-s13-core.md). Only when none of the earlier ones had completed is
+  // the new one asked at once too: an idle GPU (and the host driver) may have completed it,
+  // and a block it hands back beats a new segment.
   bool const released = promote_completed(release) != 0;
   close_open_batches(alive);
   // What is left open belongs to streams that may be gone: past the limit, one device
