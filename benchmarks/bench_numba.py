@@ -141,6 +141,29 @@ def _versions():
     return out
 
 
+def _warm_up_and_calibrate(run, sync, knobs):
+    """Run the op for knobs['warmup_s'] seconds, then find how many ops make a timed block
+    (about knobs['budget'] / knobs['repeats'] seconds); returns that count."""
+    end = time.perf_counter() + knobs["warmup_s"]
+    while True:
+        run(knobs["warmup_ops"])
+        sync()
+        if time.perf_counter() >= end:
+            break
+    n = 8
+    while True:  # calibration, doubling as extra warm-up
+        t0 = time.perf_counter()
+        run(n)
+        sync()
+        dt = time.perf_counter() - t0
+        if dt >= knobs["calib_s"] or n >= MAX_OPS_PER_BLOCK:
+            break
+        n = min(4 * n, MAX_OPS_PER_BLOCK)
+    per_op = dt / n
+    ops = int(knobs["budget"] / knobs["repeats"] / max(per_op, 1e-9))
+    return max(knobs["min_ops"], min(ops, MAX_OPS_PER_BLOCK))
+
+
 def _measure(run, sync, knobs, counters=None):
     """Median over blocks of the mean time per op, in seconds.
 
@@ -159,25 +182,7 @@ def _measure(run, sync, knobs, counters=None):
     counters: None, or a function returning a dict of counters (emmpool's pool statistics):
     their change over the timed blocks, per op, is reported as "pool_per_op".
     """
-    end = time.perf_counter() + knobs["warmup_s"]
-    while True:
-        run(knobs["warmup_ops"])
-        sync()
-        if time.perf_counter() >= end:
-            break
-    n = 8
-    while True:  # calibration, doubling as extra warm-up
-        t0 = time.perf_counter()
-        run(n)
-        sync()
-        dt = time.perf_counter() - t0
-        if dt >= knobs["calib_s"] or n >= MAX_OPS_PER_BLOCK:
-            break
-        n = min(4 * n, MAX_OPS_PER_BLOCK)
-    per_op = dt / n
-    ops = int(knobs["budget"] / knobs["repeats"] / max(per_op, 1e-9))
-    ops = max(knobs["min_ops"], min(ops, MAX_OPS_PER_BLOCK))
-
+    ops = _warm_up_and_calibrate(run, sync, knobs)
     means = []
     before = counters() if counters else None
     for _ in range(knobs["repeats"]):
@@ -195,6 +200,61 @@ def _measure(run, sync, knobs, counters=None):
     if counters:
         after, total = counters(), ops * len(means)
         out["pool_per_op"] = {k: (after[k] - before[k]) / total for k in before}
+    return out
+
+
+def _measure_paired(runs, switch, sync, knobs, counters=None):
+    """_measure for several managers in one process, their timed blocks interleaved.
+
+    runs: {manager: run}, the floor first. switch(manager) makes Numba allocate with that
+    manager. Each manager is warmed up and calibrated as in _measure; then come
+    knobs['repeats'] rounds of one block per manager, in the order of `runs` and then reversed
+    (A B C, C B A, ...), so that a block of the floor is next to a block of every manager and
+    a drift over the run lands on both alike. Returns {manager: _measure's dict}, plus for
+    each manager but the floor "block_ratios" (its block over the floor's block of the same
+    round) and "ratio_to_floor", their median.
+
+    Why: on the GPU hosts used, the host's speed changes over seconds, within a process as
+    much as between processes (the floor's figure moved 10-19 us between rounds, and between
+    cases of one round, on one H200: results/*-s13-numba-b.json), so two processes timed a
+    minute apart cannot resolve a 10% difference. Blocks a fraction of a second apart can.
+
+    counters: {manager: function} as in _measure, for the managers that have them.
+    """
+    counters = counters or {}
+    names = list(runs)
+    ops = {}
+    for name in names:
+        switch(name)
+        ops[name] = _warm_up_and_calibrate(runs[name], sync, knobs)
+    means = {name: [] for name in names}
+    before = {name: f() for name, f in counters.items()}
+    for r in range(knobs["repeats"]):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            switch(name)
+            sync()
+            t0 = time.perf_counter()
+            runs[name](ops[name])
+            sync()
+            means[name].append((time.perf_counter() - t0) / ops[name])
+    out = {}
+    floor = means[names[0]]
+    for name in names:
+        m = means[name]
+        out[name] = {
+            "us_per_op": statistics.median(m) * 1e6,
+            "block_means_us": [x * 1e6 for x in m],
+            "ops_per_block": ops[name],
+            "blocks": len(m),
+        }
+        if name != names[0]:
+            ratios = [a / b for a, b in zip(m, floor)]
+            out[name]["block_ratios"] = ratios
+            out[name]["ratio_to_floor"] = statistics.median(ratios)
+        if name in counters:
+            after, total = counters[name](), ops[name] * len(m)
+            out[name]["pool_per_op"] = {k: (after[k] - before[name][k]) / total
+                                        for k in before[name]}
     return out
 
 
@@ -244,16 +304,133 @@ def _raw_device_array(n, dtype):
     )
 
 
-def _run_cases(name, knobs, result):
+def _device_cases():
+    """The device suite's cases, in order: [(case, make)]. make(name) builds what the case keeps
+    between ops with the manager Numba uses now (churn's live arrays come from it) and returns
+    (run, finish): run(n) does n ops; finish() runs the case's correctness check after the
+    timing and returns {check: status}."""
     device_array = cuda.device_array
     sync = cuda.synchronize
     u8 = np.uint8
     f64 = np.float64
+    cases = []
+
+    # --- alloc_free_*: allocate and immediately drop one array -------------
+    for label, nbytes in ALLOC_FREE_SIZES:
+
+        def make_alloc_free(name, nbytes=nbytes):
+            def run(n):
+                for _ in range(n):
+                    a = device_array(nbytes, dtype=u8)
+                    del a
+
+            return run, dict
+
+        cases.append((f"alloc_free_{label}", make_alloc_free))
+
+    # --- churn: random-size replacements in a ring of live arrays ----------
+    rng = np.random.default_rng(CHURN_SEED)
+    log_sizes = rng.uniform(
+        np.log(CHURN_MIN_BYTES), np.log(CHURN_MAX_BYTES), CHURN_SCHEDULE
+    )
+    sizes = np.clip(
+        np.rint(np.exp(log_sizes)), CHURN_MIN_BYTES, CHURN_MAX_BYTES
+    ).astype(np.int64).tolist()  # Python ints: no numpy scalars in the loop
+    slot_of = rng.integers(0, CHURN_SLOTS, CHURN_SCHEDULE).tolist()
+
+    def make_churn(name):
+        slots = [device_array(sizes[i], dtype=u8) for i in range(CHURN_SLOTS)]
+        pos = [0]
+
+        def run(n):
+            i = pos[0]
+            for _ in range(n):
+                slots[slot_of[i]] = device_array(sizes[i], dtype=u8)
+                i = (i + 1) & (CHURN_SCHEDULE - 1)
+            pos[0] = i
+
+        def finish():
+            # The live arrays must not overlap (the floor aliases on purpose).
+            if name == FLOOR:
+                return {"churn_disjoint": "n/a (floor aliases by design)"}
+            try:
+                spans = sorted(
+                    (s.__cuda_array_interface__["data"][0], s.nbytes) for s in slots
+                )
+                bad = [
+                    (hex(a), sa, hex(b))
+                    for (a, sa), (b, _) in zip(spans, spans[1:])
+                    if a + sa > b
+                ]
+                status = "ok" if not bad else f"FAILED: overlapping live arrays {bad[:3]}"
+            except Exception as e:
+                status = f"FAILED: {type(e).__name__}: {e}"
+            del slots[:]
+            return {"churn_disjoint": status}
+
+        return run, finish
+
+    cases.append(("churn", make_churn))
+
+    # --- alloc_axpy: allocate the output, launch, drop it ------------------
+    # Small integers: a*x+y is exact in float64 with or without FMA. The inputs are made once
+    # per process, at the first make.
+    inputs = {}
+
+    def make_axpy(name):
+        if not inputs:
+            hx = (np.arange(AXPY_N) % 1024).astype(f64)
+            hy = (np.arange(AXPY_N) % 7).astype(f64)
+            x = _raw_device_array(AXPY_N, f64)
+            y = _raw_device_array(AXPY_N, f64)
+            x.copy_to_device(hx)
+            y.copy_to_device(hy)
+            inputs.update(hx=hx, hy=hy, x=x, y=y,
+                          launch=_axpy[(AXPY_N + AXPY_TPB - 1) // AXPY_TPB, AXPY_TPB])
+        x, y, launch = inputs["x"], inputs["y"], inputs["launch"]
+        out = device_array(AXPY_N, f64)
+        launch(out, 2.0, x, y)  # compile outside the timed region
+        sync()
+        del out
+
+        def run(n):
+            for _ in range(n):
+                out = device_array(AXPY_N, f64)
+                launch(out, 2.0, x, y)
+                del out  # freed while the kernel may still be running
+
+        def finish():
+            # After the timed loop, with a different `a`, so neither stale memory from the
+            # loop nor a skipped launch can pass.
+            try:
+                out = device_array(AXPY_N, f64)
+                launch(out, 3.0, x, y)
+                got = out.copy_to_host()
+                want = 3.0 * inputs["hx"] + inputs["hy"]
+                if np.array_equal(got, want):
+                    status = "ok"
+                else:
+                    nbad = int(np.count_nonzero(got != want))
+                    status = f"FAILED: {nbad}/{AXPY_N} elements wrong"
+                del out
+            except Exception as e:
+                status = f"FAILED: {type(e).__name__}: {e}"
+            sync()
+            return {"axpy": status}
+
+        return run, finish
+
+    cases.append(("alloc_axpy", make_axpy))
+    return cases
+
+
+def _run_cases(name, knobs, result):
+    sync = cuda.synchronize
     cases = result["cases"]
-    checks = result["checks"]
     counters = _pool_counters(name)
 
-    def timed(case, run):
+    for case, make in _device_cases():
+        run, finish = make(name)
         gc.collect()  # start each case clean; GC stays enabled (frees come from finalizers)
         try:
             cases[case] = _measure(run, sync, knobs, counters)
@@ -265,96 +442,7 @@ def _run_cases(name, knobs, result):
             f"{c['us_per_op']:.2f} us/op ({c['blocks']} x {c['ops_per_block']} ops)"
         )
         print(f"[bench]   {name} {case}: {msg}", file=sys.stderr, flush=True)
-
-    # --- alloc_free_*: allocate and immediately drop one array -------------
-    for label, nbytes in ALLOC_FREE_SIZES:
-
-        def run(n, nbytes=nbytes):
-            for _ in range(n):
-                a = device_array(nbytes, dtype=u8)
-                del a
-
-        timed(f"alloc_free_{label}", run)
-
-    # --- churn: random-size replacements in a ring of live arrays ----------
-    rng = np.random.default_rng(CHURN_SEED)
-    log_sizes = rng.uniform(
-        np.log(CHURN_MIN_BYTES), np.log(CHURN_MAX_BYTES), CHURN_SCHEDULE
-    )
-    sizes = np.clip(
-        np.rint(np.exp(log_sizes)), CHURN_MIN_BYTES, CHURN_MAX_BYTES
-    ).astype(np.int64).tolist()  # Python ints: no numpy scalars in the loop
-    slot_of = rng.integers(0, CHURN_SLOTS, CHURN_SCHEDULE).tolist()
-    slots = [device_array(sizes[i], dtype=u8) for i in range(CHURN_SLOTS)]
-    pos = [0]
-
-    def run_churn(n):
-        i = pos[0]
-        for _ in range(n):
-            slots[slot_of[i]] = device_array(sizes[i], dtype=u8)
-            i = (i + 1) & (CHURN_SCHEDULE - 1)
-        pos[0] = i
-
-    timed("churn", run_churn)
-
-    # The live arrays must not overlap (the floor aliases on purpose).
-    if name == FLOOR:
-        checks["churn_disjoint"] = "n/a (floor aliases by design)"
-    else:
-        try:
-            spans = sorted(
-                (s.__cuda_array_interface__["data"][0], s.nbytes) for s in slots
-            )
-            bad = [
-                (hex(a), sa, hex(b))
-                for (a, sa), (b, _) in zip(spans, spans[1:])
-                if a + sa > b
-            ]
-            checks["churn_disjoint"] = (
-                "ok" if not bad else f"FAILED: overlapping live arrays {bad[:3]}"
-            )
-        except Exception as e:
-            checks["churn_disjoint"] = f"FAILED: {type(e).__name__}: {e}"
-    del slots[:]
-
-    # --- alloc_axpy: allocate the output, launch, drop it ------------------
-    # Small integers: a*x+y is exact in float64 with or without FMA.
-    hx = (np.arange(AXPY_N) % 1024).astype(f64)
-    hy = (np.arange(AXPY_N) % 7).astype(f64)
-    x = _raw_device_array(AXPY_N, f64)
-    y = _raw_device_array(AXPY_N, f64)
-    x.copy_to_device(hx)
-    y.copy_to_device(hy)
-    launch = _axpy[(AXPY_N + AXPY_TPB - 1) // AXPY_TPB, AXPY_TPB]
-    out = device_array(AXPY_N, f64)
-    launch(out, 2.0, x, y)  # compile outside the timed region
-    sync()
-    del out
-
-    def run_axpy(n):
-        for _ in range(n):
-            out = device_array(AXPY_N, f64)
-            launch(out, 2.0, x, y)
-            del out  # freed while the kernel may still be running
-
-    timed("alloc_axpy", run_axpy)
-
-    # Checked after the timed loop, with a different `a`, so neither stale
-    # memory from the loop nor a skipped launch can pass.
-    try:
-        out = device_array(AXPY_N, f64)
-        launch(out, 3.0, x, y)
-        got = out.copy_to_host()
-        want = 3.0 * hx + hy
-        if np.array_equal(got, want):
-            checks["axpy"] = "ok"
-        else:
-            nbad = int(np.count_nonzero(got != want))
-            checks["axpy"] = f"FAILED: {nbad}/{AXPY_N} elements wrong"
-        del out
-    except Exception as e:
-        checks["axpy"] = f"FAILED: {type(e).__name__}: {e}"
-    sync()
+        result["checks"].update(finish())
 
 
 def _run_pinned_cases(name, knobs, result):
@@ -403,7 +491,10 @@ SUITES = {
 }
 
 
-def child_main(name, knobs, suite="device"):
+def child_main(name, knobs, suite="device", guests=None):
+    """One manager's cases (`name`, installed with set_memory_manager), or with `guests` (a
+    list of other managers' names) the in-process pairing: `name` installed, the guests made
+    beside it on the same context, and the cases timed by _run_paired_cases."""
     result = {"manager": name, "versions": _versions(), "cases": {}, "checks": {}}
 
     def emit():
@@ -448,7 +539,10 @@ def child_main(name, knobs, suite="device"):
 
         result["driver_version"] = list(cu_driver.get_version())
 
-        SUITES[suite][2](name, knobs, result)
+        if guests is None:
+            SUITES[suite][2](name, knobs, result)
+        else:
+            _run_paired_cases(name, guests, ctx, knobs, result)
 
         if name.startswith("emmpool"):
             try:
@@ -466,12 +560,78 @@ def child_main(name, knobs, suite="device"):
     return 0
 
 
+def _make_guest(name, ctx):
+    """Manager `name` on `ctx` beside the installed one, initialised as Numba would."""
+    cls = _load_manager(name)
+    if cls is None:  # numba-default
+        from numba.cuda.cudadrv.driver import NumbaCUDAMemoryManager as cls
+    mm = cls(context=ctx)
+    mm.initialize()
+    return mm
+
+
+def _run_paired_cases(home, guests, ctx, knobs, result):
+    """The device cases with the installed manager (`home`) and the guests in one process, by
+    _measure_paired: each case's cell is {manager: figures}, and result["paired"] names the
+    managers in their order (the floor first).
+
+    A guest is Numba's memory manager only while its blocks run: the context's
+    `memory_manager`, which Context.memalloc asks for every allocation, is swapped between
+    blocks (outside the timing). Arrays keep the finalizer of the manager that made them, so
+    each is freed by its own manager whichever is in place when it dies. Numba's API offers no
+    such swap (a plugin is chosen once per process); it is a benchmark's device, and emmpool,
+    the one under test, is the one installed the supported way."""
+    managers = {home: ctx.memory_manager}
+    result["skipped_guests"] = {}
+    for name in [FLOOR] + [g for g in guests if g != FLOOR]:
+        try:
+            managers[name] = _make_guest(name, ctx)
+        except ImportError as e:  # e.g. no CuPy here
+            if name == FLOOR:
+                raise
+            result["skipped_guests"][name] = f"{type(e).__name__}: {e}"
+    order = [FLOOR, home] + [n for n in managers if n not in (FLOOR, home)]
+    result["paired"] = order
+
+    def switch(name):
+        ctx.memory_manager = managers[name]
+
+    sync = cuda.synchronize
+    counters = {n: f for n in order if (f := _pool_counters(n)) is not None}
+    checks = result["checks"] = {n: {} for n in order}
+    try:
+        for case, make in _device_cases():
+            built = {}
+            for name in order:
+                switch(name)
+                built[name] = make(name)
+            gc.collect()  # start each case clean; GC stays enabled (frees come from finalizers)
+            try:
+                cell = _measure_paired({n: built[n][0] for n in order}, switch, sync, knobs,
+                                       counters)
+                msg = ", ".join(
+                    f"{n} {c['us_per_op']:.2f}"
+                    + (f" ({c['ratio_to_floor']:.3f}x)" if "ratio_to_floor" in c else "")
+                    for n, c in cell.items())
+            except Exception as e:
+                cell = {"error": f"{type(e).__name__}: {e}"}
+                msg = cell["error"]
+                traceback.print_exc()
+            result["cases"][case] = cell
+            print(f"[bench]   {case}: {msg} us/op", file=sys.stderr, flush=True)
+            for name in order:
+                switch(name)
+                checks[name].update(built[name][1]())
+    finally:
+        switch(home)
+
+
 # --------------------------------------------------------------------------
 # Parent: run children, collect, report
 # --------------------------------------------------------------------------
 
 
-def _run_child(name, extra_env, args):
+def _run_child(name, extra_env, args, guests=None):
     env = dict(os.environ)
     env.update(extra_env)
     # Only set_memory_manager() may choose the plugin.
@@ -481,6 +641,8 @@ def _run_child(name, extra_env, args):
         cmd.append("--quick")
     if args.budget is not None:
         cmd += ["--budget", str(args.budget)]
+    if guests is not None:
+        cmd += ["--guests", ",".join(guests)]
     timeout = 180 if args.quick else 600
     t0 = time.perf_counter()
     try:
@@ -513,6 +675,35 @@ def _fmt_us(us):
     return f"{us:.0f}"
 
 
+def _method(report):
+    """The markdown's paragraph on what a cell quotes."""
+    blocks = (f"A process's figure is the median over {report['repeats']} timed blocks of the "
+              "mean per-op time (device synchronised at block ends)"
+              + (f", after {report['warmup_s']:g} s of warm-up per case"
+                 if "warmup_s" in report else "") + ".")
+    if report.get("pairing") == "in-process":
+        return (
+            f"µs per op. **Quoted: the median over {report['rounds']} rounds of the ratio to "
+            f"the `{FLOOR}` floor measured in the same process** (Numba's own per-allocation "
+            "overhead): in each round one process installs emmpool and swaps the other "
+            "managers in block by block (A B C, C B A, ...), and the round's ratio is the "
+            "median of each block's ratio to the floor's block beside it. A host's speed "
+            "drifts over seconds; blocks a fraction of a second apart share the drift. "
+            "A cell: median µs over rounds, (median ratio), and the lowest–highest round's "
+            "ratio. A build or mode of emmpool other than the first (`emmpool@NAME`, "
+            "benchmarks/baselines.py) runs in its own process per round, with the floor. "
+            + blocks + " Every round and block is in the JSON.")
+    return (
+        f"µs per op. **Quoted: the median over interleaved rounds** (one process per manager "
+        f"and round; {report['rounds']} rounds for the floor, emmpool and earlier builds "
+        "(`emmpool@NAME`, benchmarks/baselines.py), "
+        f"{report.get('anchor_rounds', report['rounds'])} for the other managers, the floor "
+        "running in every round); after it, `best`: the best round. "
+        + blocks + " In parentheses: the ratio to the "
+        f"`{FLOOR}` floor's figure of the same kind (median to median, best to best): "
+        "Numba's own per-allocation overhead. Every round is in the JSON.")
+
+
 def _markdown(report):
     managers = report["managers"]
     cases = report["cases"]
@@ -532,18 +723,7 @@ def _markdown(report):
         f"- {report['timestamp']}, {'quick' if report['quick'] else 'full'} run, "
         + (f"CPUs {report['cpus']} (near the GPU)" if report.get("cpus") else "CPUs not pinned"),
         "",
-        f"µs per op. **Quoted: the median over interleaved rounds** (one process per manager "
-        f"and round; {report['rounds']} rounds for the floor, emmpool and earlier builds "
-        "(`emmpool@NAME`, benchmarks/baselines.py), "
-        f"{report.get('anchor_rounds', report['rounds'])} for the other managers, the floor "
-        "running in every round); after it, `best`: the best round. A round's figure is the "
-        f"median over {report['repeats']} timed blocks of the mean per-op time (device "
-        "synchronised at block ends)"
-        + (f", after {report['warmup_s']:g} s of warm-up per case" if "warmup_s" in report
-           else "")
-        + ". In parentheses: the ratio to the "
-        f"`{FLOOR}` floor's figure of the same kind (median to median, best to best): "
-        "Numba's own per-allocation overhead. Every round is in the JSON.",
+        _method(report),
         "",
         "| manager | " + " | ".join(cases) + " |",
         "|---|" + "---:|" * len(cases),
@@ -585,10 +765,14 @@ def _markdown(report):
                 continue
             cell = _fmt_us(c["us_per_op"])
             f = floor.get(case, {}).get("us_per_op")
-            if f:
+            if "ratio_to_floor" in c:  # in-process pairing: the ratio within each process
+                cell += f" ({c['ratio_to_floor']:.2f}×)"
+                if len(c["rounds_ratio"]) > 1:
+                    cell += f" {min(c['rounds_ratio']):.2f}–{max(c['rounds_ratio']):.2f}"
+            elif f:
                 cell += f" ({c['us_per_op'] / f:.2f}×)"
             best, floor_best = c.get("best_us"), floor.get(case, {}).get("best_us")
-            if best is not None and len(c.get("rounds_us", ())) > 1:
+            if "ratio_to_floor" not in c and best is not None and len(c.get("rounds_us", ())) > 1:
                 cell += f" best {_fmt_us(best)}"
                 if floor_best:
                     cell += f" ({best / floor_best:.2f}×)"
@@ -636,6 +820,51 @@ def _merge_rounds(results):
     return merged
 
 
+def _merge_paired(rounds):
+    """The in-process pairing's results over rounds: {home: [child result per round]} ->
+    {manager: merged}, each manager once (the floor from the first child; a later home's
+    child has the floor only for its own ratios). A cell quotes the median over rounds of the
+    manager's figure and of its ratio to the floor of the same process (`ratio_to_floor`, each
+    round's the median of its block ratios), and keeps every round."""
+    managers = {}
+    for home, results in rounds.items():
+        ok = [r for r in results if "cases" in r and "failed" not in r and "skipped" not in r]
+        if len(ok) != len(results) or not ok:
+            managers[home] = results[-1]
+            continue
+        last = ok[-1]
+        for name, why in last.get("skipped_guests", {}).items():
+            managers.setdefault(name, {"manager": name, "skipped": why})
+        for name in last["paired"]:
+            if name in managers:
+                continue
+            merged = {k: v for k, v in last.items()
+                      if k not in ("cases", "checks", "paired", "skipped_guests", "manager",
+                                   "emmpool_stats", "manager_class")}
+            merged.update(manager=name, rounds=len(ok), checks=last["checks"].get(name, {}),
+                          cases={})
+            if name == home:
+                for k in ("emmpool_stats", "manager_class"):
+                    if k in last:
+                        merged[k] = last[k]
+            for case, cell in last["cases"].items():
+                timed = [r["cases"][case][name] for r in ok
+                         if "us_per_op" in r["cases"].get(case, {}).get(name, {})]
+                if not timed:
+                    merged["cases"][case] = {"error": cell.get("error", "no round timed it")}
+                    continue
+                values = [c["us_per_op"] for c in timed]
+                out = dict(timed[-1])
+                out.update(us_per_op=statistics.median(values), best_us=min(values),
+                           rounds_us=values)
+                ratios = [c["ratio_to_floor"] for c in timed if "ratio_to_floor" in c]
+                if ratios:
+                    out.update(ratio_to_floor=statistics.median(ratios), rounds_ratio=ratios)
+                merged["cases"][case] = out
+            managers[name] = merged
+    return managers
+
+
 def _deadline(args):
     """When the results must be written, in time.time() seconds, or None: --time-limit from
     now, else EMMPOOL_BENCH_DEADLINE (.ci/gpu sets it from the step's timeout), whichever is
@@ -676,40 +905,59 @@ def parent_main(args):
 
     pinned_cpus = cpus.pin_near_gpu(args.cpus)  # the children inherit it
     print(f"[bench] CPUs: {pinned_cpus or 'not pinned'}", file=sys.stderr, flush=True)
-    rounds: dict[str, list] = {name: [] for name, _ in selected}
+    paired = args.pairing == "in-process" and args.suite == "device"
+    if paired:
+        # One child per emmpool build or mode and round: the first also hosts every other
+        # manager selected, the floor always (its ratios are taken within the process).
+        homes = [(n, env) for n, env in selected if n.startswith("emmpool")]
+        if not homes:
+            sys.exit("--pairing in-process needs an emmpool manager (it is the one installed)")
+        guests = [FLOOR] + [n for n, _ in selected if not n.startswith("emmpool") and n != FLOOR]
+        jobs = [(home, env, guests if i == 0 else [FLOOR], True)
+                for i, (home, env) in enumerate(homes)]
+    else:
+        jobs = [(n, env, None, n in ALL_ROUNDS) for n, env in selected]
+        if args.suite == "device":
+            stem += "_process"
+    rounds: dict[str, list] = {name: [] for name, *_ in jobs}
     anchor_rounds = min(args.rounds, args.anchor_rounds)
     deadline = _deadline(args)
     done = 0
 
-    def runs_in(rnd, name):
+    def runs_in(rnd, name, every_round):
         if rounds[name] and ("skipped" in rounds[name][0] or "failed" in rounds[name][0]):
             return False
         # an anchor runs in the first rounds only, so that five or more fit one device call
-        return name in ALL_ROUNDS or rnd < anchor_rounds
+        return every_round or rnd < anchor_rounds
 
     for rnd in range(args.rounds):
         if rnd > 0 and deadline is not None:
             # Whole rounds only (a round is what keeps the managers' drift fair); the next is
-            # guessed from each manager's last child.
-            guess = sum(rounds[name][-1].get("wall_s", 0) for name, _ in selected
-                        if runs_in(rnd, name))
+            # guessed from each child's last run.
+            guess = sum(rounds[name][-1].get("wall_s", 0) for name, _, _, every in jobs
+                        if runs_in(rnd, name, every))
             if time.time() + guess > deadline:
                 print(f"[bench] stopping after {rnd} of {args.rounds} rounds: the next "
                       f"(~{guess:.0f} s) would pass the deadline", file=sys.stderr, flush=True)
                 break
-        for name, extra_env in selected:
-            if not runs_in(rnd, name):
+        for name, extra_env, with_guests, every in jobs:
+            if not runs_in(rnd, name, every):
                 continue
-            print(f"[bench] round {rnd + 1}/{args.rounds}: {name} ...", file=sys.stderr,
+            beside = f" with {', '.join(with_guests)}" if with_guests else ""
+            print(f"[bench] round {rnd + 1}/{args.rounds}: {name}{beside} ...", file=sys.stderr,
                   flush=True)
-            r = _run_child(name, extra_env, args)
+            r = (_run_child(name, extra_env, args, guests=with_guests) if with_guests
+                 else _run_child(name, extra_env, args))
             rounds[name].append(r)
             status = ("skipped: " + r["skipped"]) if "skipped" in r else (
                 ("FAILED: " + r["failed"]) if "failed" in r else "ok")
             print(f"[bench] {name}: {status} ({r.get('wall_s', '?')} s)",
                   file=sys.stderr, flush=True)
         done = rnd + 1
-    managers = {name: _merge_rounds(rs) for name, rs in rounds.items()}
+    if paired:
+        managers = _merge_paired(rounds)
+    else:
+        managers = {name: _merge_rounds(rs) for name, rs in rounds.items()}
 
     first = next((r for r in managers.values() if "gpu" in r), {})
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -731,9 +979,12 @@ def parent_main(args):
         "warmup_s": knobs["warmup_s"],
         "rounds": done,
         "rounds_asked": args.rounds,
-        "anchor_rounds": min(anchor_rounds, done),
-        "quoted": "median over rounds (us_per_op); best_us: the best round",
+        "anchor_rounds": done if paired else min(anchor_rounds, done),
+        "quoted": ("median over rounds of ratio_to_floor (each round's: the median of its "
+                   "blocks' ratios to the floor's blocks beside them) and of us_per_op"
+                   if paired else "median over rounds (us_per_op); best_us: the best round"),
         "cpus": pinned_cpus,
+        "pairing": "in-process" if paired else "process",
         "floor": FLOOR,
         "suite": args.suite,
         "cases": suite_cases,
@@ -768,17 +1019,23 @@ def main(argv=None):
                    help="start no round that would end more than S seconds from now (by the "
                         "last round's time); the results keep the rounds run (at least one)")
     p.add_argument("--anchor-rounds", type=int, default=2,
-                   help="rounds (the first ones) in which the managers other than the floor "
-                        "and emmpool run (default 2)")
+                   help="with --pairing process: rounds (the first ones) in which the managers "
+                        "other than the floor and emmpool run (default 2)")
     p.add_argument("--cpus", type=int, default=4,
                    help="pin every process to this many CPUs near the GPU; 0: no pinning "
                         "(default 4)")
     p.add_argument("--managers", nargs="+", metavar="NAME",
                    help="run only these managers (emmpool@NAME: an earlier build named in "
                         "EMMPOOL_BENCH_BASELINES, see baselines.py)")
+    p.add_argument("--pairing", choices=("in-process", "process"), default="in-process",
+                   help="in-process (default): each round is one process in which emmpool is "
+                        "installed and the other managers swapped in block by block, and the "
+                        "ratios are taken within it; process: one process per manager and "
+                        "round (each installed alone; timed minutes apart)")
     p.add_argument("--suite", choices=sorted(SUITES), default="device",
                    help="device allocations (default) or pinned host memory")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--guests", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.child:
@@ -787,7 +1044,8 @@ def main(argv=None):
             knobs.update(SUITES[args.suite][4])
         if args.budget is not None:
             knobs["budget"] = args.budget
-        return child_main(args.child, knobs, args.suite)
+        guests = args.guests.split(",") if args.guests else None
+        return child_main(args.child, knobs, args.suite, guests)
     if not args.out:
         p.error("--out DIR is required")
     return parent_main(args)

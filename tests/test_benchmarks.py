@@ -1,7 +1,8 @@
 """The benchmarks' own bookkeeping, checked without a GPU: bench_numba's interleaved rounds stop
 at a deadline with what they finished (a GPU step cut off by its timeout would keep nothing),
-and its report says so. Each child (one process per manager and round) is replaced by a fake
-that takes a known time."""
+and its report says so; the in-process pairing times the managers' blocks in turns and takes
+each ratio within a round. Each child (one process per manager, or per emmpool build, and
+round) is replaced by a fake that takes a known time."""
 
 from __future__ import annotations
 
@@ -40,9 +41,11 @@ def fake_children(bench_numba, monkeypatch, seconds):
 
 
 def run_parent(bench_numba, tmp_path, *args):
-    argv = ["--out", str(tmp_path), "--cpus", "0", "--managers", "nothing", "emmpool", *args]
+    """The process pairing (one child per manager and round); returns its JSON report."""
+    argv = ["--out", str(tmp_path), "--cpus", "0", "--managers", "nothing", "emmpool",
+            "--pairing", "process", *args]
     assert bench_numba.main(argv) == 0
-    return json.loads((tmp_path / "bench_numba.json").read_text())
+    return json.loads((tmp_path / "bench_numba_process.json").read_text())
 
 
 def test_rounds_stop_at_the_time_limit_and_keep_what_ran(bench_numba, monkeypatch, tmp_path):
@@ -54,7 +57,7 @@ def test_rounds_stop_at_the_time_limit_and_keep_what_ran(bench_numba, monkeypatc
     assert report["rounds"] == 2 and report["rounds_asked"] == 5
     cell = report["managers"]["emmpool"]["cases"]["churn"]
     assert cell["rounds_us"] == [11.0, 11.0] and cell["us_per_op"] == 11.0
-    md = (tmp_path / "bench_numba.md").read_text()
+    md = (tmp_path / "bench_numba_process.md").read_text()
     assert "stopped after 2 of 5 rounds" in md and "2 rounds for the floor" in md
 
 
@@ -71,7 +74,7 @@ def test_without_a_limit_every_round_runs(bench_numba, monkeypatch, tmp_path):
     ran = fake_children(bench_numba, monkeypatch, 0.0)
     report = run_parent(bench_numba, tmp_path, "--rounds", "3")
     assert ran == ["nothing", "emmpool"] * 3 and report["rounds"] == 3
-    assert "stopped after" not in (tmp_path / "bench_numba.md").read_text()
+    assert "stopped after" not in (tmp_path / "bench_numba_process.md").read_text()
 
 
 def test_pool_counters_are_per_timed_op_and_noted(bench_numba, monkeypatch, tmp_path):
@@ -104,6 +107,101 @@ def test_pool_counters_are_per_timed_op_and_noted(bench_numba, monkeypatch, tmp_
     monkeypatch.delenv("EMMPOOL_BENCH_DEADLINE", raising=False)
     monkeypatch.setattr(bench_numba, "_run_child", run_child)
     run_parent(bench_numba, tmp_path, "--rounds", "1")
-    md = (tmp_path / "bench_numba.md").read_text()
+    md = (tmp_path / "bench_numba_process.md").read_text()
     assert "`emmpool` pool work per op" in md
     assert "churn: 0.25 batches_closed;" in md and "alloc_axpy: none" in md
+
+
+def test_paired_blocks_take_turns_and_ratios_are_block_by_block(bench_numba):
+    # Three managers, the floor first: blocks in the order A B C, C B A, ... with the manager
+    # switched in before each, and each ratio the block's time over the floor's block of the
+    # same turn, so that a host that slows down half-way changes no ratio.
+    clock = {"t": 0.0, "slow": 1.0}
+    log = []
+    current = {"name": None}
+    cost = {"nothing": 1e-6, "emmpool": 1.05e-6, "cupy-pool": 2e-6}
+
+    def make_run(name):
+        def run(n):
+            assert current["name"] == name  # the manager it times is the one in place
+            log.append(name)
+            clock["t"] += n * cost[name] * clock["slow"]
+        return run
+
+    def switch(name):
+        current["name"] = name
+
+    knobs = dict(bench_numba.QUICK, warmup_s=0.0, repeats=4)
+    ticks = iter(range(10**6))
+
+    def fake_clock():
+        # the host halves its speed after a while (every call to the clock is a tick)
+        if next(ticks) == 60:
+            clock["slow"] = 2.0
+        return clock["t"]
+
+    runs = {n: make_run(n) for n in cost}
+    orig = bench_numba.time.perf_counter
+    bench_numba.time.perf_counter = fake_clock
+    try:
+        log.clear()
+        out = bench_numba._measure_paired(runs, switch, lambda: None, knobs)
+    finally:
+        bench_numba.time.perf_counter = orig
+    timed = log[-12:]
+    assert timed == ["nothing", "emmpool", "cupy-pool", "cupy-pool", "emmpool", "nothing"] * 2
+    assert "ratio_to_floor" not in out["nothing"]
+    assert out["emmpool"]["ratio_to_floor"] == pytest.approx(1.05)
+    assert out["cupy-pool"]["ratio_to_floor"] == pytest.approx(2.0)
+    assert len(out["emmpool"]["block_ratios"]) == 4
+    # the slowdown came half-way through the timed blocks: the figures moved, the ratios not
+    assert max(out["nothing"]["block_means_us"]) == pytest.approx(2 * 1.0)
+    assert min(out["nothing"]["block_means_us"]) == pytest.approx(1.0)
+
+
+def test_paired_rounds_quote_the_median_ratio_within_processes(bench_numba, monkeypatch,
+                                                               tmp_path):
+    # Round figures of the floor and emmpool drift together (the host's speed), the ratio
+    # within each process does not: the quoted ratio is the median of the rounds' ratios, not
+    # the ratio of the medians. A later emmpool build gets its own child, with the floor.
+    monkeypatch.delenv("EMMPOOL_BENCH_DEADLINE", raising=False)
+    calls = []
+    speeds = iter([1.0, 1.6, 1.0, 1.6, 1.0])
+
+    def run_child(name, extra_env, args, guests=None):
+        calls.append((name, guests))
+        speed = next(speeds) if name == "emmpool" else 1.0
+        paired = [bench_numba.FLOOR, name] + [g for g in guests if g != bench_numba.FLOOR]
+        cases = {}
+        for case in bench_numba.CASES:
+            cell = {bench_numba.FLOOR: {"us_per_op": 10.0 * speed}}
+            cell[name] = {"us_per_op": 10.4 * speed, "ratio_to_floor": 1.04}
+            for g in paired[2:]:
+                cell[g] = {"us_per_op": 20.0 * speed, "ratio_to_floor": 2.0}
+            cases[case] = cell
+        return {"manager": name, "gpu": "fake GPU", "versions": {}, "paired": paired,
+                "checks": {n: {} for n in paired}, "cases": cases, "wall_s": 0.0,
+                "skipped_guests": {"cupy-pool": "ImportError: no cupy"}
+                if "cupy-pool" in guests else {}}
+
+    monkeypatch.setattr(bench_numba, "_run_child", run_child)
+    argv = ["--out", str(tmp_path), "--cpus", "0", "--rounds", "5",
+            "--managers", "nothing", "emmpool", "cudamalloc", "cupy-pool"]
+    assert bench_numba.main(argv) == 0
+    report = json.loads((tmp_path / "bench_numba.json").read_text())
+    assert calls == [("emmpool", ["nothing", "cudamalloc", "cupy-pool"])] * 5
+    assert report["pairing"] == "in-process" and report["rounds"] == 5
+    emm = report["managers"]["emmpool"]["cases"]["alloc_free_256B"]
+    assert emm["ratio_to_floor"] == 1.04 and emm["rounds_ratio"] == [1.04] * 5
+    assert emm["rounds_us"] == pytest.approx([10.4, 16.64, 10.4, 16.64, 10.4])
+    assert report["managers"]["cudamalloc"]["cases"]["churn"]["ratio_to_floor"] == 2.0
+    assert report["managers"]["cupy-pool"]["skipped"] == "ImportError: no cupy"
+    md = (tmp_path / "bench_numba.md").read_text()
+    assert "| emmpool | 10.4 (1.04×) 1.04–1.04 |" in md
+    assert "`cupy-pool` skipped" in md
+
+
+def test_paired_mode_needs_emmpool(bench_numba, tmp_path):
+    with pytest.raises(SystemExit, match="needs an emmpool manager"):
+        bench_numba.main(["--out", str(tmp_path), "--cpus", "0",
+                          "--managers", "nothing", "cupy-pool"])
