@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Numba allocation benchmark: emmpool against anchor EMM plugins.
 
-    python benchmarks/bench_numba.py --out DIR [--quick]
+    python benchmarks/bench_numba.py --out DIR [--quick] [--pairing in-process|process]
 
-The parent spawns one child process per memory manager, because Numba's EMM
-plugin must be installed before its CUDA context exists and cannot be swapped
-afterwards.  Each child prints a single ``BENCH_RESULT {json}`` line; the
-parent writes ``DIR/bench_numba.json`` and ``DIR/bench_numba.md`` and prints
-the markdown table.  See benchmarks/README.md for what each case measures.
+Numba's EMM plugin is installed once per process, before its CUDA context exists, so the
+parent spawns child processes: by default one per round, in which emmpool is installed and
+the other managers are swapped in beside it block by block (--pairing in-process: ratios to
+the floor taken within the process), or one per manager and round (--pairing process). Each
+child prints a single ``BENCH_RESULT {json}`` line; the parent writes ``DIR/bench_numba.json``
+and ``.md`` (``bench_numba_process.*`` for the process pairing) and prints the markdown table.
+See benchmarks/README.md for what each case measures and why the pairing.
 """
 
 import argparse
