@@ -210,11 +210,11 @@ def _measure_paired(runs, switch, sync, knobs, counters=None):
 
     runs: {manager: run}, the floor first. switch(manager) makes Numba allocate with that
     manager. Each manager is warmed up and calibrated as in _measure; then come
-    knobs['repeats'] rounds of one block per manager, in the order of `runs` and then reversed
+    knobs['repeats'] turns of one block per manager, in the order of `runs` and then reversed
     (A B C, C B A, ...), so that a block of the floor is next to a block of every manager and
     a drift over the run lands on both alike. Returns {manager: _measure's dict}, plus for
     each manager but the floor "block_ratios" (its block over the floor's block of the same
-    round) and "ratio_to_floor", their median.
+    turn) and "ratio_to_floor", their median.
 
     Why: on the GPU hosts used, the host's speed changes over seconds, within a process as
     much as between processes (the floor's figure moved 10-19 us between rounds, and between
@@ -948,8 +948,7 @@ def parent_main(args):
             beside = f" with {', '.join(with_guests)}" if with_guests else ""
             print(f"[bench] round {rnd + 1}/{args.rounds}: {name}{beside} ...", file=sys.stderr,
                   flush=True)
-            r = (_run_child(name, extra_env, args, guests=with_guests) if with_guests
-                 else _run_child(name, extra_env, args))
+            r = _run_child(name, extra_env, args, guests=with_guests)
             rounds[name].append(r)
             status = ("skipped: " + r["skipped"]) if "skipped" in r else (
                 ("FAILED: " + r["failed"]) if "failed" in r else "ok")

@@ -28,7 +28,7 @@ def fake_children(bench_numba, monkeypatch, seconds):
     """Every child sleeps `seconds` and reports 10 us per op (the floor) or 11 (the others)."""
     ran = []
 
-    def run_child(name, extra_env, args):
+    def run_child(name, extra_env, args, guests=None):
         ran.append(name)
         time.sleep(seconds)
         us = 10.0 if name == bench_numba.FLOOR else 11.0
@@ -96,7 +96,7 @@ def test_pool_counters_are_per_timed_op_and_noted(bench_numba, monkeypatch, tmp_
     assert "pool_per_op" not in bench_numba._measure(run, lambda: None, knobs)
 
     # The markdown notes them for the managers that report them.
-    def run_child(name, extra_env, args):
+    def run_child(name, extra_env, args, guests=None):
         cases = {k: {"us_per_op": 10.0} for k in bench_numba.CASES}
         if name == "emmpool":
             cases["churn"]["pool_per_op"] = {"batches_closed": 0.25, "fence_queries": 0.0}
