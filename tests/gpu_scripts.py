@@ -157,6 +157,41 @@ if __name__ == "__main__":
     print("OK")
 """
 
+# Numba's device_memory_size / device_extents: the array's block, not the segment its
+# neighbours share. Numba's own test_host_alloc_pinned zeroes device_memory_size(a) bytes from a.
+DEVICE_MEMORY_SIZE = IMPORT_CUDA + r"""
+import numpy as np
+from cuda.bindings import driver as drv
+driver = cuda.cudadrv.driver
+
+class View:  # a foreign array: only the CUDA Array Interface
+    def __init__(self, ptr, n):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (n,), "typestr": "|u1",
+                                         "version": 3}
+
+before = cuda.to_device(np.full(1000, 5, np.uint8))
+a = cuda.device_array(1000, np.uint8)            # in pool mode, between two neighbours
+after = cuda.to_device(np.full(1000, 7, np.uint8))
+ptr = a.__cuda_array_interface__["data"][0]
+size = driver.device_memory_size(a)
+assert 1000 <= size <= 1024, size
+assert driver.device_extents(a) == (ptr, ptr + size), (driver.device_extents(a), ptr, size)
+assert driver.device_extents(a[100:]) == (ptr, ptr + size)
+driver.device_memset(a, 0, size)
+cuda.synchronize()
+assert (a.copy_to_host() == 0).all()
+assert (before.copy_to_host() == 5).all() and (after.copy_to_host() == 7).all(), "neighbours"
+err, raw = drv.cuMemAlloc(1 << 20)                 # memory the pool did not allocate
+assert err == drv.CUresult.CUDA_SUCCESS, err
+foreign = cuda.as_cuda_array(View(int(raw) + 4096, 100))
+err, base, n = drv.cuMemGetAddressRange(raw)
+assert err == drv.CUresult.CUDA_SUCCESS, err
+assert driver.device_extents(foreign) == (int(base), int(base) + n), driver.device_extents(foreign)
+del foreign
+drv.cuMemFree(raw)
+print("OK")
+"""
+
 RESET_WITH_LIVE_ARRAYS = IMPORT_CUDA + r"""
 import gc, numpy as np
 import emmpool

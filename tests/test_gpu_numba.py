@@ -73,6 +73,11 @@ def test_ipc_of_memory_the_pool_did_not_allocate(mode, numba_package):
 
 
 @pytest.mark.parametrize("mode", ["pool", "passthrough"])
+def test_device_memory_size_is_the_arrays_block(mode, numba_package):
+    check(run(gpu_scripts.DEVICE_MEMORY_SIZE, mode=mode, package=numba_package))
+
+
+@pytest.mark.parametrize("mode", ["pool", "passthrough"])
 def test_reset_with_live_arrays_and_exit(mode, numba_package):
     check(run(gpu_scripts.RESET_WITH_LIVE_ARRAYS, mode=mode, package=numba_package))
 

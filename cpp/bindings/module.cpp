@@ -341,6 +341,15 @@ PYBIND11_MODULE(_core, m)
                               info->segment_size, info->offset);
       },
       py::arg("ptr"))
+    .def(
+      "live_extent",
+      [](device_pool& p, device_ptr ptr) -> py::object {
+        auto const extent = caller_lock::without_caller_lock([&] { return p.live_extent(ptr); });
+        if (!extent) { return py::none(); }
+        return py::make_tuple(extent->first, extent->second);
+      },
+      py::arg("ptr"),
+      "(address, size) of the live block holding ptr (which may point inside it), else None.")
     .def("trim", without_gil(&device_pool::trim))
     .def("synchronize", without_gil(&device_pool::synchronize))
     .def("reset", without_gil(&device_pool::reset))

@@ -502,6 +502,28 @@ bool device_pool::owns(device_ptr ptr) const
   return live_.count(ptr) != 0;
 }
 
+std::optional<std::pair<device_ptr, std::size_t>> device_pool::live_extent(device_ptr ptr)
+{
+  std::lock_guard lock{mutex_};
+  if (auto const it = live_.find(ptr); it != live_.end()) {  // the array's start: the usual ask
+    return std::pair{ptr, it->second->size};
+  }
+  auto it = segments_.upper_bound(ptr);
+  if (it == segments_.begin()) { return std::nullopt; }
+  --it;
+  auto const& seg = *it->second;
+  if (ptr >= seg.base + seg.size || seg.live_blocks == 0) { return std::nullopt; }
+  // A view inside an array: walk the segment's blocks in address order (a rare ask; a small
+  // segment holds at most a few thousand blocks).
+  for (auto const* b = seg.first; b != nullptr && b->ptr <= ptr; b = b->next) {
+    if (ptr < b->ptr + b->size) {
+      if (b->state != detail::block_state::allocated) { return std::nullopt; }
+      return std::pair{b->ptr, b->size};
+    }
+  }
+  return std::nullopt;
+}
+
 std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
 {
   std::lock_guard lock{mutex_};

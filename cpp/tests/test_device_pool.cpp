@@ -1555,6 +1555,36 @@ TEST(ipc_handle_describes_the_segment)
   CHECK(!f->ipc_handle(a).has_value());  // no live block in the segment
 }
 
+TEST(live_extent_is_the_block_holding_a_pointer)
+{
+  // Numba's device_extents asks for "the allocation" holding an array or a view inside it: the
+  // block, not the segment that other arrays share. A freed block or a foreign address: none.
+  fixture f;
+  auto const a = f->allocate(1000);  // blocks of 1024 B in one small segment
+  auto const b = f->allocate(1000);
+  auto const c = f->allocate(5000);
+  using extent = std::pair<device_ptr, std::size_t>;
+  CHECK(f->live_extent(a) == extent(a, 1024));
+  CHECK(f->live_extent(b + 10) == extent(b, 1024));   // a view inside b
+  CHECK(f->live_extent(b + 1023) == extent(b, 1024));
+  CHECK(f->live_extent(b + 1024) != extent(b, 1024));  // one past its end: not b
+  CHECK(f->live_extent(c + 4999) == extent(c, 5120));
+  CHECK(!f->live_extent(0x1234).has_value());
+  f->deallocate(b);
+  CHECK(!f->live_extent(b + 10).has_value());  // pending: no array holds it
+  f->synchronize();
+  CHECK(!f->live_extent(b).has_value());       // free
+  CHECK(f->live_extent(c + 1) == extent(c, 5120));
+  auto const big_block = f->allocate(big);  // a segment of its own
+  CHECK(f->live_extent(big_block + big - 1) == extent(big_block, big));
+  f->deallocate(a);
+  f->deallocate(c);
+  f->deallocate(big_block);
+  f->synchronize();
+  CHECK(!f->live_extent(a).has_value());  // no live block in the segment
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(destroying_the_pool_returns_everything)
 {
   host_driver drv;

@@ -47,6 +47,7 @@ import types
 import weakref
 
 from . import _core
+from . import _numba_extents
 from . import _numba_packages as packages
 from ._config import check_environment, ensure_configured, log
 
@@ -116,6 +117,8 @@ class _EmmPoolManager:
             # Last but for _pool: a bind that failed is tried again by the method.
             self.memalloc = self._entry.memalloc_for(
                 self._emm.MemoryPointer, self._ctx, functools.partial(_memalloc_error, self._emm))
+        # device_memory_size(array) is then the array's block, not the segment it shares.
+        _numba_extents.install(self._emm.driver, self._device, pool)
         self._pool = pool
         log.info("Numba context on device %d allocates from emmpool (%s mode)", self._device,
                  pool.options["mode"])

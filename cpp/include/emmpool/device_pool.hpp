@@ -41,6 +41,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace emmpool {
@@ -139,6 +140,12 @@ class device_pool : private detail::pool_lifecycle {
 
   /// @brief Whether ptr is a live block of this pool (the start of one).
   [[nodiscard]] bool owns(device_ptr ptr) const;
+
+  /// @brief The live block containing ptr (which may point inside it), as {address, size};
+  /// std::nullopt if no live block of this pool holds ptr. What "the allocation" of an array
+  /// is for a caller that asks the driver (Numba's device_extents: cuMemGetAddressRange would
+  /// answer with the whole segment, which other arrays share).
+  [[nodiscard]] std::optional<std::pair<device_ptr, std::size_t>> live_extent(device_ptr ptr);
 
   /// @brief IPC description of the block containing ptr (which may point inside it);
   /// std::nullopt if the pool did not allocate it. A segment is never released to the driver
