@@ -16,8 +16,8 @@ Usage::
 
 Options::
 
-    --mode MODE        the plugin's EMMPOOL_MODE; in a sub-allocating mode (pool) the two tests that
-                       assume one cuMemAlloc per allocation are expected to fail (docs/design.md, Modes)
+    --mode MODE        the plugin's EMMPOOL_MODE; in a sub-allocating mode (pool) the tests that
+                       assume one cuMemAlloc per allocation may fail (KNOWN_SUBALLOC_FAILS)
     --label TEXT       title for the report (default: MODE or "plugin")
     --all              every test the base ran is in scope (the plugin ran the same full suite);
                        default: only modules the plugin logs mention are in scope (targeted runs)
@@ -73,9 +73,12 @@ KNOWN_EXTERNAL_SKIPS = (
 )
 
 # Assume one cuMemAlloc per allocation: may fail in a sub-allocating mode (docs/design.md, Modes).
+# numba-cuda's test_host_alloc_pinned is no longer one: the plugin's device_extents answers with
+# the array's block (python/emmpool/_numba_extents.py; it passed on an H200,
+# benchmarks/results/*-s14-device-extents.txt). numba-cuda-mlir's has the same wrapper but has not
+# been run on a GPU since, so it stays excused.
 KNOWN_SUBALLOC_FAILS = (
     "numba.cuda.tests.cudapy.test_ipc.TestIpcMemory.test_ipc_handle",
-    "numba.cuda.tests.cudadrv.test_host_alloc.TestHostAlloc.test_host_alloc_pinned",
     "tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::test_host_alloc_pinned",
 )
 SUBALLOC_MODES = ("pool",)
@@ -730,21 +733,22 @@ def _selftest() -> int:
             "numba.cuda.tests.cudapy.test_cuda_array_interface.TestCudaArrayInterface.test_array_views",
             x + "test_sub", x + "test_xf",
             "numba.cuda.tests.cudadrv.test_init.TestInit.test_init_reset",  # unknown: run ended in it
+            # excused no more: the plugin sizes an array's allocation as its block
+            "numba.cuda.tests.cudadrv.test_host_alloc.TestHostAlloc.test_host_alloc_pinned",
         }, unexpected
         assert {t for t, _, _ in res["not_run"]} == {x + "test_gone"}  # plugin incomplete
         assert {t for t, _, _ in res["known_skip"]} == {
             "numba.cuda.tests.cudadrv.test_deallocations.TestDeallocation.test_max_pending_count",
             "numba.cuda.tests.cudapy.test_cuda_array_interface.TestCudaArrayInterface.test_ownership"}
         assert {t for t, _, _ in res["known_suballoc"]} == {
-            "numba.cuda.tests.cudapy.test_ipc.TestIpcMemory.test_ipc_handle",
-            "numba.cuda.tests.cudadrv.test_host_alloc.TestHostAlloc.test_host_alloc_pinned"}
+            "numba.cuda.tests.cudapy.test_ipc.TestIpcMemory.test_ipc_handle"}
         assert {t for t, _, _ in res["new_pass"]} == {x + "test_flaky"}
         assert {t for t, _, _ in res["new_fail"]} == {
             "unittest.loader._FailedTest.numba.cuda.tests.cudapy.test_z"}
         text, code = report("pool", base_logs, base, plug_logs, plug, res, True)
         assert code == 1 and "RESULT: FAIL" in text, text
 
-        # passthrough: the two sub-allocation tests are no longer excused
+        # passthrough: the sub-allocation tests are no longer excused
         res = compare(base_logs, base, plug_logs, plug, mode="passthrough", full_scope=True)
         unexpected = {t for t, _, _ in res["unexpected"]}
         assert "numba.cuda.tests.cudapy.test_ipc.TestIpcMemory.test_ipc_handle" in unexpected

@@ -6,20 +6,30 @@ through the installed plugin, with a real memset."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from emmpool import _core, _numba_extents
-
-driver = pytest.importorskip("numba.cuda.cudadrv.driver",
-                             reason="the wrapper is for numba-cuda's driver module")
+from emmpool import _numba_packages as packages
 
 SEGMENT = (1 << 44, 1 << 45)  # what the fake "driver" says: one big allocation
 
 
+@pytest.fixture(params=[p.name for p in packages.PACKAGES])
+def driver(request):
+    """The driver module of each package that provides Numba's CUDA target (skipped where it
+    is not installed)."""
+    package = next(p for p in packages.PACKAGES if p.name == request.param)
+    if package not in packages.installed():
+        pytest.skip(f"{package.name} is not installed")
+    return packages.emm_api(package).driver
+
+
 @pytest.fixture
-def asked(monkeypatch):
-    """Numba's device_extents replaced by a fake driver call (restored after the test), and no
-    pool registered yet. Returns the pointers the fake was asked about."""
+def asked(driver, monkeypatch):
+    """The driver module's device_extents replaced by a fake driver call (restored after the
+    test), and no pool registered yet. Returns the pointers the fake was asked about."""
     monkeypatch.setattr(_numba_extents, "_pools", {})
     calls = []
 
@@ -31,42 +41,42 @@ def asked(monkeypatch):
     return calls
 
 
-def memory(ptr, size):
+def memory(driver, ptr, size):
     return driver.MemoryPointer(None, driver.binding.CUdeviceptr(ptr), size)
 
 
-def array(ptr, n):
-    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+def array(driver, ptr, n):
+    devicearray = importlib.import_module(driver.__name__.rpartition(".")[0] + ".devicearray")
+    return devicearray.DeviceNDArray(shape=(n,), strides=(1,), dtype="u1",
+                                     gpu_data=memory(driver, ptr, n))
 
-    return DeviceNDArray(shape=(n,), strides=(1,), dtype="u1", gpu_data=memory(ptr, n))
 
-
-def test_a_pool_block_answers_for_itself_and_views_inside_it(host, asked):
+def test_a_pool_block_answers_for_itself_and_views_inside_it(host, driver, asked):
     pool = _core.DevicePool(host, 0)
     a, b = pool.allocate(1000), pool.allocate(1000)  # neighbours in one small segment
     _numba_extents.install(driver, 0, pool)
-    assert driver.device_extents(memory(b, 1000)) == (b, b + 1024)
-    assert driver.device_extents(memory(b, 1000).view(10)) == (b, b + 1024)
-    assert driver.device_extents(memory(a, 1000).view(999, 1000)) == (a, a + 1024)
+    assert driver.device_extents(memory(driver, b, 1000)) == (b, b + 1024)
+    assert driver.device_extents(memory(driver, b, 1000).view(10)) == (b, b + 1024)
+    assert driver.device_extents(memory(driver, a, 1000).view(999, 1000)) == (a, a + 1024)
     # device_memory_size of an array (which has no size of its own) goes through it
-    assert driver.device_memory_size(array(a, 1000)) == 1024
+    assert driver.device_memory_size(array(driver, a, 1000)) == 1024
     assert asked == []  # the driver was not asked
     pool.deallocate(a)
     pool.deallocate(b)
 
 
-def test_other_memory_is_the_drivers_answer(host, asked):
+def test_other_memory_is_the_drivers_answer(host, driver, asked):
     pool = _core.DevicePool(host, 0)
     a = pool.allocate(1000)
     _numba_extents.install(driver, 0, pool)
     pool.deallocate(a)  # freed: no array holds it
-    assert driver.device_extents(memory(a, 1000)) == SEGMENT
+    assert driver.device_extents(memory(driver, a, 1000)) == SEGMENT
     foreign = SEGMENT[0] + 4096
-    assert driver.device_extents(memory(foreign, 100)) == SEGMENT
+    assert driver.device_extents(memory(driver, foreign, 100)) == SEGMENT
     assert asked == [a, foreign]
 
 
-def test_installed_once_per_module_with_every_devices_pool(asked):
+def test_installed_once_per_module_with_every_devices_pool(driver, asked):
     drv = _core.HostDriver(devices=2, capacity=1 << 30)
     pools = [_core.DevicePool(drv, d) for d in (0, 1)]
     for d, pool in enumerate(pools):
@@ -76,7 +86,7 @@ def test_installed_once_per_module_with_every_devices_pool(asked):
     assert wrapper.__wrapped__.__name__ == "from_the_driver"  # one layer, over the original
     ptrs = [pool.allocate(5000) for pool in pools]
     for ptr in ptrs:
-        assert driver.device_extents(memory(ptr + 1, 10)) == (ptr, ptr + 5120)
+        assert driver.device_extents(memory(driver, ptr + 1, 10)) == (ptr, ptr + 5120)
     assert asked == []
     for pool, ptr in zip(pools, ptrs):
         pool.deallocate(ptr)
