@@ -496,6 +496,15 @@ void device_pool::reset()
 
 // ---- IPC ------------------------------------------------------------------------------------
 
+device_pool::segment* device_pool::segment_with_live_blocks(device_ptr ptr) const
+{
+  auto it = segments_.upper_bound(ptr);
+  if (it == segments_.begin()) { return nullptr; }
+  --it;
+  auto* const seg = it->second.get();
+  return ptr < seg->base + seg->size && seg->live_blocks != 0 ? seg : nullptr;
+}
+
 bool device_pool::owns(device_ptr ptr) const
 {
   std::lock_guard lock{mutex_};
@@ -508,14 +517,11 @@ std::optional<std::pair<device_ptr, std::size_t>> device_pool::live_extent(devic
   if (auto const it = live_.find(ptr); it != live_.end()) {  // the array's start: the usual ask
     return std::pair{ptr, it->second->size};
   }
-  auto it = segments_.upper_bound(ptr);
-  if (it == segments_.begin()) { return std::nullopt; }
-  --it;
-  auto const& seg = *it->second;
-  if (ptr >= seg.base + seg.size || seg.live_blocks == 0) { return std::nullopt; }
+  auto const* seg = segment_with_live_blocks(ptr);
+  if (seg == nullptr) { return std::nullopt; }
   // A view inside an array: walk the segment's blocks in address order (a rare ask; a small
   // segment holds at most a few thousand blocks).
-  for (auto const* b = seg.first; b != nullptr && b->ptr <= ptr; b = b->next) {
+  for (auto const* b = seg->first; b != nullptr && b->ptr <= ptr; b = b->next) {
     if (ptr < b->ptr + b->size) {
       if (b->state != detail::block_state::allocated) { return std::nullopt; }
       return std::pair{b->ptr, b->size};
@@ -528,11 +534,9 @@ std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
 {
   std::lock_guard lock{mutex_};
   if (forked_) { detail::throw_forked(); }
-  auto it = segments_.upper_bound(ptr);
-  if (it == segments_.begin()) { return std::nullopt; }
-  --it;
-  auto& seg = *it->second;
-  if (ptr >= seg.base + seg.size || seg.live_blocks == 0) { return std::nullopt; }
+  auto* const found = segment_with_live_blocks(ptr);
+  if (found == nullptr) { return std::nullopt; }
+  auto& seg = *found;
   if (seg.growable) { detail::growable_space::throw_no_ipc(); }
   if (!seg.ipc) { seg.ipc = driver_->ipc_handle(device_, seg.base); }
   return ipc_info{*seg.ipc, seg.base, seg.size, static_cast<std::size_t>(ptr - seg.base)};

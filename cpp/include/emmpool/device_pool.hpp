@@ -222,6 +222,8 @@ class device_pool : private detail::pool_lifecycle {
   // At a new peak (growing by `need`): large segments only, and few pages (growable_space).
   std::size_t release_free_segments(bool at_peak = false, std::size_t need = 0);
   void release_segment(segment* seg);
+  // The segment that holds ptr, if it has a live block (IPC, live_extent); else null.
+  [[nodiscard]] segment* segment_with_live_blocks(device_ptr ptr) const;
   // ---- frees
   void free_live(device_ptr ptr, stream_handle stream, int tag = -1);  // of library tag (>= 0)
   // try_deallocate(_tagged): of that generation (null: none retired), of library tag (>= 0).
