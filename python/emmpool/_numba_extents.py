@@ -20,6 +20,7 @@ The plugin therefore wraps the function in each Numba package's driver module it
 
 from __future__ import annotations
 
+import functools
 import threading
 
 _lock = threading.Lock()
@@ -48,9 +49,7 @@ def _wrap(driver, original):
                     return base, base + size
         return original(devmem)
 
-    device_extents.__wrapped__ = original
+    functools.update_wrapper(device_extents, original)  # its name and doc; __wrapped__
     device_extents.__doc__ = (original.__doc__ or "") + (
         "\n    emmpool: for memory of its pools, the extents of the block holding it.\n")
-    device_extents.__module__ = original.__module__
-    device_extents.__qualname__ = original.__qualname__
     return device_extents
