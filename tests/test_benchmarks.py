@@ -112,7 +112,7 @@ def test_pool_counters_are_per_timed_op_and_noted(bench_numba, monkeypatch, tmp_
     assert "churn: 0.25 batches_closed;" in md and "alloc_axpy: none" in md
 
 
-def test_paired_blocks_take_turns_and_ratios_are_block_by_block(bench_numba):
+def test_paired_blocks_take_turns_and_ratios_are_block_by_block(bench_numba, monkeypatch):
     # Three managers, the floor first: blocks in the order A B C, C B A, ... with the manager
     # switched in before each, and each ratio the block's time over the floor's block of the
     # same turn, so that a host that slows down half-way changes no ratio.
@@ -141,13 +141,8 @@ def test_paired_blocks_take_turns_and_ratios_are_block_by_block(bench_numba):
         return clock["t"]
 
     runs = {n: make_run(n) for n in cost}
-    orig = bench_numba.time.perf_counter
-    bench_numba.time.perf_counter = fake_clock
-    try:
-        log.clear()
-        out = bench_numba._measure_paired(runs, switch, lambda: None, knobs)
-    finally:
-        bench_numba.time.perf_counter = orig
+    monkeypatch.setattr(bench_numba.time, "perf_counter", fake_clock)
+    out = bench_numba._measure_paired(runs, switch, lambda: None, knobs)
     timed = log[-12:]
     assert timed == ["nothing", "emmpool", "cupy-pool", "cupy-pool", "emmpool", "nothing"] * 2
     assert "ratio_to_floor" not in out["nothing"]
