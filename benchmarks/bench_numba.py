@@ -795,11 +795,33 @@ def _markdown(report):
     return "\n".join(lines) + "\n"
 
 
-def _merge_rounds(results):
-    """One manager's results over rounds: the per-case median (quoted), the best round next to
-    it, and every round kept."""
+def _ok_rounds(results):
+    """The rounds that ran (neither failed nor skipped), or None if any did not."""
     ok = [r for r in results if "cases" in r and "failed" not in r and "skipped" not in r]
-    if len(ok) != len(results) or not ok:
+    return ok if ok and len(ok) == len(results) else None
+
+
+def _merged_cell(timed):
+    """One case of one manager over the rounds that timed it (oldest first): the last round's
+    cell with the median over rounds quoted (us_per_op, and ratio_to_floor where the rounds
+    have one), the best round next to it, and every round kept.
+
+    The median: on the GPU hosts used, now and then a whole process (the floor's as much as any
+    other) runs at about half speed, which the median of five or more rounds passes over and a
+    median of three may not."""
+    values = [c["us_per_op"] for c in timed]
+    cell = dict(timed[-1])
+    cell.update(us_per_op=statistics.median(values), best_us=min(values), rounds_us=values)
+    ratios = [c["ratio_to_floor"] for c in timed if "ratio_to_floor" in c]
+    if ratios:
+        cell.update(ratio_to_floor=statistics.median(ratios), rounds_ratio=ratios)
+    return cell
+
+
+def _merge_rounds(results):
+    """One manager's results over rounds (process pairing), each case by _merged_cell."""
+    ok = _ok_rounds(results)
+    if ok is None:
         return results[-1]
     merged = dict(ok[-1])
     merged["cases"] = {}
@@ -808,16 +830,7 @@ def _merge_rounds(results):
         if not timed:  # an error in every round: keep the last one's message
             merged["cases"][case] = dict(ok[-1]["cases"][case])
             continue
-        values = [c["us_per_op"] for c in timed]
-        cell = dict(timed[-1])
-        # The median over rounds is quoted: on the GPU hosts used, now and then a whole process
-        # (the floor's as much as any other) runs at about half speed, which the median of five
-        # or more rounds passes over and a median of three may not. The best round is shown
-        # next to it.
-        cell["us_per_op"] = statistics.median(values)
-        cell["best_us"] = min(values)
-        cell["rounds_us"] = values
-        merged["cases"][case] = cell
+        merged["cases"][case] = _merged_cell(timed)
     merged["rounds"] = len(ok)
     return merged
 
@@ -830,8 +843,8 @@ def _merge_paired(rounds):
     round's the median of its block ratios), and keeps every round."""
     managers = {}
     for home, results in rounds.items():
-        ok = [r for r in results if "cases" in r and "failed" not in r and "skipped" not in r]
-        if len(ok) != len(results) or not ok:
+        ok = _ok_rounds(results)
+        if ok is None:
             managers[home] = results[-1]
             continue
         last = ok[-1]
@@ -855,14 +868,7 @@ def _merge_paired(rounds):
                 if not timed:
                     merged["cases"][case] = {"error": cell.get("error", "no round timed it")}
                     continue
-                values = [c["us_per_op"] for c in timed]
-                out = dict(timed[-1])
-                out.update(us_per_op=statistics.median(values), best_us=min(values),
-                           rounds_us=values)
-                ratios = [c["ratio_to_floor"] for c in timed if "ratio_to_floor" in c]
-                if ratios:
-                    out.update(ratio_to_floor=statistics.median(ratios), rounds_ratio=ratios)
-                merged["cases"][case] = out
+                merged["cases"][case] = _merged_cell(timed)
             managers[name] = merged
     return managers
 
