@@ -37,6 +37,15 @@ assert type(info).__name__ == "MemoryInfo"
 print("OK")
 """
 
+# View(ptr, n, typestr): a foreign array, memory the pool did not allocate, known to Numba
+# only by the CUDA Array Interface.
+FOREIGN_ARRAY = r"""
+class View:
+    def __init__(self, ptr, n, typestr):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (n,), "typestr": typestr,
+                                         "version": 3}
+"""
+
 # The start of every IPC scenario: run_consumer(target, *args) runs target(*args, q) in a
 # spawned process and returns what it put on q (a consumer that dies without a result fails at
 # once, not after the timeout); read_handles is the consumer that copies back each handle's data.
@@ -121,21 +130,16 @@ if __name__ == "__main__":
 # nonzero offset into a raw cuMemAlloc allocation, and (where CuPy is installed) an array from
 # CuPy's own pool, itself a block inside one of CuPy's segments. Their handles are Numba's own
 # (the whole driver allocation, with the view's offset in it); the consumer reads the right data.
-IPC_FOREIGN = SPAWNED_CONSUMER + r"""
+IPC_FOREIGN = SPAWNED_CONSUMER + FOREIGN_ARRAY + r"""
 import importlib.util, numpy as np
 from cuda.bindings import driver as drv
-
-class View:  # a foreign array: only the CUDA Array Interface
-    def __init__(self, ptr, n):
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (n,), "typestr": "<i8",
-                                         "version": 3}
 
 if __name__ == "__main__":
     cuda.current_context()                          # Numba's (primary) context is current
     err, raw = drv.cuMemAlloc(1 << 20)
     assert err == drv.CUresult.CUDA_SUCCESS, err
     n = 10_000
-    view = cuda.as_cuda_array(View(int(raw) + 4096, n))
+    view = cuda.as_cuda_array(View(int(raw) + 4096, n, "<i8"))
     view.copy_to_device(np.arange(n, dtype=np.int64) * 5)
     pool = cuda.current_context().memory_manager.pool
     assert not pool.owns(int(raw) + 4096)
@@ -159,15 +163,10 @@ if __name__ == "__main__":
 
 # Numba's device_memory_size / device_extents: the array's block, not the segment its
 # neighbours share. Numba's own test_host_alloc_pinned zeroes device_memory_size(a) bytes from a.
-DEVICE_MEMORY_SIZE = IMPORT_CUDA + r"""
+DEVICE_MEMORY_SIZE = IMPORT_CUDA + FOREIGN_ARRAY + r"""
 import numpy as np
 from cuda.bindings import driver as drv
 driver = cuda.cudadrv.driver
-
-class View:  # a foreign array: only the CUDA Array Interface
-    def __init__(self, ptr, n):
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (n,), "typestr": "|u1",
-                                         "version": 3}
 
 before = cuda.to_device(np.full(1000, 5, np.uint8))
 a = cuda.device_array(1000, np.uint8)            # in pool mode, between two neighbours
@@ -183,7 +182,7 @@ assert (a.copy_to_host() == 0).all()
 assert (before.copy_to_host() == 5).all() and (after.copy_to_host() == 7).all(), "neighbours"
 err, raw = drv.cuMemAlloc(1 << 20)                 # memory the pool did not allocate
 assert err == drv.CUresult.CUDA_SUCCESS, err
-foreign = cuda.as_cuda_array(View(int(raw) + 4096, 100))
+foreign = cuda.as_cuda_array(View(int(raw) + 4096, 100, "|u1"))
 err, base, n = drv.cuMemGetAddressRange(raw)
 assert err == drv.CUresult.CUDA_SUCCESS, err
 assert driver.device_extents(foreign) == (int(base), int(base) + n), driver.device_extents(foreign)
