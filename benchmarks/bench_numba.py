@@ -426,24 +426,33 @@ def _device_cases():
     return cases
 
 
-def _run_cases(name, knobs, result):
-    sync = cuda.synchronize
-    cases = result["cases"]
-    counters = _pool_counters(name)
+def _describe(c):
+    """A _measure result, in a line of progress."""
+    return f"{c['us_per_op']:.2f} us/op ({c['blocks']} x {c['ops_per_block']} ops)"
 
+
+def _timed_case(label, measure, describe=_describe):
+    """measure() after a gc.collect() (each case starts clean; GC stays enabled: frees come
+    from finalizers), or {"error": ...} if it raised (the traceback printed); a line of progress
+    on stderr either way."""
+    gc.collect()
+    try:
+        c = measure()
+        msg = describe(c)
+    except Exception as e:
+        c = {"error": f"{type(e).__name__}: {e}"}
+        msg = c["error"]
+        traceback.print_exc()
+    print(f"[bench]   {label}: {msg}", file=sys.stderr, flush=True)
+    return c
+
+
+def _run_cases(name, knobs, result):
+    counters = _pool_counters(name)
     for case, make in _device_cases():
         run, finish = make(name)
-        gc.collect()  # start each case clean; GC stays enabled (frees come from finalizers)
-        try:
-            cases[case] = _measure(run, sync, knobs, counters)
-        except Exception as e:
-            cases[case] = {"error": f"{type(e).__name__}: {e}"}
-            traceback.print_exc()
-        c = cases[case]
-        msg = c.get("error") or (
-            f"{c['us_per_op']:.2f} us/op ({c['blocks']} x {c['ops_per_block']} ops)"
-        )
-        print(f"[bench]   {name} {case}: {msg}", file=sys.stderr, flush=True)
+        result["cases"][case] = _timed_case(
+            f"{name} {case}", lambda: _measure(run, cuda.synchronize, knobs, counters))
         result["checks"].update(finish())
 
 
@@ -451,15 +460,8 @@ def _run_pinned_cases(name, knobs, result):
     cases = result["cases"]
 
     def timed(case, run):
-        gc.collect()
-        try:
-            cases[case] = _measure(run, cuda.synchronize, knobs)
-        except Exception as e:
-            cases[case] = {"error": f"{type(e).__name__}: {e}"}
-            traceback.print_exc()
-        c = cases[case]
-        msg = c.get("error") or f"{c['us_per_op']:.2f} us/op"
-        print(f"[bench]   {name} {case}: {msg}", file=sys.stderr, flush=True)
+        cases[case] = _timed_case(f"{name} {case}",
+                                  lambda: _measure(run, cuda.synchronize, knobs))
 
     for kind, make in (("pinned", cuda.pinned_array), ("mapped", cuda.mapped_array)):
         for label, nbytes in PINNED_SIZES:
@@ -572,6 +574,14 @@ def _make_guest(name, ctx):
     return mm
 
 
+def _describe_paired(cell):
+    """A _measure_paired result, in a line of progress."""
+    return ", ".join(
+        f"{n} {c['us_per_op']:.2f}"
+        + (f" ({c['ratio_to_floor']:.3f}x)" if "ratio_to_floor" in c else "")
+        for n, c in cell.items()) + " us/op"
+
+
 def _run_paired_cases(home, guests, ctx, knobs, result):
     """The device cases with the installed manager (`home`) and the guests in one process, by
     _measure_paired: each case's cell is {manager: figures}, and result["paired"] names the
@@ -607,20 +617,11 @@ def _run_paired_cases(home, guests, ctx, knobs, result):
             for name in order:
                 switch(name)
                 built[name] = make(name)
-            gc.collect()  # start each case clean; GC stays enabled (frees come from finalizers)
-            try:
-                cell = _measure_paired({n: built[n][0] for n in order}, switch, sync, knobs,
-                                       counters)
-                msg = ", ".join(
-                    f"{n} {c['us_per_op']:.2f}"
-                    + (f" ({c['ratio_to_floor']:.3f}x)" if "ratio_to_floor" in c else "")
-                    for n, c in cell.items())
-            except Exception as e:
-                cell = {"error": f"{type(e).__name__}: {e}"}
-                msg = cell["error"]
-                traceback.print_exc()
-            result["cases"][case] = cell
-            print(f"[bench]   {case}: {msg} us/op", file=sys.stderr, flush=True)
+            result["cases"][case] = _timed_case(
+                case,
+                lambda: _measure_paired({n: built[n][0] for n in order}, switch, sync, knobs,
+                                        counters),
+                describe=_describe_paired)
             for name in order:
                 switch(name)
                 checks[name].update(built[name][1]())

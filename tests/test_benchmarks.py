@@ -200,3 +200,17 @@ def test_paired_mode_needs_emmpool(bench_numba, tmp_path):
     with pytest.raises(SystemExit, match="needs an emmpool manager"):
         bench_numba.main(["--out", str(tmp_path), "--cpus", "0",
                           "--managers", "nothing", "cupy-pool"])
+
+
+def test_a_case_that_raises_is_recorded_as_its_error(bench_numba, capsys):
+    # One case's failure must not stop the child's other cases: the error is its cell.
+    def fails():
+        raise RuntimeError("out of memory")
+
+    failed = bench_numba._timed_case("emmpool churn", fails)
+    assert failed == {"error": "RuntimeError: out of memory"}
+    ok = {"us_per_op": 1.5, "blocks": 7, "ops_per_block": 100}
+    assert bench_numba._timed_case("emmpool churn", lambda: ok) is ok
+    err = capsys.readouterr().err
+    assert "[bench]   emmpool churn: RuntimeError: out of memory" in err
+    assert "[bench]   emmpool churn: 1.50 us/op (7 x 100 ops)" in err
