@@ -33,8 +33,6 @@ namespace {
 
 using namespace emmpool;
 
-// The names of the allocation tags (stats.hpp), in order: statistics and traces use them.
-constexpr char const* library_names[alloc_tag_count] = {"other", "numba", "cupy", "torch", "rmm"};
 
 pool_mode parse_mode(std::string const& mode)
 {
@@ -111,7 +109,7 @@ py::dict stats_dict(pool_stats const& s)
     py::dict t;
     t["bytes_in_use"] = s.bytes_in_use_by_tag[i];
     t["allocations"]  = s.allocations_by_tag[i];
-    by_tag[library_names[i]] = t;
+    by_tag[alloc_tag_names[i]] = t;
   }
   d["by_library"] = by_tag;
   return d;
@@ -120,7 +118,11 @@ py::dict stats_dict(pool_stats const& s)
 alloc_tag to_tag(int tag)
 {
   if (tag < 0 || tag >= static_cast<int>(alloc_tag_count)) {
-    throw std::invalid_argument{"tag must be 0 (other), 1 (numba), 2 (cupy), 3 (torch) or 4 (rmm)"};
+    std::string what = "tag must be one of";
+    for (std::size_t i = 0; i < alloc_tag_count; ++i) {
+      what += (i == 0 ? " " : ", ") + std::to_string(i) + " (" + alloc_tag_names[i] + ")";
+    }
+    throw std::invalid_argument{what};
   }
   return static_cast<alloc_tag>(tag);
 }
@@ -201,7 +203,7 @@ PYBIND11_MODULE(_core, m)
   m.attr("ALIGNMENT")         = device_pool::alignment;
   {
     py::tuple names(alloc_tag_count);
-    for (std::size_t i = 0; i < alloc_tag_count; ++i) { names[i] = library_names[i]; }
+    for (std::size_t i = 0; i < alloc_tag_count; ++i) { names[i] = alloc_tag_names[i]; }
     m.attr("LIBRARIES") = names;
   }
 

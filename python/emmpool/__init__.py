@@ -1,4 +1,5 @@
-"""emmpool: one stream-safe GPU memory pool per device, shared by Numba, CuPy and PyTorch.
+"""emmpool: one stream-safe GPU memory pool per device, shared by Numba, cuda.core, CuPy and
+PyTorch.
 
 Importing emmpool touches no GPU: the CUDA driver is loaded on first use.
 """
@@ -19,11 +20,13 @@ __all__ = [
     "PoolError",
     "config",
     "configure",
+    "cuda_core_resource",
     "record_stream",
     "reset_peak_stats",
     "rmm_resource",
     "stats",
     "trim",
+    "use_for_cuda_core",
     "use_for_cupy",
     "use_for_numba",
     "use_for_torch",
@@ -45,6 +48,24 @@ def use_for_numba() -> None:
     for package in _numba_packages.installed():
         manager = plugin.manager_for(package.name)
         _numba_packages.emm_api(package).set_memory_manager(manager)
+
+
+def use_for_cuda_core(devices=None) -> list:
+    """Make cuda.core allocate from emmpool: each device's ``Device(i).memory_resource``
+    becomes :func:`cuda_core_resource` ``(i)`` (default: every device). cuda.core's Device
+    objects are per thread: this sets the calling thread's. Returns the resources.
+    (The Numba plugin does this itself for the Device Numba allocates through.)"""
+    from . import cuda_core
+
+    return cuda_core.install(devices)
+
+
+def cuda_core_resource(device: int | None = None):
+    """emmpool's ``cuda.core.MemoryResource`` for ``device`` (default: the current device,
+    else 0): :class:`emmpool.cuda_core.EmmPoolMemoryResource`."""
+    from . import cuda_core
+
+    return cuda_core.resource(device)
 
 
 def use_for_cupy() -> None:

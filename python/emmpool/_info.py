@@ -23,6 +23,7 @@ _LIBRARIES = [
     ("numba", ("numba",)),
     ("numba-cuda-mlir", ("numba-cuda-mlir",)),
     ("cuda-bindings", ("cuda-bindings",)),
+    ("cuda-core", ("cuda-core",)),
     ("numpy", ("numpy",)),
     ("cupy", ("cupy-cuda13x", "cupy-cuda12x", "cupy")),
     ("torch", ("torch",)),

@@ -27,7 +27,9 @@ made on first use, so a process that uses one package never imports the other. A
 a context of the other package uses says so at once instead of mixing the two.
 
 Device memory comes from the process-wide pool of the context's device (shared with CuPy and
-PyTorch when their hooks are installed). Pinned and mapped host memory are Numba's own
+PyTorch when their hooks are installed): what Numba asks of this interface, and what it asks
+of cuda.core (host arrays copied for a kernel launch, ``cuda.In/Out/InOut``), for which the
+plugin makes emmpool the memory resource of numba's cuda.core Device (emmpool.cuda_core). Pinned and mapped host memory are Numba's own
 (``HostOnlyCUDAMemoryManager``) unless ``EMMPOOL_PINNED=pool``: then ``memhostalloc`` is served
 by emmpool's pinned-host cache and ``mempin`` goes through its C++ core (see host_pool.hpp).
 
@@ -119,6 +121,10 @@ class _EmmPoolManager:
                 self._emm.MemoryPointer, self._ctx, functools.partial(_memalloc_error, self._emm))
         # device_memory_size(array) is then the array's block, not the segment it shares.
         _numba_extents.install(self._emm.driver, self._device, pool)
+        # Numba copies host arrays to the device for kernel launches (and In/Out/InOut)
+        # through cuda.core's Device.allocate, beside this interface: that Device's memory
+        # resource becomes emmpool's too, its blocks counted as Numba's.
+        _serve_cuda_core(dev)
         self._pool = pool
         log.info("Numba context on device %d allocates from emmpool (%s mode)", self._device,
                  pool.options["mode"])
@@ -235,6 +241,19 @@ class _EmmPoolManager:
     @property
     def interface_version(self):
         return 1
+
+
+def _serve_cuda_core(numba_device) -> None:
+    """Install emmpool's cuda.core resource (library "numba") on the cuda.core Device that
+    numba-cuda and numba-cuda-mlir allocate kernel-argument copies from (``Device._dev``, in
+    ``devicearray._to_strided_memory_view``). A context attached from a third party has no
+    such Device, and allocates nothing through cuda.core."""
+    core_device = getattr(numba_device, "_dev", None)
+    if core_device is None:
+        return
+    from . import cuda_core
+
+    cuda_core.install_on(core_device, library="numba")
 
 
 def _as_numba_error(emm, e: Exception) -> Exception:

@@ -95,7 +95,8 @@ class device_pool : private detail::pool_lifecycle {
    * has completed (legacy_stream: after all blocking-stream work issued before the free), or at
    * once for an allocation on that same named stream. `allocation_stream`: the stream named
    * when the block was allocated (which may be gone by now: it is never passed to CUDA on
-   * this free's account). Any other stream must be alive during the call (its id is asked).
+   * this free's account); so is a stream with that stream's handle. Any other stream must be
+   * alive during the call (its id is asked).
    * Calls CUDA only for that id, and to record a record_stream fence (see record_stream).
    * @throws pool_error if ptr is not a live block of this pool.
    */
@@ -109,7 +110,7 @@ class device_pool : private detail::pool_lifecycle {
 
   /// @brief That free without waiting for the pool's lock and without a CUDA call (the block is
   /// of the current generation, has no record_stream fence, and `stream` is a context stream
-  /// or allocation_stream); false if it could not be done so: then call deallocate().
+  /// or the allocation's); false if it could not be done so: then call deallocate().
   [[nodiscard]] bool try_deallocate(device_ptr ptr, stream_handle stream,
                                     std::uint64_t generation)
   {

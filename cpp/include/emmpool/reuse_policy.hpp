@@ -77,7 +77,10 @@
  *    (allocation_key: no client allocates on a dead stream), or during a free or record_stream
  *    whose caller passes it explicitly and so vouches for it. A stream_ref stored with a block
  *    (the allocation's stream, for the frees of CuPy and PyTorch, which name none or that one)
- *    is never passed to CUDA afterwards on its own say-so.
+ *    is never passed to CUDA afterwards on its own say-so. A free that passes the allocation's
+ *    handle (cuda.core and RMM pass the stream they allocated on) is fenced on that stored key,
+ *    unasked: if the handle is another stream's by now, the key's stream is dead, and its
+ *    batch waits for the device synchronization below, which covers the new stream's work too.
  *  - Batches are keyed by stream_ref, so a new stream that reuses a dead stream's handle is
  *    another stream: it can neither take a dead stream's blocks in "stream order" (whose
  *    work it does not follow) nor have events recorded for them.
@@ -187,16 +190,27 @@ class reuse_policy {
 
   // ---- frees ---------------------------------------------------------------------------------
 
-  /// @brief Whether free() of `blk` from `stream` calls no CUDA: a context stream or
-  /// allocation_stream (no id to ask), and no record_stream fence to record.
-  [[nodiscard]] static bool free_is_local(detail::block const& blk, stream_handle stream) noexcept
+  /// @brief Whether a free of `blk` from `stream` is fenced on the stream of its allocation, as
+  /// the pool knows it: allocation_stream, or a stream with that stream's handle (see
+  /// "stream lifetime": its key is never asked again).
+  [[nodiscard]] static bool frees_on_allocation_stream(detail::block const& blk,
+                                                       stream_handle stream) noexcept
   {
-    return (is_context_stream(stream) || stream == allocation_stream) && blk.also_fence.is_none();
+    return stream == allocation_stream || stream == blk.alloc_stream.handle;
   }
 
-  /// @brief Free `blk` from `stream`: allocation_stream stands for the block's allocation
-  /// stream (which may be gone by now: never asked); any other stream is the caller's, alive
-  /// now (its id is asked: the one step that may throw, before anything changed). Then
+  /// @brief Whether free() of `blk` from `stream` calls no CUDA: a context stream or the
+  /// allocation's (no id to ask), and no record_stream fence to record.
+  [[nodiscard]] static bool free_is_local(detail::block const& blk, stream_handle stream) noexcept
+  {
+    return (is_context_stream(stream) || frees_on_allocation_stream(blk, stream)) &&
+           blk.also_fence.is_none();
+  }
+
+  /// @brief Free `blk` from `stream`: allocation_stream, or the handle of the block's
+  /// allocation stream, stands for that stream (which may be gone by now: never asked); any
+  /// other stream is the caller's, alive now (its id is asked: the one step that may throw,
+  /// before anything changed). Then
   /// `off_books(key)` lets the pool take the block off its books (key: the stream the free is
   /// fenced on), and the block joins that stream's open batch. A record_stream stream other
   /// than `key` is fenced first, by an event recorded now (its caller keeps it alive until the
@@ -204,7 +218,7 @@ class reuse_policy {
   template <class OffBooks>
   void free(detail::block* blk, stream_handle stream, OffBooks&& off_books)
   {
-    auto const key = stream == allocation_stream ? blk->alloc_stream : ref_of(stream);
+    auto const key = frees_on_allocation_stream(*blk, stream) ? blk->alloc_stream : ref_of(stream);
     off_books(key);
     enqueue(blk, key);
   }

@@ -12,8 +12,12 @@
 namespace emmpool {
 
 /// @brief Who asked for a block: statistics are broken down by library.
-enum class alloc_tag : std::uint8_t { other = 0, numba = 1, cupy = 2, torch = 3, rmm = 4 };
-inline constexpr std::size_t alloc_tag_count = 5;
+enum class alloc_tag : std::uint8_t { other = 0, numba = 1, cupy = 2, torch = 3, rmm = 4,
+                                      cuda_core = 5 };
+inline constexpr std::size_t alloc_tag_count = 6;
+/// @brief The names of the tags, in order: what statistics, traces and Python call them.
+inline constexpr char const* alloc_tag_names[alloc_tag_count] = {"other", "numba", "cupy",
+                                                                 "torch", "rmm", "cuda_core"};
 
 /// @brief A snapshot of one device pool. Sizes are in bytes, as the pool rounds them (256 B).
 struct pool_stats {

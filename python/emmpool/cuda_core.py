@@ -1,0 +1,246 @@
+"""emmpool as a cuda.core memory resource.
+
+cuda.core (NVIDIA's Python layer over the driver, which numba-cuda builds on) lets a program
+choose what serves each device's allocations: ``Device(i).memory_resource = mr``.
+:class:`EmmPoolMemoryResource` is such an ``mr`` over emmpool's pool of device ``i``, the pool
+Numba, CuPy and PyTorch share, so that a Buffer made by cuda.core (by the program, or by
+numba-cuda when it copies a host array to the device for a kernel launch) comes from the same
+memory, counts in :func:`emmpool.stats`, obeys the pool's limits and returns with
+:func:`emmpool.trim`::
+
+    import emmpool
+    from cuda.core import Device
+
+    emmpool.use_for_cuda_core()          # every device, for this thread's Device objects
+    dev = Device(0)
+    dev.set_current()
+    buf = dev.allocate(1 << 20, stream=dev.default_stream)   # from emmpool's pool
+    buf.close()
+
+**Streams.** ``allocate(size, stream=s)`` hands out a block that work on ``s`` may use at once,
+and ``deallocate(ptr, size, stream=s)`` (what ``Buffer.close(s)`` and garbage collection call)
+frees it in ``s``'s order, the contract of cuda.core's own stream-ordered resource: a later
+allocation on ``s`` may take the block at once, any other stream only after an event recorded
+on ``s`` has completed. Memory used on another stream must be ordered before the free by the
+program (as with cuda.core's resource), or declared with :func:`emmpool.record_stream`. A free on
+the stream of the allocation (the default: cuda.core records it in the Buffer) never passes
+its handle to CUDA again, so a stream destroyed in between is harmless (the reuse rule:
+``cpp/include/emmpool/reuse_policy.hpp``).
+
+**Graphs.** An allocation ordered into a CUDA graph being built (a ``GraphBuilder`` as the
+stream) is passed to the device's own cuda.core resource, which makes it a node of the graph:
+a pool block handed out while capturing would be freed and reused while the graph still
+refers to it.
+
+**Threads.** cuda.core's ``Device(i)`` objects are per thread: :func:`install` sets the
+resource of the calling thread's objects; call it in each thread that allocates through
+``Device.allocate``. numba-cuda keeps the Device of the thread that made its context and uses
+it from every thread: the Numba plugin installs the resource there, once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from . import _core
+from ._config import ensure_configured
+
+try:
+    from cuda.core import Buffer, Device, MemoryResource, Stream
+    from cuda.core.graph import GraphBuilder
+except ImportError as e:  # pragma: no cover - cuda-core comes with numba-cuda
+    raise ImportError(
+        "emmpool.cuda_core needs cuda.core: pip install 'cuda-core[cu13]' (numba-cuda brings it)"
+    ) from e
+
+try:
+    from cuda.core._utils.cuda_utils import CUDAError as _CUDAError
+except ImportError:  # pragma: no cover - where cuda.core moves it, its base still holds
+    _CUDAError = Exception
+
+__all__ = ["EmmPoolMemoryResource", "OutOfMemoryError", "install", "resource"]
+
+_LEGACY = _core.LEGACY_STREAM
+_ALLOCATION = _core.ALLOCATION_STREAM
+
+
+class OutOfMemoryError(_CUDAError, _core.OutOfMemoryError):
+    """What an allocation the pool cannot serve raises: the error cuda.core raises for the
+    driver's ``CUDA_ERROR_OUT_OF_MEMORY`` (its message starts with that name), and emmpool's
+    :class:`emmpool.OutOfMemoryError` (a ``MemoryError``), so either handler catches it."""
+
+
+class EmmPoolMemoryResource(MemoryResource):
+    """A cuda.core ``MemoryResource`` over emmpool's pool of one device.
+
+    ``library``: the name its blocks count under in ``stats()["by_library"]``
+    ("cuda_core"; the Numba plugin's is "numba"). ``fallback``: the resource that serves
+    allocations into a graph being built (default: a ``DeviceMemoryResource`` of the device,
+    made on first need).
+    """
+
+    __slots__ = ("_device", "_pool", "_tag", "_allocate", "_free", "_fallback", "_lock")
+
+    def __init__(self, device: int = 0, *, library: str = "cuda_core",
+                 fallback: MemoryResource | None = None) -> None:
+        if type(device) is not int:
+            device = _as_int(device, "device")
+        if library not in _core.LIBRARIES:
+            raise ValueError(f"library must be one of {', '.join(_core.LIBRARIES)}, not {library!r}")
+        if fallback is not None and not isinstance(fallback, MemoryResource):
+            raise TypeError(f"fallback must be a cuda.core MemoryResource, not {type(fallback).__name__}")
+        ensure_configured()
+        pool = _core.pool(device)  # raises ValueError for a device that does not exist
+        self._device = device
+        self._pool = pool
+        self._tag = _core.LIBRARIES.index(library)
+        self._allocate = pool.allocate
+        self._free = pool.deallocate_tagged
+        self._fallback = fallback
+        self._lock = threading.Lock()
+
+    # -- the MemoryResource interface ----------------------------------------------------
+    def allocate(self, size: int, *, stream: Stream | GraphBuilder | None = None) -> Buffer:
+        """A Buffer of ``size`` bytes from the pool, for work on ``stream`` (None: cuda.core's
+        default stream). Zero bytes give a Buffer at address 0, as cuda.core's resources do.
+
+        Raises :class:`OutOfMemoryError` when the pool cannot serve it."""
+        if type(size) is not int:
+            size = _as_int(size, "size")
+        if type(stream) is Stream:
+            handle = stream.__cuda_stream__()[1]
+        elif stream is None:
+            handle = _LEGACY  # "no stream named": freed blocks wait for an event
+        elif isinstance(stream, GraphBuilder):
+            return self._graph_resource().allocate(size, stream=stream)
+        else:
+            handle = _stream_handle(stream)  # a Stream subclass, or what has __cuda_stream__
+        if size <= 0:
+            if size < 0:
+                raise ValueError(f"cannot allocate a negative number of bytes ({size})")
+            return Buffer.from_handle(0, 0, self, stream=stream)
+        try:
+            ptr = self._allocate(size, handle, self._tag)
+        except _core.OutOfMemoryError as e:
+            raise OutOfMemoryError(f"CUDA_ERROR_OUT_OF_MEMORY: {e}") from None
+        try:
+            return Buffer.from_handle(ptr, size, self, stream=stream)
+        except BaseException:
+            self._free(ptr, _ALLOCATION, self._tag)
+            raise
+
+    def deallocate(self, ptr, size: int, *, stream: Stream | GraphBuilder | None = None) -> None:
+        """Free the block at ``ptr`` in ``stream``'s order (None: the allocation's stream).
+
+        Raises :class:`emmpool.PoolError` for a pointer this resource did not allocate or
+        already freed (cuda.core reports it as a warning when a Buffer is collected)."""
+        ptr = int(ptr)
+        if not ptr:
+            return  # a zero-byte Buffer
+        if type(stream) is Stream:
+            handle = stream.__cuda_stream__()[1]
+        elif stream is None:
+            handle = _ALLOCATION
+        else:
+            handle = _stream_handle(stream)
+        self._free(ptr, handle, self._tag)
+
+    @property
+    def device_id(self) -> int:
+        return self._device
+
+    @property
+    def is_device_accessible(self) -> bool:
+        return True
+
+    @property
+    def is_host_accessible(self) -> bool:
+        return False
+
+    @property
+    def is_managed(self) -> bool:
+        return False
+
+    # -- emmpool's own -------------------------------------------------------------------
+    @property
+    def pool(self):
+        """The :class:`emmpool._core.DevicePool` this resource allocates from."""
+        return self._pool
+
+    @property
+    def library(self) -> str:
+        """What its blocks count as in ``stats()["by_library"]``."""
+        return _core.LIBRARIES[self._tag]
+
+    def __repr__(self) -> str:
+        return f"<EmmPoolMemoryResource device={self._device} library={self.library!r}>"
+
+    # -- allocations into a graph being built -------------------------------------------
+    def _graph_resource(self) -> MemoryResource:
+        with self._lock:
+            if self._fallback is None:
+                from cuda.core import DeviceMemoryResource
+
+                self._fallback = DeviceMemoryResource(self._device)
+            return self._fallback
+
+
+def _stream_handle(stream) -> int:
+    """The CUstream of what cuda.core accepts as a stream (an object with ``__cuda_stream__``);
+    TypeError, as cuda.core raises, for anything else."""
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if protocol is None:
+        raise TypeError(
+            f"stream must be a cuda.core Stream or GraphBuilder (or an object with "
+            f"__cuda_stream__), not {type(stream).__name__}")
+    version, handle = protocol()
+    return int(handle)
+
+
+def _as_int(value, what: str) -> int:
+    try:
+        return int(value.__index__())
+    except (AttributeError, TypeError):
+        raise TypeError(f"{what} must be an integer, not {type(value).__name__}") from None
+
+
+_resources: dict[tuple[int, str], EmmPoolMemoryResource] = {}
+_making = threading.Lock()
+
+
+def resource(device: int | None = None, *, library: str = "cuda_core") -> EmmPoolMemoryResource:
+    """emmpool's cuda.core memory resource for ``device`` (default: the current device, else
+    0), one per device and library, made on first use."""
+    if device is None:
+        device = max(_core.current_device(), 0)
+    elif type(device) is not int:
+        device = _as_int(device, "device")
+    with _making:
+        mr = _resources.get((device, library))
+        if mr is None:
+            mr = _resources[(device, library)] = EmmPoolMemoryResource(device, library=library)
+        return mr
+
+
+def install(devices=None, *, library: str = "cuda_core") -> list[EmmPoolMemoryResource]:
+    """Make emmpool serve cuda.core's allocations: ``Device(i).memory_resource`` becomes
+    :func:`resource` ``(i)`` for each device in ``devices`` (default: every device), on the
+    calling thread's Device objects (cuda.core's are per thread). What each device had before
+    serves its allocations into graphs being built. Returns the resources, in device order."""
+    if devices is None:
+        devices = range(_core.device_count())
+    installed = []
+    for d in devices:
+        installed.append(install_on(Device(d), library=library))
+    return installed
+
+
+def install_on(device, *, library: str = "cuda_core") -> EmmPoolMemoryResource:
+    """:func:`install` for one cuda.core ``Device`` object (numba-cuda's, say). Idempotent."""
+    mr = resource(device.device_id, library=library)
+    previous = device.memory_resource
+    if previous is not mr:
+        if not isinstance(previous, EmmPoolMemoryResource) and mr._fallback is None:
+            mr._fallback = previous
+        device.memory_resource = mr
+    return mr

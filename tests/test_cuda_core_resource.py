@@ -1,0 +1,255 @@
+"""emmpool.cuda_core without a GPU: the resource over the host driver.
+
+cuda.core's Buffer needs a CUDA context to record its deallocation stream, so here the
+resource's Buffer is a recording stand-in (``RecordedBuffer``); everything else is real: the
+process-wide pools over a HostDriver, streams as cuda.core passes them (objects with
+``__cuda_stream__``), and cuda.core's own base classes. Each test runs in a fresh interpreter
+(the process-wide pools take their driver once). On a GPU, tests/test_gpu_cuda_core.py runs
+the real thing."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.processes import run_python
+
+pytest.importorskip("cuda.core", reason="needs cuda-core (pip install 'emmpool[numba]')")
+
+PRELUDE = textwrap.dedent(
+    """
+    import emmpool
+    from emmpool import _core
+    host = _core.HostDriver(devices=2, capacity=1 << 30)
+    host.set_auto_complete(False)
+    _core._use_driver_for_all_pools(host)
+    from emmpool import cuda_core
+
+    class RecordedBuffer:
+        made = []
+        fail = False
+
+        @classmethod
+        def from_handle(cls, ptr, size, mr=None, owner=None, *, stream=None):
+            if cls.fail:
+                raise RuntimeError("no context")
+            b = cls()
+            b.ptr, b.size, b.mr, b.stream = ptr, size, mr, stream
+            cls.made.append(b)
+            return b
+
+        def close(self, stream=None):
+            self.mr.deallocate(self.ptr, self.size, stream=self.stream if stream is None else stream)
+
+    cuda_core.Buffer = RecordedBuffer
+
+    class S:  # a stream as cuda.core passes it
+        def __init__(self, handle):
+            self.handle = handle
+        def __cuda_stream__(self):
+            return (0, self.handle)
+
+    def in_use(library, device=0):
+        return emmpool.stats(device)["by_library"][library]["bytes_in_use"]
+    """
+)
+
+
+def run(body: str):
+    p = run_python(["-c", PRELUDE + textwrap.dedent(body) + "\nprint('OK')\n"], timeout=120)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
+
+
+def test_the_resource_is_a_cuda_core_memory_resource_of_its_device():
+    run(
+        """
+        from cuda.core import MemoryResource
+        mr = cuda_core.resource(1)
+        assert isinstance(mr, MemoryResource) and mr is cuda_core.resource(1)
+        assert (mr.device_id, mr.is_device_accessible, mr.is_host_accessible, mr.is_managed) == (1, True, False, False)
+        assert mr.library == "cuda_core" and mr.pool is _core.pool(1)
+        assert cuda_core.resource(1, library="numba") is not mr
+        assert emmpool.cuda_core_resource(0) is cuda_core.resource(0)
+        assert "device=1" in repr(mr)
+        """
+    )
+
+
+def test_allocate_and_free_on_a_stream_go_through_the_pool():
+    run(
+        """
+        mr = cuda_core.resource(0)
+        s = S(host.create_stream())
+        b = mr.allocate(1000, stream=s)
+        assert (b.size, b.mr, b.stream) == (1000, mr, s) and b.ptr % 256 == 0
+        assert in_use("cuda_core") == 1024 and in_use("numba") == 0
+        queries = host.stats()["stream_id_queries"]
+        b.close()  # on the allocation's stream, as cuda.core does by default
+        assert host.stats()["stream_id_queries"] == queries  # its handle is not asked again
+        assert emmpool.stats(0)["bytes_in_use"] == 0
+        # the same stream takes it back at once, unfenced (stream order)
+        assert mr.allocate(1000, stream=s).ptr == b.ptr
+        assert emmpool.stats(0)["same_stream_reuses"] == 1
+        """
+    )
+
+
+def test_a_free_on_another_stream_waits_for_its_fence():
+    run(
+        """
+        mr = cuda_core.resource(0)
+        a, other = S(host.create_stream()), S(host.create_stream())
+        b = mr.allocate(1 << 20, stream=a)
+        b.close(other)  # Buffer.close(stream): in that stream's order
+        assert mr.allocate(1 << 20, stream=a).ptr != b.ptr      # not a's
+        assert mr.allocate(1 << 20, stream=S(0)).ptr != b.ptr   # nor anyone's before the fence
+        host.complete_all_events()
+        got = {mr.allocate(1 << 20, stream=other).ptr for _ in range(3)}
+        assert b.ptr in got  # other's own, at once
+        """
+    )
+
+
+def test_a_free_on_the_allocations_stream_after_it_died_never_touches_it():
+    run(
+        """
+        mr = cuda_core.resource(0)
+        s = S(host.create_stream())
+        b = mr.allocate(24 << 20, stream=s)
+        host.destroy_stream(s.handle)
+        b.close()  # the dead handle, as recorded in the Buffer
+        reborn = S(host.create_stream())
+        assert reborn.handle == s.handle  # another stream with the same handle
+        got = [mr.allocate(24 << 20, stream=reborn).ptr for _ in range(2)]
+        assert b.ptr not in got  # reborn does not follow the dead stream's work
+        assert host.stats()["dead_stream_uses"] == 0
+        emmpool.trim()  # a device synchronization fences it
+        assert emmpool.stats(0)["bytes_waiting"] == 0
+        """
+    )
+
+
+def test_no_stream_is_cuda_cores_default_and_the_free_waits_for_an_event():
+    run(
+        """
+        mr = cuda_core.resource(0)
+        b = mr.allocate(4096)
+        assert b.stream is None
+        mr.deallocate(b.ptr, b.size)  # no stream: the allocation's ("none named")
+        assert emmpool.stats(0)["bytes_waiting"] == 4096
+        assert mr.allocate(4096, stream=S(0)).ptr != b.ptr  # not even in stream order
+        host.complete_all_events()
+        mr.pool.synchronize()
+        assert emmpool.stats(0)["bytes_waiting"] == 0
+        """
+    )
+
+
+def test_zero_bytes_is_address_zero_and_its_free_is_nothing():
+    run(
+        """
+        mr = cuda_core.resource(0)
+        b = mr.allocate(0, stream=S(0))
+        assert (b.ptr, b.size) == (0, 0) and emmpool.stats(0)["allocations"] == 0
+        b.close()
+        mr.deallocate(0, 0, stream=S(0))
+        """
+    )
+
+
+def test_numba_library_counts_as_numba():
+    run(
+        """
+        mr = cuda_core.resource(0, library="numba")
+        b = mr.allocate(256, stream=S(0))
+        assert in_use("numba") == 256 and in_use("cuda_core") == 0
+        b.close()
+        assert in_use("numba") == 0
+        """
+    )
+
+
+def test_bad_input_gets_a_clear_error_and_loses_nothing():
+    run(
+        """
+        import numpy as np
+        mr = cuda_core.resource(0)
+        for size, err in [(-1, ValueError), (1.5, TypeError), ("8", TypeError)]:
+            try:
+                mr.allocate(size, stream=S(0))
+            except err as e:
+                assert "size" in str(e) or "negative" in str(e), e
+            else:
+                raise AssertionError(size)
+        assert mr.allocate(np.int64(512), stream=S(0)).size == 512  # any integer
+        try:
+            mr.allocate(8, stream=0)
+        except TypeError as e:
+            assert "stream must be" in str(e)
+        else:
+            raise AssertionError("stream=0")
+        for bad in [dict(library="tensorflow"), dict(fallback=object())]:
+            try:
+                cuda_core.EmmPoolMemoryResource(0, **bad)
+            except (ValueError, TypeError):
+                pass
+            else:
+                raise AssertionError(bad)
+        b = mr.allocate(300, stream=S(0))
+        b.close()
+        try:
+            b.close()  # twice
+        except emmpool.PoolError as e:
+            assert "not a live allocation" in str(e)
+        else:
+            raise AssertionError("double free")
+        try:  # a Buffer that cannot be made gives its block back
+            RecordedBuffer.fail = True
+            mr.allocate(1 << 20, stream=S(0))
+        except RuntimeError:
+            pass
+        RecordedBuffer.fail = False
+        assert emmpool.stats(0)["bytes_in_use"] == 512  # the np.int64 one only
+        """
+    )
+
+
+def test_out_of_memory_is_cuda_cores_error_and_emmpools():
+    run(
+        """
+        from cuda.core._utils.cuda_utils import CUDAError
+        emmpool.configure(maximum_pool_size=64 << 20)
+        mr = cuda_core.resource(0)
+        keep = mr.allocate(48 << 20, stream=S(0))
+        try:
+            mr.allocate(32 << 20, stream=S(0))
+        except CUDAError as e:
+            assert isinstance(e, MemoryError) and isinstance(e, emmpool.OutOfMemoryError)
+            msg = str(e)
+            assert msg.startswith("CUDA_ERROR_OUT_OF_MEMORY") and "emmpool" in msg, msg
+            assert "32.00 MiB" in msg and "device 0" in msg, msg
+        else:
+            raise AssertionError("no error")
+        keep.close()
+        assert mr.allocate(32 << 20, stream=S(0)).size == 32 << 20  # and it recovers
+        """
+    )
+
+
+def test_install_on_a_device_keeps_its_resource_for_graphs():
+    run(
+        """
+        class Device:  # what install_on reads and writes of cuda.core's Device
+            def __init__(self, i, mr):
+                self.device_id, self.memory_resource = i, mr
+        default = object()
+        d = Device(1, default)
+        mr = cuda_core.install_on(d)
+        assert d.memory_resource is mr is cuda_core.resource(1)
+        assert mr._fallback is default
+        assert cuda_core.install_on(d) is mr and mr._fallback is default  # idempotent
+        numba = cuda_core.install_on(Device(1, mr), library="numba")
+        assert numba is not mr and numba._fallback is None  # never emmpool's own
+        """
+    )
