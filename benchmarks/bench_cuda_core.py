@@ -36,7 +36,7 @@ import cpus  # noqa: E402
 SIZES = [4 << 10, 64 << 20]
 
 CHILD = r"""
-import gc, json, sys, time
+import gc, json, statistics, sys, time
 import numpy as np
 from numba import cuda
 from cuda.core import DeviceMemoryResource, Stream

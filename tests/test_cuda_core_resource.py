@@ -189,10 +189,10 @@ def test_bad_input_gets_a_clear_error_and_loses_nothing():
             assert "stream must be" in str(e)
         else:
             raise AssertionError("stream=0")
-        for bad in [dict(library="tensorflow"), dict(fallback=object())]:
+        for bad, err in [(dict(library="tensorflow"), ValueError), (dict(device="0"), TypeError)]:
             try:
-                cuda_core.EmmPoolMemoryResource(0, **bad)
-            except (ValueError, TypeError):
+                cuda_core.EmmPoolMemoryResource(**bad)
+            except err:
                 pass
             else:
                 raise AssertionError(bad)
@@ -237,19 +237,24 @@ def test_out_of_memory_is_cuda_cores_error_and_emmpools():
     )
 
 
-def test_install_on_a_device_keeps_its_resource_for_graphs():
+def test_install_on_a_device_object_and_from_numbas_plugin():
     run(
         """
         class Device:  # what install_on reads and writes of cuda.core's Device
             def __init__(self, i, mr):
                 self.device_id, self.memory_resource = i, mr
-        default = object()
-        d = Device(1, default)
+        d = Device(1, object())
         mr = cuda_core.install_on(d)
         assert d.memory_resource is mr is cuda_core.resource(1)
-        assert mr._fallback is default
-        assert cuda_core.install_on(d) is mr and mr._fallback is default  # idempotent
+        assert cuda_core.install_on(d) is mr  # idempotent
         numba = cuda_core.install_on(Device(1, mr), library="numba")
-        assert numba is not mr and numba._fallback is None  # never emmpool's own
+        assert numba is not mr and numba.library == "numba"
+        # the plugin's bind: the cuda.core Device under numba's Device (numba's ._dev)
+        from emmpool import plugin
+        class NumbaDevice:
+            _dev = Device(0, object())
+        plugin._serve_cuda_core(NumbaDevice)
+        assert NumbaDevice._dev.memory_resource is cuda_core.resource(0, library="numba")
+        plugin._serve_cuda_core(object())  # a context attached from a third party: nothing
         """
     )

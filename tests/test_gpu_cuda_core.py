@@ -11,6 +11,9 @@ can fail."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from tests.test_gpu_numba import check, run
@@ -86,24 +89,24 @@ def to_device_and_setitem_from_host():
     d = cuda.to_device(h); d[:] = h[::-1].copy(); d[3:10] = h[:7].copy()
     assert d.copy_to_host()[3] == 0.0
 def device_array_kernel_on_a_stream():
+    # (a host array on a stream other than the default one numba-cuda refuses by itself:
+    # "NumPy only supports stream=None", from cuda.core's StridedMemoryView)
     s = cuda.stream(); d = cuda.to_device(h, stream=s); inc[n // 256, 256, s](d)
-    a = h.copy(); inc[n // 256, 256, s](a)  # the host copy on that stream too
-    s.synchronize(); assert a[0] == 1.0
+    s.synchronize(); assert d.copy_to_host()[0] == 1.0
 def reduce():
     r = cuda.reduce(lambda a, b: a + b); assert r(h) == h.sum()
 def vectorize():
     from numba import vectorize
-    f = vectorize(["float64(float64)"], target="cuda")(lambda x: x * 2)
-    assert f(h)[5] == 10.0
+    @vectorize(["float64(float64)"], target="cuda")
+    def twice(x):
+        return x * 2
+    assert twice(h)[5] == 10.0
 def forall():
     a = h.copy(); inc.forall(n)(a); assert a[1] == 2.0
 
 IDIOMS = [host_array_argument, cuda_in_and_out, cuda_inout, record_argument,
           zero_size_host_array, device_array, to_device_and_setitem_from_host,
           device_array_kernel_on_a_stream, reduce, vectorize, forall]
-# the idioms that go through cuda.core's Device.allocate in numba-cuda (the rest: memalloc)
-THROUGH_CUDA_CORE = {"host_array_argument", "cuda_in_and_out", "cuda_inout", "record_argument",
-                     "device_array_kernel_on_a_stream", "forall"}
 for idiom in IDIOMS:
     before = emmpool.stats(0)["allocations"] if plugin else 0
     idiom()
@@ -151,12 +154,12 @@ import gc
 import numpy as np
 from numba import cuda
 import emmpool
-from cuda.core import Buffer
+from cuda.core import Stream
 ctx = cuda.current_context()
 dev = ctx.device._dev
-s = dev.create_stream()
-kept = dev.allocate(1 << 20, stream=s)       # a Buffer cuda.core still holds at the reset
-kept.fill(3, stream=s); s.sync()
+s0 = Stream.from_handle(0)                    # Numba's default stream, as numba passes it
+kept = dev.allocate(1 << 20, stream=s0)      # a Buffer cuda.core still holds at the reset
+kept.fill(3, stream=s0); s0.sync()
 cuda.close()                                  # Numba resets its context
 a = cuda.to_device(np.arange(1 << 18, dtype=np.float32))  # a new context, the same pool
 @cuda.jit
@@ -199,7 +202,7 @@ pinned = LegacyPinnedMemoryResource().allocate(1 << 20)
 pinned.copy_from(c, stream=s); s.sync()
 view = np.ctypeslib.as_array((ctypes.c_uint8 * (1 << 20)).from_address(int(pinned.handle)))
 assert (view == 7).all()
-smv = StridedMemoryView.from_buffer(c, shape=(1 << 18,), strides=None, dtype=np.float32)
+smv = StridedMemoryView.from_buffer(c, shape=(1 << 18,), strides=None, dtype=np.dtype(np.float32))
 assert smv.ptr == int(c.handle)
 assert c.__dlpack_device__() == (2, 0)      # kDLCUDA, device 0
 st = emmpool.stats(0)
@@ -217,7 +220,7 @@ else:
     raise AssertionError("no out-of-memory error")
 high = driver_pool_high()
 assert high == 0, f"the driver's pool held {high} B"
-# Into a graph being built: the device's own resource makes it a node of the graph.
+# Into a graph being built: cuda.core's graph memory resource makes it a node of the graph.
 gb = dev.create_stream().create_graph_builder().begin_building()
 g = dev.allocate(4096, stream=gb)
 assert not isinstance(g.memory_resource, emmpool.cuda_core.EmmPoolMemoryResource)
@@ -278,3 +281,12 @@ print("OK")
 
 def test_a_stream_ordered_free_never_races_a_reader_on_its_stream():
     check(run(RACE, manager=None))
+
+
+def test_readme_cuda_core_example():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n### cuda.core\n", 1)[1].split("\n### ", 1)[0]
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    p = run(example + "print('OK')\n", manager=None)
+    check(p)
+    assert p.stdout.splitlines()[0] == "1048576", p.stdout

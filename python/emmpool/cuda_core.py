@@ -28,9 +28,9 @@ its handle to CUDA again, so a stream destroyed in between is harmless (the reus
 ``cpp/include/emmpool/reuse_policy.hpp``).
 
 **Graphs.** An allocation ordered into a CUDA graph being built (a ``GraphBuilder`` as the
-stream) is passed to the device's own cuda.core resource, which makes it a node of the graph:
-a pool block handed out while capturing would be freed and reused while the graph still
-refers to it.
+stream) goes to cuda.core's ``GraphMemoryResource`` of the device, which makes it a node of the
+graph: a pool block handed out while capturing would be freed, and reused, while the graph
+still refers to it.
 
 **Threads.** cuda.core's ``Device(i)`` objects are per thread: :func:`install` sets the
 resource of the calling thread's objects; call it in each thread that allocates through
@@ -74,21 +74,16 @@ class EmmPoolMemoryResource(MemoryResource):
     """A cuda.core ``MemoryResource`` over emmpool's pool of one device.
 
     ``library``: the name its blocks count under in ``stats()["by_library"]``
-    ("cuda_core"; the Numba plugin's is "numba"). ``fallback``: the resource that serves
-    allocations into a graph being built (default: a ``DeviceMemoryResource`` of the device,
-    made on first need).
+    ("cuda_core"; the Numba plugin's is "numba").
     """
 
-    __slots__ = ("_device", "_pool", "_tag", "_allocate", "_free", "_fallback", "_lock")
+    __slots__ = ("_device", "_pool", "_tag", "_allocate", "_free", "_graphs", "_lock")
 
-    def __init__(self, device: int = 0, *, library: str = "cuda_core",
-                 fallback: MemoryResource | None = None) -> None:
+    def __init__(self, device: int = 0, *, library: str = "cuda_core") -> None:
         if type(device) is not int:
             device = _as_int(device, "device")
         if library not in _core.LIBRARIES:
             raise ValueError(f"library must be one of {', '.join(_core.LIBRARIES)}, not {library!r}")
-        if fallback is not None and not isinstance(fallback, MemoryResource):
-            raise TypeError(f"fallback must be a cuda.core MemoryResource, not {type(fallback).__name__}")
         ensure_configured()
         pool = _core.pool(device)  # raises ValueError for a device that does not exist
         self._device = device
@@ -96,7 +91,7 @@ class EmmPoolMemoryResource(MemoryResource):
         self._tag = _core.LIBRARIES.index(library)
         self._allocate = pool.allocate
         self._free = pool.deallocate_tagged
-        self._fallback = fallback
+        self._graphs = None  # cuda.core's GraphMemoryResource, made on first need
         self._lock = threading.Lock()
 
     # -- the MemoryResource interface ----------------------------------------------------
@@ -112,7 +107,7 @@ class EmmPoolMemoryResource(MemoryResource):
         elif stream is None:
             handle = _LEGACY  # "no stream named": freed blocks wait for an event
         elif isinstance(stream, GraphBuilder):
-            return self._graph_resource().allocate(size, stream=stream)
+            return self._graph_resource().allocate(size, stream=stream)  # a node of the graph
         else:
             handle = _stream_handle(stream)  # a Stream subclass, or what has __cuda_stream__
         if size <= 0:
@@ -178,11 +173,11 @@ class EmmPoolMemoryResource(MemoryResource):
     # -- allocations into a graph being built -------------------------------------------
     def _graph_resource(self) -> MemoryResource:
         with self._lock:
-            if self._fallback is None:
-                from cuda.core import DeviceMemoryResource
+            if self._graphs is None:
+                from cuda.core import GraphMemoryResource
 
-                self._fallback = DeviceMemoryResource(self._device)
-            return self._fallback
+                self._graphs = GraphMemoryResource(self._device)
+            return self._graphs
 
 
 def _stream_handle(stream) -> int:
@@ -225,8 +220,8 @@ def resource(device: int | None = None, *, library: str = "cuda_core") -> EmmPoo
 def install(devices=None, *, library: str = "cuda_core") -> list[EmmPoolMemoryResource]:
     """Make emmpool serve cuda.core's allocations: ``Device(i).memory_resource`` becomes
     :func:`resource` ``(i)`` for each device in ``devices`` (default: every device), on the
-    calling thread's Device objects (cuda.core's are per thread). What each device had before
-    serves its allocations into graphs being built. Returns the resources, in device order."""
+    calling thread's Device objects (cuda.core's are per thread). Returns the resources, in
+    device order."""
     if devices is None:
         devices = range(_core.device_count())
     installed = []
@@ -238,9 +233,6 @@ def install(devices=None, *, library: str = "cuda_core") -> list[EmmPoolMemoryRe
 def install_on(device, *, library: str = "cuda_core") -> EmmPoolMemoryResource:
     """:func:`install` for one cuda.core ``Device`` object (numba-cuda's, say). Idempotent."""
     mr = resource(device.device_id, library=library)
-    previous = device.memory_resource
-    if previous is not mr:
-        if not isinstance(previous, EmmPoolMemoryResource) and mr._fallback is None:
-            mr._fallback = previous
+    if device.memory_resource is not mr:
         device.memory_resource = mr
     return mr
