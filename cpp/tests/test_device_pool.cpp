@@ -422,8 +422,8 @@ TEST(try_paths_take_no_cuda_call_and_leave_the_rest_to_the_full_calls)
   CHECK(!f->try_allocate(big, legacy_stream, alloc_tag::numba));  // would need a segment
   CHECK_EQ(f.drv.stats().allocations, before.allocations);
   auto const p = f->allocate(big, stream_a, alloc_tag::cupy);
-  CHECK(!f->try_deallocate(p, stream_a, f->generation()));  // naming a stream asks its id
-  CHECK(f->try_deallocate(p, allocation_stream, f->generation()));
+  CHECK(!f->try_deallocate(p, stream_b, f->generation()));  // naming another stream asks its id
+  CHECK(f->try_deallocate(p, stream_a, f->generation()));   // the allocation's: asks nothing
   auto const records = f.drv.stats().event_records;
   auto const q       = f->try_allocate(big, stream_a, alloc_tag::cupy);  // stream order
   CHECK(q.has_value() && *q == p);
