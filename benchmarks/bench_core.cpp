@@ -386,7 +386,7 @@ std::string gpu_benchmarks(options const& o, std::vector<result>& out)
                           cu_check(cu.mem_free(p), "cuMemFree");
                         },
                         fence));
-  // What one of the pool's fences costs (reuse_policy.hpp: an event recorded on the legacy
+  // What one of the pool's fences costs (reuse_rule.hpp: an event recorded on the legacy
   // stream, then queried), which a Numba pair pays whenever its request misses the free lists:
   // once per five pairs at 4 MiB (five such blocks per 20 MiB segment).
   CUevent event{};

@@ -33,10 +33,7 @@ std::size_t checked_rounded_size(std::size_t bytes, alloc_tag tag)
 device_pool::device_pool(driver& drv, int device, pool_options options)
   : driver_{&drv},
     device_{device},
-    options_{options},
-    policy_{drv, device,
-            reuse_options{true, options.open_batch_limit, options.mode == pool_mode::pool},
-            &blocks_, &free_}  // only their addresses: built later, they outlive policy_'s use
+    options_{options}
 {
   EMMPOOL_EXPECTS(device >= 0, "device must be a non-negative ordinal");
   options_.check();
@@ -71,7 +68,7 @@ device_pool::~device_pool()
   // Whatever is left goes back to the driver, without waiting: the pool is going away, so
   // nobody can be handed these blocks again. At process exit the driver may be gone: leak.
   if (!may_call_driver_at_teardown()) {
-    policy_.drop_events();  // no CUDA call: the driver may be gone, or belong to the parent
+    fences_.drop_events();  // no CUDA call: the driver may be gone, or belong to the parent
     return;
   }
   for (auto& [base, seg] : segments_) {
@@ -82,7 +79,8 @@ device_pool::~device_pool()
   }
   growable_.release_at_teardown();
   retired_.release_all();
-  (void)policy_.abandon();
+  (void)fences_.abandon();
+  lanes_.clear();
 }
 
 // ---- allocation: stream order, then best fit, then the out-of-memory ladder -------------------
@@ -106,14 +104,14 @@ detail::block_kind device_pool::kind_of(std::size_t rounded, bool growable) cons
 device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_ref stream)
 {
   if (options_.mode != pool_mode::pool) { return nullptr; }
-  auto* blk = policy_.take_in_stream_order(stream, rounded, kind_of(rounded, false));
+  auto* blk = lanes_.take(stream, rounded, kind_of(rounded, false));
   return blk != nullptr ? blk : take_best_fit(rounded);
 }
 
 device_pool::block* device_pool::take_growable_without_cuda(std::size_t rounded, stream_ref stream)
 {
   // Pool mode: serves() said so. growable_.take(.., false) maps no page here.
-  auto* blk = policy_.take_in_stream_order(stream, rounded, detail::block_kind::growable);
+  auto* blk = lanes_.take(stream, rounded, detail::block_kind::growable);
   return blk != nullptr ? blk : growable_.take(rounded, false);
 }
 
@@ -123,14 +121,14 @@ std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_ha
   std::size_t const rounded = checked_rounded_size(bytes, tag);
   std::unique_lock lock{mutex_, std::try_to_lock};
   if (!lock.owns_lock() || forked_) { return std::nullopt; }
-  auto const key = policy_.allocation_key(stream);
-  if (policy_.fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
+  auto const key = keys_.of_allocation(stream);
+  if (fences_.fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
   if (auto* blk = growable_.serves(rounded, tag) ? take_growable_without_cuda(rounded, key)
                                                  : take_without_cuda(rounded, key)) {
     if (generation_out != nullptr) { *generation_out = generation_; }
     return hand_out(blk, bytes, key, tag);
   }
-  missed_ = missed_request{bytes, stream, tag, rounded, key, free_.insertions(), policy_.version()};
+  missed_ = missed_request{bytes, stream, tag, rounded, key, free_.insertions(), fences_.version()};
   return std::nullopt;
 }
 
@@ -145,9 +143,9 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
   auto const* miss   = missed_ ? &*missed_ : nullptr;
   bool const checked = miss && miss->bytes == bytes && miss->stream == stream && miss->tag == tag;
   std::size_t const rounded = checked ? miss->rounded : checked_rounded_size(bytes, tag);
-  auto const key = checked ? policy_.ref_of(stream) : policy_.allocation_key(stream);
+  auto const key = checked ? keys_.of_alive(stream) : keys_.of_allocation(stream);
   bool const searched = checked && miss->key == key && miss->insertions == free_.insertions() &&
-                        miss->version == policy_.version();
+                        miss->version == fences_.version();
 
   bool const pooled = options_.mode == pool_mode::pool;
   bool g            = false;  // a growable request (set at a miss): maps after step 1's fences
@@ -156,7 +154,7 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
     maintain(key);  // returns completed frees' segments to the driver
     blk = grow(rounded, true);
   } else {
-    if (policy_.fence_due()) { maintain(key); }  // fence the waiting frees now, not at a miss
+    if (fences_.fence_due()) { maintain(key); }  // fence the waiting frees now, not at a miss
     if (!searched) {
       blk = growable_.serves(rounded, tag) ? take_growable_without_cuda(rounded, key)
                                            : take_without_cuda(rounded, key);
@@ -169,7 +167,7 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
       maintain(key);
       if (g || free_.insertions() != before) { blk = take_best_fit(rounded, g, false); }
       if (blk == nullptr) {
-        blk = policy_.split_in_stream_order(key, rounded, kind_of(rounded, g));
+        blk = lanes_.split(key, rounded, kind_of(rounded, g));
       }
       if (blk == nullptr && g) { blk = take_best_fit(rounded, true); }  // may map pages
     }
@@ -177,7 +175,7 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
       blk = free_.split(blk, rounded, alignment);
     }
   }
-  if (blk == nullptr && policy_.has_waiting()) {
+  if (blk == nullptr && fences_.has_waiting()) {
     // Step 3: wait for every pending free.
     drain();
     blk = pooled ? take_best_fit(rounded, g) : grow(rounded, true);
@@ -338,7 +336,7 @@ void device_pool::defer_cleanup_end()
   }
 }
 
-// ---- frees: the reuse policy decides when a block comes back (reuse_policy.hpp) -------------
+// ---- frees: a block comes back once the reuse rule allows (reuse_rule.hpp) -------------------
 
 void device_pool::free_live(device_ptr ptr, stream_handle stream, int tag)
 {
@@ -350,7 +348,10 @@ void device_pool::free_live(device_ptr ptr, stream_handle stream, int tag)
                    " is not a live allocation of this pool (freed twice, or never allocated here)";
     throw pool_error{"emmpool: pointer " + std::to_string(ptr) + what};
   }
-  policy_.free(it->second, stream, [&](stream_ref key) { off_books(it, key); });
+  auto* blk     = it->second;
+  auto const key = keys_.of_free(blk->alloc_stream, stream);  // may throw: before any change
+  off_books(it, key);
+  settle_freed(blk, key);
 }
 
 void device_pool::off_books(live_map::iterator it, stream_ref key)
@@ -379,10 +380,13 @@ bool device_pool::try_free(device_ptr ptr, stream_handle stream, std::uint64_t c
   auto it = live_.find(ptr);
   // A bad pointer gets its error from deallocate().
   if (it == live_.end() || (tag >= 0 && it->second->tag != tag) ||
-      !reuse_policy::free_is_local(*it->second, stream)) {
+      !reuse_rule::free_is_local(*it->second, stream)) {
     return false;
   }
-  policy_.free(it->second, stream, [&](stream_ref key) { off_books(it, key); });  // no CUDA
+  auto* blk     = it->second;
+  auto const key = keys_.of_free(blk->alloc_stream, stream);  // no CUDA: free_is_local
+  off_books(it, key);
+  settle_freed(blk, key);
   return true;
 }
 
@@ -427,7 +431,8 @@ void device_pool::record_stream(device_ptr ptr, stream_handle stream)
     throw pool_error{"emmpool: record_stream of pointer " + std::to_string(ptr) +
                      ", which is not a live allocation of this pool"};
   }
-  policy_.record_stream(it->second, stream);
+  // One extra stream per block: the most recent, the one a caller most likely still uses.
+  it->second->also_fence = keys_.of_recorded(stream);
 }
 
 void device_pool::release_block(block* blk)
@@ -449,14 +454,73 @@ void device_pool::release_block(block* blk)
   }
 }
 
+void device_pool::settle_freed(block* blk, stream_ref key)
+{
+  if (!blk->also_fence.is_none()) {
+    // record_stream: never merged or joined; fenced on the recorded stream first, unless that
+    // is key's (one fence: then it waits in key's batch like any other block freed there).
+    if (fences_.push_recorded(blk, key) && lanes_.orders(key)) { lanes_.index(key, blk); }
+    return;
+  }
+  if (lanes_.joins_open(key)) {  // no stream order (Numba's frees): one record per neighbours
+    if (!lanes_.join_open(blk, key)) { fences_.push(blk, key); }
+  } else if (!lanes_.may_merge(blk, key)) {
+    pend(blk, key);
+  } else if (auto* merged = lanes_.merge_neighbours(blk, key)) {
+    pend(merged, key);
+  }
+}
+
+void device_pool::pend(block* blk, stream_ref key)
+{
+  fences_.push(blk, key);
+  if (lanes_.orders(key)) { lanes_.index(key, blk); }
+}
+
+void device_pool::settle_fenced()
+{
+  // In the order reported: a block requeued for its second fence may be released later in
+  // the same list. What an exception leaves unsettled stays for the next call.
+  std::size_t i = 0;
+  try {
+    for (; i < fenced_.size(); ++i) {
+      auto const f = fenced_[i];
+      if (f.requeued) {  // now in the batch of the stream of its free, as any block freed there
+        if (lanes_.orders(f.stream)) { lanes_.index(f.stream, f.blk); }
+        continue;
+      }
+      lanes_.forget(f.blk, f.stream);
+      release_block(f.blk);
+    }
+  } catch (...) {
+    fenced_.erase(fenced_.begin(), fenced_.begin() + static_cast<std::ptrdiff_t>(i + 1));
+    throw;
+  }
+  fenced_.clear();
+}
+
 void device_pool::maintain(stream_ref alive)
 {
-  policy_.maintain(alive, [this](block* b) { release_block(b); });
+  settle_fenced();  // anything an exception left behind first
+  try {
+    fences_.poll(alive, fenced_);
+  } catch (...) {
+    settle_fenced();  // what completed before the failure is reusable all the same
+    throw;
+  }
+  settle_fenced();
 }
 
 void device_pool::drain()
 {
-  policy_.drain([this](block* b) { release_block(b); });
+  settle_fenced();
+  try {
+    fences_.drain(fenced_);
+  } catch (...) {
+    settle_fenced();
+    throw;
+  }
+  settle_fenced();
 }
 
 void device_pool::synchronize()
@@ -472,7 +536,8 @@ void device_pool::reset()
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
-  policy_.drain_or_abandon([this](block* b) { release_block(b); });
+  fences_.drain_or_abandon(fenced_);
+  settle_fenced();
   regardless_of_deferrals([this] { release_free_segments(); });  // errors ignored
   auto const growable_mapped = growable_.mapped_bytes();
   growable_.drop(segments_);  // wholly free: released; else its pages stay mapped, retired
@@ -485,7 +550,7 @@ void device_pool::reset()
   }
   for (auto& [ptr, blk] : live_) { stats_.count_out_of_use(blk->size, blk->tag); }
   retired_.retire(segments_, live_, generation_);
-  policy_.release_events();
+  fences_.release_events();
   try {
     driver_->release_context(device_);
   } catch (...) {
@@ -542,6 +607,57 @@ std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
   return ipc_info{*seg.ipc, seg.base, seg.size, static_cast<std::size_t>(ptr - seg.base)};
 }
 
-// Tracing and statistics: device_pool_stats.cpp.
+// ---- tracing and statistics -----------------------------------------------------------------
+
+void device_pool::set_tracing(bool on)
+{
+  std::lock_guard lock{mutex_};
+  trace_.set(on);
+}
+
+std::vector<trace_record> device_pool::take_trace()
+{
+  std::lock_guard lock{mutex_};
+  return trace_.take();
+}
+
+pool_stats device_pool::stats() const
+{
+  std::lock_guard lock{mutex_};
+  return stats_locked();
+}
+
+pool_stats device_pool::stats_locked() const
+{
+  pool_stats s         = stats_;
+  // A growable segment's free blocks are address space: only their mapped pages count.
+  s.bytes_free         = free_.bytes() + growable_.free_mapped_bytes();
+  s.largest_free_block = free_.largest();
+  s.bytes_waiting      = fences_.waiting_bytes();
+  s.blocks_waiting     = fences_.waiting_blocks();
+  s.batches_closed     = fences_.batches_closed();
+  s.fence_queries      = fences_.fence_queries();
+  s.dormant_fences     = fences_.dormant_fences();
+  s.same_stream_reuses = lanes_.reuses();
+  return s;
+}
+
+void device_pool::reset_peaks()
+{
+  std::lock_guard lock{mutex_};
+  stats_.peak_bytes_in_use   = stats_.bytes_in_use;
+  stats_.peak_bytes_reserved = stats_.bytes_reserved;
+}
+
+std::string device_pool::describe() const
+{
+  std::lock_guard lock{mutex_};
+  return describe_locked();
+}
+
+std::string device_pool::describe_locked() const
+{
+  return emmpool::describe(stats_locked(), device_, max_reserved_);
+}
 
 }  // namespace emmpool

@@ -24,7 +24,7 @@ std::size_t default_limit() noexcept
 }  // namespace
 
 host_pool::host_pool(driver& drv, int device, std::size_t limit)
-  : driver_{&drv}, device_{device}, policy_{drv, device, reuse_options{false, SIZE_MAX}}
+  : driver_{&drv}, device_{device}
 {
   EMMPOOL_EXPECTS(device >= 0, "device must be a non-negative ordinal");
   stats_.limit = limit != 0 ? limit : default_limit();
@@ -34,7 +34,7 @@ host_pool::~host_pool()
 {
   std::lock_guard lock{mutex_};
   if (!may_call_driver_at_teardown()) {
-    policy_.drop_events();
+    fences_.drop_events();
     return;
   }
   // Cached blocks go back; live and waiting ones belong to callers still: left alone.
@@ -46,7 +46,7 @@ host_pool::~host_pool()
       }
     }
   }
-  (void)policy_.abandon();
+  (void)fences_.abandon();
 }
 
 std::size_t host_pool::size_class(std::size_t bytes) noexcept
@@ -97,9 +97,19 @@ void host_pool::on_fenced(block* b)
   stats_.bytes_cached += b->size;
 }
 
+void host_pool::settle_fenced()
+{
+  // A block requeued for its second fence waits in its batch: only released ones move.
+  for (auto const& f : fenced_) {
+    if (!f.requeued) { on_fenced(f.blk); }
+  }
+  fenced_.clear();
+}
+
 void host_pool::maintain()
 {
-  policy_.maintain({}, [this](block* b) { on_fenced(b); });
+  fences_.poll({}, fenced_);
+  settle_fenced();
 }
 
 void* host_pool::allocate(std::size_t bytes, unsigned flags, std::uint64_t* generation_out)
@@ -113,7 +123,7 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags, std::uint64_t* gene
   if (generation_out != nullptr) { *generation_out = generation_; }
 
   block* b = take_cached(cls, flags);
-  if (b == nullptr && policy_.has_waiting()) {
+  if (b == nullptr && fences_.has_waiting()) {
     maintain();
     b = take_cached(cls, flags);
   }
@@ -125,7 +135,8 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags, std::uint64_t* gene
     if (stats_.bytes_held + cls > stats_.limit && !cleanup_deferred()) {
       release_cached(cls);
       if (stats_.bytes_held + cls > stats_.limit) {
-        policy_.drain([this](block* x) { on_fenced(x); });
+        fences_.drain(fenced_);
+        settle_fenced();
         if ((b = take_cached(cls, flags)) == nullptr) { release_cached(cls); }
       }
     }
@@ -140,7 +151,8 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags, std::uint64_t* gene
         p = driver_->host_allocate(device_, cls, flags);
       } catch (out_of_memory const&) {
         if (cleanup_deferred()) { throw; }
-        policy_.drain([this](block* x) { on_fenced(x); });
+        fences_.drain(fenced_);
+        settle_fenced();
         release_cached(stats_.limit);  // everything cached goes back
         p = driver_->host_allocate(device_, cls, flags);
       }
@@ -174,12 +186,15 @@ void host_pool::free_live_locked(void* ptr, stream_handle stream)
     throw pool_error{"emmpool: pinned pointer " + std::to_string(reinterpret_cast<std::uintptr_t>(ptr)) +
                      " is not a live allocation of this pool (freed twice, or never allocated here)"};
   }
-  // No allocation here names a stream (reuse_options::stream_order off): the fence of a named
-  // stream is recorded in the free, while the caller vouches for it (reuse_policy.hpp).
-  policy_.free(it->second, stream, [&](detail::stream_ref) {
-    stats_.bytes_in_use -= it->second->size;
-    live_.erase(it);
-  });
+  auto* blk     = it->second;
+  auto const key = keys_.of_free(blk->alloc_stream, stream);  // may throw: before any change
+  stats_.bytes_in_use -= blk->size;
+  live_.erase(it);
+  bool const on_key = blk->also_fence.is_none() ? (fences_.push(blk, key), true)
+                                                : fences_.push_recorded(blk, key);
+  // No allocation here names a stream, so a named stream is never seen alive again: its fence
+  // is recorded in the free, while the caller vouches for it ("stream lifetime").
+  if (on_key && !key.is_context()) { fences_.close_now(key); }
 }
 
 void host_pool::deallocate(void* ptr, stream_handle stream, std::uint64_t generation)
@@ -229,7 +244,8 @@ std::size_t host_pool::trim()
 {
   std::lock_guard lock{mutex_};
   if (forked_ || cleanup_deferred()) { return 0; }
-  policy_.drain([this](block* b) { on_fenced(b); });
+  fences_.drain(fenced_);
+  settle_fenced();
   std::size_t const before = stats_.bytes_held;
   auto const limit         = stats_.limit;
   stats_.limit             = 0;  // release_cached frees until nothing cached remains
@@ -243,7 +259,8 @@ void host_pool::reset()
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
-  policy_.drain_or_abandon([this](block* b) { on_fenced(b); });
+  fences_.drain_or_abandon(fenced_);
+  settle_fenced();
   for (auto& [key, blocks] : cached_) {
     for (auto* b : blocks) {
       try {
@@ -261,7 +278,7 @@ void host_pool::reset()
     stats_.bytes_held -= b->size;
   }
   live_.clear();
-  policy_.release_events();
+  fences_.release_events();
   ++generation_;
 }
 
@@ -281,7 +298,7 @@ host_pool_stats host_pool::stats() const
 {
   std::lock_guard lock{mutex_};
   auto s          = stats_;
-  s.bytes_waiting = policy_.waiting_bytes();
+  s.bytes_waiting = fences_.waiting_bytes();
   return s;
 }
 

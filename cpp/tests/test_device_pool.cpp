@@ -333,7 +333,7 @@ TEST(a_miss_asks_earlier_fences_before_recording_its_own)
 {
   // An event just recorded has not completed on a GPU: a miss asks the fences recorded before
   // and, when one of them handed blocks back, leaves its own new fence for the next miss
-  // (reuse_policy::maintain). One cuEventQuery per miss, not two.
+  // (fence_queue::poll). One cuEventQuery per miss, not two.
   fixture f;
   auto const p1 = f->allocate(big);
   auto const p2 = f->allocate(big);
@@ -369,7 +369,7 @@ TEST(a_miss_asks_earlier_fences_before_recording_its_own)
 TEST(streams_fence_independently)
 {
   // A stream's frees are fenced on that stream, at an allocation on it (the moment it is sure
-  // to be alive): an allocation elsewhere leaves them open (reuse_policy.hpp).
+  // to be alive): an allocation elsewhere leaves them open (reuse_rule.hpp).
   fixture f;
   auto const pa = f->allocate(big, stream_a);
   auto const pb = f->allocate(big, stream_b);
@@ -853,7 +853,7 @@ TEST(fault_random_injection_loses_nothing)
 //
 // host_driver throws dead_stream_error (which the pool never catches) on any use of a destroyed
 // stream's handle, and create_stream() reuses the last destroyed handle: each test below would
-// fail on the first touch of a dead stream (reuse_policy.hpp, "stream lifetime").
+// fail on the first touch of a dead stream (reuse_rule.hpp, "stream lifetime").
 
 namespace {
 
@@ -954,7 +954,7 @@ TEST(dormant_frees_are_fenced_by_one_device_sync_past_the_limits)
   {  // past max_dormant streams
     fixture f;
     std::vector<device_ptr> freed;
-    for (std::size_t i = 0; i <= reuse_policy::max_dormant; ++i) {
+    for (std::size_t i = 0; i <= reuse_rule::max_dormant; ++i) {
       freed.push_back(allocate_on_a_stream_that_dies(f, 4 * KiB, alloc_tag::cupy));
     }
     CHECK_EQ(f->stats().dormant_fences, 0u);

@@ -1,6 +1,6 @@
 // Tests of stream-order reuse over host_driver: blocks freed on a named stream S go back to
 // allocations on S unfenced, by best fit over all of S's pending blocks, split (the rest keeps
-// its fence) and merged with their pending neighbours of S (reuse_policy.hpp, the reuse rule).
+// its fence) and merged with their pending neighbours of S (reuse_rule.hpp, the reuse rule).
 //
 // host_driver's events complete only when a test calls complete_all_events() (or the pool
 // waits for them), so "not before the fence completed" is checked exactly: an event is

@@ -1,5 +1,5 @@
 // emmpool's allocator for PyTorch: a c10::cuda::CUDACachingAllocator::CUDAAllocator over
-// emmpool's C entry points (cpp/src/c_api.cpp, cpp/src/c_api_torch.cpp).
+// emmpool's C entry points (cpp/edges/c_api.cpp, cpp/edges/c_api_torch.cpp).
 //
 // Compiled on the user's machine by emmpool._torch (torch.utils.cpp_extension.load), against
 // the PyTorch that is installed, and installed with changeCurrentAllocator before PyTorch's

@@ -25,7 +25,7 @@ on ``s`` has completed. Memory used on another stream must be ordered before the
 program (as with cuda.core's resource), or declared with :func:`emmpool.record_stream`. A free on
 the stream of the allocation (the default: cuda.core records it in the Buffer) never passes
 its handle to CUDA again, so a stream destroyed in between is harmless (the reuse rule:
-``cpp/include/emmpool/reuse_policy.hpp``).
+``cpp/include/emmpool/reuse_rule.hpp``).
 
 **Graphs.** An allocation ordered into a CUDA graph being built (a ``GraphBuilder`` as the
 stream) goes to cuda.core's ``GraphMemoryResource`` of the device, which makes it a node of the

@@ -1,7 +1,7 @@
 """CuPy and PyTorch allocate from the same process-wide pools as Numba.
 
-Both go through plain C entry points of emmpool._core (CuPy: cpp/src/cupy_adapter.cpp, PyTorch:
-cpp/src/c_api.cpp): no Python runs per allocation. Neither library is needed by emmpool itself;
+Both go through plain C entry points of emmpool._core (CuPy: cpp/edges/cupy_adapter.cpp, PyTorch:
+cpp/edges/c_api.cpp): no Python runs per allocation. Neither library is needed by emmpool itself;
 each hook says what to install.
 """
 

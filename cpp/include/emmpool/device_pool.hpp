@@ -5,9 +5,13 @@
  * Segments come from the driver (cuMemAlloc). Requests up to `small_request` bytes are served
  * from small segments, larger ones from large segments, each by best fit, splitting blocks and
  * coalescing neighbours on return (detail/free_list.hpp). Freed blocks come back to the free
- * lists only through the reuse policy (reuse_policy.hpp: the reuse rule, and every stream
- * decision). What this class itself does: growth and caps, the out-of-memory ladder, reset
- * (what outlives it: detail/retired_segments.hpp), IPC and statistics.
+ * lists only once the reuse rule allows (reuse_rule.hpp). This class is the only code that
+ * moves a block between allocated, pending and free, and calls the layers below it one way:
+ * a free goes stream key (detail/stream_key.hpp) -> off the books -> the stream's lane
+ * (detail/stream_lanes.hpp: merged, joined) or the fence queue (detail/fence_queue.hpp); a
+ * miss polls the fence queue, and each block it reports complete leaves its lane and joins
+ * the free lists. Besides: growth and caps, the out-of-memory ladder, reset (what outlives
+ * it: detail/retired_segments.hpp), IPC and statistics.
  *
  * In passthrough mode every allocation is its own segment, released to the driver once its
  * fence has completed: the mode for compute-sanitizer and for code that assumes one allocation
@@ -24,12 +28,15 @@
 #pragma once
 
 #include <emmpool/detail/block.hpp>
+#include <emmpool/detail/fence_queue.hpp>
 #include <emmpool/detail/free_list.hpp>
 #include <emmpool/detail/growable_space.hpp>
 #include <emmpool/detail/pool_lifecycle.hpp>
 #include <emmpool/detail/retired_segments.hpp>
+#include <emmpool/detail/stream_key.hpp>
+#include <emmpool/detail/stream_lanes.hpp>
 #include <emmpool/detail/trace_log.hpp>
-#include <emmpool/reuse_policy.hpp>
+#include <emmpool/reuse_rule.hpp>
 #include <emmpool/driver.hpp>
 #include <emmpool/pool_options.hpp>
 #include <emmpool/stats.hpp>
@@ -70,7 +77,7 @@ class device_pool : private detail::pool_lifecycle {
    * @brief Allocate `bytes` (rounded up to 256; 0 gives a distinct 256-byte block).
    * @param stream the stream the caller uses the block on; legacy_stream: none named. On a
    *        named stream, a block freed on that same stream may be handed out again at once
-   *        (stream order; see reuse_policy.hpp). per_thread_stream counts as none. The
+   *        (stream order; see reuse_rule.hpp). per_thread_stream counts as none. The
    *        stream is alive during the call (its id is asked: cuStreamGetId).
    * @throws out_of_memory after the out-of-memory ladder: promote completed frees, grow, wait
    *         for pending frees, release wholly free segments, grow again.
@@ -207,7 +214,7 @@ class device_pool : private detail::pool_lifecycle {
   [[nodiscard]] detail::block_kind kind_of(std::size_t rounded, bool growable) const noexcept;
   device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);
   /// The last try_allocate() that searched and missed, so that the allocate() after it neither
-  /// checks the same request nor searches again while the batches (reuse_policy::version) and
+  /// checks the same request nor searches again while the batches (fence_queue::version) and
   /// the free lists (insertions: taking a block out cannot make best fit succeed) are as then.
   struct missed_request {
     std::size_t bytes{};
@@ -231,7 +238,12 @@ class device_pool : private detail::pool_lifecycle {
   bool try_free(device_ptr ptr, stream_handle stream, std::uint64_t const* generation, int tag);
   using live_map = detail::live_map;
   void off_books(live_map::iterator it, stream_ref key);  // a freed block: stats, trace
-  void release_block(block* blk);               // every fence done: into the free lists
+  // Off the books: to its lane or the fences. Out of line: inlined into every free, the key
+  // stayed in memory, and the pair paid a stalled reload.
+  [[gnu::noinline]] void settle_freed(block* blk, stream_ref key);
+  void pend(block* blk, stream_ref key);          // into key's batch, takeable if key orders
+  void settle_fenced();                           // fenced_: out of lanes, into the free lists
+  void release_block(block* blk);                 // every fence done: into the free lists
   void maintain(stream_ref alive);
   void drain();  // wait for every pending free
   [[nodiscard]] pool_stats stats_locked() const;  // the full snapshot
@@ -241,14 +253,17 @@ class device_pool : private detail::pool_lifecycle {
   int device_;
   pool_options options_;
   std::size_t max_reserved_{};
-  reuse_policy policy_;
+  detail::stream_keys keys_{*driver_, device_};
+  detail::fence_queue fences_{*driver_, device_, options_.open_batch_limit};
   std::map<device_ptr, std::unique_ptr<segment>> segments_;  // by base: IPC lookups
   live_map live_;                                             // allocated blocks by address
   detail::block_arena blocks_;
   detail::free_lists free_{blocks_};
+  detail::stream_lanes lanes_{fences_, blocks_, free_, options_.mode == pool_mode::pool};
   detail::retired_segments retired_{*driver_, device_, blocks_};  // outlived a reset()
   pool_stats stats_{};
   detail::trace_log trace_;
+  std::vector<detail::fenced_block> fenced_;  // what the fences reported, until settled
   // Last: the members above keep the layout (cache lines) of fixed segments' hot path.
   detail::growable_space growable_{*driver_, device_, blocks_, stats_,  // issue #18
                                    [this](std::size_t n) { release_free_segments(true, n); }};

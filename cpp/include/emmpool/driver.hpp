@@ -19,7 +19,7 @@
  *  - a stream handle other than the null, legacy and per-thread ones (which live as long as
  *    the context) is passed only while its owner guarantees it alive: using a destroyed
  *    stream's handle is undefined (a real driver may crash; the host driver fails loudly).
- *    The pool's rule for this is in reuse_policy.hpp ("stream lifetime").
+ *    The pool's rule for this is in reuse_rule.hpp ("stream lifetime").
  */
 #pragma once
 

@@ -8,7 +8,7 @@
  * flags (mapped / portable / write-combined are properties of an allocation). Each block is
  * its own cuMemHostAlloc: no splitting, so a cached block is reused only for its class.
  *
- * Reuse follows the device pool's rule (reuse_policy.hpp): a freed block waits until an
+ * Reuse follows the device pool's rule (reuse_rule.hpp): a freed block waits until an
  * event recorded after its free has completed, so an asynchronous copy issued before the free
  * can no longer read or write it. A limit caps the pinned bytes held (in use + waiting +
  * cached): past it, cached blocks are returned to the driver first, then pending frees are
@@ -22,9 +22,10 @@
 #pragma once
 
 #include <emmpool/detail/block.hpp>
+#include <emmpool/detail/fence_queue.hpp>
 #include <emmpool/detail/pool_lifecycle.hpp>
+#include <emmpool/detail/stream_key.hpp>
 #include <emmpool/driver.hpp>
-#include <emmpool/reuse_policy.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -101,12 +102,16 @@ class host_pool : private detail::pool_lifecycle {
   void release_cached(std::size_t needed);  // return cached blocks until `needed` fits
   void free_to_driver(block* blk);
   void on_fenced(block* blk);
+  void settle_fenced();  // fenced_: each block released into the cache
   void free_live_locked(void* ptr, stream_handle stream);  // or pool_error if not live
   void maintain();
 
   driver* driver_;
   int device_;
-  reuse_policy policy_;
+  detail::stream_keys keys_{*driver_, device_};
+  // No allocation names a stream: no stream order, no lanes.
+  detail::fence_queue fences_{*driver_, device_, SIZE_MAX};
+  std::vector<detail::fenced_block> fenced_;  // what the fences reported, until settled
   std::unordered_map<std::uintptr_t, block*> live_;
   std::map<std::pair<unsigned, std::size_t>, std::vector<block*>> cached_;  // (flags, class)
   std::map<std::pair<std::uint64_t, std::uintptr_t>, block*> retired_;

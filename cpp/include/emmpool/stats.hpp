@@ -26,7 +26,7 @@ struct pool_stats {
   std::size_t bytes_reserved{};      ///< obtained from the driver: fixed segments, and the
                                      ///< pages mapped in growable ones (memory, not addresses)
   std::size_t peak_bytes_reserved{};
-  std::size_t bytes_waiting{};       ///< freed, waiting for their fences (reuse_policy.hpp)
+  std::size_t bytes_waiting{};       ///< freed, waiting for their fences (reuse_rule.hpp)
   std::size_t bytes_free{};          ///< in the free lists, reusable now
   std::size_t largest_free_block{};
   std::size_t blocks_in_use{};
@@ -40,7 +40,7 @@ struct pool_stats {
   std::uint64_t fence_queries{};     ///< fences asked whether they completed (cuEventQuery)
   std::uint64_t same_stream_reuses{};  ///< blocks handed out again in stream order, unfenced
   std::uint64_t dormant_fences{};    ///< device synchronizations that fenced frees of streams
-                                     ///< that may be gone (reuse_policy.hpp)
+                                     ///< that may be gone (reuse_rule.hpp)
   std::uint64_t out_of_memory{};     ///< requests that failed after the whole ladder
   std::uint64_t page_maps{};         ///< growable segments: pages mapped (cuMemCreate + cuMemMap)
   std::uint64_t page_unmaps{};       ///< growable segments: pages unmapped and released

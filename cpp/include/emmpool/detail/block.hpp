@@ -1,10 +1,11 @@
 /**
  * @file detail/block.hpp
- * @brief The pools' bookkeeping records. Internal: shared by the pools, the reuse policy and
- * the free lists.
+ * @brief The pools' bookkeeping records. Internal: shared by the pools, the fence queue, the
+ * stream lanes and the free lists.
  */
 #pragma once
 
+#include <emmpool/detail/stream_key.hpp>
 #include <emmpool/driver.hpp>
 
 #include <cstddef>
@@ -16,36 +17,10 @@
 namespace emmpool::detail {
 
 struct segment;
-struct pending_batch;  // reuse_policy.hpp
-
-/// @brief A stream as the pool remembers it: the handle, and the driver's id of the stream
-/// behind it (stream_id), taken while its owner guaranteed it alive. Context streams (null,
-/// legacy) never die and carry id 0. Two refs name the same stream only if both parts match:
-/// once a stream is destroyed, a new stream may get its handle.
-struct stream_ref {
-  stream_handle handle{legacy_stream};
-  std::uint64_t id{};
-
-  [[nodiscard]] constexpr bool is_context() const noexcept { return is_context_stream(handle); }
-  /// Whether this ref names one stream for sure: a context stream, or one with its driver id
-  /// (a driver without cuStreamGetId gives 0: then a reused handle cannot be told apart, and
-  /// the pool never records on such a stream after the call that named it).
-  [[nodiscard]] constexpr bool identified() const noexcept { return is_context() || id != 0; }
-  [[nodiscard]] constexpr bool is_none() const noexcept { return handle == 0 && id == none_id; }
-  friend constexpr bool operator==(stream_ref a, stream_ref b) noexcept
-  {
-    return a.handle == b.handle && a.id == b.id;
-  }
-  friend constexpr bool operator!=(stream_ref a, stream_ref b) noexcept { return !(a == b); }
-
-  /// No stream (record_stream not used): an id no driver hands out with the null handle.
-  static constexpr std::uint64_t none_id = ~std::uint64_t{0};
-  static constexpr stream_ref none() noexcept { return {0, none_id}; }
-};
+struct pending_batch;  // fence_queue.hpp
 
 /// Where a block is in its life. A block moves allocated -> pending -> free; straight from
-/// pending back to allocated only in the order of one named stream (reuse_policy.hpp,
-/// the reuse rule).
+/// pending back to allocated only in the order of one named stream (reuse_rule.hpp).
 enum class block_state : std::uint8_t { free, allocated, pending };
 
 /// Which requests a block may serve: a segment serves one kind only (small requests small
@@ -63,8 +38,8 @@ struct block {
   block* next{};  ///< physical neighbour above (same segment), or null
   block_state state{block_state::free};
   std::uint8_t tag{};  ///< which library allocated it (stats)
-  /// Pending, and in its stream's stream-order index (reuse_policy.hpp): an allocation on that
-  /// stream may take it, a neighbour freed on that stream may merge with it.
+  /// Pending, and in its stream's lane (stream_lanes.hpp): an allocation on that stream may
+  /// take it, a neighbour freed on that stream may merge with it.
   bool takeable{};
   block_kind kind{};             ///< its segment's kind (seg->kind()), here for the hot path
   std::uint32_t slot{};          ///< its index in owner->blocks while pending
@@ -85,7 +60,7 @@ struct segment {
   bool growable{};                     ///< address space with pages mapped on demand
                                        ///< (growable_segment.hpp); never IPC-exported
   std::size_t live_blocks{};           ///< blocks allocated or pending: never released while > 0
-                                       ///< (the reuse policy splits and merges pending ones)
+                                       ///< (the stream lanes split and merge pending ones)
   std::optional<ipc_bytes> ipc;        ///< cuIpcGetMemHandle, fetched once
   block* first{};
 

@@ -21,7 +21,7 @@
  * set holds its blocks (address space): find_large() and for_each_large() serve it.
  *
  * Knows nothing of streams or fences: a block reaches insert() or coalesce() only once the
- * reuse policy says no work can still touch it (reuse_policy.hpp). Not thread-safe: its pool's
+ * reuse rule says no work can still touch it (reuse_rule.hpp). Not thread-safe: its pool's
  * mutex.
  */
 #pragma once

@@ -8,7 +8,7 @@
  * have every page it overlaps mapped (map), and a page that lies wholly inside one free block
  * may be unmapped (unmap_inside). Free blocks are coalesced, so a page overlapped by no
  * allocated or pending block lies inside one free block. "Free" means the block came back
- * through the reuse policy (its fence completed, reuse_policy.hpp): no work
+ * through the fence queue (its fence completed, reuse_rule.hpp): no work
  * issued before its free can touch it, so unmapping it cannot pull memory from under a kernel.
  * Pending blocks (and their pages) are never unmapped.
  *

@@ -78,7 +78,7 @@ EMMPOOL_C_API void* emmpool_torch_malloc(std::size_t size, int device, void* str
 /// PyTorch: void free(void* ptr, size_t size, int device, cudaStream_t stream). PyTorch passes
 /// the stream of the allocation, which may have died since (torch.cuda.ExternalStream): the
 /// free is fenced on the allocation's stream as the pool knows it, and the handle passed here
-/// is never used (reuse_policy.hpp, "stream lifetime").
+/// is never used (reuse_rule.hpp, "stream lifetime").
 EMMPOOL_C_API void emmpool_torch_free(void* ptr, std::size_t, int device, void*)
 {
   emmpool::c_api::free_on(ptr, device, emmpool::allocation_stream, emmpool::alloc_tag::torch);

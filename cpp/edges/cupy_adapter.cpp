@@ -6,7 +6,7 @@
 #include "cupy_adapter.hpp"
 #include "python_gil.hpp"
 
-#include <emmpool/reuse_policy.hpp>
+#include <emmpool/detail/stream_key.hpp>
 
 #include <pybind11/pybind11.h>
 

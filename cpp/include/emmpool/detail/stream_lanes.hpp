@@ -1,0 +1,186 @@
+/**
+ * @file detail/stream_lanes.hpp
+ * @brief Stream order (reuse_rule.hpp): each named stream's lane indexes the blocks freed on
+ * it that still wait for their fence ("takeable"), by best fit, so that the stream's next
+ * allocations take them back unfenced, whole or split; blocks freed there merge with their
+ * pending neighbours, absorb free ones (null stream) or join the open batch (no stream order).
+ *
+ * Below the pool, above the fence queue: the blocks it indexes wait in the fence queue's
+ * batches, which it asks (is a neighbour in this stream's open batch?) and changes (a block
+ * taken, merged or resized leaves or changes its batch); the fence queue never calls it. The
+ * pool tells it what it must index (index) and what has left the queue (forget). It uses the
+ * pool's free lists for two things only: whether a free block fits a request tighter, and to
+ * take a free neighbour it absorbs.
+ *
+ * Not thread-safe: its pool serializes access under its mutex.
+ */
+#pragma once
+
+#include <emmpool/detail/block.hpp>
+#include <emmpool/detail/fence_queue.hpp>
+#include <emmpool/detail/free_list.hpp>
+#include <emmpool/detail/node_cache.hpp>
+#include <emmpool/reuse_rule.hpp>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace emmpool::detail {
+
+class stream_lanes {
+ public:
+  /// `enabled`: the pool reuses in stream order (pool mode; passthrough never hands a block
+  /// out twice). Off, no stream orders, nothing is indexed, merged or joined.
+  stream_lanes(fence_queue& fences, block_arena& arena, free_lists& free, bool enabled);
+  stream_lanes(stream_lanes const&)            = delete;
+  stream_lanes& operator=(stream_lanes const&) = delete;
+
+  /// @brief Whether blocks freed on `s` go back to `s` unfenced (reuse_rule::orders).
+  [[nodiscard]] bool orders(stream_ref s) const noexcept { return reuse_rule::orders(s, enabled_); }
+
+  // ---- a free ---------------------------------------------------------------------------------
+
+  /// @brief blk, pending in s's batch with no record_stream fence, s ordering: takeable on s.
+  void index(stream_ref s, block* blk);
+
+  /// @brief Whether blocks freed on `key`, which does not order (legacy_stream: Numba's frees),
+  /// join their neighbours pending in key's open batch ("join" in reuse_rule.hpp).
+  [[nodiscard]] bool joins_open(stream_ref key) const noexcept
+  {
+    return enabled_ && !orders(key);
+  }
+  /// @brief blk, freed on key (joins_open), into its neighbour(s) pending in key's open batch,
+  /// in place; false if neither is: then blk goes to that batch itself.
+  bool join_open(block* blk, stream_ref key);
+
+  /// @brief Whether a neighbour of blk, freed on key, may merge with it: takeable (by some
+  /// stream) or, if key absorbs free blocks, free. merge_neighbours() then checks which. Few
+  /// branches for Numba's frees (legacy: no lane, no absorbing).
+  [[nodiscard]] bool may_merge(block const* blk, stream_ref key) const noexcept
+  {
+    bool const free_too = reuse_rule::absorbs_free(blk->kind, key, enabled_);
+    if (lanes_.empty() && !free_too) { return false; }
+    auto mergeable = [&](block const* n) {
+      return n != nullptr && (n->takeable || (free_too && n->state == block_state::free));
+    };
+    return mergeable(blk->prev) || mergeable(blk->next);
+  }
+  /// @brief blk, freed on key, merged with its takeable neighbours pending on key and, if key
+  /// absorbs free blocks, its free ones (taken off the free lists). Into a neighbour pending
+  /// in key's open batch, in place: null returned, nothing left to queue. Else the others
+  /// leave their batches or the free lists, and the result (returned) is for key's open batch.
+  block* merge_neighbours(block* blk, stream_ref key);
+
+  // ---- fences completed -----------------------------------------------------------------------
+
+  /// @brief blk has left the fence queue (its fences completed; its batch's stream `s`): out
+  /// of s's lane, if it was takeable.
+  void forget(block* blk, stream_ref s) noexcept
+  {
+    if (blk->takeable) { unindex(*lane_of(s), blk); }
+  }
+  /// @brief Forget every lane (the fence queue abandoned its batches).
+  void clear() noexcept;
+
+  // ---- an allocation --------------------------------------------------------------------------
+
+  /// @brief Take back, unfenced, for an allocation of `size` bytes on `stream`, the best fit
+  /// among the blocks freed on that stream that still wait for a fence (any batch of it), of
+  /// the request's kind (a growable request may also take a large fixed block): whole if a
+  /// near fit (reuse_rule::near_fit), else its front (split()). Null if the free lists hold a
+  /// tighter fit (the pool takes that: the less cut off, the less lost), if none fits, and
+  /// always for a stream that does not order. A growable request splits only after the
+  /// ladder's first step (its free list is not the one given here). O(log n); one branch while
+  /// no stream has takeable blocks.
+  block* take(stream_ref stream, std::size_t size, block_kind kind)
+  {
+    return lanes_.empty() ? nullptr : take_from_lane(stream, size, kind, false);
+  }
+  /// @brief take()'s best fit of any size and kind, split down to `size` (the rest stays
+  /// pending in the same batch: it waits for the fence it waited for), whatever the free lists
+  /// hold (the pool calls it once they missed).
+  block* split(stream_ref stream, std::size_t size, block_kind kind)
+  {
+    return lanes_.empty() ? nullptr : take_from_lane(stream, size, kind, true);
+  }
+
+  /// @brief Blocks handed out again in stream order so far, unfenced.
+  [[nodiscard]] std::uint64_t reuses() const noexcept { return reuses_; }
+
+ private:
+  /// One named stream's takeable blocks, by best fit, one set per block_kind; the newest one
+  /// kept out of the sets, so that a stream that frees and allocates one size in turn never
+  /// touches them.
+  struct lane {
+    lane(stream_ref s, node_cache* nodes);
+    [[nodiscard]] bool empty() const noexcept;
+    stream_ref stream;
+    block* newest{};
+    std::array<block_set, block_kinds> sets;
+  };
+
+  [[nodiscard]] lane* lane_of(stream_ref s) noexcept
+  {
+    for (auto& l : lanes_) {
+      if (l.stream == s) { return &l; }
+    }
+    return nullptr;
+  }
+  void index_in_sets(stream_ref s, block* blk);  // index()'s other cases
+  void unindex(lane& l, block* blk) noexcept;
+  static void erase_from_sets(lane& l, block* blk) noexcept;
+  void take_out(block* blk, lane* l = nullptr);  // out of its lane (l, if known) and batch
+  [[nodiscard]] bool weighs_free(block_kind kind) const noexcept
+  {
+    return kind != block_kind::growable;  // the free lists given here: fixed segments only
+  }
+  [[nodiscard]] block* best_fit(lane& l, std::size_t size, block_kind kind);
+  block* take_from_lane(stream_ref stream, std::size_t size, block_kind kind, bool split);
+  block* take_split(lane& l, block* blk, std::size_t size);  // blk: l's
+  // blk, pending, changes size in place by resize(): its batch counts the difference, and l's
+  // set (blk takeable in l; null: blk is in no lane), where blk was found before the change,
+  // keeps it in order
+  template <class Resize>
+  void resize_pending(lane* l, block* blk, Resize&& resize);
+  // blk (being freed) and other (null, or blk's neighbour opposite keep, already off its
+  // list) into keep, blk's pending neighbour, in place (resize_pending; l as there); their
+  // records recycled
+  void merge_pending(lane* l, block* keep, block* blk, block* other);
+  // Whether the free lists' best fit for `size` is smaller than `have` bytes.
+  [[nodiscard]] bool free_fits_tighter(std::size_t have, std::size_t size, block_kind kind) const;
+
+  fence_queue* fences_;
+  block_arena* arena_;
+  free_lists* free_;
+  bool enabled_;
+  node_cache nodes_;         // before lanes_: outlives their sets
+  std::vector<lane> lanes_;  // streams with takeable blocks (and a few emptied lately)
+  std::uint64_t reuses_{};
+};
+
+// ---- inline members: the path of an allocate/free pair -------------------------------------
+
+inline void stream_lanes::index(stream_ref s, block* blk)
+{
+  auto* l = lane_of(s);
+  if (l == nullptr || l->newest != nullptr) {
+    index_in_sets(s, blk);
+    return;
+  }
+  l->newest     = blk;
+  blk->takeable = true;
+}
+
+inline void stream_lanes::unindex(lane& l, block* blk) noexcept
+{
+  if (l.newest == blk) {
+    l.newest = nullptr;
+  } else {
+    erase_from_sets(l, blk);
+  }
+  blk->takeable = false;
+}
+
+}  // namespace emmpool::detail
