@@ -481,10 +481,11 @@ void device_pool::settle_fenced()
 {
   // In the order reported: a block requeued for its second fence may be released later in
   // the same list. What an exception leaves unsettled stays for the next call.
+  auto const n = fenced_.size();
   std::size_t i = 0;
   try {
-    for (; i < fenced_.size(); ++i) {
-      auto const f = fenced_[i];
+    for (; i < n; ++i) {
+      auto const& f = fenced_[i];
       if (f.requeued) {  // now in the batch of the stream of its free, as any block freed there
         if (lanes_.orders(f.stream)) { lanes_.index(f.stream, f.blk); }
         continue;
@@ -501,19 +502,19 @@ void device_pool::settle_fenced()
 
 void device_pool::maintain(stream_ref alive)
 {
-  settle_fenced();  // anything an exception left behind first
+  if (!fenced_.empty()) { settle_fenced(); }  // what an exception left behind, first
   try {
     fences_.poll(alive, fenced_);
   } catch (...) {
     settle_fenced();  // what completed before the failure is reusable all the same
     throw;
   }
-  settle_fenced();
+  if (!fenced_.empty()) { settle_fenced(); }
 }
 
 void device_pool::drain()
 {
-  settle_fenced();
+  if (!fenced_.empty()) { settle_fenced(); }
   try {
     fences_.drain(fenced_);
   } catch (...) {
