@@ -4,8 +4,10 @@ where each came from, and bad values failing where emmpool is installed into a l
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,7 @@ def fresh_config(monkeypatch):
             monkeypatch.delenv(name)
     monkeypatch.setattr(_config, "_applied", None)
     monkeypatch.setattr(_config, "_applied_sources", {})
+    monkeypatch.setattr(_config, "_warned", set())  # each test sees its own warnings
     saved = _core.configured_options()
     yield
     if not (_core.pools() or _core.pinned_pools()):
@@ -98,6 +101,56 @@ def test_bad_environment_is_named(monkeypatch, env, message):
             check()
 
 
+def test_report_raises_the_first_bad_value_and_diagnose_says_them_all(monkeypatch):
+    monkeypatch.setenv("EMMPOOL_MODE", "turbo")
+    monkeypatch.setenv("EMMPOOL_MAXIMUM_POOL_SIZE", "150%")
+    monkeypatch.setenv("EMMPOOL_PINNED_LIMIT", "half")
+    monkeypatch.setenv("EMMPOOL_TORCH_ALLOCATOR", "fast")
+    monkeypatch.setenv("EMMPOOL_INITIAL_POOL_SIZE", "1GiB")  # a good one among them
+    with pytest.raises(ValueError, match="EMMPOOL_MODE='turbo'"):
+        _config.report()
+    settings, errors = _config.diagnose()
+    assert [e.split("=")[0] for e in errors] == [
+        "EMMPOOL_MODE", "EMMPOOL_MAXIMUM_POOL_SIZE", "EMMPOOL_PINNED_LIMIT",
+        "EMMPOOL_TORCH_ALLOCATOR"]
+    s = {setting.option: setting for setting in settings}
+    for option, variable in [("mode", "EMMPOOL_MODE='turbo'"),
+                             ("maximum_pool_size", "EMMPOOL_MAXIMUM_POOL_SIZE='150%'"),
+                             ("pinned_limit", "EMMPOOL_PINNED_LIMIT='half'"),
+                             ("torch_allocator", "EMMPOOL_TORCH_ALLOCATOR='fast'")]:
+        assert s[option].value.startswith("invalid") and s[option].source == variable
+    assert s["initial_pool_size"].value == "1 GiB (1073741824 bytes)"
+    assert s["segments"].source == "default"
+
+
+def test_diagnose_says_values_that_conflict_and_shows_both(monkeypatch):
+    monkeypatch.setenv("EMMPOOL_INITIAL_POOL_SIZE", "2GiB")
+    monkeypatch.setenv("EMMPOOL_MAXIMUM_POOL_SIZE", "1GiB")
+    settings, errors = _config.diagnose()
+    assert len(errors) == 1 and "exceeds" in errors[0]
+    s = {setting.option: setting.value for setting in settings}
+    assert s["initial_pool_size"].startswith("2 GiB") and s["maximum_pool_size"].startswith("1 GiB")
+
+
+@pytest.mark.parametrize(
+    "value, words, source",
+    [(None, "auto (", "default"),
+     ("Pluggable", "pluggable (", "EMMPOOL_TORCH_ALLOCATOR='Pluggable'"),
+     ("extension", "extension (", "EMMPOOL_TORCH_ALLOCATOR='extension'")],
+)
+def test_report_says_how_pytorch_would_be_served(monkeypatch, value, words, source):
+    if value is not None:
+        monkeypatch.setenv("EMMPOOL_TORCH_ALLOCATOR", value)
+    s = settings()["torch_allocator"]
+    assert s.value.startswith(words) and s.source == source
+
+
+def test_torch_allocator_choices_are_the_hooks():
+    from emmpool import _torch
+
+    assert tuple(_config._TORCH_CHOICES) == _torch.CHOICES
+
+
 def test_config_reports_the_environment_in_force(monkeypatch):
     monkeypatch.setenv("EMMPOOL_MODE", "Passthrough")
     monkeypatch.setenv("EMMPOOL_INITIAL_POOL_SIZE", "1GiB")
@@ -135,6 +188,96 @@ def test_checking_the_environment_creates_no_trace_file(monkeypatch, tmp_path):
     monkeypatch.setenv("EMMPOOL_TRACE", str(path))
     _config.check_environment()
     assert settings()["trace"].value == str(path) and not path.exists()
+
+
+# ---- EMMPOOL_* variables emmpool does not read -----------------------------------------------
+UnknownVariableWarning = _config.UnknownVariableWarning
+
+
+@pytest.mark.parametrize(
+    "variable, nearest",
+    [("EMMPOOL_MAXIMUM_POOLSIZE", "did you mean EMMPOOL_MAXIMUM_POOL_SIZE?"),
+     ("EMMPOOL_MAX_POOL_SIZE", "did you mean EMMPOOL_MAXIMUM_POOL_SIZE?"),
+     ("EMMPOOL_MDOE", "did you mean EMMPOOL_MODE?"),
+     ("EMMPOOL_mode", "did you mean EMMPOOL_MODE?"),
+     ("EMMPOOL_TORCH_ALLOCATER", "did you mean EMMPOOL_TORCH_ALLOCATOR?"),
+     ("EMMPOOL_COLOUR", "emmpool reads EMMPOOL_INITIAL_POOL_SIZE, EMMPOOL_LOG, ")],
+)
+def test_an_unknown_variable_is_warned_of_once_naming_the_nearest(monkeypatch, variable, nearest):
+    monkeypatch.setenv(variable, "1GiB")
+    with pytest.warns(UnknownVariableWarning) as record:
+        for check in (_config.check_environment, emmpool.config, _config.report,
+                      _config.ensure_configured):
+            check()
+    assert len(record) == 1, [str(w.message) for w in record]
+    message = str(record[0].message)
+    assert message.startswith(f"{variable} is not an emmpool variable and has no effect: ")
+    assert nearest in message, message
+    assert record[0].filename == __file__  # the caller's line, not emmpool's
+    _config.check_environment()  # once: warnings are errors here, and none comes
+
+
+def test_every_unknown_variable_is_named(monkeypatch):
+    monkeypatch.setenv("EMMPOOL_MAXIMUM_POOLSIZE", "1GiB")
+    monkeypatch.setenv("EMMPOOL_PINNED_LIMT", "1GiB")
+    with pytest.warns(UnknownVariableWarning) as record:
+        emmpool.config()
+    assert sorted(str(w.message).split()[0] for w in record) == [
+        "EMMPOOL_MAXIMUM_POOLSIZE", "EMMPOOL_PINNED_LIMT"]
+
+
+def test_an_empty_unknown_variable_counts_as_unset(monkeypatch):
+    monkeypatch.setenv("EMMPOOL_MAXIMUM_POOLSIZE", "")
+    _config.check_environment()  # warnings are errors here
+    assert _config.unknown_variables() == []
+
+
+@pytest.mark.parametrize(
+    "variable",
+    ["EMMPOOL_TORCH_ALLOCATOR", "EMMPOOL_TEST_CUDA", "EMMPOOL_TEST_HANG_AFTER",
+     "EMMPOOL_BENCH_DEADLINE", "EMMPOOL_BENCHES", "EMMPOOL_GPU_SKIP_TORCH", "EMMPOOL_CUDA_HEADERS",
+     "EMMPOOL_PYTEST_ARGS", "EMMPOOL_CUPY_SUITE", "EMMPOOL_MLIR_MODE"],
+)
+def test_the_variables_of_emmpools_own_tools_are_not_warned_of(monkeypatch, variable):
+    monkeypatch.setenv(variable, "1")
+    _config.check_environment()  # warnings are errors here
+    assert _config.unknown_variables() == []
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# Files that misspell variables on purpose, to test the warning.
+_MISSPELLING_ON_PURPOSE = {"tests/test_config.py", "tests/test_cli_input.py"}
+
+
+def test_no_variable_the_repositorys_tools_use_is_warned_of():
+    # The tests, benchmarks and CI scripts run emmpool with their own EMMPOOL_* knobs set:
+    # where warnings are errors (pytest here, CuPy's suite), a warning would fail them.
+    names = {}
+    for top in ("tests", "benchmarks", ".ci", "pyproject.toml"):  # pyproject: the build's
+        for path in sorted([ROOT / top, *(ROOT / top).rglob("*")]):
+            relative = path.relative_to(ROOT).as_posix()
+            if not path.is_file() or relative in _MISSPELLING_ON_PURPOSE:
+                continue
+            try:
+                text = path.read_text()
+            except UnicodeDecodeError:
+                continue
+            for name in re.findall(r"\bEMMPOOL_[A-Za-z0-9_]+", text):
+                names.setdefault(name, relative)
+    if not names:
+        pytest.skip("the repository's tools are not here (a wheel's test run)")
+    unknown = {n: where for n, where in names.items() if not _config._is_known(n)}
+    assert not unknown, f"variables of the tools that emmpool would warn of: {unknown}"
+
+
+def test_a_misspelt_variable_is_warned_of_where_emmpool_is_installed():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMMPOOL_")}
+    env["EMMPOOL_MAXIMUM_POOLSIZE"] = "1GiB"
+    p = subprocess.run([sys.executable, "-c", _INSTALLS["plugin import"]], env=env, text=True,
+                       capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "UnknownVariableWarning: EMMPOOL_MAXIMUM_POOLSIZE is not an emmpool variable" in p.stderr
+    assert p.stderr.count("UnknownVariableWarning") == 1, p.stderr
 
 
 # ---- configure() -----------------------------------------------------------------------------

@@ -124,6 +124,56 @@ def test_stats_names_only_existing_pools():
         emmpool.stats(63)
 
 
+@pytest.fixture
+def no_driver_call(monkeypatch):
+    """Fail the test if the driver would be asked: a type error must be found before that."""
+    def asked(*args):
+        raise AssertionError(f"the driver was asked, with {args}")
+
+    for name in ("pool", "pools", "current_device", "device_count"):
+        monkeypatch.setattr(_core, name, asked)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: emmpool.stats("0"), "device must be an integer .*, not str '0'"),
+        (lambda: emmpool.stats(1.0), "device must be an integer .*, not float 1.0"),
+        (lambda: emmpool.stats(True), "device must be an integer .*, not bool True"),
+        (lambda: emmpool.record_stream("abc", 0), "ptr must be an integer .*, not str 'abc'"),
+        (lambda: emmpool.record_stream(0x7000, "stream"), "stream must be an integer .*stream"),
+        (lambda: emmpool.record_stream(0x7000, None), "stream must be an integer .*NoneType"),
+        (lambda: emmpool.record_stream(0x7000, 0, device="0"), "device must be an integer"),
+        (lambda: emmpool.rmm_resource("cuda:0"), "device must be an integer"),
+        (lambda: emmpool.cuda_core_resource("0"), "device must be an integer"),
+        (lambda: emmpool.use_for_cuda_core(0), r"devices must be a list of device ordinals"),
+        (lambda: emmpool.use_for_cuda_core("01"), r"devices must be a list of device ordinals"),
+        (lambda: emmpool.use_for_cuda_core([0, "1"]), "device must be an integer"),
+        (lambda: emmpool.use_for_torch(1), "allocator must be 'auto', 'extension', 'pluggable'"),
+    ],
+)
+def test_a_wrong_type_is_a_type_error_before_the_driver_is_asked(no_driver_call, call, message):
+    with pytest.raises(TypeError, match=message):
+        call()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [lambda: emmpool.stats(-1), lambda: emmpool.record_stream(0x7000, 0, device=-1),
+     lambda: emmpool.rmm_resource(-2), lambda: emmpool.cuda_core_resource(-1),
+     lambda: emmpool.use_for_cuda_core([-1])],
+)
+def test_a_negative_device_is_a_value_error(no_driver_call, call):
+    with pytest.raises(ValueError, match="device must be a CUDA device ordinal"):
+        call()
+
+
+def test_integers_of_other_types_are_integers():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match="no pool exists for device 63"):
+        emmpool.stats(np.int64(63))
+
+
 def test_pool_errors_reach_numba_as_its_own_error_type(numba_package):
     from emmpool import _numba_packages as packages
     from emmpool import plugin

@@ -6,9 +6,13 @@ Importing emmpool touches no GPU: the CUDA driver is loaded on first use.
 
 from __future__ import annotations
 
+import operator
+import reprlib
+
 from . import _config, _core
-from ._config import Config, config, configure
+from ._config import Config, UnknownVariableWarning, config, configure
 from ._core import CudaError, DriverUnavailableError, OutOfMemoryError, PoolError
+from ._numba_packages import UntestedVersionWarning
 
 __version__ = "0.1.0"
 
@@ -18,6 +22,8 @@ __all__ = [
     "DriverUnavailableError",
     "OutOfMemoryError",
     "PoolError",
+    "UnknownVariableWarning",
+    "UntestedVersionWarning",
     "config",
     "configure",
     "cuda_core_resource",
@@ -55,6 +61,11 @@ def use_for_cuda_core(devices=None) -> list:
     becomes :func:`cuda_core_resource` ``(i)`` (default: every device). cuda.core's Device
     objects are per thread: this sets the calling thread's. Returns the resources.
     (The Numba plugin does this itself for the Device Numba allocates through.)"""
+    if devices is not None:
+        if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+            raise TypeError(f"devices must be a list of device ordinals (e.g. [0, 1]) or None, "
+                            f"not {type(devices).__name__}")
+        devices = [_device(d) for d in devices]
     from . import cuda_core
 
     return cuda_core.install(devices)
@@ -63,6 +74,7 @@ def use_for_cuda_core(devices=None) -> list:
 def cuda_core_resource(device: int | None = None):
     """emmpool's ``cuda.core.MemoryResource`` for ``device`` (default: the current device,
     else 0): :class:`emmpool.cuda_core.EmmPoolMemoryResource`."""
+    device = _device(device, optional=True)
     from . import cuda_core
 
     return cuda_core.resource(device)
@@ -78,6 +90,9 @@ def use_for_cupy() -> None:
 def use_for_torch(allocator: str | None = None) -> str:
     """Make PyTorch allocate from emmpool's pools (before PyTorch's first CUDA allocation);
     returns "extension" or "pluggable" (see :func:`emmpool.hooks.use_for_torch`)."""
+    if allocator is not None and not isinstance(allocator, str):
+        raise TypeError(f"allocator must be 'auto', 'extension', 'pluggable' or None, not "
+                        f"{type(allocator).__name__}")
     from .hooks import use_for_torch as _use
 
     return _use(allocator)
@@ -85,6 +100,7 @@ def use_for_torch(allocator: str | None = None) -> str:
 
 def rmm_resource(device: int | None = None):
     """An RMM memory resource over emmpool's pool (see :func:`emmpool.hooks.rmm_resource`)."""
+    device = _device(device, optional=True)
     from .hooks import rmm_resource as _make
 
     return _make(device)
@@ -92,6 +108,7 @@ def rmm_resource(device: int | None = None):
 
 def stats(device: int | None = None) -> dict:
     """Statistics of the pools created so far: ``{device: {...}}``, or one device's dict."""
+    device = _device(device, optional=True)
     pools = {p.device: p for p in _core.pools()}
     if device is not None:
         if device not in pools:
@@ -120,5 +137,35 @@ def record_stream(ptr: int, stream: int, device: int = 0) -> None:
 
     Its free then also waits for the work issued to that stream before the free; without this,
     only work on the freeing stream is waited for (and, for frees that name no stream, as
-    Numba's, work on every blocking stream)."""
+    Numba's, work on every blocking stream).
+
+    ``ptr``, ``stream`` (a handle: CuPy's ``stream.ptr``, PyTorch's ``stream.cuda_stream``)
+    and ``device`` are integers: anything else raises TypeError before the driver is loaded."""
+    ptr = _integer(ptr, "ptr", "the device address of a block from emmpool's pool")
+    stream = _integer(stream, "stream", "a stream handle, e.g. CuPy's stream.ptr or PyTorch's "
+                                        "stream.cuda_stream")
+    device = _device(device)
     _core.pool(device).record_stream(ptr, stream)
+
+
+def _integer(value, name: str, what: str) -> int:
+    """``value`` as an int (numpy's integers too): a bool or anything else is a mistake,
+    said before the driver is loaded (whose errors would hide it)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an integer ({what}), not {type(value).__name__} "
+                    f"{reprlib.repr(value)}")
+
+
+def _device(device, optional: bool = False) -> int | None:
+    """A device ordinal: an integer >= 0 (or None where ``optional``)."""
+    if device is None and optional:
+        return None
+    device = _integer(device, "device", "a CUDA device ordinal, 0 for the first GPU")
+    if device < 0:
+        raise ValueError(f"device must be a CUDA device ordinal (0 for the first GPU), not "
+                         f"{device}")
+    return device

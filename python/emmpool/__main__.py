@@ -8,19 +8,24 @@
             progress bar; writes a markdown table, JSON and (with matplotlib) a PNG plot
   replay    replay a CSV trace (EMMPOOL_TRACE / emmpool.trace) against emmpool and, where
             present, CuPy's and PyTorch's allocators: time and peak reserved / peak live
+
+A usage error, or input that cannot be used (a trace that is missing or not a trace), is said
+in one line on stderr, with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
-from . import _core, _info, replay, trace
+from . import __version__, _core, _info, replay, trace
 
 MiB = 1 << 20
 
@@ -216,37 +221,115 @@ def _plot(results: dict, gpu: str, path: Path) -> None:
 def cmd_replay(args) -> int:
     records = trace.read_csv(args.trace)
     ops = replay.from_records(records, device=args.device)
+    if not any(op[0] == "alloc" for op in ops):
+        devices = sorted({r.device for r in records if r.op == "alloc"})
+        where = (f"the trace allocates on device {', '.join(map(str, devices))}: choose one "
+                 f"with --device" if devices else "the trace holds no allocation")
+        raise ValueError(f"{args.trace}: nothing to replay on device {args.device}: {where}")
     print(f"{args.trace}: {len(records)} records, {len(ops)} operations on device {args.device}")
     print("| backend | peak live (MiB) | peak reserved (MiB) | reserved / live | replay s |")
     print("|---|---:|---:|---:|---:|")
+    failed = 0
     for name in args.backends:
         try:
             r = replay.run(ops, name)
         except replay.Skip as e:
             print(f"| {name} | skipped: {e} | | | |")
             continue
+        except (MemoryError, _core.PoolError, _core.CudaError) as e:
+            # One backend that cannot replay the trace (out of memory, say) leaves the others.
+            print(f"| {name} | failed: {_one_line(e)} | | | |")
+            failed += 1
+            continue
         print(f"| {name} | {r['peak_live'] / MiB:.1f} | {r['peak_reserved'] / MiB:.1f} | "
               f"{r['ratio']:.3f} | {r['seconds']:.3f} |")
-    return 0
+    return 1 if failed else 0
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m emmpool", description=__doc__,
+# ---- the command line ------------------------------------------------------------------------
+PROG = "python -m emmpool"
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, not {text!r}")
+    return value
+
+
+def _device_ordinal(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a device ordinal (0, 1, ...), not {text!r}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"emmpool {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="configuration in force, driver, devices, versions, hooks")
     sub.add_parser("selftest", help="a quick GPU check")
     b = sub.add_parser("bench", help="emmpool vs Numba's default manager")
     b.add_argument("--out", default=".", help="folder for emmpool-bench.{md,json,png}")
-    b.add_argument("--budget", type=float, default=1.0, help="seconds per size and manager")
+    b.add_argument("--budget", type=_positive_seconds, default=1.0,
+                   help="seconds per size and manager")
     r = sub.add_parser("replay", help="replay a CSV trace")
     r.add_argument("trace", help="CSV written by EMMPOOL_TRACE or emmpool.trace.write_csv")
-    r.add_argument("--device", type=int, default=0)
+    r.add_argument("--device", type=_device_ordinal, default=0)
     r.add_argument("--backends", nargs="+", choices=sorted(replay.BACKENDS),
                    default=list(replay.BACKENDS))
-    args = ap.parse_args(argv)
-    return {"info": cmd_info, "selftest": cmd_selftest, "bench": cmd_bench,
-            "replay": cmd_replay}[args.command](args)
+    return ap
+
+
+def _one_line(e: BaseException) -> str:
+    """What went wrong, in one line: a file error as 'path: reason', emmpool's and Python's
+    value errors as their message, anything else with its type's name."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        text = f"{e.filename}: {e.strerror}"
+    elif isinstance(e, (ValueError, OSError, MemoryError, _core.PoolError, _core.CudaError,
+                        Warning)):  # Warning: raised where warnings are errors (-W error)
+        text = str(e)
+    else:
+        text = f"{type(e).__name__}: {e}"
+    return " ".join(text.split()) or type(e).__name__
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    # One line, as the errors: the source line Python would add means nothing to a CLI user.
+    print(f"{PROG}: warning: {' '.join(str(message).split())}",
+          file=sys.stderr if file is None else file)
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)  # a usage error: argparse's message, exit status 2
+    command = {"info": cmd_info, "selftest": cmd_selftest, "bench": cmd_bench,
+               "replay": cmd_replay}[args.command]
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            return command(args)
+        except KeyboardInterrupt:
+            print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:
+            # The reader went away (| head): nothing to say, and nowhere to say it. Python's
+            # flush of stdout at exit would fail again, so stdout goes nowhere from here.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+        except Exception as e:
+            # Input that cannot be used (a missing or malformed file, a bad EMMPOOL_* value), or
+            # any other failure: one line, as argparse says a usage error, not a traceback.
+            print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ One table (``_OPTIONS``) gives each option its variable and its parser, and the 
 :func:`configure` go through the same parsers: ``'512MiB'`` or ``'80%'`` mean the same in both.
 The environment is read and checked when emmpool is installed into a library (``use_for_*``,
 ``import emmpool.plugin``) and when the first pool is configured; a bad value raises
-``ValueError`` naming the variable and the accepted form. :func:`config` and :func:`report`
-say what is in force and where each value came from.
+``ValueError`` naming the variable and the accepted form; an ``EMMPOOL_*`` variable that
+emmpool does not know (a misspelling, say) gets an :class:`UnknownVariableWarning` naming the
+nearest known one. :func:`config` and :func:`report` say what is in force and where each value
+came from.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import threading
+import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, NamedTuple
 
@@ -21,15 +25,19 @@ from . import _core
 
 __all__ = [
     "Config",
+    "Setting",
+    "UnknownVariableWarning",
     "check_environment",
     "config",
     "configure",
+    "diagnose",
     "ensure_configured",
     "parse_fraction",
     "parse_maximum",
     "parse_size",
     "report",
     "resolve",
+    "unknown_variables",
 ]
 
 log = logging.getLogger("emmpool")
@@ -201,6 +209,85 @@ _FIELDS = [f.name for f in fields(Config)]
 _DEFAULT = "default"
 _CONFIGURE = "configure()"
 
+# Read where PyTorch is installed (emmpool._torch), not by configure(): shown by report().
+_TORCH_ALLOCATOR = "EMMPOOL_TORCH_ALLOCATOR"
+_TORCH_CHOICES = {
+    "auto": "auto (emmpool's extension, else PyTorch's pluggable allocator)",
+    "extension": "extension (emmpool's PyTorch extension, or an error)",
+    "pluggable": "pluggable (PyTorch's CUDAPluggableAllocator)",
+}
+
+# ---- variables that are not emmpool's options ------------------------------------------------
+_PREFIX = "EMMPOOL_"
+# The variables emmpool itself reads.
+VARIABLES = tuple(sorted({o.variable for o in _OPTIONS.values()} | {_TORCH_ALLOCATOR}))
+# The project's own tools (tests, benchmarks, CI scripts, the build) read EMMPOOL_* variables
+# too, and their processes import emmpool with them set: those are not misspellings. Whole
+# prefixes are left to the tools, so that a new knob of theirs needs no change here.
+_TOOL_PREFIXES = (
+    "EMMPOOL_TEST_", "EMMPOOL_BENCH", "EMMPOOL_GPU_", "EMMPOOL_CI_", "EMMPOOL_CPP_",
+    "EMMPOOL_BUILD_", "EMMPOOL_PYTEST_", "EMMPOOL_SUITE_", "EMMPOOL_SERIAL_", "EMMPOOL_MLIR_",
+    "EMMPOOL_CUPY_SUITE", "EMMPOOL_SANITIZE", "EMMPOOL_COMPARE_", "EMMPOOL_TORCH_BENCH_",
+)
+_TOOL_VARIABLES = frozenset({
+    "EMMPOOL_CUDA_HEADERS", "EMMPOOL_CUDA_INCLUDE_DIR", "EMMPOOL_WARNINGS_AS_ERRORS",
+    "EMMPOOL_FULL_MODES", "EMMPOOL_NUMBA_MODES", "EMMPOOL_TARGETED_TESTS", "EMMPOOL_STRESS_OPS",
+})
+
+
+class UnknownVariableWarning(UserWarning):
+    """An ``EMMPOOL_*`` variable is set that emmpool does not read (a misspelling, say): it has
+    no effect."""
+
+
+def _is_known(name: str) -> bool:
+    return name in VARIABLES or name in _TOOL_VARIABLES or name.startswith(_TOOL_PREFIXES)
+
+
+def unknown_variables() -> list[str]:
+    """For each ``EMMPOOL_*`` variable set (not empty) that emmpool does not read: a sentence
+    saying so, naming the nearest variable it does read."""
+    messages = []
+    for name in sorted(os.environ):
+        if not name.startswith(_PREFIX) or _is_known(name) or not os.environ[name].strip():
+            continue
+        import difflib  # here: only where a variable is unknown
+
+        # Compared without the prefix they all share, which would make any two look alike;
+        # in upper case: EMMPOOL_mode is as likely a slip as EMMPOOL_MDOE.
+        close = difflib.get_close_matches(name[len(_PREFIX):].upper(),
+                                          [v[len(_PREFIX):] for v in VARIABLES], n=1)
+        hint = (f"did you mean {_PREFIX}{close[0]}?" if close
+                else f"emmpool reads {', '.join(VARIABLES)}")
+        messages.append(f"{name} is not an emmpool variable and has no effect: {hint}")
+    return messages
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_unknown_variables() -> None:
+    """Warn once per process for each unknown ``EMMPOOL_*`` variable: a misspelt option would
+    otherwise be ignored without a word."""
+    for message in unknown_variables():
+        with _warned_lock:
+            if message in _warned:
+                continue
+            _warned.add(message)  # before warning: where warnings are errors, still only once
+        warnings.warn(message, UnknownVariableWarning, stacklevel=caller_outside_emmpool())
+
+
+def caller_outside_emmpool() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the calling function that names the first
+    caller outside emmpool: the line to look at is the program's (or the library's that called
+    emmpool), however deep in emmpool the warning is raised."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
 
 def _checked(cfg: Config) -> Config:
     """What holds across options."""
@@ -210,23 +297,49 @@ def _checked(cfg: Config) -> Config:
     return cfg
 
 
-def _read_environment() -> tuple[Config, dict[str, str]]:
+# An option whose variable has a bad value, as _read_environment(problems=...) gives it.
+_Problem = tuple[tuple[str, ...], str]  # (the Config fields it leaves unset, the error)
+
+
+def _read_environment(problems: list[_Problem] | None = None) -> tuple[Config, dict[str, str]]:
     """The options the environment sets, and for each field where its value came from.
 
-    A variable set to an empty string counts as unset."""
+    A variable set to an empty string counts as unset. A bad value raises ``ValueError``;
+    unless ``problems`` is given: then every bad value is added to it (its fields keep their
+    defaults) and the rest is read. Warns of unknown ``EMMPOOL_*`` variables (once)."""
+    _warn_unknown_variables()
     values, sources = {}, dict.fromkeys(_FIELDS, _DEFAULT)
     for key, option in _OPTIONS.items():
         text = os.environ.get(option.variable, "")
         if key == "maximum_pool_fraction" or not text.strip():
             continue  # the fraction shares EMMPOOL_MAXIMUM_POOL_SIZE, read once as the maximum
-        parsed = option.parse(text, option.variable)
+        source = f"{option.variable}={text!r}"
+        try:
+            parsed = option.parse(text, option.variable)
+        except ValueError as e:
+            if problems is None:
+                raise
+            # The maximum's variable sets both of its fields.
+            unset = ("maximum_pool_size", "maximum_pool_fraction") if key == "maximum_pool_size" \
+                else (key,)
+            problems.append((unset, str(e)))
+            sources.update(dict.fromkeys(unset, source))
+            continue
         values.update(parsed)
-        sources.update(dict.fromkeys(parsed, f"{option.variable}={text!r}"))
-    return _checked(Config(**values)), sources
+        sources.update(dict.fromkeys(parsed, source))
+    cfg = Config(**values)
+    try:
+        return _checked(cfg), sources
+    except ValueError as e:
+        if problems is None:
+            raise
+        problems.append(((), str(e)))  # the values are good alone: report() still shows them
+        return cfg, sources
 
 
 def check_environment() -> None:
-    """Raise ``ValueError`` now, naming the variable, if an ``EMMPOOL_*`` value is bad."""
+    """Raise ``ValueError`` now, naming the variable, if an ``EMMPOOL_*`` value is bad; warn
+    (:class:`UnknownVariableWarning`, once) of an ``EMMPOOL_*`` variable emmpool does not read."""
     _read_environment()
 
 
@@ -347,10 +460,10 @@ def ensure_configured() -> Config:
 _BEFORE_CONFIGURATION = "the core's default: a pool was created before configuration"
 
 
-def _in_force() -> tuple[Config, dict[str, str]]:
+def _in_force(problems: list[_Problem] | None = None) -> tuple[Config, dict[str, str]]:
     if _applied is not None:
         return _applied, _applied_sources
-    cfg, sources = _read_environment()
+    cfg, sources = _read_environment(problems)
     if not (_core.pools() or _core.pinned_pools()):
         return cfg, sources  # what the first pool will get
     # Pools made before any configuration keep the core's options; the Python-side options
@@ -384,8 +497,26 @@ class Setting(NamedTuple):
 
 
 def report() -> list[Setting]:
-    """Every option: the value in force, in words, and where it came from."""
-    cfg, sources = _in_force()
+    """Every option: the value in force, in words, and where it came from.
+
+    Raises ``ValueError`` for the first bad ``EMMPOOL_*`` value that would apply
+    (:func:`diagnose` reports them all)."""
+    settings, errors = diagnose()
+    if errors:
+        raise ValueError(errors[0])
+    return settings
+
+
+_INVALID = "invalid (see the error)"
+
+
+def diagnose() -> tuple[list[Setting], list[str]]:
+    """:func:`report` without raising: every option, and every bad ``EMMPOOL_*`` value that
+    would apply, each as the error :func:`check_environment` raises for it (an option with a
+    bad value reads ``invalid`` and names its variable as the source)."""
+    problems: list[_Problem] = []
+    cfg, sources = _in_force(problems)
+    invalid = {field for unset, _ in problems for field in unset}
     maximum = "no cap but the device's memory"
     if cfg.maximum_pool_fraction is not None:
         maximum = f"{cfg.maximum_pool_fraction * 100:g}% of the device's memory"
@@ -406,7 +537,30 @@ def report() -> list[Setting]:
                                  "virtual memory management; Numba's blocks on fixed segments)",
                      }[cfg.segments],
     }
-    return [Setting(name, text, sources[name]) for name, text in words.items()]
+    settings = [Setting(name, _INVALID if name in invalid else text, sources[name])
+                for name, text in words.items()]
+    errors = [message for _, message in problems]
+    settings.append(_torch_allocator(errors))
+    return settings, errors
+
+
+def _torch_allocator(errors: list[str]) -> Setting:
+    """How PyTorch is (or would be) served: EMMPOOL_TORCH_ALLOCATOR, or what use_for_torch()
+    installed in this process."""
+    torch_hook = sys.modules.get("emmpool._torch")
+    how = torch_hook.how_installed() if torch_hook is not None else None
+    if how is not None:
+        return Setting("torch_allocator", f"{how} (installed in this process)", "use_for_torch()")
+    text = os.environ.get(_TORCH_ALLOCATOR, "")
+    if not text.strip():
+        return Setting("torch_allocator", _TORCH_CHOICES["auto"], _DEFAULT)
+    source = f"{_TORCH_ALLOCATOR}={text!r}"
+    choice = text.strip().lower()
+    if choice not in _TORCH_CHOICES:
+        # The words of emmpool._torch's own error, raised by use_for_torch().
+        errors.append(f"{source}: expected one of {', '.join(_TORCH_CHOICES)}")
+        return Setting("torch_allocator", _INVALID, source)
+    return Setting("torch_allocator", _TORCH_CHOICES[choice], source)
 
 
 def _physical_memory() -> int:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import TextIO
 
-from . import __version__, _config, _core
+from . import __version__, _config, _core, _numba_packages
 
 MiB = 1 << 20
 
@@ -31,10 +32,12 @@ _LIBRARIES = [
     ("dask", ("dask",)),
     ("dask-cuda", ("dask-cuda",)),
 ]
+_NUMBA_PACKAGES = {p.name: p for p in _numba_packages.PACKAGES}
 
 
 def print_report(out: TextIO = sys.stdout) -> int:
-    """Print the report; return 0 if emmpool can work here, else 1 (the report says why)."""
+    """Print the report; return 0 if emmpool can work here, else 1 (the report says why: a bad
+    ``EMMPOOL_*`` value, no driver, no device)."""
     ok = True
 
     def say(line: str = "") -> None:
@@ -43,16 +46,20 @@ def print_report(out: TextIO = sys.stdout) -> int:
     say(f"emmpool {__version__} ({Path(__file__).parent})")
 
     say("\nconfiguration in force:")
-    try:
-        settings = _config.report()
-    except ValueError as e:
-        say(f"  error: {e}")
-        ok = False
-    else:
-        names = max(len(s.option) for s in settings)
-        values = max(len(s.value) for s in settings)
-        for s in settings:
-            say(f"  {s.option:{names}}  {s.value:{values}}  from {s.source}")
+    # Every setting, then every bad value (not just the first) and every variable emmpool does
+    # not read: the report says them, so they are not also given as warnings.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", _config.UnknownVariableWarning)
+        settings, errors = _config.diagnose()
+    names = max(len(s.option) for s in settings)
+    values = max(len(s.value) for s in settings)
+    for s in settings:
+        say(f"  {s.option:{names}}  {s.value:{values}}  from {s.source}")
+    for message in errors:
+        say(f"  error: {message}")
+    for message in _config.unknown_variables():
+        say(f"  warning: {message}")
+    ok &= not errors
 
     say()
     ok &= _print_driver(say)
@@ -60,7 +67,11 @@ def print_report(out: TextIO = sys.stdout) -> int:
     say("\nlibraries:")
     for name, dists in _LIBRARIES:
         version = _version(dists)
-        say(f"  {name:15} {version or 'not installed'}")
+        note = ""
+        if version is not None and name in _NUMBA_PACKAGES:
+            problem = _numba_packages.version_problem(_NUMBA_PACKAGES[name], version)
+            note = f"  ({problem})" if problem else ""
+        say(f"  {name:15} {version or 'not installed'}{note}")
 
     say("\nwho allocates from emmpool:")
     for line in _hooks():

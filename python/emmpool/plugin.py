@@ -26,6 +26,11 @@ the class of the preferred installed package (numba-cuda, else numba-cuda-mlir).
 made on first use, so a process that uses one package never imports the other. A manager that
 a context of the other package uses says so at once instead of mixing the two.
 
+**Which releases.** Making a package's class checks the installed release against the range
+emmpool is tested with (``Package.minimum`` and ``Package.tested`` in ``_numba_packages``, the
+one place that says it): an older release is refused with an ImportError saying how to
+upgrade, a newer minor series is served with an ``UntestedVersionWarning``, once.
+
 Device memory comes from the process-wide pool of the context's device (shared with CuPy and
 PyTorch when their hooks are installed): what Numba asks of this interface, and what it asks
 of cuda.core (host arrays copied for a kernel launch, ``cuda.In/Out/InOut``), for which the

@@ -14,6 +14,7 @@ against emmpool and the other allocators.
 from __future__ import annotations
 
 import csv
+import reprlib
 import threading
 import time
 from typing import Iterable, NamedTuple
@@ -90,20 +91,54 @@ def write_csv(path, records: Iterable[TraceRecord]) -> int:
     return n
 
 
+_MAX_ADDRESS = 1 << 64  # pointers, sizes and stream handles are 64-bit unsigned in the pools
+# A bad row as an error shows it: whole where it has the fields of one, cut short where it is
+# something else (a line of a binary file, say), so that the message stays one readable line.
+_shown = reprlib.Repr()
+_shown.maxlist, _shown.maxstring, _shown.maxother = len(FIELDS) + 1, 40, 40
+
+
 def read_csv(path) -> list[TraceRecord]:
-    """Read a trace written by write_csv(). Raises ValueError naming the first bad line."""
+    """Read a trace written by write_csv(). Raises ValueError naming the first bad line (OSError
+    where the file cannot be read)."""
     out = []
     with open(path, newline="") as f:
         reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None or tuple(header) != FIELDS:
-            raise ValueError(f"{path}: not an emmpool trace (expected header {','.join(FIELDS)})")
-        for lineno, row in enumerate(reader, start=2):
-            try:
-                t, dev, op, ptr, size, stream, lib = row
-                if not (op in ("alloc", "free") and lib in LIBRARIES or op == "sync"):
-                    raise ValueError
-                out.append(TraceRecord(int(t), int(dev), op, int(ptr), int(size), int(stream), lib))
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: bad trace row {row!r}") from None
+        try:
+            header = next(reader, None)
+            if header is None or tuple(header) != FIELDS:
+                raise ValueError(f"{path}: not an emmpool trace (expected header "
+                                 f"{','.join(FIELDS)})")
+            for row in reader:
+                out.append(_record(row, f"{path}:{reader.line_num}"))
+        except (csv.Error, UnicodeDecodeError) as e:
+            # Not text, or not CSV (a NUL byte, an unclosed quote): the csv module's words, and
+            # where.
+            raise ValueError(f"{path}:{reader.line_num or 1}: not an emmpool trace ({e})") from None
     return out
+
+
+def _record(row: list[str], where: str) -> TraceRecord:
+    """One row as a record; ValueError saying what is wrong with it."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{where}: bad trace row {_shown.repr(row)}: {why}")
+
+    if len(row) != len(FIELDS):
+        raise bad(f"expected {len(FIELDS)} fields ({','.join(FIELDS)})")
+    t, dev, op, ptr, size, stream, lib = row
+    if not (op in ("alloc", "free") and lib in LIBRARIES or op == "sync"):
+        raise bad(f"expected op alloc or free with a library of {', '.join(LIBRARIES)}, or op "
+                  f"sync")
+    numbers = {}
+    for name, text in (("time_ns", t), ("device", dev), ("ptr", ptr), ("size", size),
+                       ("stream", stream)):
+        try:
+            numbers[name] = int(text)
+        except ValueError:
+            raise bad(f"{name} is not an integer") from None
+        # A replay hands these to the pools, which take them unsigned.
+        if name != "time_ns" and not 0 <= numbers[name] < _MAX_ADDRESS:
+            raise bad(f"{name} is out of range")
+    return TraceRecord(numbers["time_ns"], numbers["device"], op, numbers["ptr"],
+                       numbers["size"], numbers["stream"], lib)
