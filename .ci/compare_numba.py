@@ -74,9 +74,9 @@ KNOWN_EXTERNAL_SKIPS = (
 
 # Assume one cuMemAlloc per allocation: may fail in a sub-allocating mode (docs/design.md, Modes).
 # numba-cuda's test_host_alloc_pinned is no longer one: the plugin's device_extents answers with
-# the array's block (python/emmpool/_numba_extents.py; it passed on an H200,
-# benchmarks/results/*-s14-device-extents.txt). numba-cuda-mlir's has the same wrapper but has not
-# been run on a GPU since, so it stays excused.
+# the array's block (python/emmpool/_numba_extents.py; it passes with the plugin on an H200,
+# benchmarks/results/H200/numba-suite.txt). numba-cuda-mlir's has the same wrapper but has not
+# been run on a GPU with it, so it stays excused.
 KNOWN_SUBALLOC_FAILS = (
     "numba.cuda.tests.cudapy.test_ipc.TestIpcMemory.test_ipc_handle",
     "tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::test_host_alloc_pinned",

@@ -1,7 +1,7 @@
 """Earlier builds of emmpool timed in the same run as this one ("no slower than before" needs
 both in one run: a GPU host's speed drifts between runs more than the changes measured).
 
-    EMMPOOL_BENCH_BASELINES="pre19=/tmp/base-pre19 pre18=/tmp/base-pre18"
+    EMMPOOL_BENCH_BASELINES="before=/tmp/base-before main=/tmp/base-main"
 
 Each NAME=DIR is an emmpool installed with ``pip install --target DIR`` (.ci/gpu builds them from
 the source trees under .baseline/). A benchmark adds a configuration ``emmpool@NAME`` whose

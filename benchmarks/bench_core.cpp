@@ -399,8 +399,8 @@ std::string gpu_benchmarks(options const& o, std::vector<result>& out)
                         },
                         fence));
   // Its parts, and the one stream-ordered alternative that needs no query (a counter the GPU
-  // writes into pinned host memory, read by a plain load): on an H200 a write cost 6.5 records
-  // (results/NVIDIA-H200-2026-11-23-s13-core.md), so the fence stays an event.
+  // writes into pinned host memory, read by a plain load): on an H200 a write cost 4.6 records
+  // (results/H200/bench_core.md), so the fence stays an event.
   out.push_back(measure("a fence's record", "cuEventRecord, legacy stream", 0, o.quick,
                         [&] { cu_check(cu.event_record(event, legacy), "cuEventRecord"); },
                         fence));

@@ -18,7 +18,6 @@ import gc
 import importlib.metadata
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ MANAGERS = [
     ("nothing", {}),
     ("emmpool", {"EMMPOOL_MODE": "pool"}),
     ("emmpool-passthrough", {"EMMPOOL_MODE": "passthrough"}),
-    # Growable segments (issue #18): Numba's blocks stay on fixed segments, so this is what the
+    # Growable segments: Numba's blocks stay on fixed segments, so this is what the
     # mode costs a Numba program beside a library that uses them.
     ("emmpool-growable", {"EMMPOOL_MODE": "pool", "EMMPOOL_SEGMENTS": "growable"}),
 ]
@@ -176,10 +175,10 @@ def _measure(run, sync, knobs, counters=None):
 
     The op runs for knobs['warmup_s'] seconds before anything is timed. With a
     fixed 200 ops (a few ms), churn's first two to four timed blocks (~0.15 s
-    each) ran 2-3x slower than the rest in every committed run, for the floor
-    and the pools alike (a fresh process settling), so the median of 7 blocks
-    fell inside or outside that transient by chance: the floor's churn moved
-    13-31 us between rounds on one H100 (results/*-s12-numba.json).
+    each) ran 2-3x slower than the rest, for the floor and the pools alike (a
+    fresh process settling), so the median of 7 blocks fell inside or outside
+    that transient by chance: without the warm-up, the floor's churn moved
+    13-31 us between rounds on one H100 (results/H100/bench_numba.json).
 
     counters: None, or a function returning a dict of counters (emmpool's pool statistics):
     their change over the timed blocks, per op, is reported as "pool_per_op".
@@ -217,9 +216,9 @@ def _measure_paired(runs, switch, sync, knobs, counters=None):
     turn) and "ratio_to_floor", their median.
 
     Why: on the GPU hosts used, the host's speed changes over seconds, within a process as
-    much as between processes (the floor's figure moved 10-19 us between rounds, and between
-    cases of one round, on one H200: results/*-s13-numba-b.json), so two processes timed a
-    minute apart cannot resolve a 10% difference. Blocks a fraction of a second apart can.
+    much as between processes (on one H200 the floor's figure moved 10-19 us between rounds,
+    and between cases of one round), so two processes timed a minute apart cannot resolve a
+    10% difference. Blocks a fraction of a second apart can.
 
     counters: {manager: function} as in _measure, for the managers that have them.
     """
@@ -978,9 +977,6 @@ def parent_main(args):
         or _versions().get("numba-cuda"),
         "versions": first.get("versions", _versions()),
         "timestamp": now.isoformat(timespec="seconds"),
-        # Name under which to commit this run in benchmarks/results/.
-        "suggested_name": re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
-        + "-" + now.strftime("%Y-%m-%d"),
         "quick": args.quick,
         "budget_s_per_case": knobs["budget"],
         "repeats": knobs["repeats"],
@@ -1007,8 +1003,8 @@ def parent_main(args):
     with open(md_path, "w") as f:
         f.write(md)
     print(md)
-    print(f"wrote {json_path} and {md_path} "
-          f"(commit as benchmarks/results/{report['suggested_name']}.md/.json)")
+    print(f"wrote {json_path} and {md_path} (the current results of a GPU kind: "
+          f"benchmarks/results/<GPU>/, written by .ci/gpu-results)")
     ran = [r for r in managers.values() if "skipped" not in r]
     return 1 if any("failed" in r for r in ran) else 0
 

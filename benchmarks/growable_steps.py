@@ -1,14 +1,14 @@
 """Page maps and unmaps per step of a PyTorch-like training loop over the host driver (no GPU):
-emmpool's growable segments with and without the hysteresis (issue #18 follow-up), fixed
-segments for reference.
+emmpool's growable segments with and without the hysteresis, fixed segments for reference.
 
 The loop: parameters and optimizer state held throughout; per step a batch shape drawn anew
 (sequence length and batch size change every step, as in torch_training.py), activations
 allocated layer by layer (forward, with a temporary per layer), then per layer in reverse a
 gradient allocated and the activation freed (backward), then the optimizer's temporaries. The
 GPU keeps up (every fence completes at once). On an H100, every page map/unmap is a
-cuMemCreate+cuMemMap+cuMemSetAccess / cuMemUnmap+cuMemRelease: what made the growable loop
-32.8 ms/step vs 15.8 fixed (benchmarks/results/NVIDIA-H100-2026-11-23-torch-training.md).
+cuMemCreate+cuMemMap+cuMemSetAccess / cuMemUnmap+cuMemRelease: in torch_training.py's loop on
+an H100, 32 maps and 18.5 unmaps per step made the growable pool 13.9 ms/step against 13.0 with
+fixed segments (benchmarks/results/H100/torch_training.md).
 
     python benchmarks/growable_steps.py [--steps 200] [--seed 1] [--out FILE.json|DIR] [--cuda]
 
