@@ -3,39 +3,57 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @functools.cache
 def gpu_unavailable_reason() -> str | None:
-    """None when a CUDA GPU is usable from this process, else why not."""
+    """None when a CUDA GPU is usable from this process, else why not, in a few words."""
     import emmpool
 
     try:
         n = emmpool._core.device_count()
     except emmpool.CudaError as e:
-        return f"no usable CUDA driver/GPU: {e}"
+        # The driver's message says what to install; its first clause says what is missing.
+        return f"needs a CUDA GPU: {str(e).split(', so ')[0]}"
     if n == 0:
-        return "the CUDA driver reports no device"
+        return "needs a CUDA GPU: the CUDA driver reports no device"
     try:
         from numba import cuda
 
         if not cuda.is_available():
-            return "numba.cuda reports CUDA unavailable"
+            return "needs a CUDA GPU: numba.cuda reports CUDA unavailable"
     except Exception as e:  # pragma: no cover - depends on the machine
-        return f"numba.cuda is not usable: {e}"
+        return f"needs a CUDA GPU: numba.cuda is not usable: {e}"
     return None
 
 
-def pytest_collection_modifyitems(config, items):
-    reason = None
-    for item in items:
-        if "gpu" in item.keywords:
-            if reason is None:
-                reason = gpu_unavailable_reason() or ""
-            if reason:
-                item.add_marker(pytest.mark.skip(reason=reason))
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """GPU tests skip where there is none, before any other mark or fixture of theirs is
+    looked at. Raised here, in one place, so that pytest's summary counts them on one line
+    instead of one per test."""
+    if "gpu" in item.keywords:
+        reason = gpu_unavailable_reason()
+        if reason:
+            pytest.skip(reason)
+
+
+def benchmark_module(name: str):
+    """benchmarks/<name>.py, loaded as a module; skip where benchmarks/ is not shipped (a wheel's
+    test run takes tests/ alone)."""
+    path = ROOT / "benchmarks" / f"{name}.py"
+    if not path.exists():
+        pytest.skip("benchmarks/ is not shipped here")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def installed_or_skip(name: str):

@@ -1,14 +1,13 @@
 """Growable segments on a real GPU (skipped, with the reason, where there is none): the CUDA
 driver's virtual memory management behind the seam (cuMemAddressReserve, cuMemCreate, cuMemMap,
-cuMemSetAccess, cuMemUnmap), memory that kernels and copies really use, the replay figure of
-issue #18 on the CUDA driver, and Numba's IPC with EMMPOOL_SEGMENTS=growable.
+cuMemSetAccess, cuMemUnmap), memory that kernels and copies really use, the fragmentation
+replay on the CUDA driver, and Numba's IPC with EMMPOOL_SEGMENTS=growable.
 
 `.ci/gpu` runs these in every GPU run; EMMPOOL_SEGMENTS=growable on the whole pytest step runs
 every other GPU test (Numba's, CuPy's, PyTorch's) in the new mode as well."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +15,11 @@ import pytest
 
 from emmpool import _core, replay
 from tests import gpu_scripts
+from tests.conftest import benchmark_module
 from tests.test_gpu_numba import check, run
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
-ROOT = Path(__file__).resolve().parent.parent
 NUMBA_TAG, CUPY_TAG = 1, 2
 
 
@@ -87,10 +86,7 @@ def test_block_of_a_growable_segment_refuses_ipc_clearly():
 
 def test_replay_on_the_cuda_driver_is_at_most_1_10():
     pytest.importorskip("numpy")
-    spec = importlib.util.spec_from_file_location("bench_replay", ROOT / "benchmarks" / "replay.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    ops = replay.from_slots(*bench.make_trace())
+    ops = replay.from_slots(*benchmark_module("replay").make_trace())
     r = replay.run(ops, "emmpool-growable")
     assert r["ratio"] <= 1.10, r
 
@@ -100,10 +96,7 @@ def test_hysteresis_maps_fewer_pages_per_step_on_the_cuda_driver():
     keep reserved at the peak are unmapped; far fewer cuMemMap/cuMemUnmap per step, and no
     slower per step (each map is cuMemCreate + cuMemMap + cuMemSetAccess)."""
     growable_pool()  # skips without VMM
-    spec = importlib.util.spec_from_file_location("growable_steps",
-                                                  ROOT / "benchmarks" / "growable_steps.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_module("growable_steps")
     off = bench.run("growable", False, steps=40, seed=1, cuda=True)
     on = bench.run("growable", True, steps=40, seed=1, cuda=True)
     print("growable_steps on the CUDA driver:", off, on)

@@ -4,7 +4,6 @@ page logic in depth; these cover the Python surface, the fallback, IPC and the r
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from emmpool import _config, _core, replay
+from tests.conftest import benchmark_module
 
 MiB = 1 << 20
-ROOT = Path(__file__).resolve().parent.parent
 NUMBA_TAG, CUPY_TAG = 1, 2
 
 
@@ -75,13 +74,10 @@ def test_out_of_memory_leaves_nothing_mapped_half_way():
 
 def _benchmark_trace():
     pytest.importorskip("numpy")
-    spec = importlib.util.spec_from_file_location("bench_replay", ROOT / "benchmarks" / "replay.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return replay.from_slots(*bench.make_trace())
+    return replay.from_slots(*benchmark_module("replay").make_trace())
 
 
-def test_replay_figure_of_issue_18():
+def test_replay_figure_of_growable_segments():
     """The fixed replay trace (40k operations, 256 live, 256 B - 64 MiB): growable segments
     keep peak reserved / peak live at most 1.10 (fixed segments: 1.22)."""
     ops = _benchmark_trace()
@@ -137,12 +133,7 @@ def test_hysteresis_maps_fewer_pages_per_step_on_a_torch_like_loop():
     """benchmarks/growable_steps.py: a PyTorch-like loop whose shapes change every step. At a
     new peak only the free pages that keep reserved at the peak go back (hysteresis), not all
     of them: far fewer maps and unmaps per step, peak reserved about the same."""
-    path = ROOT / "benchmarks" / "growable_steps.py"
-    if not path.exists():
-        pytest.skip("benchmarks/ not shipped here")
-    spec = importlib.util.spec_from_file_location("growable_steps", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_module("growable_steps")
     off = bench.run("growable", False, steps=60, seed=1)
     on = bench.run("growable", True, steps=60, seed=1)
     assert on["page_maps_per_step"] * 2 <= off["page_maps_per_step"], (on, off)
