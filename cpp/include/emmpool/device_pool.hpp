@@ -265,7 +265,7 @@ class device_pool : private detail::pool_lifecycle {
   detail::trace_log trace_;
   std::vector<detail::fenced_block> fenced_;  // what the fences reported, until settled
   // Last: the members above keep the layout (cache lines) of fixed segments' hot path.
-  detail::growable_space growable_{*driver_, device_, blocks_, stats_,  // issue #18
+  detail::growable_space growable_{*driver_, device_, blocks_, stats_,
                                    [this](std::size_t n) { release_free_segments(true, n); }};
 };
 

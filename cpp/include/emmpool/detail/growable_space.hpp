@@ -1,6 +1,6 @@
 /**
  * @file detail/growable_space.hpp
- * @brief The device pool's growable segment (issue #18): its creation, which free block serves
+ * @brief The device pool's growable segment: its creation, which free block serves
  * a request, when pages are mapped, and when wholly free pages go back.
  *
  * The segment is one address reservation (detail/growable_segment.hpp: its page map) whose
