@@ -87,8 +87,19 @@ device_pool::~device_pool()
 
 device_pool::block* device_pool::take_best_fit(std::size_t rounded, bool growable, bool may_map)
 {
-  if (growable) { return growable_.take(rounded, may_map); }  // detail/growable_space
+  if (growable) { return take_growable(rounded, may_map); }
   return free_.take(rounded, rounded <= options_.small_request, alignment);
+}
+
+device_pool::block* device_pool::take_growable(std::size_t rounded, bool may_map)
+{
+  // The growable segment's best fit, off its free list; if mapping its pages makes a new peak
+  // (or meets the cap), wholly free memory goes back to the driver first, as before growing a
+  // fixed segment; then its pages are mapped (detail/growable_space.hpp).
+  auto const claim = growable_.claim_best_fit(rounded, may_map);
+  if (claim.blk == nullptr) { return nullptr; }
+  if (auto const room = growable_.room_for(claim)) { release_free_segments(true, room); }
+  return growable_.finish(claim);
 }
 
 detail::block_kind device_pool::kind_of(std::size_t rounded, bool growable) const noexcept
@@ -110,9 +121,9 @@ device_pool::block* device_pool::take_without_cuda(std::size_t rounded, stream_r
 
 device_pool::block* device_pool::take_growable_without_cuda(std::size_t rounded, stream_ref stream)
 {
-  // Pool mode: serves() said so. growable_.take(.., false) maps no page here.
+  // Pool mode: serves() said so. take_growable(.., false) maps no page here.
   auto* blk = lanes_.take(stream, rounded, detail::block_kind::growable);
-  return blk != nullptr ? blk : growable_.take(rounded, false);
+  return blk != nullptr ? blk : take_growable(rounded, false);
 }
 
 std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_handle stream,
@@ -213,8 +224,8 @@ device_ptr device_pool::hand_out(block* blk, std::size_t bytes, stream_ref strea
 
 device_pool::block* device_pool::grow(std::size_t rounded, bool exact, bool growable)
 {
-  if (growable) {
-    if (auto* blk = growable_.grow(rounded, segments_)) { return blk; }
+  if (growable && growable_.ensure_segment(rounded, segments_)) {
+    if (auto* blk = take_growable(rounded, true)) { return blk; }
     // No address space left, or no memory: a fixed segment, as without growable segments.
   }
   bool const small = options_.mode == pool_mode::pool && rounded <= options_.small_request;

@@ -24,35 +24,41 @@ void growable_space::configure(pool_options const& o, std::size_t max_reserved) 
   }
 }
 
-block* growable_space::take(std::size_t rounded, bool may_map)
+growable_space::claim growable_space::claim_best_fit(std::size_t rounded, bool may_map)
 {
-  if (pages_ == nullptr) { return nullptr; }
+  if (pages_ == nullptr) { return {}; }
   bool ready = false;
   // The best fit needs new pages: a slightly larger free block whose pages are mapped serves
   // without a driver call (and without unmapping others at a new peak).
   auto* blk = free_.find_large(
     rounded, [&](block const* b) { return pages_->unmapped_in(b->ptr, rounded) == 0; }, 8, &ready);
-  if (blk == nullptr || (!ready && !may_map)) { return nullptr; }  // mapping: allocate() only
+  if (blk == nullptr || (!ready && !may_map)) { return {}; }  // mapping: allocate() only
   free_.erase(blk);  // off the list: unmapping spares it
-  if (!ready && !map_for(blk->ptr, rounded, blk->size)) {
-    free_.insert(blk);
+  return {blk, rounded, ready ? 0 : pages_->unmapped_in(blk->ptr, rounded)};
+}
+
+std::size_t growable_space::room_for(claim const& c) const noexcept
+{
+  if (c.need == 0) { return 0; }
+  if (!fits(c.need)) { return all_free; }  // the cap: as the fixed segments' ladder does
+  // About to reach a new peak: give back wholly free large fixed segments, then free pages
+  // (unmap_for_peak: as many as keep reserved at the peak), as grow() does.
+  return stats_->bytes_reserved + c.need > stats_->peak_bytes_reserved ? c.need : 0;
+}
+
+block* growable_space::finish(claim const& c)
+{
+  if (c.need != 0 && !map_for(c.blk->ptr, c.rounded, c.blk->size)) {
+    free_.insert(c.blk);
     return nullptr;
   }
-  return free_.split(blk, rounded, block_alignment);
+  return free_.split(c.blk, c.rounded, block_alignment);
 }
 
 bool growable_space::map_for(device_ptr ptr, std::size_t rounded, std::size_t available)
 {
-  std::size_t need = pages_->unmapped_in(ptr, rounded);
-  if (!fits(need)) {
-    // The cap: give back everything no block uses, as the fixed segments' ladder does.
-    at_peak_(all_free);
-  } else if (stats_->bytes_reserved + need > stats_->peak_bytes_reserved) {
-    // About to reach a new peak: give back wholly free large fixed segments, then free pages
-    // (growable_space.hpp: as many as keep reserved at the peak), as grow() does.
-    at_peak_(need);
-  }
-  need = pages_->unmapped_in(ptr, rounded);
+  // room_for() was given back first (by the pool): what the pages need now fits, or never will.
+  auto const need = pages_->unmapped_in(ptr, rounded);
   if (!fits(need)) { return false; }
   try {
     count_mapped(pages_->map(ptr, rounded));
@@ -74,10 +80,10 @@ bool growable_space::map_for(device_ptr ptr, std::size_t rounded, std::size_t av
   return true;
 }
 
-block* growable_space::grow(std::size_t rounded,
-                            std::map<device_ptr, std::unique_ptr<segment>>& segments)
+bool growable_space::ensure_segment(std::size_t rounded,
+                                    std::map<device_ptr, std::unique_ptr<segment>>& segments)
 {
-  if (page_ == 0) { return nullptr; }
+  if (page_ == 0) { return false; }
   if (pages_ == nullptr) {
     // The address space of all the device's memory (at most the cap): growth never runs out
     // of addresses before it runs out of memory. Addresses cost no memory.
@@ -88,7 +94,7 @@ block* growable_space::grow(std::size_t rounded,
       pages_ = std::make_unique<growable_pages>(*driver_, device_, page_, bytes);
     } catch (cuda_error const&) {
       page_ = 0;  // the driver refuses reservations: fixed segments from now on
-      return nullptr;
+      return false;
     }
     auto seg      = std::make_unique<segment>();
     seg->base     = pages_->base();
@@ -106,7 +112,7 @@ block* growable_space::grow(std::size_t rounded,
     ++stats_->segment_allocations;
     ++stats_->segments;
   }
-  return take(rounded, true);
+  return true;
 }
 
 std::size_t growable_space::unmap_for_peak(std::size_t need)

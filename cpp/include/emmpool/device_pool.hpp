@@ -210,6 +210,7 @@ class device_pool : private detail::pool_lifecycle {
   block* take_growable_without_cuda(std::size_t rounded, stream_ref stream);  // maps no page
   // best fit and split; a growable request maps pages only if may_map
   block* take_best_fit(std::size_t rounded, bool growable = false, bool may_map = true);
+  block* take_growable(std::size_t rounded, bool may_map);  // room made first, then mapped
   // which segments serve a request (a segment serves one kind)
   [[nodiscard]] detail::block_kind kind_of(std::size_t rounded, bool growable) const noexcept;
   device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);
@@ -265,8 +266,7 @@ class device_pool : private detail::pool_lifecycle {
   detail::trace_log trace_;
   std::vector<detail::fenced_block> fenced_;  // what the fences reported, until settled
   // Last: the members above keep the layout (cache lines) of fixed segments' hot path.
-  detail::growable_space growable_{*driver_, device_, blocks_, stats_,
-                                   [this](std::size_t n) { release_free_segments(true, n); }};
+  detail::growable_space growable_{*driver_, device_, blocks_, stats_};
 };
 
 }  // namespace emmpool

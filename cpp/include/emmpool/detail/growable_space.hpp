@@ -28,7 +28,6 @@
 #include <emmpool/stats.hpp>
 
 #include <cstddef>
-#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -37,13 +36,8 @@ namespace emmpool::detail {
 
 class growable_space {
  public:
-  /// `at_peak(need)`: the pool, unless cleanup is deferred or it is a fork child, gives back
-  /// its wholly free large fixed segments, then calls unmap_for_peak(need) (need = all_free:
-  /// every wholly free page, the cap).
-  growable_space(driver& drv, int device, block_arena& arena, pool_stats& stats,
-                 std::function<void(std::size_t)> at_peak)
-    : driver_{&drv}, device_{device}, arena_{&arena}, free_{arena}, stats_{&stats},
-      at_peak_{std::move(at_peak)}
+  growable_space(driver& drv, int device, block_arena& arena, pool_stats& stats)
+    : driver_{&drv}, device_{device}, arena_{&arena}, free_{arena}, stats_{&stats}
   {
   }
 
@@ -56,12 +50,26 @@ class growable_space {
     return page_ != 0 && rounded > small_request_ && tag != alloc_tag::numba;
   }
 
-  /// Best fit (or a mapped candidate) of at least `rounded` bytes, split, its pages mapped;
-  /// null if none fits, if pages would be mapped and !may_map, or at the cap / out of memory.
-  block* take(std::size_t rounded, bool may_map);
-  /// take(), making the segment first. Null where the driver refuses a reservation (then
-  /// fixed segments only, from now on) or take() fails. `segments`: the pool's, by base.
-  block* grow(std::size_t rounded, std::map<device_ptr, std::unique_ptr<segment>>& segments);
+  /// A free block chosen for a request, off the free list (so that unmapping spares it) until
+  /// finish() hands it out or puts it back.
+  struct claim {
+    block* blk{};            ///< null: nothing to claim
+    std::size_t rounded{};   ///< the request
+    std::size_t need{};      ///< bytes of its pages still to map (0: ready)
+  };
+  /// The best fit (or a mapped candidate) of at least `rounded` bytes; nothing if none fits, or
+  /// if its pages would need mapping and !may_map.
+  [[nodiscard]] claim claim_best_fit(std::size_t rounded, bool may_map);
+  /// What must go back to the driver before the claim's pages are mapped: 0 (nothing),
+  /// c.need (the mapping makes a new peak: the pool gives back its wholly free large fixed
+  /// segments, then unmap_for_peak), or all_free (the cap: everything wholly free).
+  [[nodiscard]] std::size_t room_for(claim const& c) const noexcept;
+  /// The claimed block, its pages mapped, split to the request; null (the block back on the
+  /// free list) at the cap or out of memory.
+  block* finish(claim const& c);
+  /// Make the segment, if there is none yet: false where the driver refuses a reservation
+  /// (then fixed segments only, from now on). `segments`: the pool's, by base.
+  bool ensure_segment(std::size_t rounded, std::map<device_ptr, std::unique_ptr<segment>>& segments);
 
   /// Unmap wholly free pages, at most `limit` bytes, the largest free blocks' first.
   /// @return bytes unmapped
@@ -90,7 +98,7 @@ class growable_space {
   }
 
  private:
-  bool map_for(device_ptr ptr, std::size_t rounded, std::size_t available);
+  bool map_for(device_ptr ptr, std::size_t rounded, std::size_t available);  // after room_for
   [[nodiscard]] bool fits(std::size_t n) const noexcept
   {
     return n <= max_reserved_ && stats_->bytes_reserved <= max_reserved_ - n;
@@ -103,7 +111,6 @@ class growable_space {
   block_arena* arena_;
   free_lists free_;  // its large set: the segment's free blocks
   pool_stats* stats_;
-  std::function<void(std::size_t)> at_peak_;
   std::size_t page_{};            // 0: fixed segments only
   std::size_t small_request_{};
   std::size_t reserve_{};         // options' growable_reserve (0: the device's memory)
