@@ -1,6 +1,7 @@
 // pybind11 glue for emmpool._core. Glue only: no pool logic lives here. The Numba plugin's hot
 // pair is plain CPython, in numba_entry_points.cpp.
 #include "numba_entry_points.hpp"
+#include "out_of_memory_callback.hpp"
 
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
@@ -29,9 +30,50 @@ void* emmpool_torch_malloc(std::size_t, int, void*);
 void emmpool_torch_free(void*, std::size_t, int, void*);
 }
 
+namespace emmpool::bindings {
+
+// A pool's statistics as the dict stats() returns (also what an out-of-memory callback gets).
+py::dict stats_dict(pool_stats const& s)
+{
+  py::dict d;
+  d["bytes_in_use"]        = s.bytes_in_use;
+  d["peak_bytes_in_use"]   = s.peak_bytes_in_use;
+  d["bytes_reserved"]      = s.bytes_reserved;
+  d["peak_bytes_reserved"] = s.peak_bytes_reserved;
+  d["bytes_waiting"]       = s.bytes_waiting;
+  d["bytes_free"]          = s.bytes_free;
+  d["largest_free_block"]  = s.largest_free_block;
+  d["blocks_in_use"]       = s.blocks_in_use;
+  d["blocks_waiting"]      = s.blocks_waiting;
+  d["segments"]            = s.segments;
+  d["allocations"]         = s.allocations;
+  d["frees"]               = s.frees;
+  d["segment_allocations"] = s.segment_allocations;
+  d["segment_releases"]    = s.segment_releases;
+  d["batches_closed"]      = s.batches_closed;
+  d["fence_queries"]       = s.fence_queries;
+  d["same_stream_reuses"]  = s.same_stream_reuses;
+  d["dormant_fences"]      = s.dormant_fences;
+  d["out_of_memory"]       = s.out_of_memory;
+  d["page_maps"]           = s.page_maps;
+  d["page_unmaps"]         = s.page_unmaps;
+  py::dict by_tag;
+  for (std::size_t i = 0; i < alloc_tag_count; ++i) {
+    py::dict t;
+    t["bytes_in_use"] = s.bytes_in_use_by_tag[i];
+    t["allocations"]  = s.allocations_by_tag[i];
+    by_tag[alloc_tag_names[i]] = t;
+  }
+  d["by_library"] = by_tag;
+  return d;
+}
+
+}  // namespace emmpool::bindings
+
 namespace {
 
 using namespace emmpool;
+using emmpool::bindings::stats_dict;
 
 
 pool_mode parse_mode(std::string const& mode)
@@ -80,40 +122,6 @@ py::dict options_dict(pool_options const& o)
   return d;
 }
 
-py::dict stats_dict(pool_stats const& s)
-{
-  py::dict d;
-  d["bytes_in_use"]        = s.bytes_in_use;
-  d["peak_bytes_in_use"]   = s.peak_bytes_in_use;
-  d["bytes_reserved"]      = s.bytes_reserved;
-  d["peak_bytes_reserved"] = s.peak_bytes_reserved;
-  d["bytes_waiting"]       = s.bytes_waiting;
-  d["bytes_free"]          = s.bytes_free;
-  d["largest_free_block"]  = s.largest_free_block;
-  d["blocks_in_use"]       = s.blocks_in_use;
-  d["blocks_waiting"]      = s.blocks_waiting;
-  d["segments"]            = s.segments;
-  d["allocations"]         = s.allocations;
-  d["frees"]               = s.frees;
-  d["segment_allocations"] = s.segment_allocations;
-  d["segment_releases"]    = s.segment_releases;
-  d["batches_closed"]      = s.batches_closed;
-  d["fence_queries"]       = s.fence_queries;
-  d["same_stream_reuses"]  = s.same_stream_reuses;
-  d["dormant_fences"]      = s.dormant_fences;
-  d["out_of_memory"]       = s.out_of_memory;
-  d["page_maps"]           = s.page_maps;
-  d["page_unmaps"]         = s.page_unmaps;
-  py::dict by_tag;
-  for (std::size_t i = 0; i < alloc_tag_count; ++i) {
-    py::dict t;
-    t["bytes_in_use"] = s.bytes_in_use_by_tag[i];
-    t["allocations"]  = s.allocations_by_tag[i];
-    by_tag[alloc_tag_names[i]] = t;
-  }
-  d["by_library"] = by_tag;
-  return d;
-}
 
 alloc_tag to_tag(int tag)
 {
@@ -191,7 +199,11 @@ PYBIND11_MODULE(_core, m)
     } catch (cuda_error const& e) {
       raise_cuda(cuda_exc, e);
     } catch (out_of_memory const& e) {
-      PyErr_SetString(oom_exc, e.what());
+      PyObject* const exc = PyObject_CallFunction(oom_exc, "s", e.what());
+      if (exc == nullptr) { return; }  // its own error is set
+      emmpool::bindings::chain_callback_error(exc, e.what());
+      PyErr_SetObject(oom_exc, exc);
+      Py_DECREF(exc);
     } catch (pool_error const& e) {
       PyErr_SetString(pool_exc, e.what());
     }
@@ -561,6 +573,7 @@ PYBIND11_MODULE(_core, m)
   m.def("_raise_for_test", &raise_for_test, py::arg("kind"));
 
   emmpool::bindings::add_numba_entry_points(m.ptr());
+  emmpool::bindings::add_out_of_memory_callback(m);
   // The entry points' caller lock (caller_lock.hpp) is the GIL: CuPy calls them holding it.
   emmpool::caller_lock::install({&emmpool::python::let_go_of_gil, &emmpool::python::take_gil_back});
 }

@@ -236,7 +236,8 @@ void raise_again(PyObject* error)
 #endif
 }
 
-// Replace the error being raised by as_error(error), raised as Python's `raise ... from None`.
+// Replace the error being raised by as_error(error), raised as Python's
+// `raise new from new.__cause__` (None, but for an out-of-memory callback's own error).
 void raise_as(PyObject* as_error)
 {
   PyObject* error  = take_raised();
@@ -247,9 +248,9 @@ void raise_as(PyObject* as_error)
   if (PyExceptionInstance_Check(raised) == 0) {
     PyErr_Format(PyExc_TypeError, "memalloc's as_error returned %R, not an exception", raised);
   } else {
-    // A new exception: `from None` (its cause, and __suppress_context__); the error itself
-    // goes on as it was raised.
-    if (!same) { PyException_SetCause(raised, nullptr); }
+    // A new exception: its own cause (as_error may set one), and __suppress_context__; the
+    // error itself goes on as it was raised.
+    if (!same) { PyException_SetCause(raised, PyException_GetCause(raised)); }
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(raised)), raised);
   }
   Py_DECREF(raised);

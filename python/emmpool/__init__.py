@@ -28,6 +28,7 @@ __all__ = [
     "configure",
     "cuda_core_resource",
     "record_stream",
+    "set_out_of_memory_callback",
     "reset_peak_stats",
     "rmm_resource",
     "stats",
@@ -146,6 +147,30 @@ def record_stream(ptr: int, stream: int, device: int = 0) -> None:
                                         "stream.cuda_stream")
     device = _device(device)
     _core.pool(device).record_stream(ptr, stream)
+
+
+def set_out_of_memory_callback(callback, device: int | None = None) -> None:
+    """Ask ``callback(device, size, stats)`` before an allocation on ``device`` (None: every
+    device without a callback of its own) fails for lack of memory; ``callback=None`` removes
+    it.
+
+    It is asked once emmpool's own recovery has failed (waiting for pending frees, giving
+    wholly free memory back to the driver), for every client: Numba, cuda.core, CuPy, PyTorch
+    and RMM. ``size`` is the request in bytes, ``stats`` the pool's statistics
+    (:func:`stats`). It returns whether it freed something (spilled data to the host, dropped
+    a cache): then the allocation is tried again, and the callback asked again if that fails
+    too, at most 8 times an allocation. A false answer ends in the out-of-memory error at once.
+
+    It runs with no emmpool lock held, holding the GIL, on the thread that allocates: two
+    threads that run out of memory at once ask it concurrently (it must be thread safe). It
+    may allocate (copy to pinned host memory, say): an allocation of its own that runs out of
+    memory fails at once rather than asking it again. An exception it raises ends the
+    allocation: the out-of-memory error says so, and has that exception as its ``__cause__``
+    where the client raises Python errors (emmpool, cuda.core, Numba)."""
+    if callback is not None and not callable(callback):
+        raise TypeError(f"the out-of-memory callback must be callable or None, not "
+                        f"{type(callback).__name__}")
+    _core.set_out_of_memory_callback(callback, _device(device, optional=True))
 
 
 def _integer(value, name: str, what: str) -> int:

@@ -117,7 +117,8 @@ class EmmPoolMemoryResource(MemoryResource):
         try:
             ptr = self._allocate(size, handle, self._tag)
         except _core.OutOfMemoryError as e:
-            raise OutOfMemoryError(f"CUDA_ERROR_OUT_OF_MEMORY: {e}") from None
+            # The cause kept: an out-of-memory callback's own error, if one raised.
+            raise OutOfMemoryError(f"CUDA_ERROR_OUT_OF_MEMORY: {e}") from e.__cause__
         try:
             return Buffer.from_handle(ptr, size, self, stream=stream)
         except BaseException:

@@ -152,7 +152,8 @@ class _EmmPoolManager:
                 self._bind()
             free = self._allocate(size)  # tagged numba, no stream named: fenced on the legacy one
         except (_core.OutOfMemoryError, _core.CudaError) as e:
-            raise _as_numba_error(self._emm, e) from None
+            error = _as_numba_error(self._emm, e)
+            raise error from error.__cause__
         return self._emm.MemoryPointer(self._ctx, free.ptr, size, finalizer=free)
 
     def memhostalloc(self, size, mapped=False, portable=False, wc=False):
@@ -268,7 +269,9 @@ def _as_numba_error(emm, e: Exception) -> Exception:
     result = emm.binding.CUresult
     if isinstance(e, _core.OutOfMemoryError):
         log.warning("%s", e)
-        return emm.CudaAPIError(result.CUDA_ERROR_OUT_OF_MEMORY, str(e))
+        error = emm.CudaAPIError(result.CUDA_ERROR_OUT_OF_MEMORY, str(e))
+        error.__cause__ = e.__cause__  # an out-of-memory callback's own error, if one raised
+        return error
     try:
         code = result(e.code)
     except (ValueError, AttributeError):
