@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -22,6 +23,7 @@ import emmpool  # noqa: E402
 import emmpool.dask  # noqa: E402
 from emmpool import _config, _core  # noqa: E402
 from emmpool.dask import EmmPool  # noqa: E402
+from tests.processes import run_python  # noqa: E402
 
 # Every wait is bounded: a cluster that cannot start or answer fails the test in seconds.
 TIMEOUTS = {
@@ -90,7 +92,7 @@ def test_options_are_checked_without_the_clients_environment(monkeypatch):
     plugin = EmmPool(pinned="numba", cupy=True)
     assert plugin.options == {"pinned": "numba"}
     assert plugin.libraries == ("numba", "cupy")
-    assert repr(plugin) == "EmmPool(pinned='numba', numba=True, cupy=True, torch=False)"
+    assert repr(plugin) == "EmmPool(pinned='numba', numba=True, cupy=True, torch=False, spill=False)"
 
 
 def test_plugin_reaches_every_worker_present_and_future(client):
@@ -274,3 +276,62 @@ def test_emmpool_works_without_distributed_and_emmpool_dask_says_what_to_install
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "pip install 'emmpool[dask]'" in done.stdout
+
+
+SPILL_SCRIPT = textwrap.dedent(
+    """
+    import types
+    import zict
+    import emmpool
+    from emmpool import _core
+    from emmpool.dask import DeviceSpiller, EmmPool
+    MiB = 1 << 20
+    host = _core.HostDriver(devices=1, capacity=64 * MiB)
+    host.set_auto_complete(True)
+    _core._use_driver_for_all_pools(host)
+    pool = _core.pool(0)
+
+    class DeviceArray:  # a CuPy array's life: a block of the pool until it is dropped
+        def __init__(self, nbytes):
+            self.nbytes, self.ptr = nbytes, pool.allocate(nbytes, _core.LEGACY_STREAM, 2)
+        def __del__(self):
+            pool.deallocate_tagged(self.ptr, _core.ALLOCATION_STREAM, 2)
+
+    # dask-cuda's DeviceHostFile with a device_memory_limit: device objects in a zict.Buffer
+    # whose slow side serializes them to host memory.
+    device_buffer = zict.Buffer(
+        {}, zict.Func(lambda a: ("on host", a.nbytes), lambda h: DeviceArray(h[1]), {}),
+        n=1 << 40, weight=lambda k, v: v.nbytes)
+    worker = types.SimpleNamespace(address="tcp://w", data=types.SimpleNamespace(
+        device_buffer=device_buffer))
+    for key in "abc":
+        device_buffer[key] = DeviceArray(16 * MiB)        # 48 of 64 MiB
+
+    EmmPool(spill=True).setup(worker)                     # installs the worker's spiller
+    big = pool.allocate(32 * MiB)                         # needs 16 MiB more: spills a, then b
+    assert list(device_buffer.fast) == ["c"] and sorted(device_buffer.slow) == ["a", "b"]
+    assert device_buffer["a"].nbytes == 16 * MiB          # and it comes back when asked
+    pool.deallocate(big)
+
+    spiller = DeviceSpiller(worker)
+    assert spiller(0, 1, {}) and spiller.spilled_bytes > 0
+    nothing = DeviceSpiller(types.SimpleNamespace(address="w", data={}))  # no device LRU
+    assert not nothing(0, 1 << 20, {})
+
+    EmmPool().setup(worker)                               # registered again without spill
+    try:
+        pool.allocate(60 * MiB)
+    except emmpool.OutOfMemoryError:
+        pass
+    else:
+        raise AssertionError("the callback was not taken away")
+    print("OK")
+    """
+)
+
+
+def test_spill_moves_device_data_to_host_and_the_allocation_succeeds():
+    # What EmmPool(spill=True) does on a dask-cuda worker, over a host driver: out of memory,
+    # its least recently used device data goes to host, and the allocation is tried again.
+    p = run_python(["-c", SPILL_SCRIPT], timeout=120)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr

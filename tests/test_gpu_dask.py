@@ -1,6 +1,7 @@
-"""README's Dask example, as written, on two GPUs (dask-cuda's LocalCUDACluster): the result,
-and each worker's pool on its own GPU serving Numba and CuPy. Skipped, with the reason, where
-fewer than two GPUs, or dask-cuda or CuPy, are absent."""
+"""Dask on GPUs (dask-cuda's LocalCUDACluster): README's example, as written, on two GPUs (the
+result, and each worker's pool on its own GPU serving Numba and CuPy), and a worker that spills
+to host instead of failing a task, on one. Skipped, with the reason, where the GPUs, dask-cuda
+or CuPy are absent."""
 
 from __future__ import annotations
 
@@ -41,3 +42,54 @@ def test_readme_dask_example_on_two_gpus(tmp_path):
     for row in rows:
         # every worker has one pool, on its device 0, which served both libraries
         assert row[1] == "0" and "numba" in row and "cupy" in row, done.stdout
+
+
+SPILL = r"""
+import cupy, dask.array as da
+from dask_cuda import LocalCUDACluster
+from distributed import Client
+import emmpool.dask
+
+GiB = 1 << 30
+
+def data():  # 6 GiB of device data in 256 MiB chunks, for a pool capped at 4 GiB
+    return da.ones((24, 2**25), chunks=(1, 2**25)).map_blocks(cupy.asarray)
+
+if __name__ == "__main__":
+    # dask-cuda's own spilling (device_memory_limit) starts above the pool's cap: the pool runs
+    # out first, as when other libraries hold the rest of the GPU.
+    with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0", n_workers=1, threads_per_worker=1,
+                          device_memory_limit="12GiB", memory_limit="64GiB") as cluster, \
+            Client(cluster) as client:
+        client.register_plugin(emmpool.dask.EmmPool(maximum_pool_size="4GiB", cupy=True))
+        try:
+            data().persist().sum().compute()
+        except Exception as e:  # the task's out-of-memory error, as CuPy raises it
+            print("without spill:", type(e).__name__)
+        else:
+            print("without spill: no error")
+        client.restart()
+        client.register_plugin(
+            emmpool.dask.EmmPool(maximum_pool_size="4GiB", cupy=True, spill=True))
+        x = data().persist()
+        print("total:", float((x * 2).sum().compute()))
+        spilled = client.run(lambda dask_worker: dask_worker.plugins["emmpool"].spiller.spilled_bytes)
+        print("spilled:", sum(spilled.values()))
+"""
+
+
+def test_a_worker_spills_to_host_instead_of_failing_on_one_gpu(tmp_path):
+    import emmpool
+
+    if emmpool._core.device_count() < 1:
+        pytest.skip("needs a GPU")
+    for module in ("dask_cuda", "cupy"):
+        pytest.importorskip(module, reason=f"the job needs {module}")
+    script = tmp_path / "spill.py"
+    script.write_text(SPILL)
+    done = run_python([str(script)], timeout=400, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
+    assert lines["without spill"] == "OutOfMemoryError", done.stdout
+    assert float(lines["total"]) == 2.0 * 24 * 2**25, done.stdout
+    assert int(lines["spilled"]) >= 2 << 30, done.stdout  # at least the 2 GiB over the cap

@@ -39,10 +39,11 @@ except ImportError as e:
         "(dask-cuda on top for LocalCUDACluster)"
     ) from e
 
-from . import _config, config, configure, hooks, use_for_cupy, use_for_numba, use_for_torch
+from . import _config, config, configure, hooks, set_out_of_memory_callback, use_for_cupy
 from . import stats as _pool_stats
+from . import use_for_numba, use_for_torch
 
-__all__ = ["EmmPool", "dask_setup", "stats", "summary"]
+__all__ = ["DeviceSpiller", "EmmPool", "dask_setup", "stats", "summary"]
 
 _log = _config.log.getChild("dask")
 
@@ -61,6 +62,14 @@ class EmmPool(WorkerPlugin):
         An option not given (None) keeps the worker's ``EMMPOOL_*`` value, or the default.
     numba, cupy, torch : bool
         The libraries that allocate from emmpool on the workers (default: Numba alone).
+    spill : bool
+        When an allocation on the worker cannot be served, spill the worker's device data to
+        host memory (least recently used first) and try again, instead of failing the task
+        (:func:`emmpool.set_out_of_memory_callback`). It needs a worker that keeps device data
+        apart from host data, as dask-cuda's workers do where ``device_memory_limit`` is set
+        (``LocalCUDACluster(device_memory_limit=...)``, ``dask cuda worker
+        --device-memory-limit``): their ``DeviceHostFile`` spills when tracked device data
+        passes the limit, this spills on demand below it. Elsewhere it spills nothing.
 
     Raises
     ------
@@ -99,6 +108,7 @@ class EmmPool(WorkerPlugin):
         numba: bool = True,
         cupy: bool = False,
         torch: bool = False,
+        spill: bool = False,
     ):
         given = dict(mode=mode, initial_pool_size=initial_pool_size,
                      maximum_pool_size=maximum_pool_size, pinned=pinned,
@@ -107,18 +117,23 @@ class EmmPool(WorkerPlugin):
         # Checked against the defaults: the client cannot see the workers' environment.
         _config.resolve(self.options, _config.Config())
         chosen = dict(numba=numba, cupy=cupy, torch=torch)
-        for library, on in chosen.items():
+        for library, on in {**chosen, "spill": spill}.items():
             if not isinstance(on, bool):
                 raise TypeError(f"{library}={on!r}: expected True or False")
         self.libraries = tuple(library for library, on in chosen.items() if on)
+        self.spill = spill
 
     def __repr__(self) -> str:
         args = [f"{k}={v!r}" for k, v in self.options.items()]
         args += [f"{library}={library in self.libraries}" for library in _INSTALL]
+        args += [f"spill={self.spill}"]
         return f"EmmPool({', '.join(args)})"
 
     def setup(self, worker: Worker) -> None:
         _install(self.options, self.libraries, f"worker {worker.address}")
+        # Registering again without spill=True takes the callback away.
+        self.spiller = DeviceSpiller(worker) if self.spill else None  # its counts, on the worker
+        set_out_of_memory_callback(self.spiller)
 
 
 # Several workers may share a process (LocalCluster(processes=False)): what is installed is
@@ -262,6 +277,8 @@ def _plugin_options(params: dict) -> dict:
               help="CuPy allocates from emmpool")
 @click.option("--emmpool-torch/--no-emmpool-torch", default=False, show_default=True,
               help="PyTorch allocates from emmpool")
+@click.option("--emmpool-spill/--no-emmpool-spill", default=False, show_default=True,
+              help="out of device memory, spill device data to host and try again")
 def dask_setup(worker, **params) -> None:
     """``dask worker --preload emmpool.dask``: :class:`EmmPool`'s setup on this worker.
 
@@ -275,6 +292,45 @@ def dask_setup(worker, **params) -> None:
             f"for a {type(worker).__name__}"
         )
     EmmPool(**_plugin_options(params)).setup(worker)
+
+
+class DeviceSpiller:
+    """The out-of-memory callback of a worker (:func:`emmpool.set_out_of_memory_callback`):
+    moves the worker's least recently used device data to host memory until the bytes moved
+    cover the request, and says whether it moved anything.
+
+    The worker's data must keep device objects in an LRU of its own: ``worker.data.device_buffer``
+    a ``zict.Buffer`` whose ``fast`` part holds them, as dask-cuda's ``DeviceHostFile`` does with
+    a ``device_memory_limit`` (its ``slow`` part serializes to host memory). zict's buffers
+    take their own lock, so tasks on several threads may spill at once. A value still used by
+    a running task is moved all the same; its device memory comes back when that task lets go
+    of it."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.spilled_bytes = 0   # moved to host by this callback, over the worker's life
+        self.spills = 0          # calls that moved something
+
+    def __call__(self, device: int, size: int, stats: dict) -> bool:
+        lru = getattr(getattr(self.worker.data, "device_buffer", None), "fast", None)
+        if lru is None or not hasattr(lru, "evict"):
+            return False  # no device LRU: nothing this callback may spill
+        moved = 0
+        while moved < size:
+            try:
+                _, _, weight = lru.evict()  # least recently used first
+            except Exception:  # noqa: BLE001 - empty (zict raises), or a value that cannot move
+                break
+            moved += max(int(weight), 0)
+            if weight <= 0 and not len(lru):
+                break
+        if moved == 0:
+            return False
+        self.spilled_bytes += moved
+        self.spills += 1
+        _log.info("worker %s spilled %s of device data to host for an allocation of %s",
+                  self.worker.address, format_bytes(moved), format_bytes(size))
+        return True
 
 
 def stats(client) -> dict[str, dict[int, dict]]:
