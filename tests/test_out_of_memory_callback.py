@@ -64,6 +64,8 @@ def test_a_callback_that_frees_nothing_ends_in_the_error_at_once():
             pool.allocate(24 * MiB)
         except emmpool.OutOfMemoryError:
             pass
+        else:
+            raise AssertionError("no error")
         assert calls == [24 * MiB]
         """
     )
@@ -104,6 +106,8 @@ def test_an_exception_in_the_callback_is_chained_to_the_error():
             pool.allocate(24 * MiB)
         except emmpool.OutOfMemoryError as e:
             assert e.__cause__ is None
+        else:
+            raise AssertionError("no error")
         """
     )
 

@@ -1,5 +1,6 @@
 #include "out_of_memory_callback.hpp"
 
+#include "caller_lock.hpp"
 #include "out_of_memory_hook.hpp"
 #include "python_gil.hpp"
 
@@ -42,6 +43,10 @@ out_of_memory_hook::answer ask(device_pool& pool, std::size_t size, std::string&
   if (!any.load(std::memory_order_acquire) || python::finalizing()) {
     return answer::freed_nothing;
   }
+  // The pool's statistics first, without the GIL: taking the pool's lock while holding it
+  // could deadlock with a thread that holds the pool's lock and waits for the GPU
+  // (caller_lock.hpp).
+  auto const snapshot = caller_lock::without_caller_lock([&] { return pool.stats(); });
   py::gil_scoped_acquire gil;
   auto& all = callbacks();
   auto it   = all.find(pool.device());
@@ -49,13 +54,16 @@ out_of_memory_hook::answer ask(device_pool& pool, std::size_t size, std::string&
   if (it == all.end()) { return answer::freed_nothing; }
   py::object const callback = it->second;  // a reference: the callback may replace itself
   try {
-    py::dict stats = stats_dict(pool.stats());
+    py::dict stats = stats_dict(snapshot);
     bool const freed = py::bool_(callback(pool.device(), size, stats));
     return freed ? answer::freed_something : answer::freed_nothing;
   } catch (py::error_already_set& e) {
     error = std::string{py::str(e.type().attr("__name__"))} + ": " + py::str(e.value()).cast<std::string>();
     Py_XDECREF(raised);
     raised = e.value().inc_ref().ptr();
+    // Kept until an OutOfMemoryError takes it, which CuPy's and PyTorch's C entry points never
+    // raise: without its traceback it holds no frame (nor the arrays they hold).
+    PyException_SetTraceback(raised, Py_None);
     return answer::raised;
   }
 }

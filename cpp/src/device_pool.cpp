@@ -98,7 +98,14 @@ device_pool::block* device_pool::take_growable(std::size_t rounded, bool may_map
   // fixed segment; then its pages are mapped (detail/growable_space.hpp).
   auto const claim = growable_.claim_best_fit(rounded, may_map);
   if (claim.blk == nullptr) { return nullptr; }
-  if (auto const room = growable_.room_for(claim)) { release_free_segments(true, room); }
+  if (auto const room = growable_.room_for(claim)) {
+    try {
+      release_free_segments(true, room);
+    } catch (...) {
+      growable_.give_back(claim);  // a failed cuMemFree: the claimed block is not lost
+      throw;
+    }
+  }
   return growable_.finish(claim);
 }
 
@@ -490,22 +497,29 @@ void device_pool::pend(block* blk, stream_ref key)
 
 void device_pool::settle_fenced()
 {
-  // In the order reported: a block requeued for its second fence may be released later in
-  // the same list. What an exception leaves unsettled stays for the next call.
-  auto const n = fenced_.size();
+  // First the lanes, in the order reported (a block requeued for its second fence may be
+  // released later in the same list): no block stays takeable once out of its batch, even if
+  // a release below throws. Then the releases; what an exception leaves unreleased stays for
+  // the next call.
+  for (auto const& f : fenced_) {
+    if (!f.requeued) {
+      lanes_.forget(f.blk, f.stream);
+    } else if (lanes_.orders(f.stream)) {  // now in the batch of the stream of its free
+      lanes_.index(f.stream, f.blk);
+    }
+  }
   std::size_t i = 0;
   try {
-    for (; i < n; ++i) {
-      auto const& f = fenced_[i];
-      if (f.requeued) {  // now in the batch of the stream of its free, as any block freed there
-        if (lanes_.orders(f.stream)) { lanes_.index(f.stream, f.blk); }
-        continue;
-      }
-      lanes_.forget(f.blk, f.stream);
-      release_block(f.blk);
+    for (; i < fenced_.size(); ++i) {
+      if (!fenced_[i].requeued) { release_block(fenced_[i].blk); }
     }
   } catch (...) {
-    fenced_.erase(fenced_.begin(), fenced_.begin() + static_cast<std::ptrdiff_t>(i + 1));
+    // Keep the releases not done yet, nothing else (the lanes are settled).
+    std::vector<detail::fenced_block> rest;
+    for (std::size_t j = i + 1; j < fenced_.size(); ++j) {
+      if (!fenced_[j].requeued) { rest.push_back(fenced_[j]); }
+    }
+    fenced_.swap(rest);
     throw;
   }
   fenced_.clear();

@@ -143,6 +143,7 @@ void fence_queue::release_batch(batch& b, std::vector<fenced_block>& done, bool 
     b.blocks.pop_back();
     b.bytes -= blk->size;
     waiting_bytes_ -= blk->size;
+    if (b.open) { open_bytes_ -= blk->size; }  // a dormant batch's, fenced by a device sync
     --waiting_blocks_;
     blk->owner = nullptr;
     if (!blk->also_fence.is_none()) {
@@ -215,10 +216,7 @@ void fence_queue::fence_dormant(std::vector<fenced_block>& done)
     closed_.pop_front();
   }
   while (!open_.empty()) {
-    auto& b = *open_.back();
-    open_bytes_ -= b.bytes;
-    b.open = false;
-    release_batch(b, done, true);
+    release_batch(*open_.back(), done, true);  // counts its bytes out of open_bytes_ too
     recycle(std::move(open_.back()));
     open_.pop_back();
   }

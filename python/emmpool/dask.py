@@ -69,7 +69,9 @@ class EmmPool(WorkerPlugin):
         apart from host data, as dask-cuda's workers do where ``device_memory_limit`` is set
         (``LocalCUDACluster(device_memory_limit=...)``, ``dask cuda worker
         --device-memory-limit``): their ``DeviceHostFile`` spills when tracked device data
-        passes the limit, this spills on demand below it. Elsewhere it spills nothing.
+        passes the limit, this spills on demand below it. Elsewhere it spills nothing. The
+        callback is the process's: where several workers share one (``processes=False``), the
+        last one set up is the one whose data spills.
 
     Raises
     ------
@@ -134,6 +136,12 @@ class EmmPool(WorkerPlugin):
         # Registering again without spill=True takes the callback away.
         self.spiller = DeviceSpiller(worker) if self.spill else None  # its counts, on the worker
         set_out_of_memory_callback(self.spiller)
+
+    def teardown(self, worker: Worker) -> None:
+        # The callback is the process's: a worker that goes takes its spiller with it.
+        spiller = getattr(self, "spiller", None)
+        if spiller is not None and spiller.worker is worker:
+            set_out_of_memory_callback(None)
 
 
 # Several workers may share a process (LocalCluster(processes=False)): what is installed is

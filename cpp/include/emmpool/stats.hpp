@@ -41,7 +41,8 @@ struct pool_stats {
   std::uint64_t same_stream_reuses{};  ///< blocks handed out again in stream order, unfenced
   std::uint64_t dormant_fences{};    ///< device synchronizations that fenced frees of streams
                                      ///< that may be gone (reuse_rule.hpp)
-  std::uint64_t out_of_memory{};     ///< requests that failed after the whole ladder
+  std::uint64_t out_of_memory{};     ///< times the whole ladder failed (a request retried
+                                     ///< after an out-of-memory callback counts each time)
   std::uint64_t page_maps{};         ///< growable segments: pages mapped (cuMemCreate + cuMemMap)
   std::uint64_t page_unmaps{};       ///< growable segments: pages unmapped and released
   std::array<std::size_t, alloc_tag_count> bytes_in_use_by_tag{};

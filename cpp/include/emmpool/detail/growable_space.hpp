@@ -67,6 +67,8 @@ class growable_space {
   /// The claimed block, its pages mapped, split to the request; null (the block back on the
   /// free list) at the cap or out of memory.
   block* finish(claim const& c);
+  /// The claimed block back on the free list, unused.
+  void give_back(claim const& c) { free_.insert(c.blk); }
   /// Make the segment, if there is none yet: false where the driver refuses a reservation
   /// (then fixed segments only, from now on). `segments`: the pool's, by base.
   bool ensure_segment(std::size_t rounded, std::map<device_ptr, std::unique_ptr<segment>>& segments);
