@@ -58,7 +58,7 @@ try:
 except ImportError:  # pragma: no cover - where cuda.core moves it, its base still holds
     _CUDAError = Exception
 
-__all__ = ["EmmPoolMemoryResource", "OutOfMemoryError", "install", "resource"]
+__all__ = ["EmmPoolMemoryResource", "OutOfMemoryError", "install", "install_on", "resource"]
 
 _LEGACY = _core.LEGACY_STREAM
 _ALLOCATION = _core.ALLOCATION_STREAM
@@ -189,7 +189,7 @@ def _stream_handle(stream) -> int:
         raise TypeError(
             f"stream must be a cuda.core Stream or GraphBuilder (or an object with "
             f"__cuda_stream__), not {type(stream).__name__}")
-    version, handle = protocol()
+    _, handle = protocol()
     return int(handle)
 
 
