@@ -23,25 +23,31 @@ def readme_dask_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_readme_dask_example_on_two_gpus(tmp_path):
+def run_job(tmp_path, code: str, *, gpus: int, timeout: float):
+    """Run a Dask job on `gpus` GPUs (else skip) as a user runs it: from a file, since the
+    workers are spawned processes that import it. Returns its stdout, once it exited 0."""
     import emmpool
 
-    if emmpool._core.device_count() < 2:
-        pytest.skip("needs two or more GPUs")
+    if emmpool._core.device_count() < gpus:
+        pytest.skip(f"needs {gpus} or more GPUs")
     for module in ("dask_cuda", "cupy"):
-        pytest.importorskip(module, reason=f"the example needs {module}")
-    # A file, as a user runs it: the workers are spawned processes that import it.
-    script = tmp_path / "example.py"
-    script.write_text(readme_dask_example())
-    done = run_python([str(script)], timeout=300, cwd=tmp_path)
+        pytest.importorskip(module, reason=f"the job needs {module}")
+    script = tmp_path / "job.py"
+    script.write_text(code)
+    done = run_python([str(script)], timeout=timeout, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    assert float(lines[0]) == 2.0**52, done.stdout  # sum of 2x + 1 for x < 2**26
+    return done.stdout
+
+
+def test_readme_dask_example_on_two_gpus(tmp_path):
+    stdout = run_job(tmp_path, readme_dask_example(), gpus=2, timeout=300)
+    lines = stdout.splitlines()
+    assert float(lines[0]) == 2.0**52, stdout  # sum of 2x + 1 for x < 2**26
     rows = [line.split() for line in lines[2:] if line.startswith("tcp://")]
-    assert len(rows) == 2, done.stdout
+    assert len(rows) == 2, stdout
     for row in rows:
         # every worker has one pool, on its device 0, which served both libraries
-        assert row[1] == "0" and "numba" in row and "cupy" in row, done.stdout
+        assert row[1] == "0" and "numba" in row and "cupy" in row, stdout
 
 
 SPILL = r"""
@@ -79,17 +85,8 @@ if __name__ == "__main__":
 
 
 def test_a_worker_spills_to_host_instead_of_failing_on_one_gpu(tmp_path):
-    import emmpool
-
-    if emmpool._core.device_count() < 1:
-        pytest.skip("needs a GPU")
-    for module in ("dask_cuda", "cupy"):
-        pytest.importorskip(module, reason=f"the job needs {module}")
-    script = tmp_path / "spill.py"
-    script.write_text(SPILL)
-    done = run_python([str(script)], timeout=400, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
-    assert lines["without spill"] == "OutOfMemoryError", done.stdout
-    assert float(lines["total"]) == 2.0 * 24 * 2**25, done.stdout
-    assert int(lines["spilled"]) >= 2 << 30, done.stdout  # at least the 2 GiB over the cap
+    stdout = run_job(tmp_path, SPILL, gpus=1, timeout=400)
+    lines = dict(line.split(": ", 1) for line in stdout.splitlines() if ": " in line)
+    assert lines["without spill"] == "OutOfMemoryError", stdout
+    assert float(lines["total"]) == 2.0 * 24 * 2**25, stdout
+    assert int(lines["spilled"]) >= 2 << 30, stdout  # at least the 2 GiB over the cap

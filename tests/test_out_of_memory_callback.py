@@ -24,6 +24,13 @@ PRELUDE = textwrap.dedent(
     pool = _core.pool(0)
     held = [pool.allocate(24 * MiB, _core.LEGACY_STREAM, 2) for _ in range(2)]  # "CuPy's"
     calls = []
+
+    def out_of_memory(size):  # the error an allocation of `size` bytes must raise
+        try:
+            pool.allocate(size)
+        except emmpool.OutOfMemoryError as e:
+            return e
+        raise AssertionError("no out-of-memory error")
     """
 )
 
@@ -52,20 +59,11 @@ def test_a_callback_that_frees_nothing_ends_in_the_error_at_once():
     run(
         """
         emmpool.set_out_of_memory_callback(lambda d, n, s: calls.append(n) or False, device=0)
-        try:
-            pool.allocate(24 * MiB)
-        except emmpool.OutOfMemoryError as e:
-            assert "out of memory" in str(e) and e.__cause__ is None
-        else:
-            raise AssertionError("no error")
+        e = out_of_memory(24 * MiB)
+        assert "out of memory" in str(e) and e.__cause__ is None
         assert calls == [24 * MiB]
         emmpool.set_out_of_memory_callback(None, device=0)  # removed: not asked any more
-        try:
-            pool.allocate(24 * MiB)
-        except emmpool.OutOfMemoryError:
-            pass
-        else:
-            raise AssertionError("no error")
+        out_of_memory(24 * MiB)
         assert calls == [24 * MiB]
         """
     )
@@ -75,12 +73,7 @@ def test_retries_are_bounded():
     run(
         """
         emmpool.set_out_of_memory_callback(lambda d, n, s: calls.append(n) or True)  # "freed"
-        try:
-            pool.allocate(24 * MiB)
-        except emmpool.OutOfMemoryError:
-            pass
-        else:
-            raise AssertionError("no error")
+        out_of_memory(24 * MiB)
         assert len(calls) == 8, calls
         """
     )
@@ -94,20 +87,11 @@ def test_an_exception_in_the_callback_is_chained_to_the_error():
         def spill(device, size, stats):
             raise SpillFailed("disk full")
         emmpool.set_out_of_memory_callback(spill)
-        try:
-            pool.allocate(24 * MiB)
-        except emmpool.OutOfMemoryError as e:
-            assert isinstance(e.__cause__, SpillFailed), repr(e.__cause__)
-            assert "callback raised SpillFailed: disk full" in str(e), e
-        else:
-            raise AssertionError("no error")
-        try:  # a later error with no callback error has no stale cause
-            emmpool.set_out_of_memory_callback(lambda d, n, s: False)
-            pool.allocate(24 * MiB)
-        except emmpool.OutOfMemoryError as e:
-            assert e.__cause__ is None
-        else:
-            raise AssertionError("no error")
+        e = out_of_memory(24 * MiB)
+        assert isinstance(e.__cause__, SpillFailed), repr(e.__cause__)
+        assert "callback raised SpillFailed: disk full" in str(e), e
+        emmpool.set_out_of_memory_callback(lambda d, n, s: False)
+        assert out_of_memory(24 * MiB).__cause__ is None  # no stale cause from the last error
         """
     )
 
@@ -119,10 +103,7 @@ def test_the_callback_may_allocate_and_its_own_shortage_fails_without_asking_aga
             calls.append(size)
             staging = pool.allocate(1 * MiB)        # fits: no lock of emmpool's is held here
             pool.deallocate(staging)
-            try:
-                pool.allocate(40 * MiB)             # does not: fails, the callback not re-asked
-            except emmpool.OutOfMemoryError:
-                pass
+            out_of_memory(40 * MiB)                 # does not: fails, the callback not re-asked
             pool.deallocate_tagged(held.pop(), _core.ALLOCATION_STREAM, 2)
             return True
         emmpool.set_out_of_memory_callback(spill)
