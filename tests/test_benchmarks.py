@@ -216,3 +216,189 @@ def test_a_case_that_raises_is_recorded_as_its_error(bench_numba, capsys):
     err = capsys.readouterr().err
     assert "[bench]   emmpool churn: RuntimeError: out of memory" in err
     assert "[bench]   emmpool churn: 1.50 us/op (7 x 100 ops)" in err
+
+
+# dask_spill.py: its setups, sizes and closed form, the table and goals from fake children, and
+# a child killed with its own children at its time limit.
+
+
+@pytest.fixture
+def dask_spill(monkeypatch):
+    pytest.importorskip("distributed", reason="dask_spill imports distributed")
+    pytest.importorskip("numba.cuda", reason="dask_spill imports numba.cuda")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import dask_spill
+
+    return dask_spill
+
+
+def test_dask_spill_setups_sizes_and_closed_form(dask_spill):
+    import numpy as np
+
+    assert dask_spill.parse_setup("emmpool") == ("emmpool", 1.0)
+    assert dask_spill.parse_setup("rmm-pool@0.75") == ("rmm-pool", 0.75)
+    for bad in ["rmm", "none@0", "none@1.5", "emmpool@x"]:
+        with pytest.raises(ValueError, match="setup"):
+            dask_spill.parse_setup(bad)
+    # 13 x 13 chunks of 288 MiB: 47.5 GiB, 1.48 times two 16 GiB caps
+    assert dask_spill.sizes(16 << 30, 2, 1.5, 6144) == 13
+    n = 7
+    d = np.subtract.outer(np.arange(n), np.arange(n)).astype(float)
+    s = (dask_spill.A * d + dask_spill.B) ** 2 + (-dask_spill.A * d + dask_spill.B) ** 2
+    assert s.sum() == dask_spill.closed_form_sum(n)
+    checks = np.array([[s.sum() / 4, 0, s.sum() / 4, 0], [s.sum() / 4, 0, s.sum() / 4, 1]])
+    assert dask_spill.verify(checks, 2, 7)["wrong_elements"] == 1  # n = 2 x 7: sums off too
+    assert not dask_spill.verify(checks, 2, 7)["result_ok"]
+
+
+def fake_setups(dask_spill, monkeypatch, outcomes):
+    """Children that return `outcomes[spec]` at once, on two fake GPUs whose peak in the job is
+    the outcome's `peak` (GiB), and 40 GiB over the setup's life."""
+    ran = []
+    samplers = []
+
+    class Sampler:
+        def __init__(self, handles):
+            samplers.append(self)
+
+        def stop(self):
+            return [40 << 30] * 2
+
+        def peak_within(self, start, end):
+            assert (start, end) == (1.0, 2.0)
+            return [self.peak * 2**30] * 2
+
+    def run_child(job, timeout, log):
+        ran.append((job["setup"], job["blocks"]))
+        r = dict(outcomes[job["setup"]])
+        samplers[-1].peak = r.pop("peak", 1)
+        return {"setup": job["setup"], "device_memory_limit": 16 << 30, "job_start": 1.0,
+                "job_end": 2.0, **r}
+
+    gpu = {"handle": None, "name": "fake GPU", "uuid": "GPU-0", "total": 80 << 30}
+    monkeypatch.setattr(dask_spill, "_gpus", lambda devices: ([0, 1], {0: gpu, 1: gpu}))
+    monkeypatch.setattr(dask_spill, "_used", lambda nvml: {0: 0, 1: 0})
+    monkeypatch.setattr(dask_spill, "JobPeakSampler", Sampler)
+    monkeypatch.setattr(dask_spill, "_run_child", run_child)
+    monkeypatch.delenv("EMMPOOL_BENCH_DEADLINE", raising=False)
+    return ran
+
+
+def test_dask_spill_reports_each_setup_and_the_goals(dask_spill, monkeypatch, tmp_path):
+    ok = {"result_ok": True, "error": None, "tasks_failed": 0, "persist_s": 8.0,
+          "check_s": 2.0, "cluster_start_s": 3.0}
+    spills = {"w1": {"to_host_bytes": 4 << 30, "to_device_bytes": 2 << 30,
+                     "oom_spilled_bytes": 1 << 30}}
+    outcomes = {
+        "none": {**ok, "wall_s": 1.0},  # the warm-up
+        "emmpool": {**ok, "wall_s": 10.0, "peak": 16.5, "spills": spills,
+                    "emmpool": {"w1": {"0": {"peak_bytes_reserved": 16 << 30}}}},
+        "rmm-pool": {**ok, "result_ok": False, "wall_s": 4.0, "tasks_failed": 5,
+                     "error": "5 of S's chunks erred", "check_s": None,
+                     "task_errors": ["OutOfMemoryError('out of memory allocating 301989888')"]},
+        "rmm-pool@0.75": {**ok, "wall_s": 12.0, "peak": 16.6},
+        "rmm-async": {**ok, "result_ok": False, "wall_s": 20.0, "tasks_failed": 3, "check_s": None,
+                      "stalled": True, "error": "stalled: tasks failed and none finished"},
+    }
+    ran = fake_setups(dask_spill, monkeypatch, outcomes)
+    argv = ["--out", str(tmp_path), "--setups", "emmpool", "rmm-pool", "rmm-pool@0.75",
+            "rmm-async"]
+    assert dask_spill.main(argv) == 0
+    assert ran == [("none", 2), ("emmpool", 13), ("rmm-pool", 13), ("rmm-pool@0.75", 13),
+                   ("rmm-async", 13)]
+    md = (tmp_path / "dask_spill.md").read_text()
+    assert "| emmpool | 16.00 | ok | 0 | 10.0 | 8.0 | 2.0 | 16.50, 16.50 | 16.00 reserved " \
+           "| 4.00 | 1.00 | 2.00 | 3.0 |" in md
+    assert "| rmm-pool | 16.00 | FAILED: 5 tasks | 5 |" in md
+    assert "| rmm-async | 16.00 | FAILED: 3 tasks, then stalled | 3 |" in md
+    assert "  - against rmm-pool: it did not finish (FAILED: 5 tasks)" in md
+    assert "  - against rmm-pool@0.75: wall 10.0 s vs 12.0 s ✓; peak 16.50 vs 16.60 GiB ✓" in md
+    assert "- rmm-pool: a failed task: `OutOfMemoryError('out of memory allocating" in md
+    report = json.loads((tmp_path / "dask_spill.json").read_text())
+    assert report["job"]["blocks"] == 13 and report["warmup"]["setup"] == "none"
+    assert [r["setup"] for r in report["results"]] == ["emmpool", "rmm-pool", "rmm-pool@0.75",
+                                                       "rmm-async"]
+    assert report["results"][0]["peak_whole"] == {"0": 40 << 30, "1": 40 << 30}
+
+
+def test_dask_spill_skips_setups_past_the_deadline_and_fails_on_emmpool(dask_spill,
+                                                                        monkeypatch, tmp_path):
+    import types
+
+    outcomes = {"emmpool": {"tasks_failed": 2, "error": "2 of S's chunks erred", "wall_s": 5.0}}
+    ran = fake_setups(dask_spill, monkeypatch, outcomes)
+    clock = [1000.0]
+    run_child = dask_spill._run_child
+
+    def slow_child(job, timeout, log):  # takes 50 of the run's 100 s
+        clock[0] += 50
+        return run_child(job, timeout, log)
+
+    monkeypatch.setattr(dask_spill, "_run_child", slow_child)
+    monkeypatch.setattr(dask_spill, "time", types.SimpleNamespace(
+        time=lambda: clock[0], perf_counter=time.perf_counter, monotonic=time.monotonic,
+        sleep=time.sleep))
+    argv = ["--out", str(tmp_path), "--no-warmup", "--setups", "emmpool", "none",
+            "--time-limit", "100", "--min-setup-time", "60"]
+    assert dask_spill.main(argv) == 1  # emmpool's tasks failed
+    assert ran == [("emmpool", 13)]
+    md = (tmp_path / "dask_spill.md").read_text()
+    assert "| none | | skipped (50 s left) |" in md
+    assert "- emmpool: FAILED: 2 tasks ✗" in md
+
+
+def test_dask_spill_kills_a_child_with_its_children_at_its_time_limit(dask_spill, monkeypatch,
+                                                                       tmp_path):
+    # The child's workers are its own children: they go with it.
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n")
+    monkeypatch.setattr(dask_spill, "__file__", str(script))
+    log = tmp_path / "log.txt"
+    t = time.monotonic()
+    r = dask_spill._run_child({"setup": "emmpool"}, 2.0, log)
+    assert time.monotonic() - t < 20
+    assert r["timed_out"] and "killed at the setup's time limit (2 s)" in r["error"]
+    assert dask_spill.outcome(r) == "timed out"
+    grandchild = Path(f"/proc/{int(log.read_text().split()[0])}/stat")
+    for _ in range(50):
+        if not grandchild.exists() or grandchild.read_text().split(") ")[1][0] in "ZX":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the child's own child outlived it")
+
+
+def test_dask_spill_waits_until_tasks_fail_and_nothing_moves(dask_spill, monkeypatch):
+    import distributed
+
+    class Future:
+        def __init__(self, status):
+            self.status = status
+
+        def done(self):
+            return self.status != "pending"
+
+    def wait(futures, timeout):
+        time.sleep(0.01)
+        raise TimeoutError
+
+    monkeypatch.setattr(distributed, "wait", wait)
+    stuck = [Future("error"), Future("pending")]
+    with pytest.raises(dask_spill.Stalled, match="stalled"):
+        dask_spill.wait_for_progress(stuck, time.perf_counter() + 10, stall=0.05)
+    # without a failure, nothing stalls: the deadline ends it
+    slow = [Future("finished"), Future("pending")]
+    with pytest.raises(TimeoutError):
+        dask_spill.wait_for_progress(slow, time.perf_counter() + 0.2, stall=0.05)
+
+
+def test_dask_spill_peak_within_the_job(dask_spill):
+    sampler = object.__new__(dask_spill.JobPeakSampler)  # no NVML: samples set by hand
+    sampler.baseline = [100, 200]
+    sampler.samples = [(1.0, [900, 200]), (2.0, [300, 700]), (3.0, [150, 250])]
+    assert sampler.peak_within(1.5, 3.0) == [200, 500]
+    assert sampler.peak_within(5.0, 6.0) is None
