@@ -90,9 +90,13 @@ PLUGIN = textwrap.dedent(
 )
 
 
-# pytest-xdist -v: "[gw3] [ 12%] PASSED tests/x.py::T::test_y" (a crashed worker's test is
-# reported as FAILED by xdist)
-_LINE = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S.*?)\s*$")
+# pytest -v, one line a test. With pytest-xdist: "[gw3] [ 12%] PASSED tests/x.py::T::test_y" (a
+# crashed worker's test is reported as FAILED by xdist); without it:
+# "tests/x.py::T::test_y PASSED [ 12%]" or "... SKIPPED (why) [ 12%]". Other lines (subtests'
+# SUBPASSED, the short summary's "FAILED name - why") match neither.
+_STATUSES = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+_XDIST_LINE = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] ({_STATUSES}) (\S.*?)\s*$")
+_PLAIN_LINE = re.compile(rf"^(\S+::\S.*?) ({_STATUSES})(?: \(.*\))?(?: +\[\s*\d+%\])?\s*$")
 _STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
            "XFAIL": "xfailed", "XPASS": "xpassed"}
 
@@ -103,14 +107,18 @@ def outcomes(log: Path) -> dict[str, str]:
     if not log.exists():
         return out
     for line in log.read_text(errors="replace").splitlines():
-        m = _LINE.match(line)
-        if not m:
-            continue
-        status, name = _STATUS[m.group(1)], m.group(2)
+        m = _XDIST_LINE.match(line)
+        if m:
+            status, name = m.group(1), m.group(2)
+        else:
+            m = _PLAIN_LINE.match(line)
+            if not m:
+                continue
+            name, status = m.group(1), m.group(2)
         # A test may appear twice (a teardown error after a pass): the worse outcome wins.
         if out.get(name) in ("failed", "error"):
             continue
-        out[name] = status
+        out[name] = _STATUS[status]
     return out
 
 
@@ -119,6 +127,61 @@ def crashed_workers(log: Path) -> list[str]:
         return []
     return [line.strip() for line in log.read_text(errors="replace").splitlines()
             if "crashed while running" in line or "node down" in line]
+
+
+def wait_or_stop(p: subprocess.Popen, seconds: float):
+    """The exit status of `p` (started with start_new_session=True), or "timeout (status)" once
+    its process group was stopped after `seconds`."""
+    try:
+        return p.wait(timeout=max(1, seconds))
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 15)
+        try:
+            rc = p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            rc = p.wait()
+        return f"timeout ({rc})"
+
+
+def run_counts(run: str, results: dict[str, str], rc, secs: int) -> str:
+    counts = sorted(Counter(results.values()).items())
+    return f"{run:10s} exit {rc} in {secs} s: " + ", ".join(
+        [f"{len(results)} tests", *(f"{k} {v}" for k, v in counts)])
+
+
+def compare(base: dict[str, str], ours: dict[str, str], base_name: str, ours_name: str = "emmpool",
+            list_not_reached: bool = False) -> tuple[list[str], list[tuple[str, str]]]:
+    """The report's comparison lines, and the regressions: tests that pass in the `base` run and
+    were reached by `ours` without passing. Tests that only one run reached (the other's timeout)
+    are counted apart, listed too with `list_not_reached`."""
+    regressions, not_reached = [], []
+    for name, st in sorted(base.items()):
+        if st != "passed":
+            continue
+        got = ours.get(name)
+        if got is None:
+            not_reached.append(name)
+        elif got != "passed":
+            regressions.append((name, got))
+    compared = sum(1 for n in base if n in ours)
+    fixed = sorted(n for n, st in ours.items()
+                   if st == "passed" and base.get(n) not in (None, "passed"))
+    lines = [
+        f"compared by name (reached by both runs): {compared}; passed with {base_name} but not "
+        f"reached by the {ours_name} run before its timeout: {len(not_reached)}; reached only by "
+        f"the {ours_name} run: {sum(1 for n in ours if n not in base)}",
+        "",
+        f"REGRESSIONS (pass with {base_name}, not with {ours_name}): {len(regressions)}",
+        *[f"  {name}: {got}" for name, got in regressions],
+        "",
+    ]
+    if list_not_reached:
+        lines += [f"NOT REACHED by the {ours_name} run (pass with {base_name}): {len(not_reached)}",
+                  *[f"  {name}" for name in not_reached], ""]
+    lines += [f"pass with {ours_name}, not with {base_name}: {len(fixed)}",
+              *[f"  {name}: {base.get(name)}" for name in fixed[:50]]]
+    return lines, regressions
 
 
 def main() -> int:
@@ -161,32 +224,12 @@ def main() -> int:
                                        start_new_session=True), log, time.monotonic())
     status = {}
     for run, (p, log, t0) in procs.items():
-        try:
-            rc = p.wait(timeout=max(1, args.timeout - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 15)
-            try:
-                rc = p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, 9)
-                rc = p.wait()
-            rc = f"timeout ({rc})"
+        rc = wait_or_stop(p, args.timeout - (time.monotonic() - t0))
         log.close()
         status[run] = (rc, round(time.monotonic() - t0))
 
     results = {run: outcomes(out / f"cupy-{run}.log") for run in runs}
-    base, ours = results["cupy-pool"], results["emmpool"]
-    regressions, not_reached = [], []
-    for name, st in sorted(base.items()):
-        if st != "passed":
-            continue
-        got = ours.get(name)
-        if got is None:
-            not_reached.append(name)
-        elif got != "passed":
-            regressions.append((name, got))
-    compared = sum(1 for n in base if n in ours)
-    fixed = sorted(n for n, st in ours.items() if st == "passed" and base.get(n) not in (None, "passed"))
+    comparison, regressions = compare(results["cupy-pool"], results["emmpool"], "CuPy's pool")
     # The xdist workers' records (the controller runs no test and allocates nothing).
     workers = [json.loads(p.read_text()) for p in sorted(out.glob("emmpool-worker-gw*.json"))]
 
@@ -199,10 +242,8 @@ def main() -> int:
         "",
     ]
     for run in runs:
-        c = Counter(results[run].values())
         rc, secs = status[run]
-        lines.append(f"{run:10s} exit {rc} in {secs} s: {len(results[run])} tests, "
-                     + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+        lines.append(run_counts(run, results[run], rc, secs))
         for crash in crashed_workers(out / f"cupy-{run}.log"):
             lines.append(f"    {crash}")
     lines += [
@@ -212,15 +253,7 @@ def main() -> int:
         f"{sum(w['dormant_fences'] for w in workers)}; same-stream reuses: "
         f"{sum(w['same_stream_reuses'] for w in workers)}",
         "",
-        f"compared by name (reached by both runs): {compared}; passed with CuPy's pool but not "
-        f"reached by the emmpool run before its timeout: {len(not_reached)}; reached only by the "
-        f"emmpool run: {sum(1 for n in ours if n not in base)}",
-        "",
-        f"REGRESSIONS (pass with CuPy's pool, not with emmpool): {len(regressions)}",
-        *[f"  {name}: {got}" for name, got in regressions],
-        "",
-        f"pass with emmpool, not with CuPy's pool: {len(fixed)}",
-        *[f"  {name}: {base.get(name)}" for name in fixed[:50]],
+        *comparison,
     ]
     text = "\n".join(lines) + "\n"
     (out / f"{label}-cupy-suite.txt").write_text(text)

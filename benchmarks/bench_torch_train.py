@@ -18,6 +18,12 @@ extension, built from that tree); with ``--pluggable`` also ``emmpool-pluggable`
 CUDAPluggableAllocator over emmpool, the fallback). cuDNN: deterministic algorithms, benchmark mode off by default (``--cudnn-benchmark``
 turns it on: the pluggable allocator then fails, see README).
 
+``--compile MODE``: the models run under ``torch.compile(model, mode=MODE)`` (e.g.
+``reduce-overhead``: CUDA graph trees over the allocator's private pools; each step starts with
+``torch.compiler.cudagraph_mark_step_begin()``), warm-up steps include the compilation, and the
+results go to DIR/bench_torch_compile.{json,md}. ``--expandable``: also ``native-expandable``,
+PyTorch's allocator with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+
 Writes DIR/bench_torch_train.json and DIR/bench_torch_train.md. ``--quick``: 2 rounds of fewer
 steps (< 2 minutes on an H100); the full run: 3 rounds (about 4 minutes).
 
@@ -47,14 +53,14 @@ sys.path.insert(0, HERE)
 import baselines  # noqa: E402
 import cpus  # noqa: E402
 
-MODELS = ("resnet18", "transformer")
+MODELS = ("resnet18", "transformer", "llama")
 
 
 # ------------------------------------------------------------------------------------------
 # child
 
 
-def make_resnet(torch):
+def make_resnet(torch, wrap):
     import torchvision
 
     model = torchvision.models.resnet18(num_classes=100).cuda()
@@ -66,7 +72,7 @@ def make_resnet(torch):
     def step(i):
         x, y = batches[i % len(batches)]
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = torch.nn.functional.cross_entropy(wrap(model)(x), y)
         loss.backward()
         opt.step()
         return loss
@@ -74,7 +80,7 @@ def make_resnet(torch):
     return step
 
 
-def make_transformer(torch):
+def make_transformer(torch, wrap):
     vocab, d, seq, batch = 8000, 512, 128, 32
 
     class LM(torch.nn.Module):
@@ -99,7 +105,7 @@ def make_transformer(torch):
         t = batches[i % len(batches)]
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(t[:, :-1])
+            logits = wrap(model)(t[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab),
                                                  t[:, 1:].reshape(-1))
         loss.backward()
@@ -109,8 +115,37 @@ def make_transformer(torch):
     return step
 
 
+def make_llama(torch, wrap):
+    """A Hugging Face Llama of 8 small layers at a short sequence, bf16 autocast: launch-bound,
+    so that the allocator's cost per call shows (needs transformers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab, seq, batch = 8000, 64, 8
+    config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1376,
+                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                         max_position_embeddings=seq)
+    model = LlamaForCausalLM(config).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    batches = [torch.randint(0, vocab, (batch, seq), generator=g).cuda() for _ in range(4)]
+
+    def step(i):
+        t = batches[i % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = wrap(model)(input_ids=t, labels=t).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+MAKERS = {"resnet18": make_resnet, "transformer": make_transformer, "llama": make_llama}
+
+
 def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: bool,
-          trace_to: Path | None = None) -> None:
+          trace_to: Path | None = None, compile_mode: str | None = None) -> None:
     import torch
 
     how = None
@@ -126,10 +161,21 @@ def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: boo
     torch.manual_seed(0)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = cudnn_benchmark
-    step = (make_resnet if model == "resnet18" else make_transformer)(torch)
+    compiled = {}
+
+    def wrap(m):  # the model, or its torch.compile'd self (made once)
+        if compile_mode is None:
+            return m
+        if id(m) not in compiled:
+            compiled[id(m)] = torch.compile(m, mode=compile_mode)
+        return compiled[id(m)]
+
+    step = MAKERS[model](torch, wrap)
     losses, times = [], []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
+        if compile_mode is not None:
+            torch.compiler.cudagraph_mark_step_begin()
         loss = step(i)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -172,6 +218,10 @@ def run_child(model, config, args, trace_to: Path | None = None,
               env: dict[str, str] | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", model, config, "--warmup", str(args.warmup),
            "--steps", str(args.steps)] + (["--cudnn-benchmark"] if args.cudnn_benchmark else [])
+    if args.compile:
+        cmd += ["--compile", args.compile]
+    if config == "native-expandable":
+        env = {**(env or {}), "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     if trace_to is not None:
         cmd += ["--trace-to", str(trace_to)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
@@ -186,8 +236,9 @@ def summarize(runs: list[dict], configs: list[str]) -> tuple[list[dict], str]:
     rows, lines = [], []
     GiB = 1 << 30
     lines.append("| model | allocator | ms/step (best round) | vs native | ms/step (median round) | "
-                 "vs native | peak reserved (median round; range) | vs native | losses equal to native |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---|")
+                 "vs native | fastest step | vs native | peak reserved (median round; range) | "
+                 "vs native | losses equal to native |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for model in MODELS:
         ok = {c: [r for r in runs if r["model"] == model and r["config"] == c and "error" not in r]
               for c in configs}
@@ -195,28 +246,32 @@ def summarize(runs: list[dict], configs: list[str]) -> tuple[list[dict], str]:
             continue
         base_ms = min(r["ms_per_step"] for r in ok["native"])
         base_med = statistics.median(r["ms_per_step"] for r in ok["native"])
+        base_min = min(r["ms_min"] for r in ok["native"])
         base_res = statistics.median(r["peak_reserved"] for r in ok["native"])
         base_losses = ok["native"][0]["losses"]
         for c in configs:
             if not ok[c]:
                 err = next((r["error"] for r in runs if r["model"] == model and r["config"] == c), "")
-                lines.append(f"| {model} | {c} | failed | | | | | | {err.splitlines()[-1][:120] if err else ''} |")
+                lines.append(f"| {model} | {c} | failed | | | | | | | | {err.splitlines()[-1][:120] if err else ''} |")
                 continue
             ms = min(r["ms_per_step"] for r in ok[c])
             med = statistics.median(r["ms_per_step"] for r in ok[c])
+            fastest = min(r["ms_min"] for r in ok[c])
             res = statistics.median(r["peak_reserved"] for r in ok[c])
             lo, hi = min(r["peak_reserved"] for r in ok[c]), max(r["peak_reserved"] for r in ok[c])
             diff = max(abs(a - b) for a, b in zip(ok[c][0]["losses"], base_losses))
             equal = all(r["losses"] == base_losses for r in ok[c])
             row = {"model": model, "config": c, "ms_per_step": ms, "time_ratio": ms / base_ms,
                    "ms_per_step_median_round": med, "time_ratio_median_round": med / base_med,
+                   "fastest_step_ms": fastest, "fastest_step_ratio": fastest / base_min,
                    "peak_reserved": res, "reserved_ratio": res / base_res,
                    "losses_equal": equal, "max_loss_diff": diff,
                    "rounds_ms": [r["ms_per_step"] for r in ok[c]],
                    "rounds_reserved": [r["peak_reserved"] for r in ok[c]]}
             rows.append(row)
             lines.append(f"| {model} | {c} | {ms:.2f} | {ms / base_ms:.3f}x | {med:.2f} | "
-                         f"{med / base_med:.3f}x | {res / GiB:.3f} GiB ({lo / GiB:.3f}-{hi / GiB:.3f}) | "
+                         f"{med / base_med:.3f}x | {fastest:.2f} | {fastest / base_min:.3f}x | "
+                         f"{res / GiB:.3f} GiB ({lo / GiB:.3f}-{hi / GiB:.3f}) | "
                          f"{res / base_res:.3f}x | {'yes' if equal else f'no (max diff {diff:.2e})'} |")
     return rows, "\n".join(lines)
 
@@ -246,24 +301,29 @@ def trace_and_replay(args, models) -> None:
     (args.out / "trace-replay.md").write_text("\n".join(report) + "\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true", help="2 rounds, fewer steps (< 2 minutes)")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--steps", type=int)
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default="resnet18,transformer",
+                    help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--pluggable", action="store_true", help="also the CUDAPluggableAllocator")
     ap.add_argument("--cudnn-benchmark", action="store_true")
+    ap.add_argument("--compile", metavar="MODE", help="torch.compile(model, mode=MODE)")
+    ap.add_argument("--expandable", action="store_true",
+                    help="also PyTorch's allocator with expandable segments")
     ap.add_argument("--cpus", type=int, default=8, help="pin to this many CPUs near the GPU")
     ap.add_argument("--trace", action="store_true",
                     help="record and replay each model's allocation trace (see above)")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--trace-to", type=Path, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child:
-        child(*args.child, args.warmup, args.steps, args.cudnn_benchmark, args.trace_to)
+        child(*args.child, args.warmup, args.steps, args.cudnn_benchmark, args.trace_to,
+              args.compile)
         return
     if args.out is None:
         ap.error("--out DIR is required")
@@ -276,7 +336,8 @@ def main() -> None:
         return
     earlier = {f"emmpool@{name}": baselines.child_env(path)
                for name, path in baselines.baselines()}  # EMMPOOL_BENCH_BASELINES
-    configs = (["native", "emmpool"] + list(earlier) +
+    configs = (["native"] + (["native-expandable"] if args.expandable else []) + ["emmpool"] +
+               list(earlier) +
                (["emmpool-pluggable"] if args.pluggable else []))
     models = [m for m in args.models.split(",") if m]
     runs = []
@@ -297,17 +358,19 @@ def main() -> None:
     rows, table = summarize(runs, configs)
     import torch
 
-    head = (f"# bench_torch_train\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+    name = "bench_torch_compile" if args.compile else "bench_torch_train"
+    head = (f"# {name}\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+            f"{'torch.compile(mode=' + repr(args.compile) + '), ' if args.compile else ''}"
             f"{rounds} rounds x (warm-up {args.warmup} + {args.steps} steps), cuDNN benchmark "
             f"{'on' if args.cudnn_benchmark else 'off'}, CPUs pinned: {pinned or 'no'}, "
             f"{time.time() - t0:.0f} s\n\n")
     print("\n" + head + table, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_torch_train.md").write_text(head + table + "\n")
-    (args.out / "bench_torch_train.json").write_text(json.dumps(
+    (args.out / f"{name}.md").write_text(head + table + "\n")
+    (args.out / f"{name}.json").write_text(json.dumps(
         {"rows": rows, "runs": runs, "rounds": rounds, "warmup": args.warmup,
          "steps": args.steps, "device": torch.cuda.get_device_name(0),
-         "torch": torch.__version__}, indent=1))
+         "torch": torch.__version__, "compile": args.compile}, indent=1))
 
 
 if __name__ == "__main__":

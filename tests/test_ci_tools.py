@@ -1,19 +1,25 @@
 """The GPU host's tools, checked here where they can be without a GPU: .ci/compare_numba.py,
 which turns the Numba test-suite runs of .ci/gpu and .ci/gpu-numba-mlir into a verdict, over
-samples of both log formats it reads (numba.runtests and pytest, with and without xdist); and
+samples of both log formats it reads (numba.runtests and pytest, with and without xdist);
+.ci/torch_suite.py (and the pytest -v parsing it shares with .ci/cupy_suite.py), which turns two
+runs of PyTorch's test_cuda.py into a verdict, over sample logs and plugin records; and
 tests.processes, which makes a GPU scenario that hangs say where."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tests.processes import HUNG, hung, run_python
 
-COMPARE = Path(__file__).parent.parent / ".ci" / "compare_numba.py"
+CI = Path(__file__).parent.parent / ".ci"
+COMPARE = CI / "compare_numba.py"
 
 
 @pytest.mark.skipif(not COMPARE.exists(), reason=".ci/ is not shipped here")  # an sdist
@@ -49,3 +55,133 @@ def test_hang_after_caps_the_timeout(monkeypatch):
     assert p.returncode == 0 and p.stdout == "done\n" and p.stderr == "" and not hung(p)
     p = run_python(["-c", "import os; os.abort()"], timeout=300)  # aborts: not a hang
     assert p.returncode == HUNG and not hung(p), p.stderr
+
+
+def load_ci_module(name: str):
+    if not (CI / f"{name}.py").exists():
+        pytest.skip(".ci/ is not shipped here")  # an sdist
+    spec = importlib.util.spec_from_file_location(name, CI / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+XDIST_LOG = """\
+## all: python -m pytest -v -n 1 test_cuda.py
+test_cuda.py::TestCuda::test_memory_stats
+[gw0] [ 10%] PASSED test_cuda.py::TestCuda::test_memory_stats
+[gw0] [ 20%] SUBPASSED(i='0') test_cuda.py::TestCuda::test_subtests
+[gw0] [ 20%] PASSED test_cuda.py::TestCuda::test_subtests
+[gw0] [ 30%] PASSED test_cuda.py::TestMemPool::test_mempool_with_allocator
+[gw0] [ 40%] PASSED test_cuda.py::TestCudaMallocAsync::test_memory_snapshot
+[gw0] [ 40%] ERROR test_cuda.py::TestCudaMallocAsync::test_memory_snapshot
+[gw0] node down: Not properly terminated
+[gw0] [ 50%] FAILED test_cuda.py::TestCuda::test_graph_two_successive
+replacing crashed worker gw0
+worker 'gw0' crashed while running 'test_cuda.py::TestCuda::test_graph_two_successive'
+[gw1] [ 60%] SKIPPED test_cuda.py::TestCuda::test_memory_stats_multigpu
+[gw1] [ 70%] XFAIL test_cuda.py::TestCuda::test_graph_make_graphed_callables_with_amp
+FAILED test_cuda.py::TestCuda::test_graph_two_successive - worker 'gw0' crashed
+"""
+PLAIN_LOG = """\
+test_cuda.py::TestCuda::test_memory_stats PASSED                          [ 10%]
+test_cuda.py::TestCuda::test_out_of_memory FAILED                         [ 20%]
+test_cuda.py::TestCuda::test_memory_stats_multigpu SKIPPED (only one GPU detected) [ 30%]
+test_cuda.py::TestCuda::test_record_stream
+FAILED test_cuda.py::TestCuda::test_out_of_memory - AssertionError: ...
+"""
+
+
+def test_pytest_verbose_logs_parse_with_and_without_xdist(tmp_path):
+    cupy_suite = load_ci_module("cupy_suite")
+    (tmp_path / "x.log").write_text(XDIST_LOG)
+    (tmp_path / "p.log").write_text(PLAIN_LOG)
+    assert cupy_suite.outcomes(tmp_path / "x.log") == {
+        "test_cuda.py::TestCuda::test_memory_stats": "passed",
+        "test_cuda.py::TestCuda::test_subtests": "passed",
+        "test_cuda.py::TestMemPool::test_mempool_with_allocator": "passed",
+        "test_cuda.py::TestCudaMallocAsync::test_memory_snapshot": "error",  # teardown error
+        "test_cuda.py::TestCuda::test_graph_two_successive": "failed",  # crashed its worker
+        "test_cuda.py::TestCuda::test_memory_stats_multigpu": "skipped",
+        "test_cuda.py::TestCuda::test_graph_make_graphed_callables_with_amp": "xfailed",
+    }
+    assert len(cupy_suite.crashed_workers(tmp_path / "x.log")) == 2
+    assert cupy_suite.outcomes(tmp_path / "p.log") == {  # the last one never finished
+        "test_cuda.py::TestCuda::test_memory_stats": "passed",
+        "test_cuda.py::TestCuda::test_out_of_memory": "failed",
+        "test_cuda.py::TestCuda::test_memory_stats_multigpu": "skipped",
+    }
+
+
+def write_torch_run(out: Path, run: str, log: str, backend: str, allocations: int = 0):
+    (out / f"torch-{run}.log").write_text(log)
+    record = {"run": run, "phase": "all", "worker": "gw0", "tests": 9, "backend": backend,
+              "how": "extension" if run == "emmpool" else None, "torch_allocations": allocations}
+    (out / f"{run}-all-gw0.json").write_text(json.dumps(record))
+
+
+def torch_report(tmp_path, native: str, emmpool: str, backend="emmpool", allocations=100):
+    torch_suite = load_ci_module("torch_suite")
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    write_torch_run(out, "native", native, "native")
+    write_torch_run(out, "emmpool", emmpool, backend, allocations)
+    args = SimpleNamespace(timeout=600, jobs=1, concurrent=False, xdist=True, k="memory")
+    status = {"native": (1, 100), "emmpool": ("timeout (-15)", 200)}
+    info = {"torch": "2.11.0+cu130", "gpus": ["NVIDIA H100 80GB HBM3"]}
+    return torch_suite.report(args, tmp_path, out, status, None, info)
+
+
+NATIVE = """\
+[gw0] [ 25%] PASSED test_cuda.py::TestCuda::test_memory_stats
+[gw0] [ 50%] PASSED test_cuda.py::TestCuda::test_graph_two_successive
+[gw0] [ 75%] FAILED test_cuda.py::TestCuda::test_out_of_memory
+[gw0] [100%] PASSED test_cuda.py::TestMemPool::test_nested_mempool
+"""
+
+
+def test_torch_suite_lists_regressions_and_the_tests_not_reached_apart(tmp_path):
+    emmpool = """\
+[gw0] [ 25%] PASSED test_cuda.py::TestCuda::test_memory_stats
+[gw0] [ 50%] FAILED test_cuda.py::TestCuda::test_graph_two_successive
+[gw0] [ 75%] PASSED test_cuda.py::TestCuda::test_out_of_memory
+"""
+    text, ok = torch_report(tmp_path, NATIVE, emmpool)
+    assert not ok
+    assert "REGRESSIONS (pass with PyTorch's allocator, not with emmpool): 1\n" \
+           "  test_cuda.py::TestCuda::test_graph_two_successive: failed\n" in text
+    assert "NOT REACHED by the emmpool run (pass with PyTorch's allocator): 1\n" \
+           "  test_cuda.py::TestMemPool::test_nested_mempool\n" in text
+    assert "pass with emmpool, not with PyTorch's allocator: 1\n" \
+           "  test_cuda.py::TestCuda::test_out_of_memory: failed" in text
+    assert "emmpool    exit timeout (-15) in 200 s: 3 tests, failed 1, passed 2" in text
+    assert "emmpool really installed: yes" in text
+
+
+def test_torch_suite_passes_only_where_emmpool_really_served_pytorch(tmp_path):
+    same = NATIVE.replace("FAILED", "PASSED")
+    text, ok = torch_report(tmp_path, same, same)
+    assert ok and "REGRESSIONS (pass with PyTorch's allocator, not with emmpool): 0" in text, text
+    text, ok = torch_report(tmp_path, same, same, backend="pluggable")
+    assert not ok and "emmpool really installed: NO" in text
+    text, ok = torch_report(tmp_path, same, same, allocations=0)
+    assert not ok and "emmpool really installed: NO" in text
+    text, ok = torch_report(tmp_path, same, "")  # the emmpool run ran nothing
+    assert not ok
+
+
+def test_torch_suite_says_why_a_run_ran_nothing(tmp_path):
+    torch_suite = load_ci_module("torch_suite")
+    log = tmp_path / "torch-emmpool.log"
+    log.write_text(
+        "INTERNALERROR>   File \"plugin.py\", line 37, in pytest_configure\n"
+        "INTERNALERROR> RuntimeError: emmpool's PyTorch extension did not build: no nvcc\n"
+        "INTERNALERROR> RuntimeError: Unexpectedly no active workers available\n"
+        "_____________________ ERROR collecting test_cuda.py _____________________\n"
+        "test_cuda.py:23: in <module>\n"
+        "    import psutil\n"
+        "E   ModuleNotFoundError: No module named 'psutil'\n")
+    assert torch_suite.problems(log) == [
+        "could not collect test_cuda.py: ModuleNotFoundError: No module named 'psutil'",
+        "pytest INTERNALERROR: RuntimeError: emmpool's PyTorch extension did not build: no nvcc",
+    ]

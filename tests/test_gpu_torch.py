@@ -153,9 +153,59 @@ def test_cross_process_pluggable_raises_pytorchs_error():
     assert raised is not None and "does not yet support shareipchandle" in raised.lower(), out  # PyTorch spells it shareIPcHandle
 
 
-def test_memory_fraction_raises_emmpool_error(extension_builds):
-    _, raised, out = scenario("memory_fraction", "extension")
-    assert raised is not None and "emmpool" in raised and "EMMPOOL_MAXIMUM_POOL_SIZE" in raised, out
+def test_memory_fraction_caps_the_pool(extension_builds):
+    r, raised, out = scenario("memory_fraction", "extension")
+    assert raised is None, out
+    assert r["over"] == "OutOfMemoryError", r
+    assert "is in use" in r["below"], r
+    assert r["raised_again"], r
+    if r["fraction"] is not None:
+        assert abs(r["fraction"] - 0.25) < 0.01, r
+
+
+@pytest.mark.parametrize("asserts", ["fast", "slow_path_asserts"])
+def test_torch_compile_reduce_overhead_matches_eager(asserts, extension_builds):
+    env = {"EMMPOOL_TEST_SLOW_ASSERTS": "1" if asserts != "fast" else "0"}
+    r, raised, out = scenario("reduce_overhead", "extension", env=env, timeout=900)
+    assert raised is None, out
+    assert r == {k: True for k in ("transformer_inference", "cnn_inference",
+                                   "transformer_training", "cnn_training")}, r
+
+
+def test_graphs_sharing_a_pool_with_a_side_stream(extension_builds):
+    r, raised, out = scenario("shared_pool_graphs", "extension")
+    assert raised is None, out
+    assert r == {"replays_match": True, "given_back": True}, r
+
+
+def test_mem_pool(extension_builds):
+    r, raised, out = scenario("mem_pool", "extension")
+    assert raised is None, out
+    assert r["inside_in_pool"] and r["outside_not_in_pool"] and r["pool_ids"], r
+    assert r["use_count"] >= 1 and r["returned"], r
+
+
+def test_history_and_snapshot(extension_builds):
+    r, raised, out = scenario("history_snapshot", "extension")
+    assert raised is None, out
+    assert r["tiled"] and r["all_kept_live"] and r["freed_paired"] and r["frames"], r
+    assert r["viz"], r
+    assert {"alloc", "free_requested", "free_completed", "segment_alloc"} <= set(r["actions"]), r
+
+
+def test_snapshot_names_every_library(extension_builds):
+    pytest.importorskip("cupy")
+    r, raised, out = scenario("mixed_snapshot", "extension")
+    assert raised is None, out
+    assert r == {"numba": "numba", "cupy": "cupy", "torch": "torch"}, r
+
+
+def test_native_allocator_passes_the_same_scenarios():
+    """The scenarios' own checks hold under PyTorch's allocator (so that they can fail)."""
+    for name in ("shared_pool_graphs", "mem_pool", "history_snapshot"):
+        r, raised, out = scenario(name, "native")
+        assert raised is None, out
+        assert all(v for k, v in r.items() if k != "actions"), (name, r)
 
 
 def test_out_of_memory_is_torchs_out_of_memory_error(extension_builds):

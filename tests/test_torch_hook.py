@@ -39,7 +39,12 @@ C_ENTRIES = textwrap.dedent(
     largest = fn("emmpool_torch_largest_block", c.c_size_t, c.c_int)
     ipc = fn("emmpool_torch_ipc_handle", c.c_int, c.c_void_p, c.c_int, c.c_char_p,
              c.POINTER(c.c_size_t), c.c_char_p, c.c_size_t)
-    assert abi() == 1
+    set_max = fn("emmpool_torch_set_maximum", c.c_int, c.c_int, c.c_size_t, c.c_char_p, c.c_size_t)
+    maximum = fn("emmpool_torch_maximum", c.c_size_t, c.c_int)
+    capture = fn("emmpool_torch_capture", c.c_int, c.c_int, c.c_int)
+    layout = fn("emmpool_torch_layout", c.c_long, c.c_int, c.POINTER(c.c_uint64), c.c_size_t)
+    tag_name = fn("emmpool_torch_tag_name", c.c_char_p, c.c_int)
+    assert abi() == 2
 
     def snapshot():
         v = (c.c_uint64 * 16)()
@@ -66,6 +71,23 @@ C_ENTRIES = textwrap.dedent(
     assert ipc(p, 0, handle, c.byref(offset), why, 256) == 0, why.value
     assert offset.value == 0
     assert ipc(12345, 0, handle, c.byref(offset), why, 256) == -1 and b"not a block" in why.value
+    # the layout: every block of every segment; p is torch's, on stream s, in a large segment
+    n = layout(0, None, 0)
+    rows = (c.c_uint64 * (8 * n))()
+    assert layout(0, rows, n) == n >= 1
+    blocks = [tuple(rows[8 * i:8 * i + 8]) for i in range(n)]
+    mine = [b for b in blocks if b[2] == p]
+    assert len(mine) == 1 and mine[0][3] == 3 * MiB and mine[0][4] == s and mine[0][5] == 1, mine
+    assert tag_name(mine[0][6]) == b"torch" and tag_name(99) is None
+    assert sum(b[3] for b in blocks) == snapshot()[3]  # the blocks tile what is reserved
+    # the cap: lowered below what is in use is refused with the reason; else it holds
+    assert maximum(0) == 512 * MiB
+    assert set_max(0, MiB, why, 256) == -1 and b"in use" in why.value, why.value
+    assert set_max(0, 64 * MiB, why, 256) == 0 and maximum(0) == 64 * MiB
+    assert allocate(100 * MiB, 0, s, c.byref(kind), why, 256) is None and kind.value == 0
+    assert set_max(0, 512 * MiB, why, 256) == 0
+    # a capture: begin and end pair; an end without a begin is refused
+    assert capture(0, 1) == 0 and capture(0, 0) == 0 and capture(0, 0) == -1
     free(p, 0, 0, s)
     v = snapshot()
     assert v[0] == 0 and v[2] >= 3 * MiB, v

@@ -224,11 +224,31 @@ def ipc(torch, allocator):
 
 
 def memory_fraction(torch, allocator):
+    """set_per_process_memory_fraction caps the pool: a request past it fails, a cap below what
+    is in use is refused, and the cap can be raised again."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    keep = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     try:
-        torch.cuda.set_per_process_memory_fraction(0.5)
-        result(set=True)
+        torch.cuda.set_per_process_memory_fraction(0.25)
     except RuntimeError as e:
         raises(e)
+        return
+    fraction = torch.cuda.get_per_process_memory_fraction(0) if hasattr(
+        torch.cuda, "get_per_process_memory_fraction") else None
+    try:
+        torch.empty(int(total * 0.3), dtype=torch.uint8, device="cuda")
+        over = "allocated"
+    except torch.OutOfMemoryError:
+        over = "OutOfMemoryError"
+    try:
+        torch.cuda.set_per_process_memory_fraction(1e-4)  # below the 256 MiB held
+        below = "set"
+    except RuntimeError as e:
+        below = str(e).splitlines()[0][:300]
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    big = torch.empty(int(total * 0.3), dtype=torch.uint8, device="cuda")
+    result(fraction=fraction, over=over, below=below, raised_again=big.numel() > 0)
+    del keep, big
 
 
 def out_of_memory(torch, allocator):
@@ -242,8 +262,199 @@ def out_of_memory(torch, allocator):
         raises(e)
 
 
+def _losses_match(a, b, tol=1e-3):
+    return all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def reduce_overhead(torch, allocator):
+    """torch.compile(mode="reduce-overhead") (CUDA graph trees over private pools): inference
+    and training of a small transformer block and of a CNN, each against eager; with the
+    cudagraph trees' own pool checks on (checkPoolLiveAllocations, snapshots)."""
+    import torch._inductor.config as cfg
+
+    cfg.triton.slow_path_cudagraph_asserts = os.environ.get("EMMPOOL_TEST_SLOW_ASSERTS") == "1"
+    out = {}
+
+    def models():
+        torch.manual_seed(0)
+        block = torch.nn.TransformerEncoderLayer(128, 4, 256, batch_first=True, dropout=0.0).cuda()
+        cnn = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, padding=1, stride=2), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10)).cuda()
+        return {"transformer": (block, (8, 32, 128)), "cnn": (cnn, (16, 3, 32, 32))}
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for name, (model, shape) in models().items():
+        xs = [torch.randn(*shape, generator=g).cuda() for _ in range(4)]
+        try:
+            model.eval()
+            compiled = torch.compile(model, mode="reduce-overhead")
+            with torch.no_grad():
+                ok = all(torch.allclose(compiled(x).clone(), model(x), atol=1e-3, rtol=1e-3)
+                         for x in xs * 2)
+            out[f"{name}_inference"] = bool(ok)
+        except Exception as e:  # noqa: BLE001 - reported, judged by the test
+            out[f"{name}_inference"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    # training: the same steps eager and compiled, from the same weights
+    for name in ("transformer", "cnn"):
+        losses = {}
+        for how in ("eager", "compiled"):
+            model, shape = models()[name]
+            model.train()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            step_model = torch.compile(model, mode="reduce-overhead") if how == "compiled" else model
+            g = torch.Generator(device="cpu").manual_seed(2)
+            losses[how] = []
+            try:
+                for _ in range(6):
+                    x = torch.randn(*shape, generator=g).cuda()
+                    opt.zero_grad(set_to_none=True)
+                    loss = step_model(x).float().pow(2).mean()
+                    loss.backward()
+                    opt.step()
+                    losses[how].append(loss.item())
+            except Exception as e:  # noqa: BLE001
+                losses[how] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        out[f"{name}_training"] = (_losses_match(losses["compiled"], losses["eager"])
+                                   if isinstance(losses["compiled"], list) else losses["compiled"])
+    result(**out)
+
+
+def shared_pool_graphs(torch, allocator):
+    """Two graphs captured into one pool (graph_pool_handle), the second reading the first's
+    output, one of them forking work onto a second stream inside the capture; replayed in
+    capture order with new inputs; then destroyed, their memory given back."""
+    torch.manual_seed(0)
+    lin1 = torch.nn.Linear(512, 512).cuda()
+    lin2 = torch.nn.Linear(512, 512).cuda()
+    x = torch.randn(64, 512, device="cuda")
+    side = torch.cuda.Stream()
+    pool = torch.cuda.graph_pool_handle()
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        lin2(torch.relu(lin1(x)))
+    torch.cuda.current_stream().wait_stream(warm)
+    before = torch.cuda.memory_allocated()
+    g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g1, pool=pool):
+        h = torch.relu(lin1(x))
+    with torch.cuda.graph(g2, pool=pool):
+        fork = torch.cuda.current_stream()
+        side.wait_stream(fork)
+        with torch.cuda.stream(side):
+            a = lin2(h) * 2
+        b = lin2(h) + 1
+        fork.wait_stream(side)
+        y = a + b
+    ok = True
+    for _ in range(3):
+        x.copy_(torch.randn(64, 512, device="cuda"))
+        g1.replay()
+        g2.replay()
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            ref = lin2(torch.relu(lin1(x)))
+        ok = ok and bool(torch.allclose(y, ref * 3 + 1, atol=1e-4))
+    del g1, g2, h, a, b, y
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    result(replays_match=ok, given_back=torch.cuda.memory_allocated() <= before)
+
+
+def mem_pool(torch, allocator):
+    """torch.cuda.MemPool and use_mem_pool: allocations inside go to the pool (its snapshot
+    shows them), allocations outside do not, and its memory returns when it dies."""
+    pool = torch.cuda.MemPool()
+    outside_before = torch.empty(1 << 20, device="cuda")
+    with torch.cuda.use_mem_pool(pool):
+        inside = [torch.empty(1 << 20, device="cuda") for _ in range(3)]
+    outside_after = torch.empty(1 << 20, device="cuda")
+    segments = pool.snapshot()
+    in_pool = {addr for seg in segments for addr, _ in _block_addresses(seg)}
+    ptrs = [t.data_ptr() for t in inside]
+    result(use_count=pool.use_count(), inside_in_pool=all(p in in_pool for p in ptrs),
+           outside_not_in_pool=outside_before.data_ptr() not in in_pool
+           and outside_after.data_ptr() not in in_pool,
+           pool_ids={str(tuple(s["segment_pool_id"])) for s in segments} == {str(pool.id)})
+    held = torch.cuda.memory_allocated()
+    del inside, segments
+    del pool
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    result(returned=torch.cuda.memory_allocated() < held)
+
+
+def history_snapshot(torch, allocator):
+    """_record_memory_history -> allocations and frees -> _snapshot(): blocks tile segments,
+    alloc and free_completed pair in the trace with Python stacks, _dump_snapshot and
+    _memory_viz work on it."""
+    import pickle
+    import tempfile
+
+    torch.cuda.memory._record_memory_history(max_entries=10000)
+    kept = [torch.empty(n, device="cuda") for n in (1000, 300_000, 5_000_000)]
+    gone = torch.empty(2_000_000, device="cuda")
+    del gone
+    s = torch.cuda.memory._snapshot()
+    tiled = all(sum(b["size"] for b in seg["blocks"]) == seg["total_size"] for seg in s["segments"])
+    trace = s["device_traces"][0]
+    allocs = {e["addr"] for e in trace if e["action"] == "alloc"}
+    freed = {e["addr"] for e in trace if e["action"] == "free_completed"}
+    with_frames = any(e.get("frames") for e in trace if e["action"] == "alloc")
+    live = {b_addr for seg in s["segments"]
+            for b_addr, b in _block_addresses(seg) if b["state"] == "active_allocated"}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "snap.pickle")
+        torch.cuda.memory._dump_snapshot(path)
+        with open(path, "rb") as f:
+            loaded = pickle.load(f)
+    from torch.cuda import _memory_viz
+
+    html = _memory_viz.trace_plot(loaded)
+    segs = _memory_viz.segment_plot(loaded)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    result(tiled=tiled, all_kept_live=all(t.data_ptr() in live for t in kept),
+           freed_paired=bool(freed) and freed <= allocs, frames=with_frames,
+           viz=len(html) > 1000 and len(segs) > 1000,
+           actions=sorted({e["action"] for e in trace}))
+
+
+def _block_addresses(seg):
+    addr = seg["address"]
+    for b in seg["blocks"]:
+        yield addr, b
+        addr += b["size"]
+
+
+def mixed_snapshot(torch, allocator):
+    """One process, Numba, CuPy and PyTorch on emmpool: emmpool.torch_snapshot() names every
+    block's library."""
+    import emmpool
+
+    os.environ.setdefault("NUMBA_CUDA_MEMORY_MANAGER", "emmpool.plugin")
+    import cupy
+    from numba import cuda
+
+    emmpool.use_for_cupy()
+    n = cuda.device_array(100_000)
+    c = cupy.ones(200_000)
+    t = torch.ones(300_000, device="cuda")
+    s = emmpool.torch_snapshot()
+    libraries = {}
+    for seg in s["segments"]:
+        for addr, b in _block_addresses(seg):
+            if "library" in b:
+                libraries[addr] = b["library"]
+    result(numba=libraries.get(n.device_ctypes_pointer.value),
+           cupy=libraries.get(c.data.ptr), torch=libraries.get(t.data_ptr()))
+
+
 SCENARIOS = {f.__name__: f for f in (cudnn_benchmark, memory_stats, record_stream, cuda_graph,
-                                     compiled, ipc, memory_fraction, out_of_memory)}
+                                     compiled, ipc, memory_fraction, out_of_memory,
+                                     reduce_overhead, shared_pool_graphs, mem_pool,
+                                     history_snapshot, mixed_snapshot)}
 
 if __name__ == "__main__":
     name, allocator = sys.argv[1], sys.argv[2]

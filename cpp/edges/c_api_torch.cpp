@@ -1,7 +1,8 @@
 // C entry points for emmpool's PyTorch allocator (python/emmpool/_torch_allocator.cpp), beyond
 // the malloc/free pair of c_api.cpp: what PyTorch's CUDAAllocator interface asks of an
-// allocator (statistics, record_stream, IPC, the cache's largest block, empty_cache) and an
-// allocation that says why it failed.
+// allocator (statistics, record_stream, IPC, the cache's largest block, empty_cache, the cap
+// of set_per_process_memory_fraction, the blocks of a memory snapshot, CUDA graph captures)
+// and an allocation that says why it failed.
 //
 // The PyTorch extension is compiled on the user's machine against the installed PyTorch and
 // finds these with dlsym() in this library, so nothing links against the other: the layout of
@@ -56,7 +57,7 @@ emmpool::device_pool* existing_pool_of(int device) noexcept
 }  // namespace
 
 /// The layout version of the structures below; the extension refuses another.
-EMMPOOL_C_API int emmpool_torch_abi_version() { return 1; }
+EMMPOOL_C_API int emmpool_torch_abi_version() { return 2; }
 
 /// PyTorch: allocate `size` bytes on `device` for `stream`. NULL on failure, with the reason in
 /// `error` (`error_length` bytes, may be null) and *kind = 0 out of memory, 1 invalid argument,
@@ -169,16 +170,10 @@ EMMPOOL_C_API std::size_t emmpool_torch_largest_block(int device)
     auto* pool = pool_of(device);
     if (pool == nullptr) { return 0; }
     try {
-      auto const s  = pool->stats();
-      auto& drv     = emmpool::pool_registry::instance().get_driver();
-      auto const mi = drv.memory_info_of(device);
-      auto const& o = pool->options();
-      std::size_t cap =
-        o.maximum_size != 0 ? o.maximum_size : std::numeric_limits<std::size_t>::max();
-      if (o.maximum_fraction > 0.0) {
-        cap = std::min(cap, static_cast<std::size_t>(o.maximum_fraction *
-                                                     static_cast<double>(mi.total)));
-      }
+      auto const s   = pool->stats();
+      auto& drv      = emmpool::pool_registry::instance().get_driver();
+      auto const mi  = drv.memory_info_of(device);
+      auto const cap = pool->maximum_size();
       std::size_t const headroom = cap > s.bytes_reserved ? cap - s.bytes_reserved : 0;
       return std::max(s.largest_free_block, std::min(mi.free, headroom));
     } catch (...) {
@@ -214,4 +209,91 @@ EMMPOOL_C_API int emmpool_torch_ipc_handle(void* ptr, int device, unsigned char*
     }
     return -1;
   });
+}
+
+/// torch.cuda.set_per_process_memory_fraction(): the cap on what the device's pool reserves, for
+/// every library (0: none). 0 done; -1 with the reason in `error` (more than that in use).
+EMMPOOL_C_API int emmpool_torch_set_maximum(int device, std::size_t bytes, char* error,
+                                            std::size_t error_length)
+{
+  return without_caller_lock([&]() noexcept {
+    try {
+      emmpool::pool_registry::instance().pool(device).set_maximum_size(bytes);
+      return 0;
+    } catch (...) {
+      say(error, error_length, emmpool::c_api::current_failure().what);
+    }
+    return -1;
+  });
+}
+
+/// The cap on what the device's pool reserves: SIZE_MAX if none, or if the device has no pool.
+EMMPOOL_C_API std::size_t emmpool_torch_maximum(int device)
+{
+  return without_caller_lock([&]() noexcept -> std::size_t {
+    if (auto* pool = existing_pool_of(device)) {
+      try {
+        return pool->maximum_size();
+      } catch (...) {
+      }
+    }
+    return std::numeric_limits<std::size_t>::max();
+  });
+}
+
+/// A CUDA graph capture begins (begin != 0) or ends on the device (device_pool::capture_begin):
+/// PyTorch's private pools say when. 0 done; -1 (no pool, or an end without a begin).
+EMMPOOL_C_API int emmpool_torch_capture(int device, int begin)
+{
+  return without_caller_lock([&]() noexcept {
+    try {
+      auto& pool = emmpool::pool_registry::instance().pool(device);
+      if (begin != 0) {
+        pool.capture_begin();
+      } else {
+        pool.capture_end();
+      }
+      return 0;
+    } catch (...) {
+    }
+    return -1;
+  });
+}
+
+/// The blocks of the device's pool for a memory snapshot (device_pool::layout), 8 uint64 per
+/// block in `out` (room for `n` blocks): segment base, segment size, address, size, stream
+/// named at allocation, state (0 free, 1 allocated, 2 waiting for its fence), library tag,
+/// segment kind (0 small, 1 large, 2 growable). Returns how many blocks there are (fill again
+/// with more room if that is more than n), or -1 if the device has no pool.
+EMMPOOL_C_API long emmpool_torch_layout(int device, std::uint64_t* out, std::size_t n)
+{
+  return without_caller_lock([&]() noexcept -> long {
+    auto* pool = existing_pool_of(device);
+    if (pool == nullptr) { return -1; }
+    try {
+      auto const rows = pool->layout();
+      for (std::size_t i = 0; i < rows.size() && i < n && out != nullptr; ++i) {
+        auto const& r = rows[i];
+        std::uint64_t* o = out + 8 * i;
+        o[0] = r.segment;
+        o[1] = r.segment_size;
+        o[2] = r.ptr;
+        o[3] = r.size;
+        o[4] = r.stream;
+        o[5] = r.state;
+        o[6] = r.tag;
+        o[7] = r.kind;
+      }
+      return static_cast<long>(rows.size());
+    } catch (...) {
+      return -1;
+    }
+  });
+}
+
+/// The name of a library tag ("numba", "cupy", ...), or null past the last.
+EMMPOOL_C_API char const* emmpool_torch_tag_name(int tag)
+{
+  if (tag < 0 || static_cast<std::size_t>(tag) >= emmpool::alloc_tag_count) { return nullptr; }
+  return emmpool::alloc_tag_names[tag];
 }

@@ -193,8 +193,8 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
       blk = free_.split(blk, rounded, alignment);
     }
   }
-  if (blk == nullptr && fences_.has_waiting()) {
-    // Step 3: wait for every pending free.
+  if (blk == nullptr && fences_.has_waiting() && captures_ == 0) {
+    // Step 3: wait for every pending free (not during a capture: a synchronization).
     drain();
     blk = pooled ? take_best_fit(rounded, g) : grow(rounded, true);
   }
@@ -335,7 +335,7 @@ std::size_t device_pool::release_free_segments(bool at_peak, std::size_t need)
 std::size_t device_pool::trim()
 {
   std::lock_guard lock{mutex_};
-  if (forked_) { return 0; }
+  if (forked_ || captures_ > 0) { return 0; }
   drain();
   return release_free_segments();
 }
@@ -475,6 +475,10 @@ void device_pool::release_block(block* blk)
 void device_pool::settle_freed(block* blk, stream_ref key)
 {
   if (!blk->also_fence.is_none()) {
+    if (captures_ > 0) {  // its fence would be an event recorded now: after the capture
+      held_for_capture_.emplace_back(blk, key);
+      return;
+    }
     // record_stream: never merged or joined; fenced on the recorded stream first, unless that
     // is key's (one fence: then it waits in key's batch like any other block freed there).
     if (fences_.push_recorded(blk, key) && lanes_.orders(key)) { lanes_.index(key, blk); }
@@ -528,6 +532,7 @@ void device_pool::settle_fenced()
 void device_pool::maintain(stream_ref alive)
 {
   if (!fenced_.empty()) { settle_fenced(); }  // what an exception left behind, first
+  if (captures_ > 0) { return; }  // polling records and queries events
   try {
     fences_.poll(alive, fenced_);
   } catch (...) {
@@ -552,8 +557,95 @@ void device_pool::drain()
 void device_pool::synchronize()
 {
   std::lock_guard lock{mutex_};
-  if (forked_) { return; }
+  if (forked_ || captures_ > 0) { return; }
   drain();
+}
+
+// ---- CUDA graph capture: no CUDA call that a capture forbids ---------------------------------
+
+void device_pool::capture_begin()
+{
+  std::lock_guard lock{mutex_};
+  ++captures_;
+  begin_deferral();  // nothing given back to the driver: cuMemFree synchronizes
+}
+
+void device_pool::capture_end()
+{
+  std::lock_guard lock{mutex_};
+  if (captures_ == 0) {
+    throw pool_error{"emmpool: capture_end without capture_begin on device " +
+                     std::to_string(device_)};
+  }
+  --captures_;
+  bool const last_deferral = end_deferral();
+  if (captures_ > 0) { return; }
+  settle_held_for_capture();
+  if (last_deferral && options_.mode == pool_mode::passthrough && !forked_) {
+    release_free_segments();  // segments whose release was held back
+  }
+}
+
+bool device_pool::capturing() const
+{
+  std::lock_guard lock{mutex_};
+  return captures_ > 0;
+}
+
+void device_pool::settle_held_for_capture()
+{
+  while (!held_for_capture_.empty()) {
+    auto const [blk, key] = held_for_capture_.back();
+    settle_freed(blk, key);  // may throw (an event): the rest stay held for the next call
+    held_for_capture_.pop_back();
+  }
+}
+
+// ---- the cap, and the pool's layout ---------------------------------------------------------
+
+void device_pool::set_maximum_size(std::size_t bytes)
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { detail::throw_forked(); }
+  std::size_t const cap = bytes != 0 ? bytes : std::numeric_limits<std::size_t>::max();
+  auto const held_now = [this] { return stats_.bytes_in_use + fences_.waiting_bytes(); };
+  if (held_now() > cap && fences_.has_waiting() && captures_ == 0) {
+    drain();  // frees waiting for their fence do not count against the new cap
+  }
+  std::size_t const held = held_now();
+  if (held > cap) {
+    throw pool_error{"emmpool: cannot cap device " + std::to_string(device_) + "'s pool at " +
+                     human_bytes(cap) + ": " + human_bytes(held) +
+                     " is in use (allocated, or freed and waiting for its fence)"};
+  }
+  max_reserved_ = cap;
+  growable_.set_cap(cap);
+  if (stats_.bytes_reserved > cap && captures_ == 0 && !cleanup_deferred()) {
+    drain();
+    release_free_segments();
+  }
+}
+
+std::size_t device_pool::maximum_size() const
+{
+  std::lock_guard lock{mutex_};
+  return max_reserved_;
+}
+
+std::vector<layout_block> device_pool::layout() const
+{
+  std::lock_guard lock{mutex_};
+  std::vector<layout_block> out;
+  for (auto const& [base, seg] : segments_) {
+    auto const kind = static_cast<std::uint8_t>(seg->kind());
+    for (auto const* b = seg->first; b != nullptr; b = b->next) {
+      bool const free = b->state == detail::block_state::free;
+      out.push_back(layout_block{seg->base, seg->size, b->ptr, b->size,
+                                 static_cast<std::uint8_t>(b->state), free ? std::uint8_t{0} : b->tag,
+                                 kind, free ? legacy_stream : b->alloc_stream.handle});
+    }
+  }
+  return out;
 }
 
 // ---- reset: live segments retired (detail/retired_segments.hpp) -----------------------------
@@ -562,6 +654,7 @@ void device_pool::reset()
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
+  settle_held_for_capture();
   fences_.drain_or_abandon(fenced_);
   settle_fenced();
   regardless_of_deferrals([this] { release_free_segments(); });  // errors ignored

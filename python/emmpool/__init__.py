@@ -37,6 +37,8 @@ __all__ = [
     "use_for_cupy",
     "use_for_numba",
     "use_for_torch",
+    "torch_snapshot",
+    "dump_torch_snapshot",
 ]
 
 
@@ -97,6 +99,21 @@ def use_for_torch(allocator: str | None = None) -> str:
     from .hooks import use_for_torch as _use
 
     return _use(allocator)
+
+
+def torch_snapshot() -> dict:
+    """PyTorch's memory snapshot of emmpool's pool, every other library's blocks named (see
+    :func:`emmpool._torch.torch_snapshot`)."""
+    from ._torch import torch_snapshot as _snapshot
+
+    return _snapshot()
+
+
+def dump_torch_snapshot(filename: str = "dump_snapshot.pickle") -> None:
+    """:func:`torch_snapshot` pickled for PyTorch's memory viewer (memory_viz)."""
+    from ._torch import dump_torch_snapshot as _dump
+
+    _dump(filename)
 
 
 def rmm_resource(device: int | None = None):

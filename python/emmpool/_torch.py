@@ -32,6 +32,9 @@ from . import _core
 from ._config import ensure_configured, log
 
 SOURCE = Path(__file__).with_name("_torch_allocator.cpp")
+# What SOURCE includes: part of the build cache's key with it.
+HEADERS = tuple(SOURCE.with_name(f"_torch_{part}.hpp")
+                for part in ("entry_points", "private_pools", "history", "snapshot"))
 CHOICES = ("auto", "extension", "pluggable")
 # After PyTorch's own flags. No -std: PyTorch passes the standard its headers need (C++17 up to
 # 2.11, C++20 from 2.12; 2.14's headers fail in C++17), which one here would override
@@ -97,7 +100,8 @@ def _cuda_home(guess: str | None) -> Path | None:
 def extension_name(torch) -> str:
     """The module's name: one per emmpool source, flags and PyTorch version (the build cache
     key)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + repr(EXTRA_CFLAGS).encode()).hexdigest()[:12]
+    text = b"".join(f.read_bytes() for f in (SOURCE, *HEADERS))
+    digest = hashlib.sha256(text + repr(EXTRA_CFLAGS).encode()).hexdigest()[:12]
     version = torch.__version__.split("+")[0].replace(".", "_")
     return f"emmpool_torch_{version}_{digest}"
 
@@ -203,3 +207,45 @@ def use_for_torch(allocator: str | None = None) -> str:
     _how = "pluggable"
     log.info("PyTorch %s: CUDAPluggableAllocator", torch.__version__)
     return _how
+
+
+def torch_snapshot(augment: bool = True) -> dict:
+    """``torch.cuda.memory._snapshot()`` under emmpool's extension, with every block another
+    library holds in the shared pool named: ``"library"`` (``"numba"``, ``"cupy"``,
+    ``"cuda_core"``, ...) and one frame that says so, which PyTorch's viewer
+    (https://pytorch.org/memory_viz) shows. PyTorch's own blocks keep the stacks its memory
+    history recorded. ``augment=False``: PyTorch's snapshot as it is."""
+    import torch
+
+    if _how != "extension":
+        raise RuntimeError("emmpool.torch_snapshot() needs emmpool's PyTorch extension installed "
+                           "(emmpool.use_for_torch() returned "
+                           f"{_how!r}): PyTorch's pluggable allocator takes no snapshot")
+    snapshot = torch.cuda.memory._snapshot()
+    if not augment:
+        return snapshot
+    module = _installed[0]
+    owners: dict[int, dict[int, str]] = {}
+    for segment in snapshot["segments"]:
+        device = segment["device"]
+        if device not in owners:
+            owners[device] = dict(module.block_libraries(device))
+        address = segment["address"]
+        for block in segment["blocks"]:
+            library = owners[device].get(address, "torch") if block["state"] != "inactive" else None
+            if library is not None:
+                block["library"] = library
+                if library != "torch" and not block.get("frames"):
+                    block["frames"] = [{"filename": f"<{library}>", "line": 0,
+                                        "name": f"allocated by {library} from emmpool's pool"}]
+            address += block["size"]
+    return snapshot
+
+
+def dump_torch_snapshot(filename: str = "dump_snapshot.pickle") -> None:
+    """:func:`torch_snapshot`, pickled as ``torch.cuda.memory._dump_snapshot()`` writes it (for
+    https://pytorch.org/memory_viz or ``python -m torch.cuda._memory_viz``)."""
+    import pickle
+
+    with open(filename, "wb") as f:
+        pickle.dump(torch_snapshot(), f)

@@ -5,21 +5,27 @@
 // the PyTorch that is installed, and installed with changeCurrentAllocator before PyTorch's
 // allocator is first used. Why not CUDAPluggableAllocator alone (what emmpool falls back to when
 // this cannot be compiled): its malloc and free take a mutex and keep a map entry per
-// allocation, and its cacheInfo, getDeviceStats, resetPeakStats, shareIpcHandle and
-// getIpcDevPtr throw "does not yet support", which breaks cuDNN's benchmark mode,
-// torch.cuda.memory_stats() and torch.multiprocessing. It is subclassed here all the same, so
-// that the many other methods of the interface (which change from one PyTorch release to the
-// next) keep its behaviour, and only those below are emmpool's.
+// allocation, and it answers "does not yet support" to statistics, IPC, private pools, memory
+// history and snapshots, which breaks cuDNN's benchmark mode, torch.cuda.memory_stats(),
+// torch.multiprocessing, CUDA graphs that share a pool, torch.compile(mode="reduce-overhead"),
+// torch.cuda.MemPool and memory_viz. It is subclassed here all the same, so that the other
+// methods of the interface (which change from one PyTorch release to the next) keep its
+// behaviour, and only those below are emmpool's.
 //
 // The allocation path: the C entry point, with no lock or map of our own. A block's device rides
 // in the low bits of the DataPtr's context (blocks are 256-byte aligned), so the deleter needs
-// no lookup either.
+// no lookup either. Beside it, each in its own file: the C entry points
+// (_torch_entry_points.hpp), private pools (_torch_private_pools.hpp), the memory history
+// (_torch_history.hpp) and snapshots (_torch_snapshot.hpp). One translation unit: the build
+// cache is keyed by these sources (emmpool._torch).
 //
 // emmpool's _core is never linked: its entry points are looked up with dlsym in the library
 // whose path install() is given.
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/version.h>
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -29,325 +35,26 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
-#include <dlfcn.h>
+#include "_torch_entry_points.hpp"
+#include "_torch_history.hpp"
+#include "_torch_private_pools.hpp"
+#include "_torch_snapshot.hpp"
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <map>
+#include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
-
-namespace cca = c10::cuda::CUDACachingAllocator;
-using MempoolId = c10::cuda::MempoolId_t;
-
-constexpr int expected_abi = 1;
-constexpr std::uintptr_t device_bits  = 0x3f;  // device index, < 64 (emmpool's registry)
-constexpr std::uintptr_t private_bit  = 0x80;  // a block of a graph / MemPool private pool
-constexpr std::uintptr_t context_bits = 0xff;
-constexpr std::size_t error_length    = 512;
-void* const no_stream = reinterpret_cast<void*>(std::uintptr_t{1});  // emmpool's legacy_stream
-
-// emmpool's C entry points, found in _core's shared library.
-struct entry_points {
-  void* (*allocate)(std::size_t, int, void*, int*, char*, std::size_t){};
-  void (*free)(void*, std::size_t, int, void*){};
-  int (*record_stream)(void*, int, void*, char*, std::size_t){};
-  int (*stats)(int, std::uint64_t*, int){};
-  void (*reset_peaks)(int){};
-  std::size_t (*trim)(int){};
-  std::size_t (*largest_block)(int){};
-  int (*ipc_handle)(void*, int, unsigned char*, std::size_t*, char*, std::size_t){};
-};
-entry_points api;
-
-// Messages are made with std::string and std::to_string, never with TORCH_CHECK's several
-// arguments: those go through an ostringstream, and with a PyTorch whose extensions link
-// libstdc++ statically, formatting a number there crashed (seen with torch 2.11 on the GPU host:
-// SIGSEGV in codecvt under ostream::_M_insert<double>).
-[[noreturn]] void raise(std::string const& message) { TORCH_CHECK(false, message); }
-
-template <typename F>
-void find(void* lib, char const* name, F& f)
-{
-  void* sym = dlsym(lib, name);
-  if (sym == nullptr) {
-    raise(std::string{"emmpool: "} + name + " is missing from emmpool's _core (" + dlerror() +
-          "): the PyTorch extension and emmpool come from different versions; reinstall emmpool");
-  }
-  f = reinterpret_cast<F>(sym);
-}
-
-void load_entry_points(std::string const& core_path)
-{
-  void* lib = dlopen(core_path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) { raise("emmpool: cannot open " + core_path + ": " + dlerror()); }
-  int (*abi)(){};
-  find(lib, "emmpool_torch_abi_version", abi);
-  if (abi() != expected_abi) {
-    raise("emmpool: _core speaks torch ABI " + std::to_string(abi()) + ", the extension " +
-          std::to_string(expected_abi) + ": reinstall emmpool (the extension cache is keyed by its source)");
-  }
-  find(lib, "emmpool_torch_allocate", api.allocate);
-  find(lib, "emmpool_torch_free", api.free);
-  find(lib, "emmpool_torch_record_stream", api.record_stream);
-  find(lib, "emmpool_torch_stats", api.stats);
-  find(lib, "emmpool_torch_reset_peaks", api.reset_peaks);
-  find(lib, "emmpool_torch_trim", api.trim);
-  find(lib, "emmpool_torch_largest_block", api.largest_block);
-  find(lib, "emmpool_torch_ipc_handle", api.ipc_handle);
-}
-
-void* pointer_of(void* ctx) { return reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(ctx) & ~context_bits); }
-int device_of(void* ctx) { return static_cast<int>(reinterpret_cast<std::uintptr_t>(ctx) & device_bits); }
-bool is_private(void* ctx) { return (reinterpret_cast<std::uintptr_t>(ctx) & private_bit) != 0; }
-
-void* context_of(void* ptr, int device, bool private_block)
-{
-  return reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(ptr) |
-                                 static_cast<std::uintptr_t>(device) |
-                                 (private_block ? private_bit : 0));
-}
-
-[[noreturn]] void fail(int kind, std::size_t size, int device, char const* why)
-{
-  if (kind == 0) {
-    std::string const msg = "emmpool: CUDA out of memory. Tried to allocate " +
-                            std::to_string(size) + " bytes on device " + std::to_string(device) +
-                            ": " + why +
-                            " (EMMPOOL_MAXIMUM_POOL_SIZE caps the pool; emmpool.stats() shows what it holds)";
-    TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
-  }
-  raise("emmpool: allocation of " + std::to_string(size) + " bytes on device " +
-        std::to_string(device) + " failed: " + why);
-}
-
-void* allocate_or_throw(std::size_t size, int device, void* stream)
-{
-  int kind = 2;
-  char why[error_length] = "";
-  void* p = api.allocate(size, device, stream, &kind, why, sizeof why);
-  if (p == nullptr) { fail(kind, size, device, why); }
-  return p;
-}
-
-void delete_block(void* ctx);
-
-// Blocks allocated while PyTorch allocates to a private pool (CUDA graph capture, MemPool):
-// they must keep their addresses for the graph's replays, so their memory returns to emmpool
-// only when PyTorch releases the pool (graph destroyed); until then a freed one may serve a
-// later allocation to the same pool, as in PyTorch's own private pools (replays follow the
-// capture's order).
-class private_pools {
- public:
-  struct allocating {
-    int device;
-    MempoolId id;
-    std::function<bool(cudaStream_t)> filter;
-  };
-
-  bool active() const noexcept { return active_.load(std::memory_order_acquire) != 0; }
-  bool holds_any() const noexcept { return held_.load(std::memory_order_acquire) != 0; }
-
-  // The private pool this allocation goes to, if any.
-  bool pool_for(int device, cudaStream_t stream, MempoolId* id)
-  {
-    std::lock_guard<std::mutex> lock{mutex_};
-    for (auto it = allocating_.rbegin(); it != allocating_.rend(); ++it) {
-      if (it->device == device && it->filter(stream)) {
-        *id = it->id;
-        return true;
-      }
-    }
-    return false;
-  }
-
-  void* allocate(std::size_t size, int device, MempoolId id, cudaStream_t stream)
-  {
-    std::size_t const rounded = (size + 255) / 256 * 256;
-    {
-      std::lock_guard<std::mutex> lock{mutex_};
-      auto& pool = pools_[id];
-      // A free block of this pool freed on the same stream (stream order, as PyTorch's own
-      // pools: a block is never reused by another stream, whose captured work is not ordered
-      // after the old owner's), if not more than twice the size (a best fit that wastes little;
-      // PyTorch's own pools split blocks, emmpool's private blocks are not split).
-      for (auto it = pool.free_blocks.lower_bound(rounded);
-           it != pool.free_blocks.end() && it->first <= 2 * rounded; ++it) {
-        auto& b = blocks_.at(it->second);
-        if (b.stream != stream) { continue; }
-        void* p = it->second;
-        pool.free_blocks.erase(it);
-        b.free = false;
-        return p;
-      }
-    }
-    // Allocation during capture: emmpool's own CUDA calls (event queries, growth) must not be
-    // refused by the capture's strictness, as PyTorch's allocator relaxes it around cudaMalloc.
-    // No stream is named, so nothing is recorded on the capturing stream.
-    c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
-    void* p = allocate_or_throw(rounded, device, no_stream);
-    std::lock_guard<std::mutex> lock{mutex_};
-    blocks_[p] = block{id, rounded, device, stream, false, false};
-    held_.fetch_add(1, std::memory_order_release);
-    return p;
-  }
-
-  // tensor.record_stream() on a private block: used on another stream, it must not serve a
-  // later allocation of its pool (PyTorch defers such blocks until the capture ends); it is
-  // held until the pool is released.
-  void record_stream(void* p)
-  {
-    std::lock_guard<std::mutex> lock{mutex_};
-    auto it = blocks_.find(p);
-    if (it != blocks_.end()) { it->second.shared = true; }
-  }
-
-  void begin(int device, MempoolId id, std::function<bool(cudaStream_t)> filter)
-  {
-    std::lock_guard<std::mutex> lock{mutex_};
-    auto& pool = pools_[id];
-    pool.use_count += 1;
-    allocating_.push_back(allocating{device, id, std::move(filter)});
-    active_.store(static_cast<int>(allocating_.size()), std::memory_order_release);
-  }
-
-  void end(int device, MempoolId id)
-  {
-    std::lock_guard<std::mutex> lock{mutex_};
-    for (auto it = allocating_.begin(); it != allocating_.end(); ++it) {
-      if (it->device == device && it->id == id) {
-        allocating_.erase(it);
-        break;
-      }
-    }
-    active_.store(static_cast<int>(allocating_.size()), std::memory_order_release);
-  }
-
-  // PyTorch no longer needs the pool's addresses (its graphs are destroyed): free blocks go
-  // back to emmpool now, live ones when they are freed.
-  void release(int /*device*/, MempoolId id)
-  {
-    std::vector<std::pair<void*, int>> give_back;
-    {
-      std::lock_guard<std::mutex> lock{mutex_};
-      auto it = pools_.find(id);
-      if (it == pools_.end()) { return; }
-      if (--it->second.use_count > 0) { return; }
-      it->second.free_blocks.clear();
-      it->second.released = true;
-      bool any_live = false;
-      for (auto b = blocks_.begin(); b != blocks_.end();) {
-        if (b->second.pool == id && b->second.free) {
-          give_back.emplace_back(b->first, b->second.device);
-          b = blocks_.erase(b);
-        } else {
-          any_live = any_live || b->second.pool == id;
-          ++b;
-        }
-      }
-      if (!any_live) { pools_.erase(it); }
-    }
-    return_to_emmpool(std::move(give_back));
-  }
-
-  void free(void* p)
-  {
-    std::vector<std::pair<void*, int>> give_back;
-    {
-      std::lock_guard<std::mutex> lock{mutex_};
-      auto it = blocks_.find(p);
-      if (it == blocks_.end()) { return; }
-      auto pool = pools_.find(it->second.pool);
-      if (pool != pools_.end() && !pool->second.released) {
-        it->second.free = true;
-        if (!it->second.shared) { pool->second.free_blocks.emplace(it->second.size, p); }
-        return;
-      }
-      give_back.emplace_back(p, it->second.device);
-      MempoolId const id = it->second.pool;
-      blocks_.erase(it);
-      if (pool != pools_.end()) {
-        bool any_live = false;
-        for (auto const& [q, b] : blocks_) { any_live = any_live || b.pool == id; }
-        if (!any_live) { pools_.erase(pool); }
-      }
-    }
-    // A live block of a released pool: its last users may be a replay of the destroyed graph
-    // or work on any stream (emmpool fences it on the legacy stream only): same path.
-    return_to_emmpool(std::move(give_back));
-  }
-
-  // torch.cuda.empty_cache(): blocks whose return had to wait for the end of a capture.
-  void flush() { return_to_emmpool({}); }
-
-  bool owns(void* p)
-  {
-    if (!holds_any()) { return false; }
-    std::lock_guard<std::mutex> lock{mutex_};
-    return blocks_.count(p) != 0;
-  }
-
- private:
-  // Private blocks go back to emmpool only after a device synchronization: a replay of a
-  // destroyed graph may still run (cudaGraphExecDestroy does not wait), on a stream emmpool was
-  // never told of. No synchronization is possible while a capture is under way (it would
-  // invalidate it): the blocks wait for a later release, free or empty_cache.
-  void return_to_emmpool(std::vector<std::pair<void*, int>> blocks)
-  {
-    {
-      std::lock_guard<std::mutex> lock{mutex_};
-      held_.fetch_sub(static_cast<int>(blocks.size()), std::memory_order_release);
-      if (active() || (blocks.empty() && deferred_.empty())) {
-        deferred_.insert(deferred_.end(), blocks.begin(), blocks.end());
-        return;
-      }
-      blocks.insert(blocks.end(), deferred_.begin(), deferred_.end());
-      deferred_.clear();
-    }
-    std::vector<int> synced;
-    for (auto [p, d] : blocks) {
-      if (std::find(synced.begin(), synced.end(), d) == synced.end()) {
-        synced.push_back(d);
-        try {
-          c10::cuda::CUDAGuard guard{static_cast<c10::DeviceIndex>(d)};
-          C10_CUDA_CHECK_WARN(cudaDeviceSynchronize());
-        } catch (...) {
-          // called from destructors (CUDAGraph::reset, a tensor's deleter): never throw
-        }
-      }
-      api.free(p, 0, d, nullptr);
-    }
-  }
-
-  struct block {
-    MempoolId pool;
-    std::size_t size;
-    int device;
-    cudaStream_t stream;  // the allocation's: a freed block serves this stream only
-    bool free;
-    bool shared;          // record_stream'd: never reused within its pool
-  };
-  struct pool {
-    int use_count{0};
-    bool released{false};
-    std::multimap<std::size_t, void*> free_blocks;
-  };
-  std::mutex mutex_;
-  std::atomic<int> active_{0};
-  std::atomic<int> held_{0};  // blocks_ entries (counted with those awaiting return)
-  std::vector<allocating> allocating_;
-  std::map<MempoolId, pool> pools_;
-  std::unordered_map<void*, block> blocks_;
-  std::vector<std::pair<void*, int>> deferred_;
-};
 
 // Handles opened from other processes (torch.multiprocessing), each opened once per process as
 // CUDA requires, and closed when the last tensor over it dies.
@@ -401,6 +108,20 @@ class ipc_opened {
   std::unordered_map<std::string, std::weak_ptr<void>> opened_;
 };
 
+// While a private pool is being allocated to, a capture may be under way on this thread: the
+// calls into emmpool (whose growth calls cuMemAlloc) run in relaxed capture mode, as PyTorch's
+// allocator runs cudaMalloc. Outside, nothing (one atomic load).
+class relaxed_while {
+ public:
+  explicit relaxed_while(bool active)
+  {
+    if (active) { guard_.emplace(cudaStreamCaptureModeRelaxed); }
+  }
+
+ private:
+  std::optional<c10::cuda::CUDAStreamCaptureModeGuard> guard_;
+};
+
 class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
  public:
   emmpool_allocator()
@@ -412,21 +133,6 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
           api.free(ptr, size, device, stream);
         })
   {
-    // torch.cuda.empty_cache() -> every pool returns its wholly free segments
-    set_reset_fn([this] {
-      graphs_.flush();
-      int n = 0;
-      C10_CUDA_CHECK(cudaGetDeviceCount(&n));
-      for (int d = 0; d < n && d < 64; ++d) { (void)api.trim(d); }
-    });
-    // torch.cuda.set_per_process_memory_fraction(): emmpool's cap is fixed when its pool is made
-    set_memory_fraction_fn([](double fraction, int device) {
-      raise("emmpool: torch.cuda.set_per_process_memory_fraction(" + std::to_string(fraction) +
-            ", " + std::to_string(device) +
-            ") cannot change emmpool's cap, which is fixed when the pool is made: set "
-            "EMMPOOL_MAXIMUM_POOL_SIZE=" + std::to_string(fraction) +
-            " (or emmpool.configure(maximum_pool_size=...)) before the first allocation");
-    });
   }
 
   c10::DataPtr allocate(std::size_t size) override
@@ -436,27 +142,28 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     c10::Device const where{c10::DeviceType::CUDA, device};
     if (size == 0) { return {nullptr, nullptr, &delete_block, where}; }
     cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    if (C10_UNLIKELY(graphs_.active())) {
-      MempoolId id;
-      if (graphs_.pool_for(device, stream, &id)) {
-        void* p = graphs_.allocate(size, device, id, stream);
-        return {p, context_of(p, device, true), &delete_block, where};
-      }
+    if (C10_UNLIKELY(pools_.active() || history_.on())) {
+      bool is_private = false;
+      void* p = allocate_slow(size, device, stream, &is_private);
+      return {p, context_of(p, device, is_private), &delete_block, where};
     }
-    void* p = allocate_or_throw(size, device, stream);
-    return {p, context_of(p, device, false), &delete_block, where};
+    bool is_private = false;
+    void* p = allocate_or_oom_pool(size, device, stream, &is_private);
+    return {p, context_of(p, device, is_private), &delete_block, where};
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
 
-  // raw_alloc/raw_delete (Thrust, some libraries' workspaces) have no context: the device
-  // is asked of the pointer.
+  // raw_alloc/raw_delete (Thrust, some libraries' workspaces, cudagraph trees) have no
+  // context: a private block is known by its address, the device of another is asked of the
+  // pointer.
   void* raw_alloc(std::size_t size) override
   {
     if (size == 0) { return nullptr; }
     c10::DeviceIndex device = 0;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
-    return raw_allocate(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    bool is_private = false;
+    return allocate_slow(size, device, c10::cuda::getCurrentCUDAStream(device).stream(), &is_private);
   }
 
   void* raw_alloc_with_stream(std::size_t size, cudaStream_t stream) override
@@ -464,25 +171,15 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     if (size == 0) { return nullptr; }
     c10::DeviceIndex device = 0;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
-    return raw_allocate(size, device, stream);
-  }
-
-  // raw_alloc during a capture (Thrust's temporaries, ...) goes to the private pool as in
-  // PyTorch's own allocator: the graph's replays write to it after raw_delete.
-  void* raw_allocate(std::size_t size, int device, cudaStream_t stream)
-  {
-    if (C10_UNLIKELY(graphs_.active())) {
-      MempoolId id;
-      if (graphs_.pool_for(device, stream, &id)) { return graphs_.allocate(size, device, id, stream); }
-    }
-    return allocate_or_throw(size, device, stream);
+    bool is_private = false;
+    return allocate_slow(size, device, stream, &is_private);
   }
 
   void raw_delete(void* ptr) override
   {
     if (ptr == nullptr) { return; }
-    if (C10_UNLIKELY(graphs_.owns(ptr))) {
-      graphs_.free(ptr);
+    if (C10_UNLIKELY(pools_.owns(ptr))) {
+      free_block(context_of(ptr, pools_.device_of(ptr), true));
       return;
     }
     cudaPointerAttributes attributes{};
@@ -490,28 +187,43 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
       (void)cudaGetLastError();
       return;
     }
-    api.free(ptr, 0, attributes.device, nullptr);
+    free_block(context_of(ptr, attributes.device, false));
+  }
+
+  void free_block(void* ctx)
+  {
+    void* p = pointer_of(ctx);
+    if (C10_UNLIKELY(history_.on())) {
+      auto const context = history_.gather(RecordContext::ALL);
+      history_.freed(device_of(ctx), p, nullptr, {0, 0}, context);
+    }
+    if (is_private(ctx)) {
+      pools_.free(p);
+    } else {
+      relaxed_while relaxed{pools_.active()};
+      // PyTorch passes the allocation's stream; emmpool remembers it (c_api.cpp)
+      api.free(p, 0, device_of(ctx), nullptr);
+    }
+  }
+
+  // ---- the cache, statistics, the cap
+
+  // torch.cuda.empty_cache(): every pool returns its wholly free segments ({0, 0}); a
+  // MemPool's id: that pool's free blocks, once nobody uses it.
+  void emptyCache(MempoolId mempool_id) override
+  {
+    pools_.empty_cache(mempool_id);
+    if (mempool_id != MempoolId{0, 0}) { return; }
+    int const n = device_count();
+    for (int d = 0; d < n; ++d) {
+      (void)api.trim(d);
+      history_.watch_segments(d);
+    }
   }
 
   void cacheInfo(c10::DeviceIndex device, std::size_t* largest_block) override
   {
     *largest_block = api.largest_block(device);
-  }
-
-  void recordStream(const c10::DataPtr& data, c10::cuda::CUDAStream stream) override
-  {
-    // Memory that is not emmpool's (received over IPC, from_blob) is not ours to fence, as in
-    // PyTorch's own allocator; a private (graph) block keeps its memory until its pool goes.
-    if (data.get_deleter() != &delete_block || data.get_context() == nullptr) { return; }
-    if (is_private(data.get_context())) {
-      graphs_.record_stream(pointer_of(data.get_context()));
-      return;
-    }
-    char why[error_length] = "";
-    if (api.record_stream(pointer_of(data.get_context()), device_of(data.get_context()),
-                          stream.stream(), why, sizeof why) != 0) {
-      raise(std::string{"emmpool: record_stream failed: "} + why);
-    }
   }
 
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override
@@ -547,18 +259,51 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   void resetPeakStats(c10::DeviceIndex device) override { api.reset_peaks(device); }
   void resetAccumulatedStats(c10::DeviceIndex) override {}
 
-  void beginAllocateToPool(c10::DeviceIndex device, MempoolId mempool_id,
-                           std::function<bool(cudaStream_t)> filter) override
+  // torch.cuda.set_per_process_memory_fraction(): the cap of emmpool's pool on that device,
+  // which every library shares. Refused (saying why) only if more than that is in use.
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override
   {
-    graphs_.begin(device, mempool_id, std::move(filter));
+    if (!(fraction >= 0.0 && fraction <= 1.0)) {
+      raise("emmpool: set_per_process_memory_fraction: the fraction must be within [0, 1], not " +
+            std::to_string(fraction));
+    }
+    c10::cuda::CUDAGuard guard{device};
+    std::size_t free = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    auto const bytes = static_cast<std::size_t>(fraction * static_cast<double>(total));
+    char why[error_length] = "";
+    if (api.set_maximum(device, bytes == 0 ? 1 : bytes, why, sizeof why) != 0) {
+      raise("emmpool: set_per_process_memory_fraction(" + std::to_string(fraction) + ", " +
+            std::to_string(device) + "): " + why);
+    }
   }
-  void endAllocateToPool(c10::DeviceIndex device, MempoolId mempool_id) override
+
+  double getMemoryFraction(c10::DeviceIndex device) override
   {
-    graphs_.end(device, mempool_id);
+    std::size_t const cap = api.maximum(device);
+    if (cap == std::numeric_limits<std::size_t>::max()) { return 1.0; }
+    c10::cuda::CUDAGuard guard{device};
+    std::size_t free = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return total == 0 ? 1.0 : std::min(1.0, static_cast<double>(cap) / static_cast<double>(total));
   }
-  void releasePool(c10::DeviceIndex device, MempoolId mempool_id) override
+
+  // ---- streams, IPC
+
+  void recordStream(const c10::DataPtr& data, c10::cuda::CUDAStream stream) override
   {
-    graphs_.release(device, mempool_id);
+    // Memory that is not emmpool's (received over IPC, from_blob) is not ours to fence, as in
+    // PyTorch's own allocator; a private (graph) block keeps its memory until its pool goes.
+    if (data.get_deleter() != &delete_block || data.get_context() == nullptr) { return; }
+    if (is_private(data.get_context())) {
+      pools_.record_stream(pointer_of(data.get_context()));
+      return;
+    }
+    char why[error_length] = "";
+    if (api.record_stream(pointer_of(data.get_context()), device_of(data.get_context()),
+                          stream.stream(), why, sizeof why) != 0) {
+      raise(std::string{"emmpool: record_stream failed: "} + why);
+    }
   }
 
   cca::ShareableHandle shareIpcHandle(void* ptr) override
@@ -577,21 +322,176 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
 
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override { return ipc_.open(handle); }
 
-  std::string name() override { return "emmpool"; }
+  // ---- private pools (_torch_private_pools.hpp)
 
-  void free_block(void* ctx)
+  void beginAllocateToPool(c10::DeviceIndex device, MempoolId mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override
   {
-    if (is_private(ctx)) {
-      graphs_.free(pointer_of(ctx));
-    } else {
-      // PyTorch passes the allocation's stream; emmpool remembers it (c_api.cpp)
-      api.free(pointer_of(ctx), 0, device_of(ctx), nullptr);
+    pools_.begin(device, mempool_id, std::move(filter));
+  }
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId mempool_id) override
+  {
+    pools_.end(device, mempool_id);
+  }
+  void releasePool(c10::DeviceIndex, MempoolId mempool_id) override { pools_.release(mempool_id); }
+#if EMMPOOL_TORCH_AT_LEAST(2, 11)
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId mempool_id,
+                          std::shared_ptr<cca::CUDAAllocator> allocator) override
+  {
+    // MemPool() passes the current allocator (this one): its blocks are emmpool's as any.
+    if (allocator.get() == this) { allocator = nullptr; }
+    pools_.create_or_incref(device, mempool_id, std::move(allocator));
+  }
+#else
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId mempool_id,
+                          cca::CUDAAllocator* allocator) override
+  {
+    // Not owned: the MemPool that passes it keeps it alive for as long as the pool.
+    std::shared_ptr<cca::CUDAAllocator> other;
+    if (allocator != nullptr && allocator != this) { other.reset(allocator, [](cca::CUDAAllocator*) {}); }
+    pools_.create_or_incref(device, mempool_id, std::move(other));
+  }
+#endif
+  int getPoolUseCount(c10::DeviceIndex, MempoolId mempool_id) override
+  {
+    return pools_.use_count(mempool_id);
+  }
+#if EMMPOOL_TORCH_AT_LEAST(2, 11)
+  void setUseOnOOM(c10::DeviceIndex, MempoolId mempool_id, bool use_on_oom) override
+  {
+    pools_.set_use_on_oom(mempool_id, use_on_oom);
+  }
+#else
+  void setUseOnOOM(c10::DeviceIndex, MempoolId mempool_id) override
+  {
+    pools_.set_use_on_oom(mempool_id, true);
+  }
+#endif
+#if EMMPOOL_TORCH_AT_LEAST(2, 10)
+  void setNoSplit(c10::DeviceIndex, MempoolId mempool_id) override { pools_.set_no_split(mempool_id); }
+#endif
+  bool checkPoolLiveAllocations(c10::DeviceIndex, MempoolId mempool_id,
+                                const std::unordered_set<void*>& expected) override
+  {
+    return pools_.live_blocks_are(mempool_id, expected);
+  }
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                          MempoolId id) override
+  {
+    return pools_.checkpoint(device, id);
+  }
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex,
+                                              std::shared_ptr<cca::AllocatorState> state) override
+  {
+    auto const* pps = dynamic_cast<private_pool_state const*>(state.get());
+    if (pps == nullptr) { raise("emmpool: setCheckpointPoolState: not a checkpoint of emmpool's"); }
+    return pools_.restore(*pps);
+  }
+
+  // ---- history and snapshots (_torch_history.hpp, _torch_snapshot.hpp)
+
+  bool isHistoryEnabled() override { return history_.enabled(); }
+
+#if EMMPOOL_TORCH_AT_LEAST(2, 11)
+  void recordHistory(bool enabled, cca::CreateContextFn context_recorder,
+                     std::size_t alloc_trace_max_entries, RecordContext when, bool clear_history,
+                     const std::vector<std::string>& skip_actions) override
+#else
+  void recordHistory(bool enabled, cca::CreateContextFn context_recorder,
+                     std::size_t alloc_trace_max_entries, RecordContext when,
+                     bool clear_history) override
+#endif
+  {
+#if !EMMPOOL_TORCH_AT_LEAST(2, 11)
+    std::vector<std::string> const skip_actions;
+#endif
+    history_.configure(enabled, context_recorder, alloc_trace_max_entries, when, clear_history,
+                       skip_actions);
+    if (enabled) {
+      for (int d = 0, n = device_count(); d < n; ++d) { history_.watch_segments(d); }
     }
   }
 
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override
+  {
+    history_.add_tracker(std::move(tracker));
+  }
+
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override
+  {
+    std::lock_guard<std::mutex> lock{observers_mutex_};
+    observers_.push_back(std::move(observer));
+  }
+
+#if EMMPOOL_TORCH_AT_LEAST(2, 11)
+  cca::SnapshotInfo snapshot(MempoolId mempool_id, bool include_traces) override
+  {
+    return build_snapshot(pools_, history_, mempool_id, include_traces);
+  }
+#else
+  cca::SnapshotInfo snapshot(MempoolId mempool_id) override
+  {
+    return build_snapshot(pools_, history_, mempool_id, true);
+  }
+#endif
+
+  std::string name() override { return "emmpool"; }
+
+  // An allocation is about to raise OutOfMemoryError (_torch_entry_points.hpp: fail()).
+  void out_of_memory(int device, std::size_t size)
+  {
+    std::size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess) { (void)cudaGetLastError(); }
+    if (history_.on()) { history_.out_of_memory(device, free, size); }
+    std::vector<cca::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> lock{observers_mutex_};
+      observers = observers_;
+    }
+    std::uint64_t v[16] = {};
+    std::size_t const allocated = api.stats(device, v, 16) >= 16 ? v[0] : 0;
+    for (auto const& observer : observers) { observer(device, allocated, total, free); }
+  }
+
  private:
-  private_pools graphs_;
+  // From emmpool, or, if that is out of memory, from a MemPool made with use_on_oom.
+  void* allocate_or_oom_pool(std::size_t size, int device, cudaStream_t stream, bool* is_private)
+  {
+    relaxed_while relaxed{pools_.active()};
+    try {
+      return allocate_or_throw(size, device, stream);
+    } catch (c10::OutOfMemoryError const&) {
+      void* p = pools_.allocate_on_oom(size, device, stream);
+      if (p == nullptr) { throw; }
+      if (is_private != nullptr) { *is_private = true; }
+      return p;
+    }
+  }
+
+  // Private pools and the history: off the fast path.
+  void* allocate_slow(std::size_t size, int device, cudaStream_t stream, bool* is_private)
+  {
+    auto const context = history_.on() ? history_.gather(RecordContext::STATE) : nullptr;
+    MempoolId id{0, 0};
+    void* p = nullptr;
+    if (pools_.active() && pools_.pool_for(device, stream, &id)) {
+      p           = pools_.allocate(size, device, id, stream);
+      *is_private = true;
+    } else {
+      p = allocate_or_oom_pool(size, device, stream, is_private);
+    }
+    if (C10_UNLIKELY(history_.on())) {
+      history_.allocated(device, p, size, stream, id, context);
+      if (!pools_.active()) { history_.watch_segments(device); }  // a query: not in a capture
+    }
+    return p;
+  }
+
+  private_pools pools_;
+  memory_history history_;
   ipc_opened ipc_;
+  std::mutex observers_mutex_;
+  std::vector<cca::OutOfMemoryObserver> observers_;
 };
 
 // Never destroyed (a leaked shared_ptr holds it): tensors may be freed during interpreter exit.
@@ -603,6 +503,11 @@ void delete_block(void* ctx)
   the_allocator->free_block(ctx);
 }
 
+void report_out_of_memory(int device, std::size_t size)
+{
+  if (the_allocator != nullptr) { the_allocator->out_of_memory(device, size); }
+}
+
 // Install emmpool as PyTorch's CUDA allocator. PyTorch refuses (RuntimeError) once its own
 // allocator has been used.
 void install(std::string const& core_path)
@@ -612,7 +517,8 @@ void install(std::string const& core_path)
   auto allocator = std::make_shared<emmpool_allocator>();
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
   new std::shared_ptr<emmpool_allocator>(allocator);
-  the_allocator = allocator.get();
+  the_allocator     = allocator.get();
+  on_out_of_memory = &report_out_of_memory;
 }
 
 bool installed() { return the_allocator != nullptr && cca::get() == the_allocator; }
@@ -624,5 +530,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
   m.doc() = "emmpool's CUDAAllocator for PyTorch (built by emmpool._torch)";
   m.def("install", &install, "Install emmpool as PyTorch's CUDA allocator");
   m.def("installed", &installed, "Whether PyTorch's current CUDA allocator is this one");
+  m.def("block_libraries", &block_libraries,
+        "(address, library) of every block of emmpool's pool on a device that another library "
+        "than PyTorch holds");
   m.attr("abi") = expected_abi;
 }

@@ -53,6 +53,20 @@
 
 namespace emmpool {
 
+/// @brief One block of a pool's segments, as a memory snapshot shows it (device_pool::layout()).
+/// The blocks of a segment tile it, in address order.
+struct layout_block {
+  device_ptr segment;         ///< the segment's base
+  std::size_t segment_size;
+  device_ptr ptr;
+  std::size_t size;
+  std::uint8_t state;         ///< 0 free, 1 allocated, 2 freed and waiting for its fence
+  std::uint8_t tag;           ///< the library that allocated it (alloc_tag; meaningful if not free)
+  std::uint8_t kind;          ///< 0 small segment, 1 large, 2 growable (address space: its free
+                              ///< blocks may be unmapped in part)
+  stream_handle stream;       ///< the stream named at allocation (legacy_stream: none)
+};
+
 /// @brief Where a pooled block lies in its segment, for IPC.
 struct ipc_info {
   ipc_bytes handle;          ///< the segment's handle
@@ -183,6 +197,30 @@ class device_pool : private detail::pool_lifecycle {
   void defer_cleanup_begin();
   void defer_cleanup_end();
 
+  /// @brief A CUDA graph may be captured on this device until the matching capture_end()
+  /// (PyTorch's private pools say when; calls nest). Meanwhile the pool makes no CUDA call that
+  /// a capture forbids or would record into the graph: no event query, record or
+  /// synchronization, no segment or page given back (cuMemFree synchronizes). Frees still
+  /// return blocks to their stream's order; those with a record_stream fence wait, unfenced,
+  /// until the last capture_end(); what waits for a fence waits until then too. Growth still
+  /// asks the driver: a capturing thread relaxes its capture mode around its own calls.
+  void capture_begin();
+  /// @throws pool_error without a matching capture_begin()
+  void capture_end();
+  [[nodiscard]] bool capturing() const;
+
+  /// @brief Change the cap on bytes reserved (what maximum_size set; 0: none but the device's
+  /// memory). Wholly free segments go back to the driver until reserved fits, if they can;
+  /// otherwise the cap only stops growth. Frees waiting for their fence are waited for first
+  /// (not during a capture). @throws pool_error if more than `bytes` is still in use
+  void set_maximum_size(std::size_t bytes);
+  /// @brief The cap on bytes reserved (SIZE_MAX: none).
+  [[nodiscard]] std::size_t maximum_size() const;
+
+  /// @brief Every block of every segment, in address order (a memory snapshot). A growable
+  /// segment counts only its mapped pages in reserved; its free blocks are reported whole.
+  [[nodiscard]] std::vector<layout_block> layout() const;
+
   /// @brief Start or stop recording allocations and frees (off: one branch per call).
   void set_tracing(bool on);
   /// @brief The records since the last call, oldest first; the trace keeps running.
@@ -247,6 +285,7 @@ class device_pool : private detail::pool_lifecycle {
   void release_block(block* blk);                 // every fence done: into the free lists
   void maintain(stream_ref alive);
   void drain();  // wait for every pending free
+  void settle_held_for_capture();  // held_for_capture_ fenced now
   [[nodiscard]] pool_stats stats_locked() const;  // the full snapshot
   [[nodiscard]] std::string describe_locked() const;
 
@@ -265,6 +304,9 @@ class device_pool : private detail::pool_lifecycle {
   pool_stats stats_{};
   detail::trace_log trace_;
   std::vector<detail::fenced_block> fenced_;  // what the fences reported, until settled
+  int captures_{};  // capture_begin() calls not ended: no CUDA call a capture forbids
+  // Freed with a record_stream fence during a capture: settled at the last capture_end().
+  std::vector<std::pair<block*, stream_ref>> held_for_capture_;
   // Last: the members above keep the layout (cache lines) of fixed segments' hot path.
   detail::growable_space growable_{*driver_, device_, blocks_, stats_};
 };

@@ -43,6 +43,9 @@ class growable_space {
 
   /// Asks the driver for its page size when `o` asks for growable segments (pool mode).
   void configure(pool_options const& o, std::size_t max_reserved) noexcept;
+  /// The pool's cap changed (device_pool::set_maximum_size): mapping obeys the new one; the
+  /// reservation, made already, keeps its size.
+  void set_cap(std::size_t max_reserved) noexcept { max_reserved_ = max_reserved; }
   /// Whether requests above small_request may use the segment (supported and asked for).
   [[nodiscard]] bool enabled() const noexcept { return page_ != 0; }
   [[nodiscard]] bool serves(std::size_t rounded, alloc_tag tag) const noexcept

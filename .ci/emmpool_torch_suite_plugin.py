@@ -1,0 +1,77 @@
+"""The pytest plugin of .ci/torch_suite.py, loaded with -p in every pytest(-xdist) process of both
+runs (PYTHONPATH names this folder; no conftest.py is involved).
+
+With EMMPOOL_TORCH_SUITE=emmpool it calls ``emmpool.use_for_torch()`` at configure time: before
+pytest imports test_cuda.py (which asks ``torch.cuda.get_allocator_backend()`` at import) and
+before any CUDA allocation. In both runs each process that runs tests writes
+``$EMMPOOL_TORCH_SUITE_OUT/<run>-<phase>-<worker>.json``: the allocator PyTorch reports
+(``torch.cuda.memory.get_allocator_backend()``: "native" for PyTorch's own, "emmpool" for
+emmpool's extension, "pluggable" for its fallback), how emmpool was installed, and how many
+allocations PyTorch made through emmpool. Written at configure time, after every test and at
+the end, so that a run cut short by its timeout still has one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+_state = {"tests": 0, "how": None, "active": False}
+
+
+def _run() -> str:
+    return os.environ.get("EMMPOOL_TORCH_SUITE", "")
+
+
+def pytest_configure(config):
+    # The pytest-xdist controller runs no test: it neither installs emmpool nor reports.
+    controller = getattr(config.option, "numprocesses", None)
+    if os.environ.get("PYTEST_XDIST_WORKER") is None and controller:
+        return
+    if not _run():
+        return
+    _state["active"] = True
+    if _run() == "emmpool":
+        import emmpool
+
+        _state["how"] = emmpool.use_for_torch()
+    _report()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _state["tests"] += 1
+    _report()  # after every test: a run stopped by its timeout never reaches sessionfinish
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _report()
+
+
+def _report():
+    if not _state["active"]:
+        return
+    import torch
+
+    try:
+        backend = torch.cuda.memory.get_allocator_backend()
+    except Exception as e:  # noqa: BLE001 - a CPU-only build has no CUDA allocator to name
+        backend = f"? ({type(e).__name__}: {e})"
+    record = {
+        "run": _run(),
+        "phase": os.environ.get("EMMPOOL_TORCH_SUITE_PHASE", "all"),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "tests": _state["tests"],
+        "how": _state["how"],
+        "backend": backend,
+        "torch_allocations": 0,
+    }
+    if _state["how"] is not None:
+        import emmpool
+
+        record["torch_allocations"] = sum(
+            s["by_library"]["torch"]["allocations"] for s in emmpool.stats().values())
+    name = f"{record['run']}-{record['phase']}-{record['worker']}.json"
+    path = os.path.join(os.environ["EMMPOOL_TORCH_SUITE_OUT"], name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)

@@ -1,0 +1,212 @@
+// Tests of what a framework's allocator asks of a device_pool beyond allocate and free, over
+// host_driver: a CUDA graph capture under way (no CUDA call a capture forbids), a cap changed
+// at run time (torch.cuda.set_per_process_memory_fraction), and the layout of its segments
+// (a memory snapshot).
+//
+// host_driver's events stay incomplete until complete_all_events(); it counts every call, so
+// "no event query during a capture" is a count that must not move.
+#include "check.hpp"
+#include "pool_fixture.hpp"
+
+#include <emmpool/device_pool.hpp>
+#include <emmpool/error.hpp>
+#include <emmpool/host_driver.hpp>
+
+#include <cstddef>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+using namespace emmpool;
+
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+constexpr std::size_t big = 12 * MiB;  // an exact-size segment of its own
+constexpr stream_handle stream_a = 0x5000;
+constexpr stream_handle stream_b = 0x6000;
+
+using fixture = test::pool_fixture;
+
+// The driver calls a capture forbids (or would record into the graph).
+struct forbidden {
+  std::uint64_t records, queries, syncs, device_syncs, frees, unmaps;
+  static forbidden of(host_driver const& d)
+  {
+    auto const c = d.stats();
+    return {c.event_records, c.event_queries, c.event_syncs, c.device_syncs, c.deallocations,
+            c.unmaps};
+  }
+  bool operator==(forbidden const& o) const
+  {
+    return records == o.records && queries == o.queries && syncs == o.syncs &&
+           device_syncs == o.device_syncs && frees == o.frees && unmaps == o.unmaps;
+  }
+};
+std::string show(forbidden const& f)
+{
+  return "records " + std::to_string(f.records) + " queries " + std::to_string(f.queries) +
+         " syncs " + std::to_string(f.syncs) + " device_syncs " + std::to_string(f.device_syncs) +
+         " frees " + std::to_string(f.frees) + " unmaps " + std::to_string(f.unmaps);
+}
+
+}  // namespace
+
+// ---- capture -----------------------------------------------------------------------------------
+
+TEST(a_capture_makes_no_forbidden_call_and_the_end_catches_up)
+{
+  fixture f;
+  // Before the capture: frees waiting for fences, one with a record_stream fence.
+  auto const p = f->allocate(big);
+  auto const q = f->allocate(big, stream_a);
+  auto const r = f->allocate(1000, stream_a);
+  f->deallocate(p);
+  f->capture_begin();
+  CHECK(f->capturing());
+  auto const before = forbidden::of(f.drv);
+  // Everything a capture may see: misses (the ladder would poll, wait and give back), frees
+  // with and without record_stream fences, same-stream reuse, trim and synchronize.
+  auto const m = f->allocate(big);          // a miss: grows, polls nothing
+  f->record_stream(q, stream_b);
+  f->deallocate(q, stream_a);               // its fence would be an event now: held
+  f->deallocate(r, stream_a);
+  auto const r2 = f->allocate(1000, stream_a);  // stream order: no fence needed
+  CHECK_EQ(r2, r);
+  CHECK_EQ(f->trim(), 0u);
+  f->synchronize();
+  for (int i = 0; i < 3; ++i) { f->deallocate(f->allocate(3 * big), legacy_stream); }
+  auto const after = forbidden::of(f.drv);
+  CHECK(after == before);
+  if (!(after == before)) { std::fprintf(stderr, "%s -> %s\n", show(before).c_str(), show(after).c_str()); }
+  CHECK(f->stats().bytes_waiting > 0);
+
+  f->capture_end();
+  CHECK(!f->capturing());
+  CHECK(f.drv.stats().event_records > before.records);  // q's record_stream fence, now
+  f->synchronize();
+  CHECK_EQ(f->stats().bytes_waiting, 0u);
+  f->deallocate(m);
+  f->deallocate(r2, stream_a);
+  f->trim();
+  CHECK_EQ(f->stats().bytes_in_use, 0u);
+  CHECK_EQ(f.drv.stats().bytes_reserved, 0u);
+  CHECK_EQ(test::byte_accounting(f->stats(), f.drv.stats()), "");
+}
+
+TEST(captures_nest_and_an_unmatched_end_is_refused)
+{
+  fixture f;
+  CHECK_THROWS(f->capture_end(), pool_error);
+  f->capture_begin();
+  f->capture_begin();
+  auto const p = f->allocate(big);
+  f->record_stream(p, stream_b);
+  f->deallocate(p);
+  auto const records = f.drv.stats().event_records;
+  f->capture_end();
+  CHECK(f->capturing());
+  CHECK_EQ(f.drv.stats().event_records, records);  // still held: one capture remains
+  f->capture_end();
+  CHECK(!f->capturing());
+  CHECK(f.drv.stats().event_records > records);
+  CHECK_EQ(f->trim(), big);
+}
+
+TEST(out_of_memory_during_a_capture_waits_for_nothing)
+{
+  pool_options o;
+  o.maximum_size = 2 * big;
+  fixture f{o};
+  auto const p = f->allocate(big);
+  auto const q = f->allocate(big);
+  f->deallocate(p);
+  f->capture_begin();
+  auto const before = forbidden::of(f.drv);
+  // Outside a capture the ladder would wait for p's fence and reuse it; during one it may not.
+  CHECK_THROWS(f->allocate(big), out_of_memory);
+  CHECK(forbidden::of(f.drv) == before);
+  f->capture_end();
+  CHECK_EQ(f->allocate(big), p);  // the ladder waits for p now
+  f->deallocate(q);
+}
+
+// ---- the cap -----------------------------------------------------------------------------------
+
+TEST(the_cap_changes_at_run_time)
+{
+  fixture f;
+  CHECK_EQ(f->maximum_size(), std::numeric_limits<std::size_t>::max());
+  auto const p = f->allocate(big);
+  auto const q = f->allocate(big);
+  f->deallocate(q);  // waiting for its fence: waited for, then given back
+  f->set_maximum_size(big + MiB);
+  CHECK_EQ(f->maximum_size(), big + MiB);
+  CHECK_EQ(f->stats().bytes_reserved, big);
+  CHECK_THROWS(f->allocate(2 * MiB), out_of_memory);  // a 2 MiB small segment would not fit
+  try {
+    f->set_maximum_size(big / 2);
+    CHECK(false);
+  } catch (pool_error const& e) {
+    CHECK(std::string{e.what()}.find("is in use") != std::string::npos);
+  }
+  CHECK_EQ(f->maximum_size(), big + MiB);  // a refused cap leaves the old one
+  f->set_maximum_size(0);  // no cap
+  auto const r = f->allocate(2 * MiB);
+  f->deallocate(r);
+  f->deallocate(p);
+  CHECK_EQ(test::byte_accounting(f->stats(), f.drv.stats()), "");
+}
+
+TEST(a_lower_cap_keeps_segments_with_live_blocks)
+{
+  fixture f;
+  auto const a = f->allocate(1000);  // a small segment (2 MiB), live
+  auto const b = f->allocate(big);
+  f->deallocate(b);
+  f->set_maximum_size(4 * MiB);  // b's segment goes; a's stays
+  CHECK_EQ(f->stats().bytes_reserved, 2 * MiB);
+  f->deallocate(a);
+}
+
+// ---- layout ------------------------------------------------------------------------------------
+
+TEST(the_layout_tiles_every_segment_and_names_each_block)
+{
+  fixture f;
+  auto const a = f->allocate(1000, stream_a, alloc_tag::torch);
+  auto const b = f->allocate(3000, legacy_stream, alloc_tag::numba);
+  auto const c = f->allocate(big, stream_b, alloc_tag::cupy);
+  f->deallocate(b);  // pending: waits for its fence
+  auto const rows = f->layout();
+  std::size_t covered = 0;
+  std::size_t segments = 0;
+  device_ptr expect = 0;
+  bool saw_a = false, saw_b = false, saw_c = false;
+  for (auto const& row : rows) {
+    if (row.ptr == row.segment) {
+      CHECK_EQ(expect, 0u);  // the previous segment was tiled to its end
+      expect = row.segment;
+      ++segments;
+    }
+    CHECK_EQ(row.ptr, expect);  // blocks follow each other without gaps
+    expect += row.size;
+    covered += row.size;
+    if (expect == row.segment + row.segment_size) { expect = 0; }
+    if (row.ptr == a) {
+      saw_a = row.state == 1 && row.tag == static_cast<std::uint8_t>(alloc_tag::torch) &&
+              row.stream == stream_a && row.kind == 0;
+    }
+    if (row.ptr == b) { saw_b = row.state == 2 && row.tag == static_cast<std::uint8_t>(alloc_tag::numba); }
+    if (row.ptr == c) { saw_c = row.state == 1 && row.kind == 1 && row.size == big; }
+  }
+  CHECK_EQ(expect, 0u);
+  CHECK(saw_a);
+  CHECK(saw_b);
+  CHECK(saw_c);
+  CHECK_EQ(segments, f->stats().segments);
+  CHECK_EQ(covered, f->stats().bytes_reserved);
+  f->deallocate(a, stream_a);
+  f->deallocate(c, stream_b);
+}
