@@ -10,11 +10,11 @@ One worker per GPU, one thread each. Every setup may use CAP bytes of device mem
 dask-cuda's DeviceHostFile moves the data a worker keeps to host memory, least recently used
 first (``NAME@F``: the setup with ``device_memory_limit`` = F x CAP):
 
-- ``emmpool``: ``emmpool.dask.EmmPool(maximum_pool_size=CAP, numba=True, cupy=True,
+- ``emmpool``: ``emmpool.dask.EmmPool(maximum_pool_size=CAP, numba=True, cupy=True, rmm=True,
   spill=True)``: an allocation that finds the pool full moves the worker's least recently used
-  device data to host and is tried again (emmpool.dask.DeviceSpiller); and RMM on the same pool
-  (``emmpool.rmm_resource()``, RmmOnEmmpool below): where RMM imports, distributed receives CuPy
-  arrays, and dask-cuda brings them back from host, into ``rmm.DeviceBuffer``s;
+  device data to host and is tried again (emmpool.dask.DeviceSpiller); and ``rmm=True``: RMM on
+  the same pool, since where RMM imports, distributed receives CuPy arrays, and dask-cuda brings
+  them back from host, into ``rmm.DeviceBuffer``s;
 - ``rmm-pool``: dask-cuda's ``rmm_pool_size`` = ``rmm_maximum_pool_size`` = CAP, CuPy on RMM
   (``rmm_allocator_external_lib_list``), Numba on RMM's EMM plugin;
 - ``rmm-async``: dask-cuda's ``rmm_async`` (RMM's CudaAsyncMemoryResource) with
@@ -75,7 +75,6 @@ import traceback
 from pathlib import Path
 
 import numpy as np
-from distributed import WorkerPlugin
 
 import dask_workload
 from dask_workload import A, B, PeakSampler, RmmForNumba
@@ -299,7 +298,7 @@ def cluster_setup(name: str, cap: int) -> tuple[dict, list]:
         import emmpool.dask
 
         return {}, [emmpool.dask.EmmPool(maximum_pool_size=cap, numba=True, cupy=True,
-                                         spill=True), RmmOnEmmpool()]
+                                         rmm=True, spill=True)]
     if name == "rmm-pool":
         return {"rmm_pool_size": cap, "rmm_maximum_pool_size": cap,
                 "rmm_allocator_external_lib_list": ["cupy"]}, [RmmForNumba()]
@@ -307,25 +306,6 @@ def cluster_setup(name: str, cap: int) -> tuple[dict, list]:
         return {"rmm_async": True, "rmm_maximum_pool_size": cap, "rmm_release_threshold": cap,
                 "rmm_allocator_external_lib_list": ["cupy"]}, [RmmForNumba()]
     return {}, []
-
-
-class RmmOnEmmpool(WorkerPlugin):
-    """RMM's current device resource on emmpool's pool (emmpool.rmm_resource()), after
-    EmmPool's setup. Where RMM imports, distributed makes the CuPy arrays a worker receives,
-    and those dask-cuda brings back from host, over rmm.DeviceBuffers: without this they would
-    come from RMM's default resource, outside the pool and its cap. (Without RMM, distributed
-    uses Numba's arrays, which emmpool serves.)"""
-
-    name = "rmm-on-emmpool"
-
-    def setup(self, worker):
-        try:
-            import rmm.mr
-        except ImportError:
-            return
-        import emmpool
-
-        rmm.mr.set_current_device_resource(emmpool.rmm_resource())
 
 
 def run_setup(job: dict) -> dict:

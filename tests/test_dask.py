@@ -92,7 +92,7 @@ def test_options_are_checked_without_the_clients_environment(monkeypatch):
     plugin = EmmPool(pinned="numba", cupy=True)
     assert plugin.options == {"pinned": "numba"}
     assert plugin.libraries == ("numba", "cupy")
-    assert repr(plugin) == "EmmPool(pinned='numba', numba=True, cupy=True, torch=False, spill=False)"
+    assert repr(plugin) == "EmmPool(pinned='numba', numba=True, cupy=True, torch=False, rmm=False, spill=False)"
 
 
 def test_plugin_reaches_every_worker_present_and_future(client):
@@ -232,6 +232,36 @@ def test_cupy_allocator_chosen_before_is_reported():
             emmpool.dask._for_cupy("worker w")
     finally:
         cupy.cuda.set_allocator(before)
+
+
+def test_rmm_is_put_on_the_pool_unless_another_resource_was_chosen(monkeypatch):
+    """EmmPool(rmm=True): RMM's default resource is replaced by emmpool's; one that dask-cuda
+    (or anyone) set is reported, not replaced; without RMM, nothing happens."""
+    import types
+
+    class CudaMemoryResource:  # RMM's default, by its name
+        pass
+
+    class PoolMemoryResource:
+        pass
+
+    current = {"r": CudaMemoryResource()}
+    mr = types.SimpleNamespace(get_current_device_resource=lambda: current["r"],
+                               set_current_device_resource=lambda r: current.update(r=r))
+    fake = types.ModuleType("rmm")
+    fake.mr = mr
+    monkeypatch.setitem(sys.modules, "rmm", fake)
+    monkeypatch.setitem(sys.modules, "rmm.mr", mr)
+    monkeypatch.setattr(emmpool, "rmm_resource", lambda: "emmpool's resource")
+    emmpool.dask._for_rmm("worker w")
+    assert current["r"] == "emmpool's resource"
+    current["r"] = PoolMemoryResource()
+    with pytest.raises(RuntimeError, match=r"worker w: RMM's current device resource is "
+                                           r"\S*PoolMemoryResource already.*rmm=False"):
+        emmpool.dask._for_rmm("worker w")
+    monkeypatch.setitem(sys.modules, "rmm", None)  # not installed: nothing to do
+    emmpool.dask._for_rmm("worker w")
+    assert repr(EmmPool(rmm=True)).count("rmm=True") == 1
 
 
 def test_preload_takes_its_options_and_the_workers_environment():

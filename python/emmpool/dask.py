@@ -62,6 +62,12 @@ class EmmPool(WorkerPlugin):
         An option not given (None) keeps the worker's ``EMMPOOL_*`` value, or the default.
     numba, cupy, torch : bool
         The libraries that allocate from emmpool on the workers (default: Numba alone).
+    rmm : bool
+        RMM's current device resource on emmpool's pool (:func:`emmpool.rmm_resource`). Where
+        RMM imports, distributed makes the device arrays a worker receives from another, and
+        dask-cuda those it brings back from host, as ``rmm.DeviceBuffer``s: without this they
+        come from RMM's own resource, outside emmpool's pool and its cap. Nothing where RMM
+        does not import.
     spill : bool
         When an allocation on the worker cannot be served, spill the worker's device data to
         host memory (least recently used first) and try again, instead of failing the task
@@ -110,6 +116,7 @@ class EmmPool(WorkerPlugin):
         numba: bool = True,
         cupy: bool = False,
         torch: bool = False,
+        rmm: bool = False,
         spill: bool = False,
     ):
         given = dict(mode=mode, initial_pool_size=initial_pool_size,
@@ -118,7 +125,7 @@ class EmmPool(WorkerPlugin):
         self.options = {k: v for k, v in given.items() if v is not None}
         # Checked against the defaults: the client cannot see the workers' environment.
         _config.resolve(self.options, _config.Config())
-        chosen = dict(numba=numba, cupy=cupy, torch=torch)
+        chosen = dict(numba=numba, cupy=cupy, torch=torch, rmm=rmm)
         for library, on in {**chosen, "spill": spill}.items():
             if not isinstance(on, bool):
                 raise TypeError(f"{library}={on!r}: expected True or False")
@@ -244,7 +251,25 @@ def _for_torch(where: str) -> None:
     use_for_torch()
 
 
-_INSTALL = {"numba": _for_numba, "cupy": _for_cupy, "torch": _for_torch}
+def _for_rmm(where: str) -> None:
+    try:
+        import rmm.mr
+    except ImportError:
+        return  # distributed then makes Numba's arrays, which emmpool serves
+    from . import rmm_resource
+
+    current = rmm.mr.get_current_device_resource()
+    if type(current).__name__ != "CudaMemoryResource":  # RMM's default
+        raise RuntimeError(
+            f"{where}: RMM's current device resource is {_name(type(current))} already "
+            f"(dask-cuda's rmm_pool_size or rmm_async set one); emmpool does not replace "
+            f"another library's choice: leave RMM to it (EmmPool(rmm=False)), or drop that "
+            f"setting"
+        )
+    rmm.mr.set_current_device_resource(rmm_resource())
+
+
+_INSTALL = {"numba": _for_numba, "cupy": _for_cupy, "torch": _for_torch, "rmm": _for_rmm}
 
 
 def _name(obj) -> str:
@@ -285,6 +310,8 @@ def _plugin_options(params: dict) -> dict:
               help="CuPy allocates from emmpool")
 @click.option("--emmpool-torch/--no-emmpool-torch", default=False, show_default=True,
               help="PyTorch allocates from emmpool")
+@click.option("--emmpool-rmm/--no-emmpool-rmm", default=False, show_default=True,
+              help="RMM's current device resource on emmpool's pool")
 @click.option("--emmpool-spill/--no-emmpool-spill", default=False, show_default=True,
               help="out of device memory, spill device data to host and try again")
 def dask_setup(worker, **params) -> None:
