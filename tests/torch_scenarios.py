@@ -357,7 +357,7 @@ def shared_pool_graphs(torch, allocator):
         with torch.no_grad():
             ref = lin2(torch.relu(lin1(x)))
         ok = ok and bool(torch.allclose(y, ref * 3 + 1, atol=1e-4))
-    del g1, g2, h, a, b, y
+    del g1, g2, h, a, b, y, ref
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     result(replays_match=ok, given_back=torch.cuda.memory_allocated() <= before)
