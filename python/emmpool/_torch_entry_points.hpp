@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 // The CUDAAllocator interface changes between PyTorch releases; what differs is guarded by this.
 #define EMMPOOL_TORCH_AT_LEAST(major, minor) \
@@ -127,6 +128,32 @@ void* allocate_or_throw(std::size_t size, int device, void* stream)
   void* p = api.allocate(size, device, stream, &kind, why, sizeof why);
   if (p == nullptr) { fail(kind, size, device, why); }
   return p;
+}
+
+// One block of emmpool's layout (c_api_torch.cpp: emmpool_torch_layout).
+struct layout_row {
+  std::uint64_t segment, segment_size, ptr, size, stream, state, tag, kind;
+};
+
+std::vector<layout_row> layout_of(int device)
+{
+  std::vector<std::uint64_t> raw;
+  long n = api.layout(device, nullptr, 0);
+  while (n > 0) {
+    raw.resize(8 * static_cast<std::size_t>(n));
+    long const m = api.layout(device, raw.data(), static_cast<std::size_t>(n));
+    if (m <= n) {
+      raw.resize(8 * static_cast<std::size_t>(m < 0 ? 0 : m));
+      break;
+    }
+    n = m;  // a segment appeared in between: again, with room for it
+  }
+  std::vector<layout_row> rows;
+  for (std::size_t i = 0; i + 8 <= raw.size(); i += 8) {
+    rows.push_back(layout_row{raw[i], raw[i + 1], raw[i + 2], raw[i + 3], raw[i + 4], raw[i + 5],
+                              raw[i + 6], raw[i + 7]});
+  }
+  return rows;
 }
 
 }  // namespace

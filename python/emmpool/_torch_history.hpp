@@ -142,19 +142,8 @@ class memory_history {
       w.moves = moves;
       w.seen  = true;
     }
-    std::vector<std::uint64_t> rows;
-    long n = api.layout(device, nullptr, 0);
-    while (n > 0) {
-      rows.resize(8 * static_cast<std::size_t>(n));
-      long const m = api.layout(device, rows.data(), static_cast<std::size_t>(n));
-      if (m <= n) {
-        rows.resize(8 * static_cast<std::size_t>(std::max<long>(m, 0)));
-        break;
-      }
-      n = m;
-    }
     std::map<std::uintptr_t, std::size_t> now;
-    for (std::size_t i = 0; i + 8 <= rows.size(); i += 8) { now[rows[i]] = rows[i + 1]; }
+    for (auto const& r : layout_of(device)) { now[r.segment] = r.segment_size; }
     std::lock_guard<std::mutex> lock{mutex_};
     auto& known = watched_[device].segments;
     for (auto const& [base, size] : known) {

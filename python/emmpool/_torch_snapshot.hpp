@@ -28,32 +28,6 @@ namespace {
 
 constexpr std::uint64_t torch_tag = 3;  // emmpool::alloc_tag::torch
 
-// One block of emmpool's layout (c_api_torch.cpp: emmpool_torch_layout).
-struct layout_row {
-  std::uint64_t segment, segment_size, ptr, size, stream, state, tag, kind;
-};
-
-std::vector<layout_row> layout_of(int device)
-{
-  std::vector<std::uint64_t> raw;
-  long n = api.layout(device, nullptr, 0);
-  while (n > 0) {
-    raw.resize(8 * static_cast<std::size_t>(n));
-    long const m = api.layout(device, raw.data(), static_cast<std::size_t>(n));
-    if (m <= n) {
-      raw.resize(8 * static_cast<std::size_t>(m < 0 ? 0 : m));
-      break;
-    }
-    n = m;  // a segment appeared in between: again, with room for it
-  }
-  std::vector<layout_row> rows;
-  for (std::size_t i = 0; i + 8 <= raw.size(); i += 8) {
-    rows.push_back(layout_row{raw[i], raw[i + 1], raw[i + 2], raw[i + 3], raw[i + 4], raw[i + 5],
-                              raw[i + 6], raw[i + 7]});
-  }
-  return rows;
-}
-
 int device_count()
 {
   int n = 0;
