@@ -142,13 +142,14 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     c10::Device const where{c10::DeviceType::CUDA, device};
     if (size == 0) { return {nullptr, nullptr, &delete_block, where}; }
     cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    if (C10_UNLIKELY(pools_.active() || history_.on())) {
+    if (C10_UNLIKELY(pools_.active() || history_.on() || c10::memoryProfilingEnabled())) {
       bool is_private = false;
       void* p = allocate_slow(size, device, stream, &is_private);
       return {p, context_of(p, device, is_private), &delete_block, where};
     }
     bool is_private = false;
     void* p = allocate_or_oom_pool(size, device, stream, &is_private);
+    count(device, size);
     return {p, context_of(p, device, is_private), &delete_block, where};
   }
 
@@ -193,6 +194,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   void free_block(void* ctx)
   {
     void* p = pointer_of(ctx);
+    if (C10_UNLIKELY(profiled_.load(std::memory_order_acquire) != 0)) { profiler_freed(p, device_of(ctx)); }
     if (C10_UNLIKELY(history_.on())) {
       auto const context = history_.gather(RecordContext::ALL);
       history_.freed(device_of(ctx), p, nullptr, {0, 0}, context);
@@ -236,8 +238,17 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     auto& allocated     = s.allocated_bytes[0];
     allocated.current   = i64(v[0]);           // PyTorch's blocks
     allocated.peak      = std::max(i64(v[2]), allocated.current);  // the pool's peak: every library
+    // Accumulated (since resetAccumulatedStats): counted here, at each allocation; what was freed
+    // is what was allocated less what is in use.
+    auto const d = static_cast<std::size_t>(device) & 63;
+    auto const total     = allocated_total_[d].load(std::memory_order_relaxed);
+    auto const requested = requested_total_[d].load(std::memory_order_relaxed);
+    allocated.allocated  = i64(total);
+    allocated.freed      = i64(total > v[0] ? total - v[0] : 0);
     s.active_bytes[0]    = allocated;
     s.requested_bytes[0] = allocated;
+    s.requested_bytes[0].allocated = i64(requested);
+    s.requested_bytes[0].freed     = i64(requested > v[0] ? requested - v[0] : 0);
     s.reserved_bytes[0].current = i64(v[3]);
     s.reserved_bytes[0].peak    = i64(v[4]);
     // reserved_bytes.allocated/freed (bytes ever reserved, released) are not counted: left 0
@@ -257,7 +268,12 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   }
 
   void resetPeakStats(c10::DeviceIndex device) override { api.reset_peaks(device); }
-  void resetAccumulatedStats(c10::DeviceIndex) override {}
+  void resetAccumulatedStats(c10::DeviceIndex device) override
+  {
+    auto const d = static_cast<std::size_t>(device) & 63;
+    allocated_total_[d].store(0, std::memory_order_relaxed);
+    requested_total_[d].store(0, std::memory_order_relaxed);
+  }
 
   // torch.cuda.set_per_process_memory_fraction(): the cap of emmpool's pool on that device,
   // which every library shares. Refused (saying why) only if more than that is in use.
@@ -435,7 +451,18 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   }
 #endif
 
+  void pushCompileContext(std::string& md) override { history_.push_compile_context(md); }
+  void popCompileContext() override { history_.pop_compile_context(); }
+#if EMMPOOL_TORCH_AT_LEAST(2, 10)
+  void setUserMetadata(const std::string& metadata) override { history_.set_user_metadata(metadata); }
+  std::string getUserMetadata() override { return history_.user_metadata(); }
+#endif
+
   std::string name() override { return "emmpool"; }
+
+  // Installed and ready: PyTorch's lazy CUDA init may run before or after the swap, and
+  // torch.accelerator.memory_stats() answers nothing for an allocator not initialized.
+  bool initialized() override { return true; }
 
   // An allocation is about to raise OutOfMemoryError (_torch_entry_points.hpp: fail()).
   void out_of_memory(int device, std::size_t size)
@@ -480,11 +507,55 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     } else {
       p = allocate_or_oom_pool(size, device, stream, is_private);
     }
+    count(device, size);
     if (C10_UNLIKELY(history_.on())) {
       history_.allocated(device, p, size, stream, id, context);
       if (!pools_.active()) { history_.watch_segments(device); }  // a query: not in a capture
     }
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) { profiler_allocated(p, size, device); }
     return p;
+  }
+
+  void count(int device, std::size_t size) noexcept
+  {
+    auto const d = static_cast<std::size_t>(device) & 63;
+    allocated_total_[d].fetch_add((size + 255) / 256 * 256, std::memory_order_relaxed);
+    requested_total_[d].fetch_add(size, std::memory_order_relaxed);
+  }
+
+  // torch.profiler's memory timeline (profile_memory=True): each allocation and free reported
+  // with the pool's totals, as PyTorch's allocator reports them. A free's size is remembered
+  // from its allocation, for the blocks allocated while the profiler listened.
+  void profiler_allocated(void* p, std::size_t size, int device)
+  {
+    {
+      std::lock_guard<std::mutex> lock{profiled_mutex_};
+      profiled_sizes_[p] = size;
+      profiled_.store(profiled_sizes_.size(), std::memory_order_release);
+    }
+    report_to_profiler(p, static_cast<std::int64_t>(size), device);
+  }
+
+  void profiler_freed(void* p, int device)
+  {
+    std::size_t size = 0;
+    {
+      std::lock_guard<std::mutex> lock{profiled_mutex_};
+      auto it = profiled_sizes_.find(p);
+      if (it == profiled_sizes_.end()) { return; }
+      size = it->second;
+      profiled_sizes_.erase(it);
+      profiled_.store(profiled_sizes_.size(), std::memory_order_release);
+    }
+    report_to_profiler(p, -static_cast<std::int64_t>(size), device);
+  }
+
+  void report_to_profiler(void* p, std::int64_t size, int device)
+  {
+    std::uint64_t v[16] = {};
+    (void)api.stats(device, v, 16);
+    c10::reportMemoryUsageToProfiler(p, size, v[0], v[3],
+                                     c10::Device{c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)});
   }
 
   private_pools pools_;
@@ -492,6 +563,11 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   ipc_opened ipc_;
   std::mutex observers_mutex_;
   std::vector<cca::OutOfMemoryObserver> observers_;
+  std::atomic<std::uint64_t> allocated_total_[64]{};
+  std::atomic<std::uint64_t> requested_total_[64]{};
+  std::atomic<std::size_t> profiled_{0};
+  std::mutex profiled_mutex_;
+  std::unordered_map<void*, std::size_t> profiled_sizes_;
 };
 
 // Never destroyed (a leaked shared_ptr holds it): tensors may be freed during interpreter exit.

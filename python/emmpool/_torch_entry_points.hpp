@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -107,13 +108,33 @@ void* context_of(void* ptr, int device, bool private_block)
 // once by the allocator at install.
 void (*on_out_of_memory)(int device, std::size_t size) = nullptr;
 
+// A size as PyTorch's messages write it (c10's format_size): tools that read its
+// out-of-memory errors find the same words.
+std::string format_size(std::size_t bytes)
+{
+  char text[64];
+  double const b = static_cast<double>(bytes);
+  if (bytes <= (std::size_t{1} << 20)) {
+    std::snprintf(text, sizeof text, "%.2f KiB", b / 1024.0);
+  } else if (bytes <= (std::size_t{1} << 30)) {
+    std::snprintf(text, sizeof text, "%.2f MiB", b / 1048576.0);
+  } else {
+    std::snprintf(text, sizeof text, "%.2f GiB", b / 1073741824.0);
+  }
+  return text;
+}
+
 [[noreturn]] void fail(int kind, std::size_t size, int device, char const* why)
 {
   if (kind == 0) {
     if (on_out_of_memory != nullptr) { on_out_of_memory(device, size); }
-    std::string const msg = "emmpool: CUDA out of memory. Tried to allocate " +
-                            std::to_string(size) + " bytes on device " + std::to_string(device) +
-                            ": " + why +
+    // PyTorch's first sentences, then emmpool's account of its pool.
+    std::size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess) { (void)cudaGetLastError(); }
+    std::string const msg = "emmpool: CUDA out of memory. Tried to allocate " + format_size(size) +
+                            ". GPU " + std::to_string(device) + " has a total capacity of " +
+                            format_size(total) + " of which " + format_size(free) +
+                            " is free. " + why +
                             " (EMMPOOL_MAXIMUM_POOL_SIZE caps the pool; emmpool.stats() shows what it holds)";
     TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
   }

@@ -155,6 +155,24 @@ class memory_history {
     known.swap(now);
   }
 
+  // torch.compile's regions (pushCompileContext, per thread) and _set_memory_metadata name the
+  // trace entries recorded meanwhile.
+  void push_compile_context(std::string const& region) { compile_stack().push_back(region); }
+  void pop_compile_context()
+  {
+    if (!compile_stack().empty()) { compile_stack().pop_back(); }
+  }
+  void set_user_metadata(std::string const& metadata)
+  {
+    std::lock_guard<std::mutex> lock{mutex_};
+    user_metadata_ = metadata;
+  }
+  std::string user_metadata() const
+  {
+    std::lock_guard<std::mutex> lock{mutex_};
+    return user_metadata_;
+  }
+
   // The stack that allocated a live block, and the size it asked for (0 if unknown).
   std::pair<context_ptr, std::size_t> block(void* p) const
   {
@@ -191,13 +209,25 @@ class memory_history {
 
   void update_on() { on_.store(enabled() || !trackers_.empty(), std::memory_order_release); }
 
+  static std::vector<std::string>& compile_stack()
+  {
+    static thread_local std::vector<std::string> stack;
+    return stack;
+  }
+
   // mutex_ held.
   void record(TraceEntry::Action action, int device, std::uintptr_t addr, std::size_t size,
               cudaStream_t stream, MempoolId pool, context_ptr context)
   {
     if (skip_.count(action) != 0) { return; }
+    auto const& regions = compile_stack();
     TraceEntry te{action, static_cast<c10::DeviceIndex>(device), addr, size, stream, pool,
-                  c10::getApproximateTime(), std::move(context)};
+                  c10::getApproximateTime(), std::move(context),
+                  regions.empty() ? std::string{"N/A"} : regions.back()
+#if EMMPOOL_TORCH_AT_LEAST(2, 10)
+                  , user_metadata_
+#endif
+    };
     for (auto const& tracker : trackers_) { tracker(te); }
     if (!enabled()) { return; }
     auto& ring = traces_[device];
@@ -216,6 +246,7 @@ class memory_history {
   std::unordered_map<int, std::deque<TraceEntry>> traces_;
   std::unordered_map<void*, live_block> contexts_;
   std::unordered_map<int, watch> watched_;
+  std::string user_metadata_;
   c10::ApproximateClockToUnixTimeConverter clock_;
 };
 

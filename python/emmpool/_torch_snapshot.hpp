@@ -78,26 +78,30 @@ cca::SnapshotInfo build_snapshot(private_pools& pools, memory_history& history, 
       piece.blocks.push_back(std::move(b));
     };
 
+    std::unordered_map<std::uint64_t, bool> shown;  // private blocks met in emmpool's layout
+    auto private_segment = [&](private_pools::block_view const& b, layout_row const& r) {
+      start(r);
+      piece.owner_private_pool_id = b.pool;
+      piece.is_large              = b.size > (std::size_t{1} << 20);
+      BlockInfo info;
+      info.size = info.requested_size = b.size;
+      info.allocated = info.active = b.live;
+      auto const [ctx, requested] = history.block(b.ptr);
+      if (b.live) {
+        info.context_when_allocated = ctx;
+        if (requested != 0) { info.requested_size = requested; }
+      }
+      add(std::move(info), b.stream);
+      close();
+    };
     std::uint64_t segment = 0;
     for (auto const& r : rows) {
       bool const new_segment = r.segment != segment;
       segment                = r.segment;
       if (auto it = privates.find(r.ptr); it != privates.end() && r.state == 1) {
         // A private pool's block: a segment of that pool (live, or free within the pool).
-        auto const& b = it->second;
-        start(r);
-        piece.owner_private_pool_id = b.pool;
-        piece.is_large              = b.size > (std::size_t{1} << 20);
-        BlockInfo info;
-        info.size = info.requested_size = b.size;
-        info.allocated = info.active = b.live;
-        auto const [ctx, requested] = history.block(b.ptr);
-        if (b.live) {
-          info.context_when_allocated = ctx;
-          if (requested != 0) { info.requested_size = requested; }
-        }
-        add(std::move(info), b.stream);
-        close();
+        private_segment(it->second, r);
+        shown[r.ptr] = true;
         continue;
       }
       if (r.kind == 2 && r.state == 0) {  // growable address space, not all of it mapped
@@ -117,6 +121,12 @@ cca::SnapshotInfo build_snapshot(private_pools& pools, memory_history& history, 
       add(std::move(info), reinterpret_cast<cudaStream_t>(r.stream == 1 ? 0 : r.stream));
     }
     close();
+    // Blocks of a MemPool made with another allocator: that allocator's memory, not emmpool's.
+    for (auto const& [ptr, b] : privates) {
+      if (shown.count(ptr) != 0) { continue; }
+      layout_row const r{ptr, b.size, ptr, b.size, 0, 1, torch_tag, 1};
+      private_segment(b, r);
+    }
   }
   out.device_traces.resize(static_cast<std::size_t>(devices));
   if (include_traces) {
