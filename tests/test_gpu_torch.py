@@ -213,4 +213,4 @@ def test_out_of_memory_is_torchs_out_of_memory_error(extension_builds):
                               env={"EMMPOOL_MAXIMUM_POOL_SIZE": "256MiB"})
     assert raised is not None and raised.startswith("OOM emmpool: CUDA out of memory"), out
     # PyTorch's own sentences first, for the tools that read them
-    assert "Tried to allocate 1.00 GiB. GPU 0 has a total capacity of" in raised, out
+    assert "Tried to allocate 1024.00 MiB. GPU 0 has a total capacity of" in raised, out
