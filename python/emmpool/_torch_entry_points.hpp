@@ -144,6 +144,11 @@ std::string format_size(std::size_t bytes)
 
 void* allocate_or_throw(std::size_t size, int device, void* stream)
 {
+  // As PyTorch's allocator: a size no device holds, refused before the pool is asked
+  if (size > (std::size_t{1} << 60)) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false,
+                     "emmpool: CUDA out of memory. Tried to allocate more than 1EB memory.");
+  }
   int kind = 2;
   char why[error_length] = "";
   void* p = api.allocate(size, device, stream, &kind, why, sizeof why);
