@@ -460,8 +460,8 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
 
   std::string name() override { return "emmpool"; }
 
-  // Installed and ready: PyTorch's lazy CUDA init may run before or after the swap, and
-  // torch.accelerator.memory_stats() answers nothing for an allocator not initialized.
+  // Ready once installed, whether PyTorch's lazy CUDA init (which calls init()) ran before the
+  // swap or runs after it.
   bool initialized() override { return true; }
 
   // An allocation is about to raise OutOfMemoryError (_torch_entry_points.hpp: fail()).
