@@ -27,6 +27,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/version.h>
 
+#include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -592,12 +593,21 @@ void install(std::string const& core_path)
   load_entry_points(core_path);
   auto allocator = std::make_shared<emmpool_allocator>();
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+  // changeCurrentAllocator swaps what c10::cuda::CUDACachingAllocator::get() answers, which
+  // tensors allocate through; the allocator registered for the CUDA device type
+  // (c10::GetAllocator: torch.accelerator's statistics and empty_cache, storages made without a
+  // tensor) would stay PyTorch's own, beside emmpool's pool. It points here too.
+  c10::SetAllocator(c10::DeviceType::CUDA, allocator.get());
   new std::shared_ptr<emmpool_allocator>(allocator);
   the_allocator     = allocator.get();
   on_out_of_memory = &report_out_of_memory;
 }
 
-bool installed() { return the_allocator != nullptr && cca::get() == the_allocator; }
+bool installed()
+{
+  return the_allocator != nullptr && cca::get() == the_allocator &&
+         c10::GetAllocator(c10::DeviceType::CUDA) == the_allocator;
+}
 
 }  // namespace
 
