@@ -349,8 +349,13 @@ void device_pool::defer_cleanup_begin()
 void device_pool::defer_cleanup_end()
 {
   std::lock_guard lock{mutex_};
-  if (end_deferral() && options_.mode == pool_mode::passthrough) {
-    release_free_segments();  // segments whose release was held back
+  if (end_deferral()) { release_held_back(); }
+}
+
+void device_pool::release_held_back()
+{
+  if (options_.mode == pool_mode::passthrough) {
+    release_free_segments();  // segments whose release a deferral held back
   }
 }
 
@@ -579,11 +584,8 @@ void device_pool::capture_end()
   }
   --captures_;
   bool const last_deferral = end_deferral();
-  if (captures_ > 0) { return; }
-  settle_held_for_capture();
-  if (last_deferral && options_.mode == pool_mode::passthrough && !forked_) {
-    release_free_segments();  // segments whose release was held back
-  }
+  if (captures_ == 0) { settle_held_for_capture(); }
+  if (last_deferral) { release_held_back(); }
 }
 
 bool device_pool::capturing() const

@@ -142,10 +142,7 @@ class private_pools {
   void create_or_incref(int device, MempoolId id, std::shared_ptr<cca::CUDAAllocator> allocator)
   {
     std::lock_guard<std::mutex> lock{mutex_};
-    auto& pool = pools_[id];
-    pool.device = device;
-    pool.use_count += 1;
-    pool.released = false;
+    auto& pool = incref(device, id);
     if (allocator) { pool.allocator = std::move(allocator); }
   }
 
@@ -179,10 +176,7 @@ class private_pools {
                 std::to_string(device));
         }
       }
-      auto& pool = pools_[id];
-      pool.device = device;
-      pool.use_count += 1;
-      pool.released = false;
+      (void)incref(device, id);
       allocating_.push_back(allocating{device, id, std::move(filter)});
       active_.store(static_cast<int>(allocating_.size()), std::memory_order_release);
     }
@@ -378,6 +372,16 @@ class private_pools {
     std::shared_ptr<cca::CUDAAllocator> allocator;  // null: emmpool's
   };
   using pool_map = std::map<MempoolId, pool>;
+
+  // One more user of the pool (made if new; alive again if it was released). mutex_ held.
+  pool& incref(int device, MempoolId id)
+  {
+    auto& pool     = pools_[id];
+    pool.device    = device;
+    pool.use_count += 1;
+    pool.released  = false;
+    return pool;
+  }
 
   pool& known(MempoolId id)
   {

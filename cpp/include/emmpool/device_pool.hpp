@@ -286,6 +286,7 @@ class device_pool : private detail::pool_lifecycle {
   void maintain(stream_ref alive);
   void drain();  // wait for every pending free
   void settle_held_for_capture();  // held_for_capture_ fenced now
+  void release_held_back();        // the last deferral ended: passthrough's free segments
   [[nodiscard]] pool_stats stats_locked() const;  // the full snapshot
   [[nodiscard]] std::string describe_locked() const;
 
