@@ -44,7 +44,9 @@ C_ENTRIES = textwrap.dedent(
     capture = fn("emmpool_torch_capture", c.c_int, c.c_int, c.c_int)
     layout = fn("emmpool_torch_layout", c.c_long, c.c_int, c.POINTER(c.c_uint64), c.c_size_t)
     tag_name = fn("emmpool_torch_tag_name", c.c_char_p, c.c_int)
-    assert abi() == 2
+    outside = fn("emmpool_torch_reserve_outside", c.c_int, c.c_int, c.c_longlong, c.c_char_p,
+                 c.c_size_t)
+    assert abi() == 3
 
     def snapshot():
         v = (c.c_uint64 * 16)()
@@ -86,6 +88,18 @@ C_ENTRIES = textwrap.dedent(
     assert set_max(0, 64 * MiB, why, 256) == 0 and maximum(0) == 64 * MiB
     assert allocate(100 * MiB, 0, s, c.byref(kind), why, 256) is None and kind.value == 0
     assert set_max(0, 512 * MiB, why, 256) == 0
+    # another allocator's bytes count against the cap: what passes it is refused, counting
+    # nothing; the pool cannot grow into what they hold, nor be capped below it
+    held = 512 * MiB - snapshot()[3] - 50 * MiB  # leaves the pool 50 MiB to grow into
+    assert outside(0, held + 51 * MiB, why, 256) == 1
+    assert outside(0, held, why, 256) == 0
+    assert allocate(100 * MiB, 0, s, c.byref(kind), why, 256) is None and kind.value == 0
+    assert b"reserved by another allocator" in why.value, why.value
+    assert set_max(0, held, why, 256) == -1 and b"another allocator" in why.value, why.value
+    assert outside(0, -held, why, 256) == 0
+    q = allocate(100 * MiB, 0, s, c.byref(kind), why, 256)
+    assert q, why.value
+    free(q, 0, 0, s)
     # a capture: begin and end pair; an end without a begin is refused
     assert capture(0, 1) == 0 and capture(0, 0) == 0 and capture(0, 0) == -1
     free(p, 0, 0, s)

@@ -57,7 +57,7 @@ emmpool::device_pool* existing_pool_of(int device) noexcept
 }  // namespace
 
 /// The layout version of the structures below; the extension refuses another.
-EMMPOOL_C_API int emmpool_torch_abi_version() { return 2; }
+EMMPOOL_C_API int emmpool_torch_abi_version() { return 3; }
 
 /// PyTorch: allocate `size` bytes on `device` for `stream`. NULL on failure, with the reason in
 /// `error` (`error_length` bytes, may be null) and *kind = 0 out of memory, 1 invalid argument,
@@ -238,6 +238,23 @@ EMMPOOL_C_API std::size_t emmpool_torch_maximum(int device)
       }
     }
     return std::numeric_limits<std::size_t>::max();
+  });
+}
+
+/// Bytes another allocator reserves for PyTorch on the device (a MemPool made with its own
+/// allocator) change by `delta`, counted against the cap (device_pool::reserve_outside). 0
+/// done; 1 an increase that does not fit under the cap; -1 failed (the reason in `error`).
+EMMPOOL_C_API int emmpool_torch_reserve_outside(int device, long long delta, char* error,
+                                                std::size_t error_length)
+{
+  return without_caller_lock([&]() noexcept {
+    try {
+      auto& pool = emmpool::pool_registry::instance().pool(device);
+      return pool.reserve_outside(static_cast<std::ptrdiff_t>(delta)) ? 0 : 1;
+    } catch (...) {
+      say(error, error_length, emmpool::c_api::current_failure().what);
+    }
+    return -1;
   });
 }
 

@@ -246,9 +246,8 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact, bool grow
       size = round_up(rounded, large_granularity);
     }
   }
-  auto const fits = [&](std::size_t n) {
-    return n <= max_reserved_ && stats_.bytes_reserved <= max_reserved_ - n;
-  };
+  std::size_t const cap = growth_cap();
+  auto const fits = [&](std::size_t n) { return n <= cap && stats_.bytes_reserved <= cap - n; };
   // Near the cap, a segment just as big as the request may still fit where the usual one
   // (2 MiB small segment, 2 MiB rounding) does not: a cap never refuses what it could hold.
   if (!fits(size) && size > rounded) { size = rounded; }
@@ -610,7 +609,9 @@ void device_pool::set_maximum_size(std::size_t bytes)
   std::lock_guard lock{mutex_};
   if (forked_) { detail::throw_forked(); }
   std::size_t const cap = bytes != 0 ? bytes : std::numeric_limits<std::size_t>::max();
-  auto const held_now = [this] { return stats_.bytes_in_use + fences_.waiting_bytes(); };
+  auto const held_now = [this] {
+    return stats_.bytes_in_use + fences_.waiting_bytes() + reserved_outside_;
+  };
   if (held_now() > cap && fences_.has_waiting() && captures_ == 0) {
     drain();  // frees waiting for their fence do not count against the new cap
   }
@@ -618,11 +619,12 @@ void device_pool::set_maximum_size(std::size_t bytes)
   if (held > cap) {
     throw pool_error{"emmpool: cannot cap device " + std::to_string(device_) + "'s pool at " +
                      human_bytes(cap) + ": " + human_bytes(held) +
-                     " is in use (allocated, or freed and waiting for its fence)"};
+                     " is in use (allocated, or freed and waiting for its fence" +
+                     (reserved_outside_ != 0 ? ", or reserved by another allocator)" : ")")};
   }
   max_reserved_ = cap;
-  growable_.set_cap(cap);
-  if (stats_.bytes_reserved > cap && captures_ == 0 && !cleanup_deferred()) {
+  growable_.set_cap(growth_cap());
+  if (stats_.bytes_reserved > growth_cap() && captures_ == 0 && !cleanup_deferred()) {
     drain();
     release_free_segments();
   }
@@ -632,6 +634,34 @@ std::size_t device_pool::maximum_size() const
 {
   std::lock_guard lock{mutex_};
   return max_reserved_;
+}
+
+bool device_pool::reserve_outside(std::ptrdiff_t delta)
+{
+  std::lock_guard lock{mutex_};
+  if (delta < 0) {
+    reserved_outside_ -= std::min(reserved_outside_, static_cast<std::size_t>(-delta));
+    growable_.set_cap(growth_cap());
+    return true;
+  }
+  auto const n    = static_cast<std::size_t>(delta);
+  auto const fits = [&] {
+    return n <= growth_cap() && stats_.bytes_reserved <= growth_cap() - n;
+  };
+  if (!fits() && !forked_ && captures_ == 0 && !cleanup_deferred()) {
+    drain();  // frees waiting for their fence may empty whole segments
+    release_free_segments();
+  }
+  if (!fits()) { return false; }
+  reserved_outside_ += n;
+  growable_.set_cap(growth_cap());
+  return true;
+}
+
+std::size_t device_pool::reserved_outside() const
+{
+  std::lock_guard lock{mutex_};
+  return reserved_outside_;
 }
 
 std::vector<layout_block> device_pool::layout() const
@@ -778,7 +808,11 @@ std::string device_pool::describe() const
 
 std::string device_pool::describe_locked() const
 {
-  return emmpool::describe(stats_locked(), device_, max_reserved_);
+  auto text = emmpool::describe(stats_locked(), device_, max_reserved_);
+  if (reserved_outside_ != 0) {
+    text += "; " + human_bytes(reserved_outside_) + " of the cap is reserved by another allocator";
+  }
+  return text;
 }
 
 }  // namespace emmpool

@@ -1,7 +1,8 @@
 // Tests of what a framework's allocator asks of a device_pool beyond allocate and free, over
 // host_driver: a CUDA graph capture under way (no CUDA call a capture forbids), a cap changed
-// at run time (torch.cuda.set_per_process_memory_fraction), and the layout of its segments
-// (a memory snapshot).
+// at run time (torch.cuda.set_per_process_memory_fraction) and the bytes another allocator
+// holds against it (a PyTorch MemPool made with its own allocator), and the layout of its
+// segments (a memory snapshot).
 //
 // host_driver's events stay incomplete until complete_all_events(); it counts every call, so
 // "no event query during a capture" is a count that must not move.
@@ -168,6 +169,41 @@ TEST(a_lower_cap_keeps_segments_with_live_blocks)
   f->set_maximum_size(4 * MiB);  // b's segment goes; a's stays
   CHECK_EQ(f->stats().bytes_reserved, 2 * MiB);
   f->deallocate(a);
+}
+
+TEST(another_allocators_bytes_count_against_the_cap)
+{
+  pool_options o;
+  o.maximum_size = 3 * big;
+  fixture f{o};
+  auto const p = f->allocate(big);
+  auto const q = f->allocate(big);
+  f->deallocate(q);  // a wholly free segment, waiting for its fence
+  // Room is made by giving q's segment back; past what that frees, nothing is counted.
+  CHECK(!f->reserve_outside(static_cast<std::ptrdiff_t>(2 * big + MiB)));
+  CHECK_EQ(f->reserved_outside(), std::size_t{0});
+  CHECK(f->reserve_outside(static_cast<std::ptrdiff_t>(2 * big)));
+  CHECK_EQ(f->reserved_outside(), 2 * big);
+  CHECK_EQ(f->stats().bytes_reserved, big);  // q's segment went back
+  CHECK_THROWS(f->allocate(big), out_of_memory);  // the pool may not grow into them
+  try {
+    f->set_maximum_size(2 * big);  // p and the other allocator's bytes are more
+    CHECK(false);
+  } catch (pool_error const& e) {
+    CHECK(std::string{e.what()}.find("another allocator") != std::string::npos);
+  }
+  try {
+    (void)f->allocate(big);
+    CHECK(false);
+  } catch (out_of_memory const& e) {
+    CHECK(std::string{e.what()}.find("reserved by another allocator") != std::string::npos);
+  }
+  CHECK(f->reserve_outside(-static_cast<std::ptrdiff_t>(2 * big)));
+  CHECK_EQ(f->reserved_outside(), std::size_t{0});
+  auto const r = f->allocate(big);
+  f->deallocate(r);
+  f->deallocate(p);
+  CHECK_EQ(test::byte_accounting(f->stats(), f.drv.stats()), "");
 }
 
 // ---- layout ------------------------------------------------------------------------------------

@@ -217,6 +217,15 @@ class device_pool : private detail::pool_lifecycle {
   /// @brief The cap on bytes reserved (SIZE_MAX: none).
   [[nodiscard]] std::size_t maximum_size() const;
 
+  /// @brief Bytes that another allocator reserves for this pool's clients on the device (a
+  /// PyTorch MemPool made with its own allocator) change by `delta`: they count against the cap
+  /// as the pool's own segments do, so that the device keeps one budget. An increase that
+  /// would pass the cap first gives wholly free segments back (not during a capture or a
+  /// deferral). @returns false, counting nothing, if the increase still does not fit
+  [[nodiscard]] bool reserve_outside(std::ptrdiff_t delta);
+  /// @brief What reserve_outside() counts now.
+  [[nodiscard]] std::size_t reserved_outside() const;
+
   /// @brief Every block of every segment, in address order (a memory snapshot). A growable
   /// segment counts only its mapped pages in reserved; its free blocks are reported whole.
   [[nodiscard]] std::vector<layout_block> layout() const;
@@ -288,6 +297,11 @@ class device_pool : private detail::pool_lifecycle {
   void settle_held_for_capture();  // held_for_capture_ fenced now
   void release_held_back();        // the last deferral ended: passthrough's free segments
   [[nodiscard]] pool_stats stats_locked() const;  // the full snapshot
+  // The cap less what other allocators reserve for the pool's clients: what growth may reach.
+  [[nodiscard]] std::size_t growth_cap() const noexcept
+  {
+    return max_reserved_ - std::min(max_reserved_, reserved_outside_);
+  }
   [[nodiscard]] std::string describe_locked() const;
 
   driver* driver_;
@@ -308,6 +322,7 @@ class device_pool : private detail::pool_lifecycle {
   int captures_{};  // capture_begin() calls not ended: no CUDA call a capture forbids
   // Freed with a record_stream fence during a capture: settled at the last capture_end().
   std::vector<std::pair<block*, stream_ref>> held_for_capture_;
+  std::size_t reserved_outside_{};  // reserve_outside(): counted against the cap
   // Last: the members above keep the layout (cache lines) of fixed segments' hot path.
   detail::growable_space growable_{*driver_, device_, blocks_, stats_};
 };
