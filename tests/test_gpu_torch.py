@@ -121,6 +121,7 @@ def test_cuda_graph_capture_and_replay(extension_builds):
     assert raised is None, out
     assert r["replay_matches"], r
     assert r["sentinels_intact"], r   # the graph's memory is its own until it is destroyed
+    assert r["graph_allocated_is_its_live_blocks"], r
 
 
 def test_torch_compile(extension_builds):
@@ -202,7 +203,7 @@ def test_snapshot_names_every_library(extension_builds):
 
 def test_native_allocator_passes_the_same_scenarios():
     """The scenarios' own checks hold under PyTorch's allocator (so that they can fail)."""
-    for name in ("shared_pool_graphs", "mem_pool", "history_snapshot"):
+    for name in ("cuda_graph", "shared_pool_graphs", "mem_pool", "history_snapshot"):
         r, raised, out = scenario(name, "native")
         assert raised is None, out
         assert all(v for k, v in r.items() if k != "actions"), (name, r)

@@ -154,9 +154,21 @@ def cuda_graph(torch, allocator):
         torch.cuda.synchronize()
         ok = ok and torch.allclose(static_out, model(new), atol=1e-5)
     intact = all(bool((s == 7.0).all()) for s in sentinels)
-    del g, static_out
+    # memory_allocated() counts a graph's live blocks, not those freed within the capture (the
+    # graph's pool keeps them, as cached memory)
+    big_in = torch.ones(1 << 24, device="cuda")  # 64 MiB
     torch.cuda.synchronize()
-    result(replay_matches=ok, sentinels_intact=intact)
+    before = torch.cuda.memory_allocated()
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2):
+        tmp = big_in * 2
+        big_out = tmp + 1
+        del tmp
+    grown = (torch.cuda.memory_allocated() - before) / 2**20
+    del g, g2, static_out, big_out
+    torch.cuda.synchronize()
+    result(replay_matches=ok, sentinels_intact=intact,
+           graph_allocated_is_its_live_blocks=64 <= grown < 80, graph_allocated_mib=grown)
 
 
 def compiled(torch, allocator):

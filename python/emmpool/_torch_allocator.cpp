@@ -211,6 +211,15 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
 
   // ---- the cache, statistics, the cap
 
+  // PyTorch's bytes in use on a device: its blocks in emmpool's pool, less the free blocks that
+  // private pools keep (emmpool's allocations, PyTorch's cache).
+  std::size_t pytorch_bytes(int device)
+  {
+    std::uint64_t v[16] = {};
+    if (api.stats(device, v, 16) < 16) { return 0; }
+    return v[0] - std::min<std::uint64_t>(v[0], pools_.idle(device).first);
+  }
+
   // torch.cuda.empty_cache(): every pool returns its wholly free segments ({0, 0}); a
   // MemPool's id: that pool's free blocks, once nobody uses it.
   void emptyCache(MempoolId mempool_id) override
@@ -235,23 +244,31 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     c10::CachingDeviceAllocator::DeviceStats s;
     if (api.stats(device, v, 16) < 16) { return s; }
     auto i64 = [](std::uint64_t x) { return static_cast<std::int64_t>(x); };
+    // Free blocks of the private pools are emmpool's allocations, and not PyTorch's.
+    auto const [idle_bytes, idle_blocks] = pools_.idle(device);
+    auto const cached_blocks = std::min<std::uint64_t>(v[7], idle_blocks);
+    v[0] -= std::min<std::uint64_t>(v[0], idle_bytes);
+    v[7] -= cached_blocks;
+    v[6] += cached_blocks;
     // [0]: all pools (PyTorch keeps a small and a large pool; emmpool has one)
     auto& allocated     = s.allocated_bytes[0];
     allocated.current   = i64(v[0]);           // PyTorch's blocks
     allocated.peak      = std::max(i64(v[2]), allocated.current);  // the pool's peak: every library
     // Accumulated (since resetAccumulatedStats): counted here, at each allocation; what was freed
-    // is what was allocated less what is in use.
+    // since is what was allocated since, less what the bytes in use grew by.
     auto const d = static_cast<std::size_t>(device) & 63;
     auto const total     = allocated_total_[d].load(std::memory_order_relaxed);
     auto const requested = requested_total_[d].load(std::memory_order_relaxed);
+    auto const grown     = i64(v[0]) - in_use_at_reset_[d].load(std::memory_order_relaxed);
     allocated.allocated  = i64(total);
-    allocated.freed      = i64(total > v[0] ? total - v[0] : 0);
+    allocated.freed      = std::max<std::int64_t>(0, i64(total) - grown);
     s.active_bytes[0]    = allocated;
     s.requested_bytes[0] = allocated;
     s.requested_bytes[0].allocated = i64(requested);
-    s.requested_bytes[0].freed     = i64(requested > v[0] ? requested - v[0] : 0);
-    s.reserved_bytes[0].current = i64(v[3]);
-    s.reserved_bytes[0].peak    = i64(v[4]);
+    s.requested_bytes[0].freed     = std::max<std::int64_t>(0, i64(requested) - grown);
+    // with the blocks of MemPools made with another allocator, as PyTorch counts them
+    s.reserved_bytes[0].current = i64(v[3] + pools_.foreign_bytes(device));
+    s.reserved_bytes[0].peak    = std::max(i64(v[4]), s.reserved_bytes[0].current);
     // reserved_bytes.allocated/freed (bytes ever reserved, released) are not counted: left 0
     s.inactive_split_bytes[0].current = i64(v[3] > v[1] ? v[3] - v[1] : 0);
     s.allocation[0].current   = i64(v[7]);
@@ -274,6 +291,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     auto const d = static_cast<std::size_t>(device) & 63;
     allocated_total_[d].store(0, std::memory_order_relaxed);
     requested_total_[d].store(0, std::memory_order_relaxed);
+    in_use_at_reset_[d].store(static_cast<std::int64_t>(pytorch_bytes(device)), std::memory_order_relaxed);
   }
 
   // torch.cuda.set_per_process_memory_fraction(): the cap of emmpool's pool on that device,
@@ -476,8 +494,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
       std::lock_guard<std::mutex> lock{observers_mutex_};
       observers = observers_;
     }
-    std::uint64_t v[16] = {};
-    std::size_t const allocated = api.stats(device, v, 16) >= 16 ? v[0] : 0;
+    std::size_t const allocated = pytorch_bytes(device);
     for (auto const& observer : observers) { observer(device, allocated, total, free); }
   }
 
@@ -566,6 +583,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   std::vector<cca::OutOfMemoryObserver> observers_;
   std::atomic<std::uint64_t> allocated_total_[64]{};
   std::atomic<std::uint64_t> requested_total_[64]{};
+  std::atomic<std::int64_t> in_use_at_reset_[64]{};  // PyTorch's bytes in use at the last reset
   std::atomic<std::size_t> profiled_{0};
   std::mutex profiled_mutex_;
   std::unordered_map<void*, std::size_t> profiled_sizes_;

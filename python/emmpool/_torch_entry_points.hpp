@@ -26,7 +26,7 @@ namespace {
 namespace cca = c10::cuda::CUDACachingAllocator;
 using MempoolId = c10::cuda::MempoolId_t;
 
-constexpr int expected_abi = 2;
+constexpr int expected_abi = 3;
 constexpr std::uintptr_t device_bits  = 0x3f;  // device index, < 64 (emmpool's registry)
 constexpr std::uintptr_t private_bit  = 0x80;  // a block of a graph / MemPool private pool
 constexpr std::uintptr_t context_bits = 0xff;
@@ -48,6 +48,7 @@ struct entry_points {
   int (*capture)(int, int){};
   long (*layout)(int, std::uint64_t*, std::size_t){};
   char const* (*tag_name)(int){};
+  int (*reserve_outside)(int, long long, char*, std::size_t){};
 };
 entry_points api;
 
@@ -91,6 +92,7 @@ void load_entry_points(std::string const& core_path)
   find(lib, "emmpool_torch_capture", api.capture);
   find(lib, "emmpool_torch_layout", api.layout);
   find(lib, "emmpool_torch_tag_name", api.tag_name);
+  find(lib, "emmpool_torch_reserve_outside", api.reserve_outside);
 }
 
 void* pointer_of(void* ctx) { return reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(ctx) & ~context_bits); }

@@ -107,7 +107,7 @@ class private_pools {
     // PyTorch's allocator relaxes it around cudaMalloc. No stream is named: nothing is
     // recorded on the capturing stream.
     c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
-    void* p = source ? source->raw_alloc_with_stream(rounded, stream)
+    void* p = source ? allocate_outside(*source, rounded, size, device, stream)
                      : allocate_or_throw(rounded, device, no_stream);
     std::lock_guard<std::mutex> lock{mutex_};
     blocks_[p] = block{id, rounded, device, stream, true, false, source != nullptr};
@@ -331,6 +331,36 @@ class private_pools {
     return delta;
   }
 
+  // The blocks (and their bytes) that the pools hold free on a device, taken from emmpool's
+  // pool: to emmpool they are allocated, to PyTorch they are cached, as a freed block of
+  // PyTorch's own private pools is (memory_allocated() leaves them out).
+  std::pair<std::size_t, std::size_t> idle(int device)
+  {
+    if (!holds_any()) { return {0, 0}; }
+    std::size_t bytes = 0, blocks = 0;
+    std::lock_guard<std::mutex> lock{mutex_};
+    for (auto const& [p, b] : blocks_) {
+      if (b.device == device && !b.live && !b.foreign) {
+        bytes += b.size;
+        ++blocks;
+      }
+    }
+    return {bytes, blocks};
+  }
+
+  // The bytes of blocks that MemPools made with another allocator hold on a device (PyTorch
+  // counts them as reserved).
+  std::size_t foreign_bytes(int device)
+  {
+    if (!holds_any()) { return 0; }
+    std::size_t bytes = 0;
+    std::lock_guard<std::mutex> lock{mutex_};
+    for (auto const& [p, b] : blocks_) {
+      if (b.device == device && b.foreign) { bytes += b.size; }
+    }
+    return bytes;
+  }
+
   // Every private block, for a memory snapshot.
   std::vector<block_view> blocks_of(int device)
   {
@@ -369,9 +399,33 @@ class private_pools {
   struct block_ref {
     void* ptr;
     int device;
+    std::size_t size;
     std::shared_ptr<cca::CUDAAllocator> allocator;  // null: emmpool's
   };
   using pool_map = std::map<MempoolId, pool>;
+
+  // A block of a MemPool made with another allocator: that allocator's memory, counted
+  // against emmpool's cap on the device first (PyTorch's allocator counts such a pool's
+  // segments against its memory fraction too).
+  static void* allocate_outside(cca::CUDAAllocator& source, std::size_t rounded, std::size_t size,
+                                int device, cudaStream_t stream)
+  {
+    auto const n = static_cast<long long>(rounded);
+    char why[error_length];
+    why[0] = '\0';
+    int const counted = api.reserve_outside(device, n, why, sizeof why);
+    if (counted == 1) {
+      fail(0, size, device, "The pool's cap leaves no room for this block of a MemPool "
+                            "made with another allocator");
+    }
+    if (counted != 0) { raise(std::string{"emmpool: "} + why); }
+    try {
+      return source.raw_alloc_with_stream(rounded, stream);
+    } catch (...) {
+      (void)api.reserve_outside(device, -n, nullptr, 0);
+      throw;
+    }
+  }
 
   // One more user of the pool (made if new; alive again if it was released). mutex_ held.
   pool& incref(int device, MempoolId id)
@@ -409,7 +463,7 @@ class private_pools {
   // The block leaves the books (and its pool, once empty and released). mutex_ held.
   block_ref unlink(std::unordered_map<void*, block>::iterator it, pool_map::iterator pool)
   {
-    block_ref ref{it->first, it->second.device, nullptr};
+    block_ref ref{it->first, it->second.device, it->second.size, nullptr};
     if (it->second.foreign && pool != pools_.end()) { ref.allocator = pool->second.allocator; }
     blocks_.erase(it);
     if (pool != pools_.end() && --pool->second.blocks == 0 && pool->second.released) {
@@ -426,7 +480,7 @@ class private_pools {
     pool->second.free_blocks.clear();
     for (auto b = blocks_.begin(); b != blocks_.end();) {
       if (b->second.pool == id && !b->second.live) {
-        out.push_back(block_ref{b->first, b->second.device,
+        out.push_back(block_ref{b->first, b->second.device, b->second.size,
                                 b->second.foreign ? pool->second.allocator : nullptr});
         b = blocks_.erase(b);
         --pool->second.blocks;
@@ -467,6 +521,7 @@ class private_pools {
       try {
         if (b.allocator) {
           b.allocator->raw_delete(b.ptr);
+          (void)api.reserve_outside(b.device, -static_cast<long long>(b.size), nullptr, 0);
         } else {
           api.free(b.ptr, 0, b.device, nullptr);
         }
