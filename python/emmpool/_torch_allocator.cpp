@@ -217,7 +217,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   {
     std::uint64_t v[16] = {};
     if (api.stats(device, v, 16) < 16) { return 0; }
-    return v[0] - std::min<std::uint64_t>(v[0], pools_.idle(device).first);
+    return v[0] - std::min<std::uint64_t>(v[0], pools_.totals(device).cached_bytes);
   }
 
   // torch.cuda.empty_cache(): every pool returns its wholly free segments ({0, 0}); a
@@ -245,9 +245,9 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     if (api.stats(device, v, 16) < 16) { return s; }
     auto i64 = [](std::uint64_t x) { return static_cast<std::int64_t>(x); };
     // Free blocks of the private pools are emmpool's allocations, and not PyTorch's.
-    auto const [idle_bytes, idle_blocks] = pools_.idle(device);
-    auto const cached_blocks = std::min<std::uint64_t>(v[7], idle_blocks);
-    v[0] -= std::min<std::uint64_t>(v[0], idle_bytes);
+    auto const privates      = pools_.totals(device);
+    auto const cached_blocks = std::min<std::uint64_t>(v[7], privates.cached_blocks);
+    v[0] -= std::min<std::uint64_t>(v[0], privates.cached_bytes);
     v[7] -= cached_blocks;
     v[6] += cached_blocks;
     // [0]: all pools (PyTorch keeps a small and a large pool; emmpool has one)
@@ -267,7 +267,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     s.requested_bytes[0].allocated = i64(requested);
     s.requested_bytes[0].freed     = std::max<std::int64_t>(0, i64(requested) - grown);
     // with the blocks of MemPools made with another allocator, as PyTorch counts them
-    s.reserved_bytes[0].current = i64(v[3] + pools_.foreign_bytes(device));
+    s.reserved_bytes[0].current = i64(v[3] + privates.foreign_bytes);
     s.reserved_bytes[0].peak    = std::max(i64(v[4]), s.reserved_bytes[0].current);
     // reserved_bytes.allocated/freed (bytes ever reserved, released) are not counted: left 0
     s.inactive_split_bytes[0].current = i64(v[3] > v[1] ? v[3] - v[1] : 0);

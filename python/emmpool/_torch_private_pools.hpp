@@ -331,34 +331,30 @@ class private_pools {
     return delta;
   }
 
-  // The blocks (and their bytes) that the pools hold free on a device, taken from emmpool's
-  // pool: to emmpool they are allocated, to PyTorch they are cached, as a freed block of
-  // PyTorch's own private pools is (memory_allocated() leaves them out).
-  std::pair<std::size_t, std::size_t> idle(int device)
+  // On a device: the free blocks the pools keep that came from emmpool's pool (to emmpool they
+  // are allocated, to PyTorch cached, as a freed block of PyTorch's own private pools is:
+  // memory_allocated() leaves them out), and the bytes of the blocks that MemPools made with
+  // another allocator hold (PyTorch counts them as reserved).
+  struct device_totals {
+    std::size_t cached_bytes{};
+    std::size_t cached_blocks{};
+    std::size_t foreign_bytes{};
+  };
+  device_totals totals(int device)
   {
-    if (!holds_any()) { return {0, 0}; }
-    std::size_t bytes = 0, blocks = 0;
+    device_totals t;
+    if (!holds_any()) { return t; }
     std::lock_guard<std::mutex> lock{mutex_};
     for (auto const& [p, b] : blocks_) {
-      if (b.device == device && !b.live && !b.foreign) {
-        bytes += b.size;
-        ++blocks;
+      if (b.device != device) { continue; }
+      if (b.foreign) {
+        t.foreign_bytes += b.size;
+      } else if (!b.live) {
+        t.cached_bytes += b.size;
+        t.cached_blocks += 1;
       }
     }
-    return {bytes, blocks};
-  }
-
-  // The bytes of blocks that MemPools made with another allocator hold on a device (PyTorch
-  // counts them as reserved).
-  std::size_t foreign_bytes(int device)
-  {
-    if (!holds_any()) { return 0; }
-    std::size_t bytes = 0;
-    std::lock_guard<std::mutex> lock{mutex_};
-    for (auto const& [p, b] : blocks_) {
-      if (b.device == device && b.foreign) { bytes += b.size; }
-    }
-    return bytes;
+    return t;
   }
 
   // Every private block, for a memory snapshot.
