@@ -216,9 +216,9 @@ def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: boo
 
 
 def compile_env() -> dict[str, str]:
-    """Inductor compiles in the child itself: its pool of compile workers would otherwise still
-    be starting (on the same pinned CPUs) during the timed steps of a child whose graphs come
-    from the cache, and these steps are bound by the host."""
+    """Inductor compiles in the child itself. With its pool of compile workers beside them on
+    the same pinned CPUs, a child's timed steps (bound by the host) ran 1.10-1.22x slower,
+    every operator alike, when its graphs came from the cache (benchmarks/README.md)."""
     return {"TORCHINDUCTOR_COMPILE_THREADS": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "1")}
 
 
