@@ -246,12 +246,10 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact, bool grow
       size = round_up(rounded, large_granularity);
     }
   }
-  std::size_t const cap = growth_cap();
-  auto const fits = [&](std::size_t n) { return n <= cap && stats_.bytes_reserved <= cap - n; };
   // Near the cap, a segment just as big as the request may still fit where the usual one
   // (2 MiB small segment, 2 MiB rounding) does not: a cap never refuses what it could hold.
-  if (!fits(size) && size > rounded) { size = rounded; }
-  if (!fits(size)) { return nullptr; }
+  if (!fits_cap(size) && size > rounded) { size = rounded; }
+  if (!fits_cap(size)) { return nullptr; }
   if (options_.mode == pool_mode::pool && !small &&
       stats_.bytes_reserved + size > stats_.peak_bytes_reserved) {
     // About to reach a new peak: first give back large segments that are wholly free (and so
@@ -641,19 +639,15 @@ bool device_pool::reserve_outside(std::ptrdiff_t delta)
   std::lock_guard lock{mutex_};
   if (delta < 0) {
     reserved_outside_ -= std::min(reserved_outside_, static_cast<std::size_t>(-delta));
-    growable_.set_cap(growth_cap());
-    return true;
+  } else {
+    auto const n = static_cast<std::size_t>(delta);
+    if (!fits_cap(n) && !forked_ && captures_ == 0 && !cleanup_deferred()) {
+      drain();  // frees waiting for their fence may empty whole segments
+      release_free_segments();
+    }
+    if (!fits_cap(n)) { return false; }
+    reserved_outside_ += n;
   }
-  auto const n    = static_cast<std::size_t>(delta);
-  auto const fits = [&] {
-    return n <= growth_cap() && stats_.bytes_reserved <= growth_cap() - n;
-  };
-  if (!fits() && !forked_ && captures_ == 0 && !cleanup_deferred()) {
-    drain();  // frees waiting for their fence may empty whole segments
-    release_free_segments();
-  }
-  if (!fits()) { return false; }
-  reserved_outside_ += n;
   growable_.set_cap(growth_cap());
   return true;
 }

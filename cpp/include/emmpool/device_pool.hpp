@@ -302,6 +302,12 @@ class device_pool : private detail::pool_lifecycle {
   {
     return max_reserved_ - std::min(max_reserved_, reserved_outside_);
   }
+  // Whether `n` more bytes reserved stay within growth_cap().
+  [[nodiscard]] bool fits_cap(std::size_t n) const noexcept
+  {
+    std::size_t const cap = growth_cap();
+    return n <= cap && stats_.bytes_reserved <= cap - n;
+  }
   [[nodiscard]] std::string describe_locked() const;
 
   driver* driver_;
