@@ -211,13 +211,26 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
 
   // ---- the cache, statistics, the cap
 
-  // PyTorch's bytes in use on a device: its blocks in emmpool's pool, less the free blocks that
-  // private pools keep (emmpool's allocations, PyTorch's cache).
+  // emmpool_torch_stats() as PyTorch counts: the free blocks that private pools keep are
+  // emmpool's allocations but PyTorch's cache, so they leave PyTorch's bytes in use ([0]) and
+  // live blocks ([7]) for the frees ([6]). The private pools' totals, or nothing if the device
+  // has no pool.
+  std::optional<private_pools::device_totals> pytorch_stats(int device, std::uint64_t (&v)[16])
+  {
+    if (api.stats(device, v, 16) < 16) { return std::nullopt; }
+    auto const privates      = pools_.totals(device);
+    auto const cached_blocks = std::min<std::uint64_t>(v[7], privates.cached_blocks);
+    v[0] -= std::min<std::uint64_t>(v[0], privates.cached_bytes);
+    v[7] -= cached_blocks;
+    v[6] += cached_blocks;
+    return privates;
+  }
+
+  // PyTorch's bytes in use on a device.
   std::size_t pytorch_bytes(int device)
   {
     std::uint64_t v[16] = {};
-    if (api.stats(device, v, 16) < 16) { return 0; }
-    return v[0] - std::min<std::uint64_t>(v[0], pools_.totals(device).cached_bytes);
+    return pytorch_stats(device, v) ? v[0] : 0;
   }
 
   // torch.cuda.empty_cache(): every pool returns its wholly free segments ({0, 0}); a
@@ -242,14 +255,9 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   {
     std::uint64_t v[16] = {};
     c10::CachingDeviceAllocator::DeviceStats s;
-    if (api.stats(device, v, 16) < 16) { return s; }
+    auto const privates = pytorch_stats(device, v);
+    if (!privates) { return s; }
     auto i64 = [](std::uint64_t x) { return static_cast<std::int64_t>(x); };
-    // Free blocks of the private pools are emmpool's allocations, and not PyTorch's.
-    auto const privates      = pools_.totals(device);
-    auto const cached_blocks = std::min<std::uint64_t>(v[7], privates.cached_blocks);
-    v[0] -= std::min<std::uint64_t>(v[0], privates.cached_bytes);
-    v[7] -= cached_blocks;
-    v[6] += cached_blocks;
     // [0]: all pools (PyTorch keeps a small and a large pool; emmpool has one)
     auto& allocated     = s.allocated_bytes[0];
     allocated.current   = i64(v[0]);           // PyTorch's blocks
@@ -267,7 +275,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     s.requested_bytes[0].allocated = i64(requested);
     s.requested_bytes[0].freed     = std::max<std::int64_t>(0, i64(requested) - grown);
     // with the blocks of MemPools made with another allocator, as PyTorch counts them
-    s.reserved_bytes[0].current = i64(v[3] + privates.foreign_bytes);
+    s.reserved_bytes[0].current = i64(v[3] + privates->foreign_bytes);
     s.reserved_bytes[0].peak    = std::max(i64(v[4]), s.reserved_bytes[0].current);
     // reserved_bytes.allocated/freed (bytes ever reserved, released) are not counted: left 0
     s.inactive_split_bytes[0].current = i64(v[3] > v[1] ? v[3] - v[1] : 0);
