@@ -324,13 +324,15 @@ void bench_pool(std::vector<result>& out, std::string const& prefix, emmpool::de
   }
   // CuPy's and PyTorch's path: a named stream (the null stream, 0), the free fenced on the
   // allocation's stream; the block goes straight back to the next allocation on that stream.
+  auto const tag = emmpool::alloc_tag::cupy;
   for (auto n : sizes) {
     out.push_back(measure_pool(pool, prefix + ", stream-ordered",
-                               "allocate(n, 0)+deallocate_tagged(p, allocation_stream)", n, quick,
+                               "allocate(n, 0)+deallocate(p, allocation_stream, library)", n,
+                               quick,
                                [&] {
-                                 auto const tag = emmpool::alloc_tag::cupy;
-                                 pool.deallocate_tagged(pool.allocate(n, 0, tag),
-                                                        emmpool::allocation_stream, tag);
+                                 auto const owner = emmpool::block_owner::of_library(tag);
+                                 pool.deallocate(pool.allocate(n, 0, tag),
+                                                 emmpool::allocation_stream, owner);
                                },
                                fence));
   }

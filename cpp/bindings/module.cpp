@@ -329,7 +329,7 @@ PYBIND11_MODULE(_core, m)
       "deallocate",
       [](device_pool& p, device_ptr ptr, stream_handle stream, std::optional<std::uint64_t> gen) {
         if (gen) {
-          pool_calls::deallocate(p, ptr, stream, *gen);
+          pool_calls::deallocate(p, ptr, stream, block_owner::of_generation(*gen));
         } else {
           caller_lock::without_caller_lock([&] { p.deallocate(ptr, stream); });
         }
@@ -338,10 +338,10 @@ PYBIND11_MODULE(_core, m)
     .def(
       "deallocate_tagged",
       [](device_pool& p, device_ptr ptr, stream_handle stream, int tag) {
-        pool_calls::deallocate_tagged(p, ptr, stream, to_tag(tag));
+        pool_calls::deallocate(p, ptr, stream, block_owner::of_library(to_tag(tag)));
       },
       py::arg("ptr"), py::arg("stream"), py::arg("tag"),
-      "The free of the CuPy/PyTorch entry points (no reset generation; see device_pool.hpp).")
+      "The free of a library that knows no reset generation (block_owner::of_library).")
     .def("record_stream", without_gil(&device_pool::record_stream), py::arg("ptr"),
          py::arg("stream"))
     .def("owns", without_gil(&device_pool::owns), py::arg("ptr"))

@@ -90,7 +90,7 @@ bool free_block(finalizer_object* f)
   f->freed          = true;
   device_pool* pool = f->entry->pool;
   try {
-    pool_calls::deallocate(*pool, f->ptr, legacy_stream, f->generation);
+    pool_calls::deallocate(*pool, f->ptr, legacy_stream, block_owner::of_generation(f->generation));
   }
   EMMPOOL_LET_THREAD_END
   catch (...) {

@@ -56,8 +56,8 @@ void free_on(void* ptr, int device, stream_handle stream, alloc_tag tag)
 {
   if (ptr == nullptr) { return; }
   try {
-    pool_calls::deallocate_tagged(pool_registry::instance().pool(device),
-                                  reinterpret_cast<device_ptr>(ptr), stream, tag);
+    pool_calls::deallocate(pool_registry::instance().pool(device),
+                           reinterpret_cast<device_ptr>(ptr), stream, block_owner::of_library(tag));
   }
   EMMPOOL_LET_THREAD_END
   catch (...) {

@@ -297,9 +297,9 @@ EMMPOOL_C_API long emmpool_torch_layout(int device, std::uint64_t* out, std::siz
         o[2] = r.ptr;
         o[3] = r.size;
         o[4] = r.stream;
-        o[5] = r.state;
+        o[5] = static_cast<std::uint64_t>(r.state);
         o[6] = r.tag;
-        o[7] = r.kind;
+        o[7] = static_cast<std::uint64_t>(r.kind);
       }
       return static_cast<long>(rows.size());
     } catch (...) {

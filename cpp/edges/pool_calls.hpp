@@ -58,20 +58,11 @@ namespace emmpool::pool_calls {
   }
 }
 
-/// pool.deallocate() of a block allocated in reset generation `generation`, by the rule.
-inline void deallocate(device_pool& pool, device_ptr ptr, stream_handle stream,
-                       std::uint64_t generation)
+/// pool.deallocate(), by the rule.
+inline void deallocate(device_pool& pool, device_ptr ptr, stream_handle stream, block_owner owner)
 {
-  if (pool.try_deallocate(ptr, stream, generation)) { return; }
-  caller_lock::without_caller_lock([&] { pool.deallocate(ptr, stream, generation); });
-}
-
-/// pool.deallocate_tagged(), by the rule.
-inline void deallocate_tagged(device_pool& pool, device_ptr ptr, stream_handle stream,
-                              alloc_tag tag)
-{
-  if (pool.try_deallocate_tagged(ptr, stream, tag)) { return; }
-  caller_lock::without_caller_lock([&] { pool.deallocate_tagged(ptr, stream, tag); });
+  if (pool.try_deallocate(ptr, stream, owner)) { return; }
+  caller_lock::without_caller_lock([&] { pool.deallocate(ptr, stream, owner); });
 }
 
 }  // namespace emmpool::pool_calls

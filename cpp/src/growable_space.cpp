@@ -9,13 +9,12 @@ namespace {
 constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
 }  // namespace
 
-void growable_space::configure(pool_options const& o, std::size_t max_reserved) noexcept
+void growable_space::configure(pool_options const& o) noexcept
 {
   small_request_ = o.small_request;
   reserve_       = o.growable_reserve;
   room_          = o.growable_room;
   hysteresis_    = o.growable_hysteresis;
-  max_reserved_  = max_reserved;
   if (o.segments != segment_kind::growable || o.mode != pool_mode::pool) { return; }
   try {
     page_ = driver_->vmm_page_size(device_);  // 0: unsupported, fixed segments
@@ -24,7 +23,8 @@ void growable_space::configure(pool_options const& o, std::size_t max_reserved) 
   }
 }
 
-growable_space::claim growable_space::claim_best_fit(std::size_t rounded, bool may_map)
+growable_space::claim growable_space::claim_best_fit(std::size_t rounded, alloc_tag tag,
+                                                     bool may_map)
 {
   if (pages_ == nullptr) { return {}; }
   bool ready = false;
@@ -34,7 +34,8 @@ growable_space::claim growable_space::claim_best_fit(std::size_t rounded, bool m
     rounded, [&](block const* b) { return pages_->unmapped_in(b->ptr, rounded) == 0; }, 8, &ready);
   if (blk == nullptr || (!ready && !may_map)) { return {}; }  // mapping: allocate() only
   free_.erase(blk);  // off the list: unmapping spares it
-  return {blk, rounded, ready ? 0 : pages_->unmapped_in(blk->ptr, rounded)};
+  return {blk, rounded, ready ? 0 : pages_->unmapped_in(blk->ptr, rounded),
+          static_cast<std::uint8_t>(tag)};
 }
 
 std::size_t growable_space::room_for(claim const& c) const noexcept
@@ -48,30 +49,32 @@ std::size_t growable_space::room_for(claim const& c) const noexcept
 
 block* growable_space::finish(claim const& c)
 {
-  if (c.need != 0 && !map_for(c.blk->ptr, c.rounded, c.blk->size)) {
+  if (c.need != 0 && !map_for(c)) {
     free_.insert(c.blk);
     return nullptr;
   }
   return free_.split(c.blk, c.rounded, block_alignment);
 }
 
-bool growable_space::map_for(device_ptr ptr, std::size_t rounded, std::size_t available)
+bool growable_space::map_for(claim const& c)
 {
+  auto const ptr     = c.blk->ptr;
+  auto const rounded = c.rounded;
   // room_for() was given back first (by the pool): what the pages need now fits, or never will.
   auto const need = pages_->unmapped_in(ptr, rounded);
   if (!fits(need)) { return false; }
   try {
-    count_mapped(pages_->map(ptr, rounded));
+    count_mapped(ptr, pages_->map(ptr, rounded), c.tag);
   } catch (out_of_memory const&) {
     return false;  // the ladder goes on: wait for frees, give pages back, try again
   }
   // Room for the next few requests of this size (best effort, within the cap): without it a
   // caller that frees and allocates mid-sized blocks on no stream would miss on every request
   // (its freed block is still pending), where a fixed segment has up to large_segment to spare.
-  std::size_t const room = std::min(available, std::max(rounded, room_));
+  std::size_t const room = std::min(c.blk->size, std::max(rounded, room_));
   if (room > rounded && fits(pages_->unmapped_in(ptr, room))) {
     try {
-      count_mapped(pages_->map(ptr, room));
+      count_mapped(ptr + rounded, pages_->map(ptr, room), c.tag);
     } catch (cuda_error const&) {
     } catch (out_of_memory const&) {
     }
@@ -80,15 +83,16 @@ bool growable_space::map_for(device_ptr ptr, std::size_t rounded, std::size_t av
   return true;
 }
 
-bool growable_space::ensure_segment(std::size_t rounded,
-                                    std::map<device_ptr, std::unique_ptr<segment>>& segments)
+bool growable_space::ensure_segment(std::size_t rounded, segment_map& segments)
 {
   if (page_ == 0) { return false; }
   if (pages_ == nullptr) {
     // The address space of all the device's memory (at most the cap): growth never runs out
     // of addresses before it runs out of memory. Addresses cost no memory.
     std::size_t bytes = reserve_;
-    if (bytes == 0) { bytes = std::min(max_reserved_, driver_->memory_info_of(device_).total); }
+    if (bytes == 0) {
+      bytes = std::min(cap_->for_growth(), driver_->memory_info_of(device_).total);
+    }
     bytes = std::max(round_up(bytes, page_), round_up(rounded, page_));
     try {
       pages_ = std::make_unique<growable_pages>(*driver_, device_, page_, bytes);
@@ -133,7 +137,12 @@ std::size_t growable_space::unmap_free(std::size_t limit)
   try {
     // Largest free blocks first: the least likely to be carved whole by the next requests.
     free_.for_each_large([&](block const* b) {
-      done += pages_->unmap_inside(b->ptr, b->size, excess - done);
+      auto const n = pages_->unmap_inside(b->ptr, b->size, excess - done);
+      done += n;
+      if (n != 0) {  // the block's highest pages go first
+        log_->record(segment_event::kind::unmapped, segment_type::growable, 0,
+                     (b->ptr + b->size) / page_ * page_ - n, n);
+      }
       return done + page_ <= excess;
     });
   } catch (cuda_error const&) {
@@ -145,7 +154,7 @@ std::size_t growable_space::unmap_free(std::size_t limit)
   return n;
 }
 
-void growable_space::drop(std::map<device_ptr, std::unique_ptr<segment>>& segments)
+void growable_space::drop(segment_map& segments)
 {
   if (seg_ == nullptr) { return; }
   if (seg_->live_blocks == 0) {
@@ -157,6 +166,7 @@ void growable_space::drop(std::map<device_ptr, std::unique_ptr<segment>>& segmen
       retired_.push_back(std::move(pages_));  // left to the driver
     }
     count_unmapped(mapped);
+    log_->record(segment_event::kind::unmapped, segment_type::growable, 0, seg_->base, mapped);
     for (auto* b = seg_->first; b != nullptr;) {
       auto* next = b->next;
       if (b->state == block_state::free) { free_.erase(b); }
@@ -203,10 +213,14 @@ void growable_space::throw_no_ipc()
                    "from one; for other libraries use EMMPOOL_SEGMENTS=fixed"};
 }
 
-void growable_space::count_mapped(std::size_t n)
+void growable_space::count_mapped(device_ptr at, std::size_t n, std::uint8_t tag)
 {
   stats_->bytes_reserved += n;
   stats_->page_maps += n / page_;
+  if (n != 0) {
+    log_->record(segment_event::kind::mapped, segment_type::growable, tag,
+                 at / page_ * page_, n);
+  }
 }
 
 void growable_space::count_unmapped(std::size_t n)

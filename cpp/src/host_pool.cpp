@@ -132,7 +132,7 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags, std::uint64_t* gene
   } else {
     // Room under the limit: cached blocks of other classes go first, then pending frees are
     // waited for and their blocks go too.
-    if (stats_.bytes_held + cls > stats_.limit && !cleanup_deferred()) {
+    if (stats_.bytes_held + cls > stats_.limit && !deferrals_.active()) {
       release_cached(cls);
       if (stats_.bytes_held + cls > stats_.limit) {
         fences_.drain(fenced_);
@@ -150,7 +150,7 @@ void* host_pool::allocate(std::size_t bytes, unsigned flags, std::uint64_t* gene
       try {
         p = driver_->host_allocate(device_, cls, flags);
       } catch (out_of_memory const&) {
-        if (cleanup_deferred()) { throw; }
+        if (deferrals_.active()) { throw; }
         fences_.drain(fenced_);
         settle_fenced();
         release_cached(stats_.limit);  // everything cached goes back
@@ -243,7 +243,7 @@ void host_pool::unregister_memory(void* ptr)
 std::size_t host_pool::trim()
 {
   std::lock_guard lock{mutex_};
-  if (forked_ || cleanup_deferred()) { return 0; }
+  if (forked_ || deferrals_.active()) { return 0; }
   fences_.drain(fenced_);
   settle_fenced();
   std::size_t const before = stats_.bytes_held;
@@ -285,13 +285,13 @@ void host_pool::reset()
 void host_pool::defer_cleanup_begin()
 {
   std::lock_guard lock{mutex_};
-  begin_deferral();
+  deferrals_.begin();
 }
 
 void host_pool::defer_cleanup_end()
 {
   std::lock_guard lock{mutex_};
-  (void)end_deferral();
+  (void)deferrals_.end();
 }
 
 host_pool_stats host_pool::stats() const

@@ -6,8 +6,9 @@
 
 namespace emmpool::detail {
 
-stream_lanes::stream_lanes(fence_queue& fences, block_arena& arena, free_lists& free, bool enabled)
-  : fences_{&fences}, arena_{&arena}, free_{&free}, enabled_{enabled}
+stream_lanes::stream_lanes(driver& drv, int device, std::size_t open_batch_limit,
+                           block_arena& arena, bool enabled)
+  : fences_{drv, device, open_batch_limit}, arena_{&arena}, enabled_{enabled}
 {
 }
 
@@ -61,7 +62,7 @@ void stream_lanes::erase_from_sets(lane& l, block* blk) noexcept
 void stream_lanes::take_out(block* blk, lane* l)
 {
   if (blk->takeable) { unindex(l != nullptr ? *l : *lane_of(blk->owner->stream), blk); }
-  fences_->detach(blk);
+  fences_.detach(blk);
 }
 
 void stream_lanes::clear() noexcept
@@ -73,6 +74,60 @@ void stream_lanes::clear() noexcept
     }
   }
   lanes_.clear();
+}
+
+// ---- fences completed -----------------------------------------------------------------------
+
+void stream_lanes::settle(std::vector<block*>& released)
+{
+  // First the lanes, in the order reported (a block requeued for its second fence may be
+  // released later in the same list): no block stays takeable once out of its batch. The
+  // room first, so that nothing below throws.
+  released.reserve(released.size() + fenced_.size());
+  for (auto const& f : fenced_) {
+    if (!f.requeued) {
+      forget(f.blk, f.stream);
+      released.push_back(f.blk);
+    } else if (orders(f.stream)) {  // now in the batch of the stream of its free
+      index(f.stream, f.blk);
+    }
+  }
+  fenced_.clear();
+}
+
+void stream_lanes::poll(stream_ref alive, std::vector<block*>& released)
+{
+  try {
+    fences_.poll(alive, fenced_);
+  } catch (...) {
+    settle(released);  // what completed before the failure is reusable all the same
+    throw;
+  }
+  settle(released);
+}
+
+void stream_lanes::drain(std::vector<block*>& released)
+{
+  try {
+    fences_.drain(fenced_);
+  } catch (...) {
+    settle(released);
+    throw;
+  }
+  settle(released);
+}
+
+void stream_lanes::drain_or_abandon(std::vector<block*>& released)
+{
+  fences_.drain_or_abandon(fenced_);
+  settle(released);
+}
+
+void stream_lanes::abandon() noexcept
+{
+  (void)fences_.abandon();
+  fenced_.clear();
+  clear();
 }
 
 // ---- an allocation --------------------------------------------------------------------------
@@ -98,7 +153,7 @@ block* stream_lanes::best_fit(lane& l, std::size_t size, block_kind kind)
 }
 
 block* stream_lanes::take_from_lane(stream_ref stream, std::size_t size, block_kind kind,
-                                    bool split)
+                                    bool split, free_lists const* free)
 {
   // Lanes exist only for streams that order (a named, identified stream: never legacy_stream,
   // "no stream named", nor an unidentified one, which may be a new stream under a dead one's
@@ -109,7 +164,9 @@ block* stream_lanes::take_from_lane(stream_ref stream, std::size_t size, block_k
   if (blk == nullptr) { return nullptr; }
   // The free lists' block instead, if it fits tighter: what is cut off a free block stays
   // free, what a block handed out whole holds beyond the request is lost while it lives.
-  if (!split && blk->size != size && free_fits_tighter(blk->size, size, kind)) { return nullptr; }
+  if (!split && blk->size != size && free_fits_tighter(*free, blk->size, size, kind)) {
+    return nullptr;
+  }
   if (!reuse_rule::near_fit(blk->size, size)) {
     // Before the ladder's first step only a kind whose free lists free_fits_tighter() asked:
     // a growable request first sees what that step completes, coalesced.
@@ -131,10 +188,11 @@ block* stream_lanes::take_split(lane& l, block* blk, std::size_t size)
   return front;  // not pending: the pool counts it in its segment's live blocks
 }
 
-bool stream_lanes::free_fits_tighter(std::size_t have, std::size_t size, block_kind kind) const
+bool stream_lanes::free_fits_tighter(free_lists const& free, std::size_t have, std::size_t size,
+                                     block_kind kind)
 {
   if (!weighs_free(kind)) { return false; }
-  auto const fit = free_->best_fit_size(size, kind == block_kind::small);
+  auto const fit = free.best_fit_size(size, kind == block_kind::small);
   return fit != 0 && fit < have;
 }
 
@@ -151,7 +209,7 @@ void stream_lanes::resize_pending(lane* l, block* blk, Resize&& resize)
   }
   auto const before = blk->size;
   resize();
-  fences_->resized(blk, before);
+  fences_.resized(blk, before);
   if (set != nullptr && it != set->end()) { reseat(*set, it, blk->size > before); }
 }
 
@@ -180,7 +238,7 @@ bool stream_lanes::join_open(block* blk, stream_ref key)
   auto* const keep  = below ? prev : next;
   auto* const other = below && above ? next : nullptr;
   if (other != nullptr) {
-    fences_->detach(other);  // its bytes out of the batch: keep's growth counts them back in
+    fences_.detach(other);  // its bytes out of the batch: keep's growth counts them back in
     --other->seg->live_blocks;
   }
   merge_pending(nullptr, keep, blk, other);  // no lane
@@ -210,11 +268,9 @@ block* stream_lanes::merge_neighbours(block* blk, stream_ref key)
       --n->seg->live_blocks;  // two records allocated-or-pending become one
       return true;
     }
-    if (free_too && n != nullptr && n->state == block_state::free) {
-      free_->erase(n);  // free bytes become pending ones (blk's batch counts them)
-      return true;
-    }
-    return false;
+    // Free: the pool took it off its free lists (absorbs_free); its bytes become pending
+    // ones, which blk's batch counts.
+    return free_too && n != nullptr && n->state == block_state::free;
   };
   // A neighbour in key's open batch takes blk (and the other neighbour) in, where it is: in
   // that batch, whose fence is recorded after this free, and in key's lane. A loop that

@@ -18,6 +18,16 @@
 
 namespace emmpool::test {
 
+/// Shorthands for the owners of a free (block_owner): a reset generation, a library.
+[[nodiscard]] inline constexpr block_owner gen(std::uint64_t g) noexcept
+{
+  return block_owner::of_generation(g);
+}
+[[nodiscard]] inline constexpr block_owner lib(alloc_tag t) noexcept
+{
+  return block_owner::of_library(t);
+}
+
 inline constexpr std::size_t default_capacity = std::size_t{1} << 34;  // host_driver's default
 
 /// A pool over its own host_driver (declared first: it must outlive the pool).

@@ -29,6 +29,8 @@
 #include <vector>
 
 using namespace emmpool;
+using emmpool::test::gen;
+using emmpool::test::lib;
 
 namespace {
 
@@ -422,8 +424,9 @@ TEST(try_paths_take_no_cuda_call_and_leave_the_rest_to_the_full_calls)
   CHECK(!f->try_allocate(big, legacy_stream, alloc_tag::numba));  // would need a segment
   CHECK_EQ(f.drv.stats().allocations, before.allocations);
   auto const p = f->allocate(big, stream_a, alloc_tag::cupy);
-  CHECK(!f->try_deallocate(p, stream_b, f->generation()));  // naming another stream asks its id
-  CHECK(f->try_deallocate(p, stream_a, f->generation()));   // the allocation's: asks nothing
+  // Naming another stream asks its id; the allocation's asks nothing.
+  CHECK(!f->try_deallocate(p, stream_b, gen(f->generation())));
+  CHECK(f->try_deallocate(p, stream_a, gen(f->generation())));
   auto const records = f.drv.stats().event_records;
   auto const q       = f->try_allocate(big, stream_a, alloc_tag::cupy);  // stream order
   CHECK(q.has_value() && *q == p);
@@ -431,8 +434,8 @@ TEST(try_paths_take_no_cuda_call_and_leave_the_rest_to_the_full_calls)
   CHECK_EQ(f.drv.stats().event_records, records);
   // A block from before a reset: its free may call CUDA (its segment is retired), so no.
   f->reset();
-  CHECK(!f->try_deallocate(p, stream_a, f->generation() - 1));
-  f->deallocate(p, stream_a, f->generation() - 1);
+  CHECK(!f->try_deallocate(p, stream_a, gen(f->generation() - 1)));
+  f->deallocate(p, stream_a, gen(f->generation() - 1));
   // Past the open-batch limit, fencing (CUDA) comes first: only allocate() does it.
   pool_options o;
   o.open_batch_limit = 1 * MiB;
@@ -864,7 +867,7 @@ device_ptr allocate_on_a_stream_that_dies(fixture& f, std::size_t n, alloc_tag t
   auto const s = f.drv.create_stream();
   auto const p = f->allocate(n, s, tag);
   f.drv.destroy_stream(s);
-  f->deallocate_tagged(p, allocation_stream, tag);
+  f->deallocate(p, allocation_stream, lib(tag));
   return p;
 }
 
@@ -911,7 +914,7 @@ TEST(reused_stream_handle_is_another_stream)
   fixture f;
   auto const s1 = f.drv.create_stream();
   auto const p  = f->allocate(big, s1, alloc_tag::cupy);
-  f->deallocate_tagged(p, allocation_stream, alloc_tag::cupy);  // pending on s1
+  f->deallocate(p, allocation_stream, lib(alloc_tag::cupy));  // pending on s1
   f.drv.destroy_stream(s1);
   auto const s2 = f.drv.create_stream();
   CHECK_EQ(s2, s1);  // the driver reused the handle
@@ -922,7 +925,7 @@ TEST(reused_stream_handle_is_another_stream)
   CHECK_EQ(f->stats().same_stream_reuses, 0u);
   CHECK_EQ(f.drv.stats().event_records, records);
   // s2's own frees do go back to s2 in stream order.
-  f->deallocate_tagged(q, allocation_stream, alloc_tag::cupy);
+  f->deallocate(q, allocation_stream, lib(alloc_tag::cupy));
   CHECK_EQ(f->allocate(big, s2, alloc_tag::cupy), q);
   CHECK_EQ(f->stats().same_stream_reuses, 1u);
   f->deallocate(q, s2);  // a free that names s2 (alive)
@@ -1025,7 +1028,7 @@ TEST(without_stream_ids_no_stream_is_named_after_its_call)
   f.drv.set_stream_ids(false);
   auto const s1 = f.drv.create_stream();
   auto const p  = f->allocate(big, s1, alloc_tag::cupy);
-  f->deallocate_tagged(p, allocation_stream, alloc_tag::cupy);
+  f->deallocate(p, allocation_stream, lib(alloc_tag::cupy));
   CHECK(f->allocate(big, s1, alloc_tag::cupy) != p);  // even on the same live stream
   CHECK_EQ(f->stats().same_stream_reuses, 0u);
   f.drv.destroy_stream(s1);
@@ -1140,7 +1143,7 @@ TEST(stream_lifetime_fuzz_no_dead_stream_use_no_early_reuse)
           } else if (rng() % 3 == 0 && streams[b.inst].alive) {
             f->deallocate(b.p, streams[b.inst].handle);  // RMM: names its live stream
           } else {
-            f->deallocate_tagged(b.p, allocation_stream, alloc_tag::cupy);
+            f->deallocate(b.p, allocation_stream, lib(alloc_tag::cupy));
           }
           if (b.recorded != none) {
             // Two fences: never taken in stream order; one if it recorded the stream of the
@@ -1320,12 +1323,12 @@ TEST(reset_retires_live_blocks)
   CHECK(f.drv.stats().allocations > allocs0);
   // Old-generation frees: not through the plain deallocate (not live in this generation).
   CHECK_THROWS(f->deallocate(a), pool_error);
-  f->deallocate(b, legacy_stream, g0);  // its retired segment is now empty: freed
+  f->deallocate(b, legacy_stream, gen(g0));  // its retired segment is now empty: freed
   CHECK_EQ(f.drv.stats().deallocations, 2u);
-  CHECK_THROWS(f->deallocate(b, legacy_stream, g0), pool_error);  // double free
-  f->deallocate(a, legacy_stream, g0);
+  CHECK_THROWS(f->deallocate(b, legacy_stream, gen(g0)), pool_error);  // double free
+  f->deallocate(a, legacy_stream, gen(g0));
   CHECK_EQ(f.drv.stats().deallocations, 3u);
-  for (auto p : ps) { f->deallocate(p, legacy_stream, g0 + 1); }
+  for (auto p : ps) { f->deallocate(p, legacy_stream, gen(g0 + 1)); }
   f->deallocate(pb);
   f->trim();
   CHECK_EQ(f.drv.stats().live_segments, 0u);
@@ -1343,15 +1346,15 @@ TEST(reset_then_address_reuse_by_the_driver)
   REQUIRE(x == a);  // the driver reused the address: this is the case under test
   CHECK(f->owns(x));
   auto const deallocs = f.drv.stats().deallocations;
-  f->deallocate(a, legacy_stream, g0);  // the old block: must not touch x
+  f->deallocate(a, legacy_stream, gen(g0));  // the old block: must not touch x
   CHECK(f->owns(x));
   CHECK_EQ(f.drv.stats().deallocations, deallocs);  // not freed: the driver's id differs
   CHECK_EQ(f.drv.stats().live_segments, 1u);
   CHECK_EQ(f->stats().bytes_in_use, big);
-  CHECK_THROWS(f->deallocate(a, legacy_stream, g0), pool_error);
-  f->deallocate(x, legacy_stream, g0 + 1);
+  CHECK_THROWS(f->deallocate(a, legacy_stream, gen(g0)), pool_error);
+  f->deallocate(x, legacy_stream, gen(g0 + 1));
   CHECK(!f->owns(x));
-  CHECK_THROWS(f->deallocate(x, legacy_stream, g0 + 1), pool_error);
+  CHECK_THROWS(f->deallocate(x, legacy_stream, gen(g0 + 1)), pool_error);
   CHECK_THROWS(f->deallocate(x), pool_error);
   f->trim();
   CHECK_EQ(f.drv.stats().live_segments, 0u);
@@ -1368,16 +1371,16 @@ TEST(tagged_try_free_leaves_a_retired_block_to_the_full_free)
   f.drv.invalidate_device(0);
   auto const x = f->allocate(big, legacy_stream, alloc_tag::cupy);
   REQUIRE(x == a);  // the same library's live block at the retired one's address
-  CHECK(!f->try_deallocate_tagged(a, allocation_stream, alloc_tag::cupy));
+  CHECK(!f->try_deallocate(a, allocation_stream, lib(alloc_tag::cupy)));
   CHECK(f->owns(x));
-  f->deallocate_tagged(a, allocation_stream, alloc_tag::cupy);  // the retired one
+  f->deallocate(a, allocation_stream, lib(alloc_tag::cupy));  // the retired one
   CHECK(f->owns(x));
-  CHECK(f->try_deallocate_tagged(x, allocation_stream, alloc_tag::cupy));  // none retired now
+  CHECK(f->try_deallocate(x, allocation_stream, lib(alloc_tag::cupy)));  // none retired now
   CHECK(!f->owns(x));
   auto const y = f->allocate(4096, legacy_stream, alloc_tag::torch);
-  CHECK(!f->try_deallocate_tagged(y, allocation_stream, alloc_tag::cupy));  // another library's
+  CHECK(!f->try_deallocate(y, allocation_stream, lib(alloc_tag::cupy)));  // another library's
   CHECK(f->owns(y));
-  CHECK(f->try_deallocate_tagged(y, allocation_stream, alloc_tag::torch));
+  CHECK(f->try_deallocate(y, allocation_stream, lib(alloc_tag::torch)));
   CHECK_EQ(f->stats().blocks_in_use, 0u);
   CHECK_EQ(consistency(f), "");
 }
@@ -1400,7 +1403,7 @@ TEST(reset_with_record_stream_pending)
     CHECK(r != q);
   }
   CHECK_EQ(consistency(f, false), "");
-  f->deallocate(q, legacy_stream, 0);
+  f->deallocate(q, legacy_stream, gen(0));
 }
 
 TEST(reset_when_the_fence_fails)
@@ -1415,7 +1418,7 @@ TEST(reset_when_the_fence_fails)
   CHECK_EQ(f->stats().bytes_reserved, 0u);
   CHECK_EQ(f.drv.stats().live_segments, 1u);  // q's (retired); p's was released
   CHECK_EQ(consistency(f, false), "");
-  f->deallocate(q, legacy_stream, 0);
+  f->deallocate(q, legacy_stream, gen(0));
   CHECK_EQ(f.drv.stats().live_segments, 0u);
 }
 
@@ -1444,8 +1447,8 @@ TEST(reset_after_the_context_is_gone)
   }
   CHECK_EQ(f->stats().bytes_in_use, 3 * big + 3 * 256);
   CHECK_EQ(consistency(f), "");
-  f->deallocate(a, legacy_stream, g0);  // unknown to the driver now: not freed, no error
-  f->deallocate(s, legacy_stream, g0);
+  f->deallocate(a, legacy_stream, gen(g0));  // unknown to the driver now: not freed, no error
+  f->deallocate(s, legacy_stream, gen(g0));
   for (auto p : fresh) { f->deallocate(p); }
   f->trim();
   CHECK_EQ(f.drv.stats().live_segments, 0u);
@@ -1474,7 +1477,7 @@ TEST(double_free_and_foreign_pointers)
   CHECK_THROWS(f->deallocate(0x1234), pool_error);
   auto const q = f->allocate(1000);
   CHECK_THROWS(f->deallocate(q + 256), pool_error);  // inside a block: not a block start
-  CHECK_THROWS(f->deallocate(q, legacy_stream, f->generation() + 5), pool_error);
+  CHECK_THROWS(f->deallocate(q, legacy_stream, gen(f->generation() + 5)), pool_error);
   CHECK(f->owns(q));
   f->deallocate(q);
   CHECK_EQ(f->stats().frees, 2u);
@@ -1706,7 +1709,7 @@ TEST(stress_threads)
         unclaim(p);
         auto const stream = rng() % 2 == 0 ? legacy_stream : own_stream;
         // Half through the try path, as the Python binding does, falling back when it declines.
-        if (rng() % 2 == 0 && pool.try_deallocate(p, stream, pool.generation())) { return; }
+        if (rng() % 2 == 0 && pool.try_deallocate(p, stream, gen(pool.generation()))) { return; }
         pool.deallocate(p, stream);
       };
       try {

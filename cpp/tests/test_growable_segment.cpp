@@ -17,6 +17,8 @@
 #include <vector>
 
 using namespace emmpool;
+using emmpool::test::gen;
+using emmpool::test::lib;
 
 namespace {
 
@@ -397,12 +399,12 @@ TEST(growable_reset_and_destruction_return_everything)
   }
   {
     fixture f;
-    auto const gen = f->generation();
-    auto const a   = f->allocate(5 * MiB);
+    auto const g0 = f->generation();
+    auto const a  = f->allocate(5 * MiB);
     f->reset();  // a is live: its segment is retired, its pages stay mapped
     CHECK(f.drv.accessible(0, a, 5 * MiB));
     CHECK_EQ(f->stats().bytes_reserved, 0u);
-    f->deallocate(a, legacy_stream, gen);
+    f->deallocate(a, legacy_stream, gen(g0));
     auto const b = f->allocate(5 * MiB);
     CHECK_NE(b, a);
   }

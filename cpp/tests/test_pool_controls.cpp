@@ -231,11 +231,18 @@ TEST(the_layout_tiles_every_segment_and_names_each_block)
     covered += row.size;
     if (expect == row.segment + row.segment_size) { expect = 0; }
     if (row.ptr == a) {
-      saw_a = row.state == 1 && row.tag == static_cast<std::uint8_t>(alloc_tag::torch) &&
-              row.stream == stream_a && row.kind == 0;
+      saw_a = row.state == block_status::allocated &&
+              row.tag == static_cast<std::uint8_t>(alloc_tag::torch) && row.stream == stream_a &&
+              row.kind == segment_type::small;
     }
-    if (row.ptr == b) { saw_b = row.state == 2 && row.tag == static_cast<std::uint8_t>(alloc_tag::numba); }
-    if (row.ptr == c) { saw_c = row.state == 1 && row.kind == 1 && row.size == big; }
+    if (row.ptr == b) {
+      saw_b = row.state == block_status::waiting &&
+              row.tag == static_cast<std::uint8_t>(alloc_tag::numba);
+    }
+    if (row.ptr == c) {
+      saw_c = row.state == block_status::allocated && row.kind == segment_type::large &&
+              row.size == big;
+    }
   }
   CHECK_EQ(expect, 0u);
   CHECK(saw_a);
@@ -245,4 +252,58 @@ TEST(the_layout_tiles_every_segment_and_names_each_block)
   CHECK_EQ(covered, f->stats().bytes_reserved);
   f->deallocate(a, stream_a);
   f->deallocate(c, stream_b);
+}
+
+// ---- segment events (a memory history's segment actions) ----------------------------------------
+
+TEST(segment_events_record_what_the_driver_gave_and_took_back)
+{
+  fixture f;
+  auto const a = f->allocate(big, stream_a, alloc_tag::cupy);  // before: not recorded
+  f->set_segment_events(true);
+  auto const b = f->allocate(big, stream_a, alloc_tag::torch);  // a segment of its own
+  f->deallocate(a, stream_a);
+  f->deallocate(b, stream_a);
+  f.drv.complete_all_events();
+  CHECK(f->trim() >= 2 * big);
+  auto const events = f->take_segment_events();
+  REQUIRE(events.size() == 3u);
+  CHECK(events[0].what == segment_event::kind::made && events[0].address == b &&
+        events[0].size >= big && events[0].tag == static_cast<std::uint8_t>(alloc_tag::torch) &&
+        events[0].type == segment_type::large);
+  std::size_t released = 0;
+  for (std::size_t i = 1; i < events.size(); ++i) {
+    CHECK(events[i].what == segment_event::kind::released);
+    released += events[i].size;
+  }
+  CHECK_EQ(released, 2 * events[0].size);
+  CHECK(f->take_segment_events().empty());  // taken
+  f->set_segment_events(false);
+  (void)f->allocate(big);
+  CHECK(f->take_segment_events().empty());  // off: nothing kept
+}
+
+TEST(segment_events_record_the_pages_a_growable_segment_maps_and_unmaps)
+{
+  pool_options o;
+  o.segments = segment_kind::growable;
+  fixture f{o};
+  REQUIRE(f->growable());
+  f->set_segment_events(true);
+  auto const p = f->allocate(big, stream_a, alloc_tag::torch);
+  f->deallocate(p, stream_a);
+  f.drv.complete_all_events();
+  (void)f->trim();
+  std::size_t mapped = 0, unmapped = 0;
+  for (auto const& e : f->take_segment_events()) {
+    CHECK(e.type == segment_type::growable);
+    if (e.what == segment_event::kind::mapped) {
+      mapped += e.size;
+      CHECK_EQ(e.tag, static_cast<std::uint8_t>(alloc_tag::torch));
+    }
+    if (e.what == segment_event::kind::unmapped) { unmapped += e.size; }
+  }
+  CHECK(mapped >= big);
+  CHECK_EQ(unmapped, mapped);  // every page mapped went back with the trim
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
 }

@@ -199,20 +199,25 @@ TEST(fence_queue_version_counts_every_change)
 
 // ---- the stream lanes ---------------------------------------------------------------------------
 
+// Lanes own their fence queue: the world's stands for it only in the fence queue tests above.
+stream_lanes lanes_of(world& w, bool enabled = true)
+{
+  return stream_lanes{w.drv, 0, std::size_t{1} << 20, w.arena, enabled};
+}
+
 TEST(lanes_give_a_stream_its_own_pending_blocks_unfenced)
 {
   world w;
-  stream_lanes lanes{w.fences, w.arena, w.free, true};
+  auto lanes = lanes_of(w);
   auto* x = w.blocks[0];
   CHECK(lanes.orders(w.a) && !lanes.orders(legacy));
-  w.fences.push(x, w.a);
-  lanes.index(w.a, x);
+  lanes.pend(x, w.a);
   CHECK(x->takeable);
-  CHECK(lanes.take(w.b, x->size, block_kind::large) == nullptr);  // another stream: never
-  CHECK(lanes.take(w.a, x->size, block_kind::small) == nullptr);  // another kind: never
-  CHECK(lanes.take(w.a, x->size, block_kind::large) == x);
+  CHECK(lanes.take(w.b, x->size, block_kind::large, w.free) == nullptr);  // another stream: never
+  CHECK(lanes.take(w.a, x->size, block_kind::small, w.free) == nullptr);  // another kind: never
+  CHECK(lanes.take(w.a, x->size, block_kind::large, w.free) == x);
   CHECK(!x->takeable && x->owner == nullptr);  // out of the lane and of its batch
-  CHECK_EQ(w.fences.waiting_bytes(), 0u);
+  CHECK_EQ(lanes.fences().waiting_bytes(), 0u);
   CHECK_EQ(lanes.reuses(), 1u);
   CHECK_EQ(w.drv.stats().event_records, 0u);  // no fence
 }
@@ -220,72 +225,109 @@ TEST(lanes_give_a_stream_its_own_pending_blocks_unfenced)
 TEST(lanes_split_a_larger_block_and_the_rest_keeps_its_fence)
 {
   world w{2, 256 * KiB};
-  stream_lanes lanes{w.fences, w.arena, w.free, true};
+  auto lanes = lanes_of(w);
   auto* x = w.blocks[0];
-  w.fences.push(x, w.a);
-  lanes.index(w.a, x);
-  auto* front = lanes.take(w.a, 64 * KiB, block_kind::large);  // 4x: cut, not whole
+  lanes.pend(x, w.a);
+  auto* front = lanes.take(w.a, 64 * KiB, block_kind::large, w.free);  // 4x: cut, not whole
   REQUIRE(front != nullptr);
   CHECK(front != x && front->size == 64 * KiB && front->ptr == w.seg.base);
   CHECK(x->size == 192 * KiB && x->takeable && x->owner != nullptr);  // still pending on a
-  CHECK_EQ(w.fences.waiting_bytes(), 192 * KiB);
+  CHECK_EQ(lanes.fences().waiting_bytes(), 192 * KiB);
   // A near fit (at most 1/8 larger) goes whole.
-  CHECK(lanes.take(w.a, 180 * KiB, block_kind::large) == x);
+  CHECK(lanes.take(w.a, 180 * KiB, block_kind::large, w.free) == x);
+}
+
+TEST(lanes_leave_a_block_to_a_tighter_free_fit)
+{
+  world w{3, 256 * KiB};
+  auto lanes = lanes_of(w);
+  auto* x = w.blocks[0];
+  lanes.pend(x, w.a);
+  auto* y   = w.blocks[2];  // made a free block of 192 KiB: a tighter fit for 190 KiB than x
+  auto* cut = w.arena.make();
+  split_off(y, 192 * KiB, cut);
+  cut->state = block_state::allocated;  // y's record is free now, cut's allocated: as many live
+  y->state   = block_state::free;
+  w.free.insert(y);
+  CHECK(lanes.take(w.a, 190 * KiB, block_kind::large, w.free) == nullptr);
+  CHECK(x->takeable);
+  // A split comes once the free lists missed: it does not weigh them.
+  CHECK(lanes.split(w.a, 190 * KiB, block_kind::large) != nullptr);
 }
 
 TEST(lanes_merge_a_free_with_its_pending_neighbours_of_the_same_stream)
 {
   world w;
-  stream_lanes lanes{w.fences, w.arena, w.free, true};
+  auto lanes = lanes_of(w);
   auto *x = w.blocks[0], *y = w.blocks[1], *z = w.blocks[2];
-  w.fences.push(x, w.a);
-  lanes.index(w.a, x);
-  w.fences.push(z, w.b);  // another stream's: never merged
-  lanes.index(w.b, z);
+  lanes.pend(x, w.a);
+  lanes.pend(z, w.b);  // another stream's: never merged
   CHECK(lanes.may_merge(y, w.a));
   CHECK(lanes.merge_neighbours(y, w.a) == nullptr);  // into x, in its open batch, in place
   CHECK(x->size == 128 * KiB && x->next == z);
-  CHECK_EQ(w.fences.waiting_bytes(), 128 * KiB + z->size);
+  CHECK_EQ(lanes.fences().waiting_bytes(), 128 * KiB + z->size);
   CHECK_EQ(w.seg.live_blocks, 3u);  // y's record went into x's
-  CHECK(lanes.take(w.a, 128 * KiB, block_kind::large) == x);
+  CHECK(lanes.take(w.a, 128 * KiB, block_kind::large, w.free) == x);
 }
 
 TEST(lanes_join_numba_frees_in_the_open_batch_and_forget_what_completed)
 {
   world w;
-  stream_lanes lanes{w.fences, w.arena, w.free, true};
+  auto lanes = lanes_of(w);
   CHECK(lanes.joins_open(legacy) && !lanes.joins_open(w.a));
   auto *x = w.blocks[0], *y = w.blocks[1];
-  w.fences.push(x, legacy);
+  lanes.pend(x, legacy);
   CHECK(lanes.join_open(y, legacy));  // y into x: both wait for the one fence not yet recorded
   CHECK(x->size == 128 * KiB && !x->takeable);
   CHECK(!lanes.join_open(w.blocks[3], legacy));  // no pending neighbour in that batch
-  // What the fences hand back leaves its lane.
-  w.fences.push(w.blocks[2], null_stream);
-  lanes.index(null_stream, w.blocks[2]);
-  (void)w.poll();
+  // What the fences hand back leaves its lane, and comes back as a list.
+  lanes.pend(w.blocks[2], null_stream);
+  std::vector<block*> released;
+  lanes.poll({}, released);
+  CHECK(released.empty());  // recorded now, not completed
   w.drv.complete_all_events();
-  for (auto const& f : w.poll()) { lanes.forget(f.blk, f.stream); }
+  lanes.poll({}, released);
+  CHECK(std::find(released.begin(), released.end(), w.blocks[2]) != released.end());
+  CHECK(std::find(released.begin(), released.end(), x) != released.end());
   CHECK(!w.blocks[2]->takeable);
-  CHECK(lanes.take(null_stream, 64 * KiB, block_kind::large) == nullptr);
+  CHECK(lanes.take(null_stream, 64 * KiB, block_kind::large, w.free) == nullptr);
+}
+
+TEST(lanes_requeue_a_record_stream_block_in_the_batch_of_its_free)
+{
+  world w;
+  auto lanes = lanes_of(w);
+  auto* x = w.blocks[0];
+  x->also_fence = w.b;  // record_stream(x, b), freed on a
+  x->freed_on   = w.a;
+  lanes.pend_recorded(x, w.a);
+  CHECK(!x->takeable);  // two fences: never taken before the first completed
+  std::vector<block*> released;
+  w.drv.complete_all_events();
+  lanes.poll({}, released);
+  CHECK(released.empty() && x->takeable);  // now in a's batch, a's like any block freed there
+  CHECK(lanes.take(w.a, x->size, block_kind::large, w.free) == x);
 }
 
 TEST(lanes_null_stream_absorbs_free_neighbours_and_disabled_lanes_do_nothing)
 {
   world w;
-  stream_lanes lanes{w.fences, w.arena, w.free, true};
+  auto lanes = lanes_of(w);
   auto *x = w.blocks[0], *y = w.blocks[1];
   x->state = block_state::free;
   --w.seg.live_blocks;
   w.free.insert(x);
   CHECK(lanes.may_merge(y, null_stream) && !lanes.may_merge(y, w.a));  // the null stream only
+  CHECK(lanes.absorbs_free(y, null_stream) && !lanes.absorbs_free(y, w.a));
+  w.free.erase(x);  // the pool's part: the lanes never touch the free lists
   auto* merged = lanes.merge_neighbours(y, null_stream);
-  REQUIRE(merged == x);  // y absorbed into x's record, off the free lists
+  REQUIRE(merged == x);  // y absorbed into x's record
   CHECK(merged->size == 128 * KiB);
-  CHECK_EQ(w.free.bytes(), 0u);
+  lanes.pend(merged, null_stream);
+  CHECK_EQ(lanes.fences().waiting_bytes(), 128 * KiB);
 
   world v;
-  stream_lanes off{v.fences, v.arena, v.free, false};  // passthrough: no stream order
+  auto off = lanes_of(v, false);  // passthrough: no stream order
   CHECK(!off.orders(v.a) && !off.joins_open(legacy) && !off.may_merge(v.blocks[1], v.a));
-  CHECK(off.take(v.a, 64 * KiB, block_kind::large) == nullptr);
+  CHECK(off.take(v.a, 64 * KiB, block_kind::large, v.free) == nullptr);
 }

@@ -19,6 +19,8 @@
 #include <vector>
 
 using namespace emmpool;
+using emmpool::test::gen;
+using emmpool::test::lib;
 
 namespace {
 
@@ -330,8 +332,8 @@ TEST(stream_order_growable_segment_merges_keep_pages_and_numba_stays_off)
   std::vector<device_ptr> v;
   for (int i = 0; i < 3; ++i) { v.push_back(f->allocate(4 * MiB, stream_a, tag)); }
   REQUIRE(v[1] == v[0] + 4 * MiB && v[2] == v[1] + 4 * MiB);
-  f->deallocate_tagged(v[1], allocation_stream, tag);
-  f->deallocate_tagged(v[0], allocation_stream, tag);
+  f->deallocate(v[1], allocation_stream, lib(tag));
+  f->deallocate(v[0], allocation_stream, lib(tag));
   CHECK(f.drv.accessible(0, v[0], 8 * MiB));
   auto const numba = f->allocate(6 * MiB, stream_a, alloc_tag::numba);
   CHECK(!overlaps(numba, 6 * MiB, v[0], 8 * MiB));
@@ -353,7 +355,7 @@ double torch_like_loop(pool_options o, int steps)
   fixture f{o};
   auto const tag = alloc_tag::torch;
   auto alloc     = [&](std::size_t n) { return f->allocate(n, stream_a, tag); };
-  auto release   = [&](device_ptr p) { f->deallocate_tagged(p, allocation_stream, tag); };
+  auto release   = [&](device_ptr p) { f->deallocate(p, allocation_stream, lib(tag)); };
   std::mt19937_64 rng{3};
   constexpr int layers = 16;
   std::vector<std::size_t> width;

@@ -3,15 +3,26 @@
  * @brief A stream-safe pool of device memory for one GPU.
  *
  * Segments come from the driver (cuMemAlloc). Requests up to `small_request` bytes are served
- * from small segments, larger ones from large segments, each by best fit, splitting blocks and
- * coalescing neighbours on return (detail/free_list.hpp). Freed blocks come back to the free
- * lists only once the reuse rule allows (reuse_rule.hpp). This class is the only code that
- * moves a block between allocated, pending and free, and calls the layers below it one way:
- * a free goes stream key (detail/stream_key.hpp) -> off the books -> the stream's lane
- * (detail/stream_lanes.hpp: merged, joined) or the fence queue (detail/fence_queue.hpp); a
- * miss polls the fence queue, and each block it reports complete leaves its lane and joins
- * the free lists. Besides: growth and caps, the out-of-memory ladder, reset (what outlives
- * it: detail/retired_segments.hpp), IPC and statistics.
+ * from small segments, larger ones from large segments (or pages of a growable segment), each
+ * by best fit, splitting blocks and coalescing neighbours on return (detail/free_list.hpp).
+ * Freed blocks come back to the free lists only once the reuse rule allows (reuse_rule.hpp).
+ *
+ * This class is the only code that moves a block between allocated, pending and free. It calls
+ * the layers below it one way, each with one job:
+ *   detail/stream_key.hpp      how the stream of a request or a free is named
+ *   detail/stream_lanes.hpp    the blocks that wait for their fence (the fence queue's batches)
+ *                              and stream order over them: pend, merge, join, take, poll
+ *   detail/free_list.hpp       best fit, split and coalesce of the blocks free now
+ *   detail/growable_space.hpp  the growable segment and its pages
+ *   detail/segment_index.hpp   segments and live blocks by address, and the questions asked of
+ *                              them (owns, live_extent, ipc_handle, layout)
+ *   detail/pool_cap.hpp        the cap, and what another allocator reserves against it
+ *   detail/growth_policy.hpp   how big a segment to make
+ *   detail/capture_mode.hpp    deferred cleanup and CUDA graph captures: what may not be done
+ *   detail/retired_segments.hpp  what outlives a reset
+ * Where each job is done: device_pool.cpp (an allocation's ladder, a free, statistics),
+ * pool_growth.cpp (growing and giving memory back), pool_controls.cpp (trim, the cap,
+ * captures, reset, IPC and the layout).
  *
  * In passthrough mode every allocation is its own segment, released to the driver once its
  * fence has completed: the mode for compute-sanitizer and for code that assumes one allocation
@@ -28,24 +39,25 @@
 #pragma once
 
 #include <emmpool/detail/block.hpp>
-#include <emmpool/detail/fence_queue.hpp>
+#include <emmpool/detail/capture_mode.hpp>
 #include <emmpool/detail/free_list.hpp>
 #include <emmpool/detail/growable_space.hpp>
+#include <emmpool/detail/pool_cap.hpp>
 #include <emmpool/detail/pool_lifecycle.hpp>
 #include <emmpool/detail/retired_segments.hpp>
+#include <emmpool/detail/segment_index.hpp>
+#include <emmpool/detail/segment_log.hpp>
 #include <emmpool/detail/stream_key.hpp>
 #include <emmpool/detail/stream_lanes.hpp>
 #include <emmpool/detail/trace_log.hpp>
-#include <emmpool/reuse_rule.hpp>
 #include <emmpool/driver.hpp>
+#include <emmpool/pool_layout.hpp>
 #include <emmpool/pool_options.hpp>
+#include <emmpool/reuse_rule.hpp>
 #include <emmpool/stats.hpp>
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
-#include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -53,26 +65,44 @@
 
 namespace emmpool {
 
-/// @brief One block of a pool's segments, as a memory snapshot shows it (device_pool::layout()).
-/// The blocks of a segment tile it, in address order.
-struct layout_block {
-  device_ptr segment;         ///< the segment's base
-  std::size_t segment_size;
-  device_ptr ptr;
-  std::size_t size;
-  std::uint8_t state;         ///< 0 free, 1 allocated, 2 freed and waiting for its fence
-  std::uint8_t tag;           ///< the library that allocated it (alloc_tag; meaningful if not free)
-  std::uint8_t kind;          ///< 0 small segment, 1 large, 2 growable (address space: its free
-                              ///< blocks may be unmapped in part)
-  stream_handle stream;       ///< the stream named at allocation (legacy_stream: none)
-};
+/// @brief Who frees a block, and so which block a free may take: the pointer alone does not
+/// say, once a reset has retired blocks whose addresses the driver may hand out again.
+class block_owner {
+ public:
+  /// The live block at the pointer, whoever allocated it (a caller that outlives no reset).
+  [[nodiscard]] static constexpr block_owner any() noexcept { return {}; }
+  /// The block the caller allocated in reset generation `g` (device_pool::generation(); Numba's
+  /// finalizers): a free from before a reset never touches a block allocated after it.
+  [[nodiscard]] static constexpr block_owner of_generation(std::uint64_t g) noexcept
+  {
+    block_owner o;
+    o.generation_ = g;
+    o.has_generation_ = true;
+    return o;
+  }
+  /// A block of library `tag`, for a caller that knows its library but not its generation
+  /// (CuPy, PyTorch, RMM, cuda.core): a retired block of that library at the pointer is taken
+  /// first (newest generation first), then a live one; another library's is never touched.
+  [[nodiscard]] static constexpr block_owner of_library(alloc_tag tag) noexcept
+  {
+    block_owner o;
+    o.tag_ = static_cast<int>(tag);
+    return o;
+  }
 
-/// @brief Where a pooled block lies in its segment, for IPC.
-struct ipc_info {
-  ipc_bytes handle;          ///< the segment's handle
-  device_ptr segment_base;
-  std::size_t segment_size;
-  std::size_t offset;        ///< block address - segment base
+  [[nodiscard]] constexpr bool has_generation() const noexcept { return has_generation_; }
+  [[nodiscard]] constexpr std::uint64_t generation() const noexcept { return generation_; }
+  [[nodiscard]] constexpr bool has_library() const noexcept { return tag_ >= 0; }
+  [[nodiscard]] constexpr std::uint8_t library() const noexcept
+  {
+    return static_cast<std::uint8_t>(tag_);
+  }
+
+ private:
+  constexpr block_owner() noexcept = default;
+  std::uint64_t generation_{};
+  bool has_generation_{};
+  int tag_{-1};
 };
 
 class device_pool : private detail::pool_lifecycle {
@@ -87,14 +117,17 @@ class device_pool : private detail::pool_lifecycle {
   device_pool(device_pool const&)            = delete;
   device_pool& operator=(device_pool const&) = delete;
 
+  // ---- allocation and free --------------------------------------------------------------------
+
   /**
    * @brief Allocate `bytes` (rounded up to 256; 0 gives a distinct 256-byte block).
    * @param stream the stream the caller uses the block on; legacy_stream: none named. On a
    *        named stream, a block freed on that same stream may be handed out again at once
    *        (stream order; see reuse_rule.hpp). per_thread_stream counts as none. The
    *        stream is alive during the call (its id is asked: cuStreamGetId).
-   * @throws out_of_memory after the out-of-memory ladder: promote completed frees, grow, wait
-   *         for pending frees, release wholly free segments, grow again.
+   * @param generation_out where given, the reset generation the block belongs to (to free it
+   *        with: block_owner::of_generation), read under the same lock.
+   * @throws out_of_memory after the out-of-memory ladder (allocate() in device_pool.cpp).
    */
   [[nodiscard]] device_ptr allocate(std::size_t bytes, stream_handle stream = legacy_stream,
                                     alloc_tag tag = alloc_tag::other,
@@ -103,9 +136,9 @@ class device_pool : private detail::pool_lifecycle {
   /**
    * @brief allocate(), when that takes neither a wait for the pool's lock nor a CUDA call that
    * may wait for the GPU (a named stream's id is asked: that never waits); a block on the free
-   * lists, or one in stream order; std::nullopt otherwise: then call
-   * allocate(). For callers holding a lock of their own (Python's GIL), who must not wait for
-   * a thread that, holding the pool's lock, may be waiting for the GPU.
+   * lists, or one in stream order; std::nullopt otherwise: then call allocate(). For callers
+   * holding a lock of their own (Python's GIL), who must not wait for a thread that, holding
+   * the pool's lock, may be waiting for the GPU.
    */
   [[nodiscard]] std::optional<device_ptr> try_allocate(std::size_t bytes, stream_handle stream,
                                                        alloc_tag tag,
@@ -119,37 +152,17 @@ class device_pool : private detail::pool_lifecycle {
    * this free's account); so is a stream with that stream's handle. Any other stream must be
    * alive during the call (its id is asked).
    * Calls CUDA only for that id, and to record a record_stream fence (see record_stream).
-   * @throws pool_error if ptr is not a live block of this pool.
+   * @param owner which block a free may take (block_owner).
+   * @throws pool_error if ptr is not a live block of this pool for `owner`.
    */
-  void deallocate(device_ptr ptr, stream_handle stream = legacy_stream);
+  void deallocate(device_ptr ptr, stream_handle stream = legacy_stream,
+                  block_owner owner = block_owner::any());
 
-  /**
-   * @brief Free a block allocated in reset generation `generation` (see generation()). A free
-   * from before a reset() never touches a block allocated after it, even at the same address.
-   */
-  void deallocate(device_ptr ptr, stream_handle stream, std::uint64_t generation);
-
-  /// @brief That free without waiting for the pool's lock and without a CUDA call (the block is
-  /// of the current generation, has no record_stream fence, and `stream` is a context stream
-  /// or the allocation's); false if it could not be done so: then call deallocate().
-  [[nodiscard]] bool try_deallocate(device_ptr ptr, stream_handle stream,
-                                    std::uint64_t generation)
-  {
-    return try_free(ptr, stream, &generation, -1);
-  }
-
-  /// @brief Free a block for a caller that knows its library but not its reset generation
-  /// (the CuPy and PyTorch entry points): a retired block of that library at `ptr` is taken
-  /// first, then a live one; a block of another library is never touched.
-  void deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag);
-
-  /// @brief deallocate_tagged() as try_deallocate() does it: false (then call
-  /// deallocate_tagged()) unless it takes no wait for the lock and no CUDA call. No block
-  /// retired by a reset may be live, since the free would look among them first.
-  [[nodiscard]] bool try_deallocate_tagged(device_ptr ptr, stream_handle stream, alloc_tag tag)
-  {
-    return try_free(ptr, stream, nullptr, static_cast<std::uint8_t>(tag));
-  }
+  /// @brief deallocate() when that takes no wait for the pool's lock and no CUDA call (a block
+  /// of the current generation, no record_stream fence, `stream` a context stream or the
+  /// allocation's, and for a library's free no retired block left); false if it could not be
+  /// done so: then call deallocate().
+  [[nodiscard]] bool try_deallocate(device_ptr ptr, stream_handle stream, block_owner owner);
 
   /// @brief Incremented by every reset(); callers that may outlive a reset remember it.
   using pool_lifecycle::generation;
@@ -160,6 +173,8 @@ class device_pool : private detail::pool_lifecycle {
   /// event on it. @throws pool_error
   void record_stream(device_ptr ptr, stream_handle stream);
 
+  // ---- what the pool holds (detail/segment_index.hpp) -----------------------------------------
+
   /// @brief Whether ptr is a live block of this pool (the start of one).
   [[nodiscard]] bool owns(device_ptr ptr) const;
 
@@ -167,7 +182,7 @@ class device_pool : private detail::pool_lifecycle {
   /// std::nullopt if no live block of this pool holds ptr. What "the allocation" of an array
   /// is for a caller that asks the driver (Numba's device_extents: cuMemGetAddressRange would
   /// answer with the whole segment, which other arrays share).
-  [[nodiscard]] std::optional<std::pair<device_ptr, std::size_t>> live_extent(device_ptr ptr);
+  [[nodiscard]] std::optional<std::pair<device_ptr, std::size_t>> live_extent(device_ptr ptr) const;
 
   /// @brief IPC description of the block containing ptr (which may point inside it);
   /// std::nullopt if the pool did not allocate it. A segment is never released to the driver
@@ -176,9 +191,15 @@ class device_pool : private detail::pool_lifecycle {
   /// VMM memory; Numba's blocks never live there)
   [[nodiscard]] std::optional<ipc_info> ipc_handle(device_ptr ptr);
 
+  /// @brief Every block of every segment, in address order (a memory snapshot). A growable
+  /// segment counts only its mapped pages in reserved; its free blocks are reported whole.
+  [[nodiscard]] std::vector<layout_block> layout() const;
+
   /// @brief Whether requests above small_request (other than Numba's) use a growable
   /// segment: asked for in the options and supported by the driver and device.
   [[nodiscard]] bool growable() const noexcept { return growable_.enabled(); }
+
+  // ---- giving memory back, and when not to (pool_controls.cpp) -------------------------------
 
   /// @brief Release wholly free segments to the driver (unless cleanup is deferred).
   /// @return bytes released
@@ -199,8 +220,7 @@ class device_pool : private detail::pool_lifecycle {
 
   /// @brief A CUDA graph may be captured on this device until the matching capture_end()
   /// (PyTorch's private pools say when; calls nest). Meanwhile the pool makes no CUDA call that
-  /// a capture forbids or would record into the graph: no event query, record or
-  /// synchronization, no segment or page given back (cuMemFree synchronizes). Frees still
+  /// a capture forbids or would record into the graph (detail/capture_mode.hpp). Frees still
   /// return blocks to their stream's order; those with a record_stream fence wait, unfenced,
   /// until the last capture_end(); what waits for a fence waits until then too. Growth still
   /// asks the driver: a capturing thread relaxes its capture mode around its own calls.
@@ -208,6 +228,8 @@ class device_pool : private detail::pool_lifecycle {
   /// @throws pool_error without a matching capture_begin()
   void capture_end();
   [[nodiscard]] bool capturing() const;
+
+  // ---- the cap (detail/pool_cap.hpp) ----------------------------------------------------------
 
   /// @brief Change the cap on bytes reserved (what maximum_size set; 0: none but the device's
   /// memory). Wholly free segments go back to the driver until reserved fits, if they can;
@@ -226,14 +248,18 @@ class device_pool : private detail::pool_lifecycle {
   /// @brief What reserve_outside() counts now.
   [[nodiscard]] std::size_t reserved_outside() const;
 
-  /// @brief Every block of every segment, in address order (a memory snapshot). A growable
-  /// segment counts only its mapped pages in reserved; its free blocks are reported whole.
-  [[nodiscard]] std::vector<layout_block> layout() const;
+  // ---- statistics, traces, events -------------------------------------------------------------
 
   /// @brief Start or stop recording allocations and frees (off: one branch per call).
   void set_tracing(bool on);
   /// @brief The records since the last call, oldest first; the trace keeps running.
   [[nodiscard]] std::vector<trace_record> take_trace();
+
+  /// @brief Start or stop recording segment events: segments made and released, pages of the
+  /// growable segment mapped and unmapped (a memory history's segment actions).
+  void set_segment_events(bool on);
+  /// @brief The events since the last call, oldest first (at most detail::segment_log::kept).
+  [[nodiscard]] std::vector<segment_event> take_segment_events();
 
   [[nodiscard]] pool_stats stats() const;
   void reset_peaks();
@@ -252,15 +278,16 @@ class device_pool : private detail::pool_lifecycle {
   using stream_ref = detail::stream_ref;
 
   // All private members expect mutex_ held.
-  // ---- allocation
-  block* take_without_cuda(std::size_t rounded, stream_ref stream);  // stream order, best fit
-  block* take_growable_without_cuda(std::size_t rounded, stream_ref stream);  // maps no page
-  // best fit and split; a growable request maps pages only if may_map
-  block* take_best_fit(std::size_t rounded, bool growable = false, bool may_map = true);
-  block* take_growable(std::size_t rounded, bool may_map);  // room made first, then mapped
-  // which segments serve a request (a segment serves one kind)
-  [[nodiscard]] detail::block_kind kind_of(std::size_t rounded, bool growable) const noexcept;
-  device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);
+
+  // ---- an allocation's ladder (device_pool.cpp)
+  /// One allocation, as the ladder's steps see it.
+  struct request {
+    std::size_t bytes{};    ///< as asked (the trace's size)
+    std::size_t rounded{};  ///< as served
+    stream_ref key{};
+    alloc_tag tag{};
+    bool growable{};        ///< served by the growable segment (growable_space::serves)
+  };
   /// The last try_allocate() that searched and missed, so that the allocate() after it neither
   /// checks the same request nor searches again while the batches (fence_queue::version) and
   /// the free lists (insertions: taking a block out cannot make best fit succeed) are as then.
@@ -273,64 +300,67 @@ class device_pool : private detail::pool_lifecycle {
     std::uint64_t insertions{}, version{};  // the state searched
   };
   std::optional<missed_request> missed_;
-  // ---- growth and giving memory back
-  block* grow(std::size_t rounded, bool exact, bool growable = false);
+  // The ladder's steps, in order; each returns the block or null.
+  block* take_cached(request const& r);       // stream order, else best fit: no CUDA call
+  block* fence_and_retake(request const& r);  // fence recent frees; reuse what completed, or
+                                              // cut a larger block this stream freed
+  block* grow_for(request const& r);          // a new segment (or pages)
+  block* wait_and_retake(request const& r);   // wait for every pending free
+  block* give_back_and_grow(request const& r);  // release wholly free memory, grow exactly
+  block* passthrough_allocate(request const& r);  // passthrough: a segment of its own
+  [[noreturn]] void fail(request const& r);
+  // best fit and split off the free lists; a growable request maps pages only if may_map
+  block* take_free(request const& r, bool may_map);
+  block* take_growable(std::size_t rounded, alloc_tag tag, bool may_map);  // room first
+  // which segments serve a request (a segment serves one kind)
+  [[nodiscard]] detail::block_kind kind_of(std::size_t rounded, bool growable) const noexcept;
+  device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);
+
+  // ---- growth and giving memory back (pool_growth.cpp)
+  // A segment for `rounded` bytes (segment_size_for; exact: no more than the request needs),
+  // or the growable segment's pages; null at the cap or out of memory.
+  block* grow(std::size_t rounded, bool exact, bool growable, alloc_tag tag);
+  // The driver's segment, on the books; null if the driver is out of memory.
+  block* make_segment(std::size_t size, bool small, alloc_tag tag);
   // At a new peak (growing by `need`): large segments only, and few pages (growable_space).
   std::size_t release_free_segments(bool at_peak = false, std::size_t need = 0);
   void release_segment(segment* seg);
-  // The segment that holds ptr, if it has a live block (IPC, live_extent); else null.
-  [[nodiscard]] segment* segment_with_live_blocks(device_ptr ptr) const;
-  // ---- frees
-  void free_live(device_ptr ptr, stream_handle stream, int tag = -1);  // of library tag (>= 0)
-  // try_deallocate(_tagged): of that generation (null: none retired), of library tag (>= 0).
-  bool try_free(device_ptr ptr, stream_handle stream, std::uint64_t const* generation, int tag);
-  using live_map = detail::live_map;
-  void off_books(live_map::iterator it, stream_ref key);  // a freed block: stats, trace
+
+  // ---- frees (device_pool.cpp)
+  // The live block at ptr that `owner` may free; throws pool_error saying why not.
+  [[nodiscard]] detail::live_map::iterator live_block_of(device_ptr ptr, block_owner owner);
+  void off_books(detail::live_map::iterator it, stream_ref key);  // a freed block: stats, trace
   // Off the books: to its lane or the fences. Out of line: inlined into every free, the key
   // stayed in memory, and the pair paid a stalled reload.
   [[gnu::noinline]] void settle_freed(block* blk, stream_ref key);
-  void pend(block* blk, stream_ref key);          // into key's batch, takeable if key orders
-  void settle_fenced();                           // fenced_: out of lanes, into the free lists
-  void release_block(block* blk);                 // every fence done: into the free lists
+  void absorb_free_neighbours(block* blk);  // off the free lists, for a merge to take them
+  void settle_released();                   // released_: into the free lists
+  void release_block(block* blk);           // every fence done: into the free lists
   void maintain(stream_ref alive);
   void drain();  // wait for every pending free
-  void settle_held_for_capture();  // held_for_capture_ fenced now
+  void settle_held_for_capture();  // what capture_mode held, fenced now
   void release_held_back();        // the last deferral ended: passthrough's free segments
   [[nodiscard]] pool_stats stats_locked() const;  // the full snapshot
-  // The cap less what other allocators reserve for the pool's clients: what growth may reach.
-  [[nodiscard]] std::size_t growth_cap() const noexcept
-  {
-    return max_reserved_ - std::min(max_reserved_, reserved_outside_);
-  }
-  // Whether `n` more bytes reserved stay within growth_cap().
-  [[nodiscard]] bool fits_cap(std::size_t n) const noexcept
-  {
-    std::size_t const cap = growth_cap();
-    return n <= cap && stats_.bytes_reserved <= cap - n;
-  }
   [[nodiscard]] std::string describe_locked() const;
 
   driver* driver_;
   int device_;
   pool_options options_;
-  std::size_t max_reserved_{};
+  detail::pool_cap cap_;
   detail::stream_keys keys_{*driver_, device_};
-  detail::fence_queue fences_{*driver_, device_, options_.open_batch_limit};
-  std::map<device_ptr, std::unique_ptr<segment>> segments_;  // by base: IPC lookups
-  live_map live_;                                             // allocated blocks by address
+  detail::segment_index index_;  // segments by base, allocated blocks by address
   detail::block_arena blocks_;
   detail::free_lists free_{blocks_};
-  detail::stream_lanes lanes_{fences_, blocks_, free_, options_.mode == pool_mode::pool};
+  detail::stream_lanes lanes_{*driver_, device_, options_.open_batch_limit, blocks_,
+                              options_.mode == pool_mode::pool};
   detail::retired_segments retired_{*driver_, device_, blocks_};  // outlived a reset()
   pool_stats stats_{};
   detail::trace_log trace_;
-  std::vector<detail::fenced_block> fenced_;  // what the fences reported, until settled
-  int captures_{};  // capture_begin() calls not ended: no CUDA call a capture forbids
-  // Freed with a record_stream fence during a capture: settled at the last capture_end().
-  std::vector<std::pair<block*, stream_ref>> held_for_capture_;
-  std::size_t reserved_outside_{};  // reserve_outside(): counted against the cap
+  detail::segment_log segment_log_;
+  std::vector<block*> released_;  // what the fences reported complete, until settled
+  detail::capture_mode capture_;
   // Last: the members above keep the layout (cache lines) of fixed segments' hot path.
-  detail::growable_space growable_{*driver_, device_, blocks_, stats_};
+  detail::growable_space growable_{*driver_, device_, blocks_, stats_, cap_, segment_log_};
 };
 
 }  // namespace emmpool

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <emmpool/detail/block.hpp>
+#include <emmpool/detail/capture_mode.hpp>
 #include <emmpool/detail/fence_queue.hpp>
 #include <emmpool/detail/pool_lifecycle.hpp>
 #include <emmpool/detail/stream_key.hpp>
@@ -117,6 +118,7 @@ class host_pool : private detail::pool_lifecycle {
   std::map<std::pair<std::uint64_t, std::uintptr_t>, block*> retired_;
   std::unordered_map<std::uintptr_t, std::size_t> registered_;
   detail::block_arena blocks_;
+  detail::cleanup_deferrals deferrals_;
   host_pool_stats stats_{};
 };
 

@@ -84,8 +84,14 @@ class address_map {
 
   [[nodiscard]] std::size_t count(std::uint64_t key) const noexcept
   {
-    return const_cast<address_map*>(this)->find(key) != const_cast<address_map*>(this)->end() ? 1
-                                                                                             : 0;
+    return get(key) != nullptr ? 1 : 0;
+  }
+  /// The value at key, or null (find() for a reader that changes nothing).
+  [[nodiscard]] Value get(std::uint64_t key) const noexcept
+  {
+    auto* self = const_cast<address_map*>(this);
+    auto it    = self->find(key);
+    return it != self->end() ? it->second : nullptr;
   }
 
   /// Insert (key, value) if key is absent; value must not be null. @return whether inserted

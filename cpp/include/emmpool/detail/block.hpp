@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -69,6 +70,9 @@ struct segment {
     return small ? block_kind::small : growable ? block_kind::growable : block_kind::large;
   }
 };
+
+/// @brief A pool's segments by base address.
+using segment_map = std::map<device_ptr, std::unique_ptr<segment>>;
 
 /// @brief Make `rest` (a fresh record) the part of `blk` past its first `size` bytes, next to
 /// it in the segment's block list.

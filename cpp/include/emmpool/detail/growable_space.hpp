@@ -23,6 +23,8 @@
 #include <emmpool/detail/block.hpp>
 #include <emmpool/detail/free_list.hpp>
 #include <emmpool/detail/growable_segment.hpp>
+#include <emmpool/detail/pool_cap.hpp>
+#include <emmpool/detail/segment_log.hpp>
 #include <emmpool/driver.hpp>
 #include <emmpool/pool_options.hpp>
 #include <emmpool/stats.hpp>
@@ -36,16 +38,17 @@ namespace emmpool::detail {
 
 class growable_space {
  public:
-  growable_space(driver& drv, int device, block_arena& arena, pool_stats& stats)
-    : driver_{&drv}, device_{device}, arena_{&arena}, free_{arena}, stats_{&stats}
+  /// `stats`, `cap`, `log`: the pool's (reserved bytes counted there, mapping within its cap,
+  /// maps and unmaps recorded there).
+  growable_space(driver& drv, int device, block_arena& arena, pool_stats& stats,
+                 pool_cap const& cap, segment_log& log)
+    : driver_{&drv}, device_{device}, arena_{&arena}, free_{arena}, stats_{&stats}, cap_{&cap},
+      log_{&log}
   {
   }
 
   /// Asks the driver for its page size when `o` asks for growable segments (pool mode).
-  void configure(pool_options const& o, std::size_t max_reserved) noexcept;
-  /// The pool's cap changed (device_pool::set_maximum_size): mapping obeys the new one; the
-  /// reservation, made already, keeps its size.
-  void set_cap(std::size_t max_reserved) noexcept { max_reserved_ = max_reserved; }
+  void configure(pool_options const& o) noexcept;
   /// Whether requests above small_request may use the segment (supported and asked for).
   [[nodiscard]] bool enabled() const noexcept { return page_ != 0; }
   [[nodiscard]] bool serves(std::size_t rounded, alloc_tag tag) const noexcept
@@ -59,10 +62,11 @@ class growable_space {
     block* blk{};            ///< null: nothing to claim
     std::size_t rounded{};   ///< the request
     std::size_t need{};      ///< bytes of its pages still to map (0: ready)
+    std::uint8_t tag{};      ///< the library asking (segment events)
   };
   /// The best fit (or a mapped candidate) of at least `rounded` bytes; nothing if none fits, or
   /// if its pages would need mapping and !may_map.
-  [[nodiscard]] claim claim_best_fit(std::size_t rounded, bool may_map);
+  [[nodiscard]] claim claim_best_fit(std::size_t rounded, alloc_tag tag, bool may_map);
   /// What must go back to the driver before the claim's pages are mapped: 0 (nothing),
   /// c.need (the mapping makes a new peak: the pool gives back its wholly free large fixed
   /// segments, then unmap_for_peak), or all_free (the cap: everything wholly free).
@@ -74,7 +78,7 @@ class growable_space {
   void give_back(claim const& c) { free_.insert(c.blk); }
   /// Make the segment, if there is none yet: false where the driver refuses a reservation
   /// (then fixed segments only, from now on). `segments`: the pool's, by base.
-  bool ensure_segment(std::size_t rounded, std::map<device_ptr, std::unique_ptr<segment>>& segments);
+  bool ensure_segment(std::size_t rounded, segment_map& segments);
 
   /// Unmap wholly free pages, at most `limit` bytes, the largest free blocks' first.
   /// @return bytes unmapped
@@ -85,7 +89,7 @@ class growable_space {
   static constexpr std::size_t all_free = ~std::size_t{0};
   /// The segment goes with a reset(): released if `segments` holds it wholly free (then
   /// erased there), else its pages stay mapped (retired with its live blocks).
-  void drop(std::map<device_ptr, std::unique_ptr<segment>>& segments);
+  void drop(segment_map& segments);
   /// The pool goes: unmap and free the reservation.
   void release_at_teardown() noexcept;
 
@@ -103,12 +107,12 @@ class growable_space {
   }
 
  private:
-  bool map_for(device_ptr ptr, std::size_t rounded, std::size_t available);  // after room_for
+  bool map_for(claim const& c);  // after room_for
   [[nodiscard]] bool fits(std::size_t n) const noexcept
   {
-    return n <= max_reserved_ && stats_->bytes_reserved <= max_reserved_ - n;
+    return cap_->fits(stats_->bytes_reserved, n);
   }
-  void count_mapped(std::size_t n);
+  void count_mapped(device_ptr at, std::size_t n, std::uint8_t tag);
   void count_unmapped(std::size_t n);
 
   driver* driver_;
@@ -116,12 +120,13 @@ class growable_space {
   block_arena* arena_;
   free_lists free_;  // its large set: the segment's free blocks
   pool_stats* stats_;
+  pool_cap const* cap_;
+  segment_log* log_;
   std::size_t page_{};            // 0: fixed segments only
   std::size_t small_request_{};
   std::size_t reserve_{};         // options' growable_reserve (0: the device's memory)
   std::size_t room_{};
   bool hysteresis_{};
-  std::size_t max_reserved_{};
   std::unique_ptr<growable_pages> pages_;  // the segment's pages
   segment* seg_{};
   std::vector<std::unique_ptr<growable_pages>> retired_;  // left mapped by a reset

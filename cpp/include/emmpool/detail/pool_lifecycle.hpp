@@ -1,8 +1,8 @@
 /**
  * @file detail/pool_lifecycle.hpp
  * @brief What device_pool and host_pool share of their lives, alike in both: one mutex, the
- * fork guard, the reset generation, nested cleanup deferrals, and what a pool may still do as
- * it goes away. Each pool derives from it privately.
+ * fork guard, the reset generation, and what a pool may still do as it goes away. Each pool
+ * derives from it privately. (Deferred cleanup, which both have too: detail/capture_mode.hpp.)
  */
 #pragma once
 
@@ -42,27 +42,6 @@ class pool_lifecycle {
   ~pool_lifecycle() { unregister_for_fork(&mutex_); }
 
   // The rest expect mutex_ held.
-  void begin_deferral() noexcept { ++cleanup_deferrals_; }
-  /// @return whether that ended the last deferral
-  bool end_deferral()
-  {
-    EMMPOOL_EXPECTS(cleanup_deferrals_ > 0, "defer_cleanup_end without defer_cleanup_begin");
-    return --cleanup_deferrals_ == 0;
-  }
-  [[nodiscard]] bool cleanup_deferred() const noexcept { return cleanup_deferrals_ > 0; }
-  /// For a reset, which frees what it can regardless: run f with no deferral in force,
-  /// ignoring its errors (the context is going anyway).
-  template <class F>
-  void regardless_of_deferrals(F&& f) noexcept
-  {
-    int const deferrals = cleanup_deferrals_;
-    cleanup_deferrals_  = 0;
-    try {
-      f();
-    } catch (...) {
-    }
-    cleanup_deferrals_ = deferrals;
-  }
   /// As the pool goes away: whether it may call the driver (never in a forked child, whose
   /// driver is the parent's, nor while the process exits: the driver may be gone; leak).
   [[nodiscard]] bool may_call_driver_at_teardown() const noexcept
@@ -73,7 +52,6 @@ class pool_lifecycle {
   mutable pool_mutex mutex_;
   bool forked_{};  // this process is a fork() child of the one that made the pool
   std::uint64_t generation_{};
-  int cleanup_deferrals_{};
 };
 
 }  // namespace emmpool::detail
