@@ -14,101 +14,157 @@ import pytest
 
 C_ENTRIES = textwrap.dedent(
     """
-    import ctypes
+    import ctypes as c
     import emmpool
     from emmpool import _core
 
     host = _core.HostDriver(devices=1, capacity=1 << 30)
     _core._use_driver_for_all_pools(host)
     emmpool.configure(maximum_pool_size="512MiB")
-    lib = ctypes.CDLL(_core.__file__)
-    c = ctypes
+    lib = c.CDLL(_core.__file__)
+
+    # emmpool/torch_api.h, read a second time: a layout that drifts from the header's shows.
+    class Error(c.Structure):
+        _fields_ = [("kind", c.c_int32), ("message", c.c_char * 512)]
+    class Stats(c.Structure):
+        _fields_ = [(n, c.c_uint64) for n in (
+            "torch_bytes_in_use bytes_in_use peak_bytes_in_use bytes_reserved "
+            "peak_bytes_reserved torch_allocations frees blocks_in_use segments "
+            "segment_allocations segment_releases out_of_memory bytes_waiting bytes_free "
+            "largest_free_block dormant_fences").split()]
+    class Row(c.Structure):
+        _fields_ = [("segment", c.c_uint64), ("segment_size", c.c_uint64), ("ptr", c.c_uint64),
+                    ("size", c.c_uint64), ("stream", c.c_uint64), ("state", c.c_uint8),
+                    ("library", c.c_uint8), ("kind", c.c_uint8), ("reserved_", c.c_uint8 * 5)]
+    class Event(c.Structure):
+        _fields_ = [("address", c.c_uint64), ("size", c.c_uint64), ("action", c.c_uint8),
+                    ("kind", c.c_uint8), ("library", c.c_uint8), ("reserved_", c.c_uint8 * 5)]
+    class Id(c.Structure):
+        _fields_ = [("first", c.c_uint64), ("second", c.c_uint64)]
+    class Totals(c.Structure):
+        _fields_ = [("cached_bytes", c.c_uint64), ("cached_blocks", c.c_uint64),
+                    ("foreign_bytes", c.c_uint64)]
+    E = c.POINTER(Error)
+
     def fn(name, restype, *argtypes):
         f = getattr(lib, name)
         f.restype, f.argtypes = restype, list(argtypes)
         return f
     abi = fn("emmpool_torch_abi_version", c.c_int)
-    allocate = fn("emmpool_torch_allocate", c.c_void_p, c.c_size_t, c.c_int, c.c_void_p,
-                  c.POINTER(c.c_int), c.c_char_p, c.c_size_t)
+    allocate = fn("emmpool_torch_allocate", c.c_void_p, c.c_size_t, c.c_int, c.c_void_p, E)
     free = fn("emmpool_torch_free", None, c.c_void_p, c.c_size_t, c.c_int, c.c_void_p)
-    record = fn("emmpool_torch_record_stream", c.c_int, c.c_void_p, c.c_int, c.c_void_p,
-                c.c_char_p, c.c_size_t)
-    stats = fn("emmpool_torch_stats", c.c_int, c.c_int, c.POINTER(c.c_uint64), c.c_int)
+    record = fn("emmpool_torch_record_stream", c.c_int, c.c_void_p, c.c_int, c.c_void_p, E)
+    stats_of = fn("emmpool_torch_stats_of", c.c_int, c.c_int, c.POINTER(Stats))
     reset_peaks = fn("emmpool_torch_reset_peaks", None, c.c_int)
     trim = fn("emmpool_torch_trim", c.c_size_t, c.c_int)
     largest = fn("emmpool_torch_largest_block", c.c_size_t, c.c_int)
     ipc = fn("emmpool_torch_ipc_handle", c.c_int, c.c_void_p, c.c_int, c.c_char_p,
-             c.POINTER(c.c_size_t), c.c_char_p, c.c_size_t)
-    set_max = fn("emmpool_torch_set_maximum", c.c_int, c.c_int, c.c_size_t, c.c_char_p, c.c_size_t)
+             c.POINTER(c.c_size_t), E)
+    set_max = fn("emmpool_torch_set_maximum", c.c_int, c.c_int, c.c_size_t, E)
     maximum = fn("emmpool_torch_maximum", c.c_size_t, c.c_int)
-    capture = fn("emmpool_torch_capture", c.c_int, c.c_int, c.c_int)
-    layout = fn("emmpool_torch_layout", c.c_long, c.c_int, c.POINTER(c.c_uint64), c.c_size_t)
-    tag_name = fn("emmpool_torch_tag_name", c.c_char_p, c.c_int)
-    outside = fn("emmpool_torch_reserve_outside", c.c_int, c.c_int, c.c_longlong, c.c_char_p,
-                 c.c_size_t)
-    assert abi() == 3
+    layout = fn("emmpool_torch_layout", c.c_long, c.c_int, c.POINTER(Row), c.c_size_t)
+    name = fn("emmpool_library_name", c.c_char_p, c.c_int)
+    outside = fn("emmpool_torch_reserve_outside", c.c_int, c.c_int, c.c_longlong, E)
+    watch = fn("emmpool_torch_watch_segments", None, c.c_int)
+    events = fn("emmpool_torch_segment_events", c.c_long, c.c_int, c.POINTER(Event), c.c_size_t)
+    p_begin = fn("emmpool_private_begin", c.c_int, c.c_int, Id, E)
+    p_end = fn("emmpool_private_end", None, c.c_int, Id)
+    p_allocate = fn("emmpool_private_allocate", c.c_void_p, Id, c.c_size_t, c.c_int, c.c_void_p, E)
+    p_free = fn("emmpool_private_free", None, c.c_void_p)
+    p_release = fn("emmpool_private_release", None, Id)
+    p_device = fn("emmpool_private_device_of", c.c_int, c.c_void_p)
+    p_live = fn("emmpool_private_live_blocks", c.c_long, Id, c.POINTER(c.c_uint64), c.c_size_t)
+    p_totals = fn("emmpool_private_totals_of", None, c.c_int, c.POINTER(Totals))
+    assert abi() == 4
 
     def snapshot():
-        v = (c.c_uint64 * 16)()
-        assert stats(0, v, 16) == 16
-        return list(v)
+        v = Stats()
+        assert stats_of(0, c.byref(v)) == 0
+        return v
 
     MiB = 1 << 20
     s = host.create_stream()
-    kind, why = c.c_int(-1), c.create_string_buffer(256)
-    p = allocate(3 * MiB, 0, s, c.byref(kind), why, 256)
-    assert p, why.value
+    why = Error()
+    watch(1)
+    p = allocate(3 * MiB, 0, s, c.byref(why))
+    assert p, why.message
     v = snapshot()
-    assert v[0] == 3 * MiB and v[1] == 3 * MiB and v[3] >= 3 * MiB and v[5] == 1, v
+    assert v.torch_bytes_in_use == 3 * MiB and v.bytes_in_use == 3 * MiB, v
+    assert v.bytes_reserved >= 3 * MiB and v.torch_allocations == 1
+    # the segment made for it, as a memory history reads it
+    got = (Event * 8)()
+    n = events(0, got, 8)
+    assert n == 1 and got[0].action == 0 and got[0].library == 3 and got[0].size >= 3 * MiB
+    assert events(0, got, 8) == 0  # taken
     # the cap (512 MiB): refused with the reason, kind 0 = out of memory
-    q = allocate(1 << 30, 0, s, c.byref(kind), why, 256)
-    assert q is None and kind.value == 0 and b"out of memory" in why.value, (kind, why.value)
-    assert v[14] <= largest(0) <= 512 * MiB, largest(0)
+    q = allocate(1 << 30, 0, s, c.byref(why))
+    assert q is None and why.kind == 0 and b"out of memory" in why.message, why.message
+    assert v.largest_free_block <= largest(0) <= 512 * MiB, largest(0)
     # record_stream: a pool block is accepted, another pointer refused with the reason
     other = host.create_stream()
-    assert record(p, 0, other, why, 256) == 0, why.value
-    assert record(p + 256, 0, other, why, 256) == -1 and why.value, why.value
+    assert record(p, 0, other, c.byref(why)) == 0, why.message
+    assert record(p + 256, 0, other, c.byref(why)) == -1 and why.message
     # IPC: the segment's handle and the block's offset
     handle, offset = c.create_string_buffer(64), c.c_size_t(99)
-    assert ipc(p, 0, handle, c.byref(offset), why, 256) == 0, why.value
+    assert ipc(p, 0, handle, c.byref(offset), c.byref(why)) == 0, why.message
     assert offset.value == 0
-    assert ipc(12345, 0, handle, c.byref(offset), why, 256) == -1 and b"not a block" in why.value
+    assert ipc(12345, 0, handle, c.byref(offset), c.byref(why)) == -1
+    assert b"not a block" in why.message
     # the layout: every block of every segment; p is torch's, on stream s, in a large segment
     n = layout(0, None, 0)
-    rows = (c.c_uint64 * (8 * n))()
+    rows = (Row * n)()
     assert layout(0, rows, n) == n >= 1
-    blocks = [tuple(rows[8 * i:8 * i + 8]) for i in range(n)]
-    mine = [b for b in blocks if b[2] == p]
-    assert len(mine) == 1 and mine[0][3] == 3 * MiB and mine[0][4] == s and mine[0][5] == 1, mine
-    assert tag_name(mine[0][6]) == b"torch" and tag_name(99) is None
-    assert sum(b[3] for b in blocks) == snapshot()[3]  # the blocks tile what is reserved
+    mine = [r for r in rows if r.ptr == p]
+    assert len(mine) == 1 and mine[0].size == 3 * MiB and mine[0].stream == s
+    assert mine[0].state == 1 and mine[0].kind == 1
+    assert name(mine[0].library) == b"torch" and name(99) is None
+    assert sum(r.size for r in rows) == snapshot().bytes_reserved  # they tile what is reserved
     # the cap: lowered below what is in use is refused with the reason; else it holds
     assert maximum(0) == 512 * MiB
-    assert set_max(0, MiB, why, 256) == -1 and b"in use" in why.value, why.value
-    assert set_max(0, 64 * MiB, why, 256) == 0 and maximum(0) == 64 * MiB
-    assert allocate(100 * MiB, 0, s, c.byref(kind), why, 256) is None and kind.value == 0
-    assert set_max(0, 512 * MiB, why, 256) == 0
+    assert set_max(0, MiB, c.byref(why)) == -1 and b"in use" in why.message, why.message
+    assert set_max(0, 64 * MiB, c.byref(why)) == 0 and maximum(0) == 64 * MiB
+    assert allocate(100 * MiB, 0, s, c.byref(why)) is None and why.kind == 0
+    assert set_max(0, 512 * MiB, c.byref(why)) == 0
     # another allocator's bytes count against the cap: what passes it is refused, counting
     # nothing; the pool cannot grow into what they hold, nor be capped below it
-    held = 512 * MiB - snapshot()[3] - 50 * MiB  # leaves the pool 50 MiB to grow into
-    assert outside(0, held + 51 * MiB, why, 256) == 1
-    assert outside(0, held, why, 256) == 0
-    assert allocate(100 * MiB, 0, s, c.byref(kind), why, 256) is None and kind.value == 0
-    assert b"reserved by another allocator" in why.value, why.value
-    assert set_max(0, held, why, 256) == -1 and b"another allocator" in why.value, why.value
-    assert outside(0, -held, why, 256) == 0
-    q = allocate(100 * MiB, 0, s, c.byref(kind), why, 256)
-    assert q, why.value
+    held = 512 * MiB - snapshot().bytes_reserved - 50 * MiB  # leaves the pool 50 MiB
+    assert outside(0, held + 51 * MiB, c.byref(why)) == 1
+    assert outside(0, held, c.byref(why)) == 0
+    assert allocate(100 * MiB, 0, s, c.byref(why)) is None and why.kind == 0
+    assert b"reserved by another allocator" in why.message, why.message
+    assert set_max(0, held, c.byref(why)) == -1 and b"another allocator" in why.message
+    assert outside(0, -held, c.byref(why)) == 0
+    q = allocate(100 * MiB, 0, s, c.byref(why))
+    assert q, why.message
     free(q, 0, 0, s)
-    # a capture: begin and end pair; an end without a begin is refused
-    assert capture(0, 1) == 0 and capture(0, 0) == 0 and capture(0, 0) == -1
+    # a private pool: begun (the pool captures), allocated to, checkpointed, released
+    graph = Id(1, 0)
+    assert p_begin(0, graph, c.byref(why)) == 0, why.message
+    assert p_begin(0, graph, c.byref(why)) == -1 and b"already" in why.message
+    b = p_allocate(graph, MiB, 0, s, c.byref(why))
+    assert b and p_device(b) == 0 and p_device(p) == -1
+    live = (c.c_uint64 * 4)()
+    assert p_live(graph, live, 4) == 1 and live[0] == b
+    p_end(0, graph)
+    p_free(b)  # free within its pool: cached, to PyTorch's statistics
+    t = Totals()
+    p_totals(0, c.byref(t))
+    assert t.cached_bytes == MiB and t.cached_blocks == 1 and t.foreign_bytes == 0
+    in_use = snapshot().bytes_in_use
+    p_release(graph)
+    assert snapshot().bytes_in_use == in_use - MiB and p_device(b) == -1
     free(p, 0, 0, s)
     v = snapshot()
-    assert v[0] == 0 and v[2] >= 3 * MiB, v
+    assert v.torch_bytes_in_use == 0 and v.peak_bytes_in_use >= 3 * MiB, v
     reset_peaks(0)
-    assert snapshot()[2] == 0
+    assert snapshot().peak_bytes_in_use == 0
+    while events(0, got, 8) == 8:  # what the calls above made and released
+        pass
     host.complete_all_events()
     trim(0)
+    n = events(0, got, 8)
+    assert n >= 1 and all(got[i].action == 1 for i in range(n))  # released, each
+    watch(0)
     print("OK")
     """
 )
@@ -132,20 +188,22 @@ def test_choice_is_checked(monkeypatch):
 
 
 def test_extension_source_is_shipped_with_the_package():
-    from emmpool import _torch
-
-    assert _torch.SOURCE.is_file(), _torch.SOURCE
-    text = _torch.SOURCE.read_text()
-    # every entry point the extension looks up exists in _core
     import ctypes
-
-    from emmpool import _core
-
-    lib = ctypes.CDLL(_core.__file__)
     import re
 
-    for name in set(re.findall(r'"(emmpool_torch_[a-z_]+)"', text)):
+    from emmpool import _core, _torch
+
+    for path in (_torch.SOURCE, *_torch.HEADERS):
+        assert path.is_file(), path
+    # every entry point the extension looks up exists in _core, and the header declares it
+    looked_up = _torch.EXTENSION / "entry_points.hpp"
+    names = set(re.findall(r"X\((emmpool_[a-z_]+)\)", looked_up.read_text()))
+    assert len(names) > 30, names
+    header = (_torch.INCLUDE / "emmpool" / "torch_api.h").read_text()
+    lib = ctypes.CDLL(_core.__file__)
+    for name in names:
         assert hasattr(lib, name), name
+        assert re.search(rf"\b{name}\(", header), name
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed")

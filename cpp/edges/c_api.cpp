@@ -10,6 +10,8 @@
 
 #include "pool_calls.hpp"
 
+#include <emmpool/torch_api.h>
+
 #include <emmpool/error.hpp>
 #include <emmpool/registry.hpp>
 

@@ -1,43 +1,58 @@
-// C entry points for emmpool's PyTorch allocator (python/emmpool/_torch_allocator.cpp), beyond
-// the malloc/free pair of c_api.cpp: what PyTorch's CUDAAllocator interface asks of an
-// allocator (statistics, record_stream, IPC, the cache's largest block, empty_cache, the cap
-// of set_per_process_memory_fraction, the blocks of a memory snapshot, CUDA graph captures)
-// and an allocation that says why it failed.
-//
-// The PyTorch extension is compiled on the user's machine against the installed PyTorch and
-// finds these with dlsym() in this library, so nothing links against the other: the layout of
-// what they exchange is fixed by emmpool_torch_abi_version() (bump it on any change).
-// None of them throws across the C boundary (but a thread's end: caller_lock.hpp), and none
-// holds the caller's GIL while it waits for the pool's lock or the GPU.
+// The C entry points of emmpool's PyTorch extension (cpp/torch/), as emmpool/torch_api.h
+// declares them: what PyTorch's CUDAAllocator interface asks of an allocator (statistics,
+// record_stream, IPC, the cache's largest block, empty_cache, the cap of
+// set_per_process_memory_fraction, the blocks and segment events of a memory snapshot and
+// history) and PyTorch's private pools (emmpool/private_pools.hpp). Each translates between
+// the header's C records and the core's types, and follows the entry points' rule: no
+// exception crosses the boundary, and the caller's GIL is let go of while a pool's lock or the
+// GPU may be waited for (pool_calls.hpp, caller_lock.hpp).
 #include "c_api.hpp"
 #include "caller_lock.hpp"
 
 #include <emmpool/registry.hpp>
+#include <emmpool/torch_api.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
+
+// The header's enums are the core's, value for value.
+static_assert(EMMPOOL_LIBRARIES == emmpool::alloc_tag_count);
+static_assert(EMMPOOL_LIBRARY_TORCH == static_cast<int>(emmpool::alloc_tag::torch));
+static_assert(EMMPOOL_LIBRARY_CUDA_CORE == static_cast<int>(emmpool::alloc_tag::cuda_core));
+static_assert(EMMPOOL_BLOCK_WAITING == static_cast<int>(emmpool::block_status::waiting));
+static_assert(EMMPOOL_SEGMENT_GROWABLE == static_cast<int>(emmpool::segment_type::growable));
+static_assert(EMMPOOL_SEGMENT_UNMAPPED ==
+              static_cast<int>(emmpool::segment_event::kind::unmapped));
 
 namespace {
 
-// Copies what(), truncated, into the caller's buffer (which may be null).
-void say(char* buffer, std::size_t length, char const* what) noexcept
+using emmpool::caller_lock::without_caller_lock;
+using emmpool::device_ptr;
+using emmpool::stream_handle;
+
+emmpool::pool_registry& registry() { return emmpool::pool_registry::instance(); }
+
+// Inside a catch block: the exception being handled, into the caller's error record.
+void report(emmpool_error* error) noexcept
 {
-  if (buffer == nullptr || length == 0) { return; }
-  std::size_t const n = std::min(std::strlen(what), length - 1);
-  std::memcpy(buffer, what, n);
-  buffer[n] = '\0';
+  if (error == nullptr) { return; }
+  auto const f = emmpool::c_api::current_failure();
+  error->kind  = f.kind;
+  std::size_t const n = std::min(std::strlen(f.what), sizeof error->message - 1);
+  std::memcpy(error->message, f.what, n);
+  error->message[n] = '\0';
 }
 
-emmpool::device_pool* pool_of(int device) noexcept
+void say(emmpool_error* error, emmpool_failure kind, char const* what) noexcept
 {
-  try {
-    return &emmpool::pool_registry::instance().pool(device);
-  } catch (...) {
-    return nullptr;
-  }
+  if (error == nullptr) { return; }
+  error->kind = kind;
+  std::strncpy(error->message, what, sizeof error->message - 1);
+  error->message[sizeof error->message - 1] = '\0';
 }
 
 // The pool of a device only if it exists already: statistics, peaks and empty_cache must not
@@ -46,7 +61,7 @@ emmpool::device_pool* pool_of(int device) noexcept
 emmpool::device_pool* existing_pool_of(int device) noexcept
 {
   try {
-    for (auto* p : emmpool::pool_registry::instance().pools()) {
+    for (auto* p : registry().pools()) {
       if (p->device() == device) { return p; }
     }
   } catch (...) {
@@ -54,85 +69,92 @@ emmpool::device_pool* existing_pool_of(int device) noexcept
   return nullptr;
 }
 
+emmpool::private_pool_id id_of(emmpool_private_id id) noexcept { return {id.first, id.second}; }
+
+emmpool_private_block record_of(emmpool::private_block const& b) noexcept
+{
+  emmpool_private_block r{};
+  r.ptr     = b.ptr;
+  r.size    = b.size;
+  r.stream  = b.stream;
+  r.pool    = {b.pool.first, b.pool.second};
+  r.device  = b.device;
+  r.live    = b.live ? 1 : 0;
+  r.foreign = b.foreign ? 1 : 0;
+  return r;
+}
+
+template <class T, class Row, class F>
+long fill(std::vector<T> const& items, Row* out, std::size_t n, F&& row_of) noexcept
+{
+  for (std::size_t i = 0; i < items.size() && i < n && out != nullptr; ++i) { out[i] = row_of(items[i]); }
+  return static_cast<long>(items.size());
+}
+
 }  // namespace
 
-/// The layout version of the structures below; the extension refuses another.
-EMMPOOL_C_API int emmpool_torch_abi_version() { return 3; }
+// ---- the device pools -----------------------------------------------------------------------
 
-/// PyTorch: allocate `size` bytes on `device` for `stream`. NULL on failure, with the reason in
-/// `error` (`error_length` bytes, may be null) and *kind = 0 out of memory, 1 invalid argument,
-/// 2 any other error.
+EMMPOOL_C_API int emmpool_torch_abi_version() { return EMMPOOL_TORCH_ABI_VERSION; }
+
+EMMPOOL_C_API char const* emmpool_library_name(int library)
+{
+  if (library < 0 || library >= EMMPOOL_LIBRARIES) { return nullptr; }
+  return emmpool::alloc_tag_names[library];
+}
+
 EMMPOOL_C_API void* emmpool_torch_allocate(std::size_t size, int device, void* stream,
-                                           int* kind, char* error, std::size_t error_length)
+                                           emmpool_error* error)
 {
   try {
     return reinterpret_cast<void*>(emmpool::c_api::allocate_from(
-      size, device, reinterpret_cast<emmpool::stream_handle>(stream), emmpool::alloc_tag::torch));
+      size, device, reinterpret_cast<stream_handle>(stream), emmpool::alloc_tag::torch));
   }
   EMMPOOL_LET_THREAD_END
   catch (...) {
-    auto const f = emmpool::c_api::current_failure();
-    if (kind != nullptr) { *kind = f.kind; }
-    say(error, error_length, f.what);
+    report(error);
     return nullptr;
   }
 }
 
-// The calls below take the pool's lock, maybe for a while: the GIL, if the caller holds it, is
-// let go of throughout (each body catches its own errors; caller_lock.hpp says why it must).
-using emmpool::caller_lock::without_caller_lock;
-
-/// PyTorch: tensor.record_stream(stream). 0 done; -1 with the reason in `error` (a pointer the
-/// pool did not allocate, a stream it cannot name).
-EMMPOOL_C_API int emmpool_torch_record_stream(void* ptr, int device, void* stream, char* error,
-                                              std::size_t error_length)
+EMMPOOL_C_API int emmpool_torch_record_stream(void* ptr, int device, void* stream,
+                                              emmpool_error* error)
 {
   return without_caller_lock([&]() noexcept {
     try {
-      emmpool::pool_registry::instance().pool(device).record_stream(
-        reinterpret_cast<emmpool::device_ptr>(ptr),
-        reinterpret_cast<emmpool::stream_handle>(stream));
+      registry().pool(device).record_stream(reinterpret_cast<device_ptr>(ptr),
+                                            reinterpret_cast<stream_handle>(stream));
       return 0;
     } catch (...) {
-      say(error, error_length, emmpool::c_api::current_failure().what);
+      report(error);
     }
     return -1;
   });
 }
 
-/// What emmpool_torch_stats() fills, in this order (abi version 1): all uint64.
-///  0 torch bytes in use, 1 pool bytes in use (every library), 2 pool peak bytes in use,
-///  3 bytes reserved, 4 peak bytes reserved, 5 torch allocations (count), 6 pool frees,
-///  7 blocks in use, 8 segments, 9 segment allocations, 10 segment releases,
-///  11 out-of-memory failures, 12 bytes waiting for their fence, 13 bytes free,
-///  14 largest free block, 15 device synchronizations for dormant streams.
-/// Returns how many it filled (at most n), or -1 if the device has no pool yet (none is made:
-/// torch.cuda.memory_stats(d) must not create a context on a device the program never used).
-EMMPOOL_C_API int emmpool_torch_stats(int device, std::uint64_t* out, int n)
+EMMPOOL_C_API int emmpool_torch_stats_of(int device, emmpool_torch_stats* out)
 {
   return without_caller_lock([&]() noexcept {
     auto* pool = existing_pool_of(device);
     if (pool == nullptr || out == nullptr) { return -1; }
     try {
-      auto const s             = pool->stats();
-      auto const torch         = static_cast<std::size_t>(emmpool::alloc_tag::torch);
-      std::uint64_t const v[] = {
-        s.bytes_in_use_by_tag[torch], s.bytes_in_use,        s.peak_bytes_in_use,
-        s.bytes_reserved,             s.peak_bytes_reserved, s.allocations_by_tag[torch],
-        s.frees,                      s.blocks_in_use,       s.segments,
-        s.segment_allocations,        s.segment_releases,    s.out_of_memory,
-        s.bytes_waiting,              s.bytes_free,          s.largest_free_block,
-        s.dormant_fences};
-      int const m = std::min<int>(n, static_cast<int>(sizeof v / sizeof v[0]));
-      std::copy(v, v + m, out);
-      return m;
+      auto const s     = pool->stats();
+      auto const torch = static_cast<std::size_t>(emmpool::alloc_tag::torch);
+      *out = emmpool_torch_stats{s.bytes_in_use_by_tag[torch], s.bytes_in_use,
+                                 s.peak_bytes_in_use,          s.bytes_reserved,
+                                 s.peak_bytes_reserved,        s.allocations_by_tag[torch],
+                                 s.frees,                      s.blocks_in_use,
+                                 s.segments,                   s.segment_allocations,
+                                 s.segment_releases,           s.out_of_memory,
+                                 s.bytes_waiting,              s.bytes_free,
+                                 s.largest_free_block,         s.dormant_fences};
+      return 0;
     } catch (...) {
       return -1;
     }
   });
 }
 
-/// torch.cuda.reset_peak_memory_stats(): the pool's peaks (every library's) start again.
 EMMPOOL_C_API void emmpool_torch_reset_peaks(int device)
 {
   without_caller_lock([&]() noexcept {
@@ -145,8 +167,6 @@ EMMPOOL_C_API void emmpool_torch_reset_peaks(int device)
   });
 }
 
-/// torch.cuda.empty_cache(): wait for pending frees and return wholly free segments. Bytes
-/// released, 0 on any failure.
 EMMPOOL_C_API std::size_t emmpool_torch_trim(int device)
 {
   return without_caller_lock([&]() noexcept -> std::size_t {
@@ -160,20 +180,14 @@ EMMPOOL_C_API std::size_t emmpool_torch_trim(int device)
   });
 }
 
-/// cuDNN's benchmark mode asks the allocator for the largest block it could hand out at once
-/// (CUDAAllocator::cacheInfo) and sizes its workspace by it. As PyTorch's own pool answers: the
-/// largest free block of the pool, or what the device still has free, within the pool's cap,
-/// if that is more.
 EMMPOOL_C_API std::size_t emmpool_torch_largest_block(int device)
 {
   return without_caller_lock([&]() noexcept -> std::size_t {
-    auto* pool = pool_of(device);
-    if (pool == nullptr) { return 0; }
     try {
-      auto const s   = pool->stats();
-      auto& drv      = emmpool::pool_registry::instance().get_driver();
-      auto const mi  = drv.memory_info_of(device);
-      auto const cap = pool->maximum_size();
+      auto& pool     = registry().pool(device);
+      auto const s   = pool.stats();
+      auto const mi  = registry().get_driver().memory_info_of(device);
+      auto const cap = pool.maximum_size();
       std::size_t const headroom = cap > s.bytes_reserved ? cap - s.bytes_reserved : 0;
       return std::max(s.largest_free_block, std::min(mi.free, headroom));
     } catch (...) {
@@ -182,52 +196,39 @@ EMMPOOL_C_API std::size_t emmpool_torch_largest_block(int device)
   });
 }
 
-/// torch.multiprocessing: the CUDA IPC handle (64 bytes into `handle`) of the pool segment that
-/// holds ptr, and ptr's offset in it. 0 done; -1 with the reason in `error`. The pool never
-/// releases a segment while a block in it is live.
 EMMPOOL_C_API int emmpool_torch_ipc_handle(void* ptr, int device, unsigned char* handle,
-                                           std::size_t* offset, char* error,
-                                           std::size_t error_length)
+                                           std::size_t* offset, emmpool_error* error)
 {
   return without_caller_lock([&]() noexcept {
-    auto* pool = pool_of(device);
-    if (pool == nullptr) {
-      say(error, error_length, "no pool for this device");
-      return -1;
-    }
     try {
-      auto const info = pool->ipc_handle(reinterpret_cast<emmpool::device_ptr>(ptr));
+      auto const info = registry().pool(device).ipc_handle(reinterpret_cast<device_ptr>(ptr));
       if (!info) {
-        say(error, error_length, "the pointer is not a block of emmpool's pool");
+        say(error, EMMPOOL_FAILED_INVALID_ARGUMENT, "the pointer is not a block of emmpool's pool");
         return -1;
       }
       std::memcpy(handle, info->handle.data(), info->handle.size());
       *offset = info->offset;
       return 0;
     } catch (...) {
-      say(error, error_length, emmpool::c_api::current_failure().what);
+      report(error);
     }
     return -1;
   });
 }
 
-/// torch.cuda.set_per_process_memory_fraction(): the cap on what the device's pool reserves, for
-/// every library (0: none). 0 done; -1 with the reason in `error` (more than that in use).
-EMMPOOL_C_API int emmpool_torch_set_maximum(int device, std::size_t bytes, char* error,
-                                            std::size_t error_length)
+EMMPOOL_C_API int emmpool_torch_set_maximum(int device, std::size_t bytes, emmpool_error* error)
 {
   return without_caller_lock([&]() noexcept {
     try {
-      emmpool::pool_registry::instance().pool(device).set_maximum_size(bytes);
+      registry().pool(device).set_maximum_size(bytes);
       return 0;
     } catch (...) {
-      say(error, error_length, emmpool::c_api::current_failure().what);
+      report(error);
     }
     return -1;
   });
 }
 
-/// The cap on what the device's pool reserves: SIZE_MAX if none, or if the device has no pool.
 EMMPOOL_C_API std::size_t emmpool_torch_maximum(int device)
 {
   return without_caller_lock([&]() noexcept -> std::size_t {
@@ -241,76 +242,313 @@ EMMPOOL_C_API std::size_t emmpool_torch_maximum(int device)
   });
 }
 
-/// Bytes another allocator reserves for PyTorch on the device (a MemPool made with its own
-/// allocator) change by `delta`, counted against the cap (device_pool::reserve_outside). 0
-/// done; 1 an increase that does not fit under the cap; -1 failed (the reason in `error`).
-EMMPOOL_C_API int emmpool_torch_reserve_outside(int device, long long delta, char* error,
-                                                std::size_t error_length)
+EMMPOOL_C_API int emmpool_torch_reserve_outside(int device, long long delta, emmpool_error* error)
 {
   return without_caller_lock([&]() noexcept {
     try {
-      auto& pool = emmpool::pool_registry::instance().pool(device);
+      auto& pool = registry().pool(device);
       return pool.reserve_outside(static_cast<std::ptrdiff_t>(delta)) ? 0 : 1;
     } catch (...) {
-      say(error, error_length, emmpool::c_api::current_failure().what);
+      report(error);
     }
     return -1;
   });
 }
 
-/// A CUDA graph capture begins (begin != 0) or ends on the device (device_pool::capture_begin):
-/// PyTorch's private pools say when. 0 done; -1 (no pool, or an end without a begin).
-EMMPOOL_C_API int emmpool_torch_capture(int device, int begin)
-{
-  return without_caller_lock([&]() noexcept {
-    try {
-      auto& pool = emmpool::pool_registry::instance().pool(device);
-      if (begin != 0) {
-        pool.capture_begin();
-      } else {
-        pool.capture_end();
-      }
-      return 0;
-    } catch (...) {
-    }
-    return -1;
-  });
-}
-
-/// The blocks of the device's pool for a memory snapshot (device_pool::layout), 8 uint64 per
-/// block in `out` (room for `n` blocks): segment base, segment size, address, size, stream
-/// named at allocation, state (0 free, 1 allocated, 2 waiting for its fence), library tag,
-/// segment kind (0 small, 1 large, 2 growable). Returns how many blocks there are (fill again
-/// with more room if that is more than n), or -1 if the device has no pool.
-EMMPOOL_C_API long emmpool_torch_layout(int device, std::uint64_t* out, std::size_t n)
+EMMPOOL_C_API long emmpool_torch_layout(int device, emmpool_layout_row* out, std::size_t n)
 {
   return without_caller_lock([&]() noexcept -> long {
     auto* pool = existing_pool_of(device);
     if (pool == nullptr) { return -1; }
     try {
-      auto const rows = pool->layout();
-      for (std::size_t i = 0; i < rows.size() && i < n && out != nullptr; ++i) {
-        auto const& r = rows[i];
-        std::uint64_t* o = out + 8 * i;
-        o[0] = r.segment;
-        o[1] = r.segment_size;
-        o[2] = r.ptr;
-        o[3] = r.size;
-        o[4] = r.stream;
-        o[5] = static_cast<std::uint64_t>(r.state);
-        o[6] = r.tag;
-        o[7] = static_cast<std::uint64_t>(r.kind);
-      }
-      return static_cast<long>(rows.size());
+      return fill(pool->layout(), out, n, [](emmpool::layout_block const& b) {
+        emmpool_layout_row r{};
+        r.segment      = b.segment;
+        r.segment_size = b.segment_size;
+        r.ptr          = b.ptr;
+        r.size         = b.size;
+        r.stream       = b.stream;
+        r.state        = static_cast<std::uint8_t>(b.state);
+        r.library      = b.tag;
+        r.kind         = static_cast<std::uint8_t>(b.kind);
+        return r;
+      });
     } catch (...) {
       return -1;
     }
   });
 }
 
-/// The name of a library tag ("numba", "cupy", ...), or null past the last.
-EMMPOOL_C_API char const* emmpool_torch_tag_name(int tag)
+EMMPOOL_C_API void emmpool_torch_watch_segments(int on)
 {
-  if (tag < 0 || static_cast<std::size_t>(tag) >= emmpool::alloc_tag_count) { return nullptr; }
-  return emmpool::alloc_tag_names[tag];
+  without_caller_lock([&]() noexcept {
+    try {
+      registry().set_segment_events(on != 0);
+    } catch (...) {
+    }
+  });
+}
+
+EMMPOOL_C_API long emmpool_torch_segment_events(int device, emmpool_segment_event* out,
+                                                std::size_t n)
+{
+  return without_caller_lock([&]() noexcept -> long {
+    auto* pool = existing_pool_of(device);
+    if (pool == nullptr) { return -1; }
+    try {
+      auto const events = pool->take_segment_events(out == nullptr ? 0 : n);
+      return fill(events, out, n, [](emmpool::segment_event const& e) {
+        emmpool_segment_event r{};
+        r.address = e.address;
+        r.size    = e.size;
+        r.action  = static_cast<std::uint8_t>(e.what);
+        r.kind    = static_cast<std::uint8_t>(e.type);
+        r.library = e.tag;
+        return r;
+      });
+    } catch (...) {
+      return -1;
+    }
+  });
+}
+
+// ---- private pools --------------------------------------------------------------------------
+
+EMMPOOL_C_API void emmpool_private_create_or_incref(int device, emmpool_private_id id)
+{
+  try {
+    registry().privates().create_or_incref(device, id_of(id));
+  } catch (...) {
+  }
+}
+
+EMMPOOL_C_API int emmpool_private_use_count(emmpool_private_id id)
+{
+  try {
+    return registry().privates().use_count(id_of(id));
+  } catch (...) {
+    return 0;
+  }
+}
+
+EMMPOOL_C_API int emmpool_private_set_use_on_oom(emmpool_private_id id, int on,
+                                                 emmpool_error* error)
+{
+  try {
+    registry().privates().set_use_on_oom(id_of(id), on != 0);
+    return 0;
+  } catch (...) {
+    report(error);
+    return -1;
+  }
+}
+
+EMMPOOL_C_API int emmpool_private_set_no_split(emmpool_private_id id, emmpool_error* error)
+{
+  try {
+    registry().privates().set_no_split(id_of(id));
+    return 0;
+  } catch (...) {
+    report(error);
+    return -1;
+  }
+}
+
+EMMPOOL_C_API int emmpool_private_begin(int device, emmpool_private_id id, emmpool_error* error)
+{
+  return without_caller_lock([&]() noexcept {
+    try {
+      registry().privates().begin(device, id_of(id));
+      return 0;
+    } catch (...) {
+      report(error);
+    }
+    return -1;
+  });
+}
+
+EMMPOOL_C_API void emmpool_private_end(int device, emmpool_private_id id)
+{
+  without_caller_lock([&]() noexcept {
+    try {
+      registry().privates().end(device, id_of(id));
+    } catch (...) {
+    }
+  });
+}
+
+// Release, empty_cache and free may give blocks back after a device synchronization.
+EMMPOOL_C_API void emmpool_private_release(emmpool_private_id id)
+{
+  without_caller_lock([&]() noexcept {
+    try {
+      registry().privates().release(id_of(id));
+    } catch (...) {
+    }
+  });
+}
+
+EMMPOOL_C_API void emmpool_private_empty_cache(emmpool_private_id id)
+{
+  without_caller_lock([&]() noexcept {
+    try {
+      registry().privates().empty_cache(id_of(id));
+    } catch (...) {
+    }
+  });
+}
+
+EMMPOOL_C_API void* emmpool_private_take(emmpool_private_id id, std::size_t size, void* stream)
+{
+  try {
+    auto const p = registry().privates().take(id_of(id), size,
+                                              reinterpret_cast<stream_handle>(stream));
+    return p ? reinterpret_cast<void*>(*p) : nullptr;
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+EMMPOOL_C_API void* emmpool_private_allocate(emmpool_private_id id, std::size_t size, int device,
+                                             void* stream, emmpool_error* error)
+{
+  try {
+    auto& privates = registry().privates();
+    auto const s   = reinterpret_cast<stream_handle>(stream);
+    if (auto const p = privates.take(id_of(id), size, s)) { return reinterpret_cast<void*>(*p); }
+    // A new block of the device's pool, by the entry points' rule (the out-of-memory hook
+    // included). No stream is named: nothing is recorded on a capturing stream.
+    auto const p = emmpool::c_api::allocate_from(size, device, emmpool::legacy_stream,
+                                                 emmpool::alloc_tag::torch);
+    try {
+      privates.adopt(id_of(id), p, size, device, s, false);
+    } catch (...) {
+      emmpool::c_api::free_on(reinterpret_cast<void*>(p), device, emmpool::allocation_stream,
+                              emmpool::alloc_tag::torch);
+      throw;
+    }
+    return reinterpret_cast<void*>(p);
+  }
+  EMMPOOL_LET_THREAD_END
+  catch (...) {
+    report(error);
+    return nullptr;
+  }
+}
+
+EMMPOOL_C_API int emmpool_private_adopt_foreign(emmpool_private_id id, void* ptr, std::size_t size,
+                                                int device, void* stream, emmpool_error* error)
+{
+  try {
+    registry().privates().adopt(id_of(id), reinterpret_cast<device_ptr>(ptr), size, device,
+                                reinterpret_cast<stream_handle>(stream), true);
+    return 0;
+  } catch (...) {
+    report(error);
+    return -1;
+  }
+}
+
+EMMPOOL_C_API void* emmpool_private_allocate_on_oom(std::size_t size, int device, void* stream)
+{
+  try {
+    auto const p = registry().privates().take_on_oom(size, device,
+                                                     reinterpret_cast<stream_handle>(stream));
+    return p ? reinterpret_cast<void*>(*p) : nullptr;
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+EMMPOOL_C_API void emmpool_private_record_stream(void* ptr)
+{
+  try {
+    registry().privates().record_stream(reinterpret_cast<device_ptr>(ptr));
+  } catch (...) {
+  }
+}
+
+EMMPOOL_C_API void emmpool_private_free(void* ptr)
+{
+  without_caller_lock([&]() noexcept {
+    try {
+      registry().privates().free(reinterpret_cast<device_ptr>(ptr));
+    } catch (...) {
+    }
+  });
+}
+
+EMMPOOL_C_API int emmpool_private_device_of(void* ptr)
+{
+  try {
+    auto& privates = registry().privates();
+    if (!privates.owns(reinterpret_cast<device_ptr>(ptr))) { return -1; }
+    return privates.device_of(reinterpret_cast<device_ptr>(ptr)).value_or(-1);
+  } catch (...) {
+    return -1;
+  }
+}
+
+EMMPOOL_C_API long emmpool_private_returned_foreign(emmpool_private_block* out, std::size_t n)
+{
+  try {
+    return fill(registry().privates().take_returned_foreign(out == nullptr ? 0 : n), out, n,
+                record_of);
+  } catch (...) {
+    return 0;
+  }
+}
+
+EMMPOOL_C_API int emmpool_private_live_blocks_are(emmpool_private_id id, std::uint64_t const* ptrs,
+                                                  std::size_t n)
+{
+  try {
+    std::vector<device_ptr> const expected(ptrs, ptrs + n);
+    return registry().privates().live_blocks_are(id_of(id), expected) ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+EMMPOOL_C_API long emmpool_private_live_blocks(emmpool_private_id id, std::uint64_t* out,
+                                               std::size_t n)
+{
+  try {
+    return fill(registry().privates().live_blocks(id_of(id)), out, n,
+                [](device_ptr p) { return static_cast<std::uint64_t>(p); });
+  } catch (...) {
+    return -1;
+  }
+}
+
+EMMPOOL_C_API int emmpool_private_restore(emmpool_private_id id, std::uint64_t const* live,
+                                          std::size_t n, emmpool_error* error)
+{
+  try {
+    registry().privates().restore(id_of(id), std::vector<device_ptr>(live, live + n));
+    return 0;
+  } catch (...) {
+    report(error);
+    return -1;
+  }
+}
+
+EMMPOOL_C_API void emmpool_private_totals_of(int device, emmpool_private_totals* out)
+{
+  if (out == nullptr) { return; }
+  *out = emmpool_private_totals{};
+  try {
+    auto const t = registry().privates().totals(device);
+    *out         = emmpool_private_totals{t.cached_bytes, t.cached_blocks, t.foreign_bytes};
+  } catch (...) {
+  }
+}
+
+EMMPOOL_C_API long emmpool_private_blocks(int device, emmpool_private_block* out, std::size_t n)
+{
+  try {
+    return fill(registry().privates().blocks_of(device), out, n, record_of);
+  } catch (...) {
+    return -1;
+  }
 }

@@ -44,6 +44,7 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
   cap_.set_maximum(cap);
   EMMPOOL_EXPECTS(options_.initial_size <= cap, "initial_size exceeds the maximum pool size");
   trace_.set(options_.trace);
+  segment_log_.set(options_.segment_events);
   growable_.configure(options_);
   if (options_.initial_size > 0 && options_.mode == pool_mode::pool) {
     std::lock_guard lock{mutex_};
@@ -441,10 +442,10 @@ void device_pool::set_segment_events(bool on)
   segment_log_.set(on);
 }
 
-std::vector<segment_event> device_pool::take_segment_events()
+std::vector<segment_event> device_pool::take_segment_events(std::size_t max)
 {
   std::lock_guard lock{mutex_};
-  return segment_log_.take();
+  return segment_log_.take(max);
 }
 
 pool_stats device_pool::stats() const

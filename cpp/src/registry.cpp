@@ -101,6 +101,26 @@ void pool_registry::set_tracing(bool on)
   }
 }
 
+void pool_registry::set_segment_events(bool on)
+{
+  std::lock_guard lock{mutex_};
+  options_.segment_events = on;
+  for (auto const& p : pools_) {
+    if (auto* q = p.load()) { q->set_segment_events(on); }
+  }
+}
+
+private_pools& pool_registry::privates()
+{
+  if (auto* p = privates_.load(std::memory_order_acquire)) { return *p; }
+  std::lock_guard lock{mutex_};
+  if (auto* p = privates_.load(std::memory_order_acquire)) { return *p; }
+  // Never destroyed, as the pools (see the header).
+  auto* made = new private_pools{*driver_, [this](int device) -> device_pool& { return pool(device); }};
+  privates_.store(made, std::memory_order_release);
+  return *made;
+}
+
 std::vector<host_pool*> pool_registry::pinned_pools() const
 {
   return existing<host_pool>(pinned_);

@@ -3,8 +3,9 @@
 Two ways, chosen by ``EMMPOOL_TORCH_ALLOCATOR`` (or ``use_for_torch(allocator=...)``):
 
 ``extension`` (the default where it can be built)
-    A small C++ PyTorch extension shipped as source (``_torch_allocator.cpp``), compiled on first
-    use against the installed PyTorch with ``torch.utils.cpp_extension.load`` (cached in PyTorch's
+    A small C++ PyTorch extension shipped as source (``torch_extension/``, from the repository's
+    ``cpp/torch/``), compiled on first use against the installed PyTorch with
+    ``torch.utils.cpp_extension.load`` (cached in PyTorch's
     extension directory, ``TORCH_EXTENSIONS_DIR``; needs a C++ compiler, ninja and the CUDA
     toolkit's headers, ``CUDA_HOME``). It implements PyTorch's allocator interface over emmpool's
     C entry points: ``record_stream``, ``torch.cuda.memory_stats()`` and friends, cuDNN's benchmark
@@ -31,10 +32,13 @@ from pathlib import Path
 from . import _core
 from ._config import ensure_configured, log
 
-SOURCE = Path(__file__).with_name("_torch_allocator.cpp")
+EXTENSION = Path(__file__).with_name("torch_extension")
+SOURCE = EXTENSION / "allocator.cpp"
+INCLUDE = EXTENSION / "include"  # emmpool/torch_api.h: the C interface it shares with _core
 # What SOURCE includes: part of the build cache's key with it.
-HEADERS = tuple(SOURCE.with_name(f"_torch_{part}.hpp")
-                for part in ("entry_points", "private_pools", "history", "snapshot"))
+HEADERS = (*(EXTENSION / f"{part}.hpp"
+             for part in ("entry_points", "private_pools", "history", "snapshot")),
+           INCLUDE / "emmpool" / "torch_api.h")
 CHOICES = ("auto", "extension", "pluggable")
 # After PyTorch's own flags. No -std: PyTorch passes the standard its headers need (C++17 up to
 # 2.11, C++20 from 2.12; 2.14's headers fail in C++17), which one here would override
@@ -127,6 +131,7 @@ def build_extension(verbose: bool = False):
             return cpp_extension.load(
                 name=name,
                 sources=[str(SOURCE)],
+                extra_include_paths=[str(INCLUDE)],
                 extra_cflags=EXTRA_CFLAGS,
                 with_cuda=True,
                 verbose=verbose,

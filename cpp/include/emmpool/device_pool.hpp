@@ -258,8 +258,9 @@ class device_pool : private detail::pool_lifecycle {
   /// @brief Start or stop recording segment events: segments made and released, pages of the
   /// growable segment mapped and unmapped (a memory history's segment actions).
   void set_segment_events(bool on);
-  /// @brief The events since the last call, oldest first (at most detail::segment_log::kept).
-  [[nodiscard]] std::vector<segment_event> take_segment_events();
+  /// @brief The oldest events not taken yet, at most `max` (the log keeps at most
+  /// detail::segment_log::kept between takes).
+  [[nodiscard]] std::vector<segment_event> take_segment_events(std::size_t max = SIZE_MAX);
 
   [[nodiscard]] pool_stats stats() const;
   void reset_peaks();

@@ -33,6 +33,7 @@ struct pool_options {
   std::size_t open_batch_limit{64u << 20};  ///< fence freed blocks past this many bytes
                                             ///< unfenced (dormant streams: one device sync)
   bool trace{false};                    ///< record every allocation and free (set_tracing)
+  bool segment_events{false};           ///< record segment events (set_segment_events)
   segment_kind segments{segment_kind::fixed};  ///< see segment_kind
   std::size_t growable_reserve{0};      ///< address space of a growable segment; 0: the
                                         ///< device's memory (at most the cap)

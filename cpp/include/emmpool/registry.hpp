@@ -10,6 +10,7 @@
 
 #include <emmpool/device_pool.hpp>
 #include <emmpool/host_pool.hpp>
+#include <emmpool/private_pools.hpp>
 
 #include <array>
 #include <atomic>
@@ -57,6 +58,11 @@ class pool_registry {
 
   /// @brief Trace every pool, those that exist and those created later.
   void set_tracing(bool on);
+  /// @brief Record segment events in every pool, those that exist and those created later.
+  void set_segment_events(bool on);
+
+  /// @brief PyTorch's private pools, over these device pools (made on first use).
+  private_pools& privates();
 
   /// @brief Pools created so far.
   [[nodiscard]] std::vector<device_pool*> pools() const;
@@ -79,6 +85,7 @@ class pool_registry {
   std::size_t pinned_limit_{};
   std::array<std::atomic<device_pool*>, max_devices> pools_{};
   std::array<std::atomic<host_pool*>, max_devices> pinned_{};
+  std::atomic<private_pools*> privates_{};
 };
 
 }  // namespace emmpool

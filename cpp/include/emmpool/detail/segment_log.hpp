@@ -37,7 +37,14 @@ class segment_log {
     } catch (...) {
     }
   }
-  [[nodiscard]] std::vector<segment_event> take() { return std::exchange(events_, {}); }
+  /// The oldest events, at most max; the rest stay.
+  [[nodiscard]] std::vector<segment_event> take(std::size_t max)
+  {
+    if (max >= events_.size()) { return std::exchange(events_, {}); }
+    std::vector<segment_event> out(events_.begin(), events_.begin() + static_cast<std::ptrdiff_t>(max));
+    events_.erase(events_.begin(), events_.begin() + static_cast<std::ptrdiff_t>(max));
+    return out;
+  }
 
  private:
   bool on_{};

@@ -1,17 +1,18 @@
 // PyTorch's memory history over emmpool (torch.cuda.memory._record_memory_history): the trace
 // of PyTorch's allocations, frees, segments and out-of-memory errors, with the stack each was
 // made from, in PyTorch's TraceEntry format, and the stack that allocated each live block. Part
-// of the one translation unit _torch_allocator.cpp.
+// of the one translation unit allocator.cpp.
 //
 // The context function PyTorch hands over gathers Python and C++ stacks (it takes the GIL): it
 // is called before anything is recorded, with no lock of emmpool's or of this file held, so a
 // thread that holds the GIL and waits for one of those locks never blocks it. Segments are
-// emmpool's, which every library shares: they are watched through the pool's statistics and
-// layout while the history is on (a segment_alloc when one appears, a segment_free when one
-// goes), and only then.
+// emmpool's, which every library shares: while the history is on, the pools record their
+// segment events (made, released, pages mapped and unmapped: emmpool_torch_watch_segments),
+// which are taken here at each allocation and free and written as segment_alloc,
+// segment_free, segment_map and segment_unmap.
 #pragma once
 
-#include "_torch_entry_points.hpp"
+#include "entry_points.hpp"
 
 #include <c10/util/ApproximateClock.h>
 
@@ -20,7 +21,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -63,25 +63,31 @@ class memory_history {
   void configure(bool enabled, cca::CreateContextFn recorder, std::size_t max_entries,
                  RecordContext when, bool clear, std::vector<std::string> const& skip_actions)
   {
-    std::lock_guard<std::mutex> lock{mutex_};
-    enabled_.store(enabled, std::memory_order_release);
-    recorder_    = enabled ? recorder : nullptr;
-    when_        = enabled ? when : RecordContext::NEVER;
-    max_entries_ = std::max<std::size_t>(1, max_entries);
-    skip_.clear();
-    for (auto const& a : skip_actions) { skip_.insert(action_named(a)); }
-    if (!enabled || clear) {
-      traces_.clear();
-      if (!enabled) { contexts_.clear(); }
+    {
+      std::lock_guard<std::mutex> lock{mutex_};
+      enabled_.store(enabled, std::memory_order_release);
+      recorder_    = enabled ? recorder : nullptr;
+      when_        = enabled ? when : RecordContext::NEVER;
+      max_entries_ = std::max<std::size_t>(1, max_entries);
+      skip_.clear();
+      for (auto const& a : skip_actions) { skip_.insert(action_named(a)); }
+      if (!enabled || clear) {
+        traces_.clear();
+        if (!enabled) { contexts_.clear(); }
+      }
+      update_on();
     }
-    update_on();
+    watch_segments();
   }
 
   void add_tracker(cca::AllocatorTraceTracker tracker)
   {
-    std::lock_guard<std::mutex> lock{mutex_};
-    trackers_.push_back(std::move(tracker));
-    update_on();
+    {
+      std::lock_guard<std::mutex> lock{mutex_};
+      trackers_.push_back(std::move(tracker));
+      update_on();
+    }
+    watch_segments();
   }
 
   // The stack now, if the history keeps stacks at `level` (STATE: of live blocks; ALLOC: of
@@ -127,32 +133,19 @@ class memory_history {
     record(TraceEntry::OOM, device, device_free, size, nullptr, {0, 0}, nullptr);
   }
 
-  // New and gone segments of emmpool's pool on `device`, if its segment counts moved since the
-  // last look (one statistics call; the layout only then).
-  void watch_segments(int device)
+  // The segment events of emmpool's pool on `device` since the last call, into the trace.
+  void take_segment_events(int device)
   {
-    if (!on() || device < 0 || device >= 64) { return; }
-    std::uint64_t v[16] = {};
-    if (api.stats(device, v, 16) < 16) { return; }
-    std::uint64_t const moves = v[9] + v[10];  // segment allocations + releases
-    {
-      std::lock_guard<std::mutex> lock{mutex_};
-      auto& w = watched_[device];
-      if (w.moves == moves && w.seen) { return; }
-      w.moves = moves;
-      w.seen  = true;
-    }
-    std::map<std::uintptr_t, std::size_t> now;
-    for (auto const& r : layout_of(device)) { now[r.segment] = r.segment_size; }
+    if (!on() || device < 0) { return; }
+    auto const events = drain<emmpool_segment_event>([device](emmpool_segment_event* out,
+                                                              std::size_t n) {
+      return api.emmpool_torch_segment_events(device, out, n);
+    });
+    if (events.empty()) { return; }
     std::lock_guard<std::mutex> lock{mutex_};
-    auto& known = watched_[device].segments;
-    for (auto const& [base, size] : known) {
-      if (now.count(base) == 0) { record(TraceEntry::SEGMENT_FREE, device, base, size, nullptr, {0, 0}, nullptr); }
+    for (auto const& e : events) {
+      record(action_of(e), device, e.address, e.size, nullptr, {0, 0}, nullptr);
     }
-    for (auto const& [base, size] : now) {
-      if (known.count(base) == 0) { record(TraceEntry::SEGMENT_ALLOC, device, base, size, nullptr, {0, 0}, nullptr); }
-    }
-    known.swap(now);
   }
 
   // torch.compile's regions (pushCompileContext, per thread) and _set_memory_metadata name the
@@ -201,13 +194,23 @@ class memory_history {
     context_ptr context;
     std::size_t requested;
   };
-  struct watch {
-    bool seen{false};
-    std::uint64_t moves{0};
-    std::map<std::uintptr_t, std::size_t> segments;
-  };
 
   void update_on() { on_.store(enabled() || !trackers_.empty(), std::memory_order_release); }
+
+  // The pools record segment events exactly while the history or a tracker listens. Without
+  // this file's lock: the core lets go of the GIL meanwhile, which a thread waiting for the
+  // lock may hold.
+  void watch_segments() { api.emmpool_torch_watch_segments(on() ? 1 : 0); }
+
+  static TraceEntry::Action action_of(emmpool_segment_event const& e)
+  {
+    switch (e.action) {
+      case EMMPOOL_SEGMENT_MADE: return TraceEntry::SEGMENT_ALLOC;
+      case EMMPOOL_SEGMENT_RELEASED: return TraceEntry::SEGMENT_FREE;
+      case EMMPOOL_SEGMENT_MAPPED: return TraceEntry::SEGMENT_MAP;
+      default: return TraceEntry::SEGMENT_UNMAP;
+    }
+  }
 
   static std::vector<std::string>& compile_stack()
   {
@@ -245,7 +248,6 @@ class memory_history {
   std::vector<cca::AllocatorTraceTracker> trackers_;
   std::unordered_map<int, std::deque<TraceEntry>> traces_;
   std::unordered_map<void*, live_block> contexts_;
-  std::unordered_map<int, watch> watched_;
   std::string user_metadata_;
   c10::ApproximateClockToUnixTimeConverter clock_;
 };

@@ -1,6 +1,6 @@
 // A memory snapshot in PyTorch's format (torch.cuda.memory._snapshot(), memory_viz) of
 // emmpool's pool: every segment, tiled by its blocks, free gaps included, with the history's
-// traces. Part of the one translation unit _torch_allocator.cpp.
+// traces. Part of the one translation unit allocator.cpp.
 //
 // The segments are emmpool's, which every library shares: the blocks of Numba, CuPy and
 // cuda.core appear in them as allocated blocks (emmpool.torch_snapshot() names their library).
@@ -10,9 +10,9 @@
 // its runs of blocks in use: its free blocks are address space, mapped only in part.
 #pragma once
 
-#include "_torch_entry_points.hpp"
-#include "_torch_history.hpp"
-#include "_torch_private_pools.hpp"
+#include "entry_points.hpp"
+#include "history.hpp"
+#include "private_pools.hpp"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime_api.h>
@@ -25,8 +25,6 @@
 #include <vector>
 
 namespace {
-
-constexpr std::uint64_t torch_tag = 3;  // emmpool::alloc_tag::torch
 
 int device_count()
 {
@@ -48,8 +46,8 @@ cca::SnapshotInfo build_snapshot(private_pools& pools, memory_history& history, 
   bool const filtered = only != MempoolId{0, 0};
   for (int d = 0; d < devices; ++d) {
     auto const rows = layout_of(d);
-    std::unordered_map<std::uint64_t, private_pools::block_view> privates;
-    for (auto const& b : pools.blocks_of(d)) { privates.emplace(reinterpret_cast<std::uint64_t>(b.ptr), b); }
+    std::unordered_map<std::uint64_t, emmpool_private_block> privates;
+    for (auto const& b : pools.blocks_of(d)) { privates.emplace(b.ptr, b); }
 
     SegmentInfo piece;
     bool open = false;
@@ -60,12 +58,12 @@ cca::SnapshotInfo build_snapshot(private_pools& pools, memory_history& history, 
       piece = SegmentInfo{};
       open  = false;
     };
-    auto start = [&](layout_row const& r) {
+    auto start = [&](emmpool_layout_row const& r) {
       close();
       piece.device        = static_cast<c10::DeviceIndex>(d);
       piece.address       = r.ptr;
-      piece.is_large      = r.kind != 0;
-      piece.is_expandable = r.kind == 2;
+      piece.is_large      = r.kind != EMMPOOL_SEGMENT_SMALL;
+      piece.is_expandable = r.kind == EMMPOOL_SEGMENT_GROWABLE;
       open                = true;
     };
     auto add = [&](BlockInfo b, cudaStream_t stream) {
@@ -79,41 +77,42 @@ cca::SnapshotInfo build_snapshot(private_pools& pools, memory_history& history, 
     };
 
     std::unordered_map<std::uint64_t, bool> shown;  // private blocks met in emmpool's layout
-    auto private_segment = [&](private_pools::block_view const& b, layout_row const& r) {
+    auto private_segment = [&](emmpool_private_block const& b, emmpool_layout_row const& r) {
       start(r);
-      piece.owner_private_pool_id = b.pool;
+      piece.owner_private_pool_id = mempool_id(b.pool);
       piece.is_large              = b.size > (std::size_t{1} << 20);
       BlockInfo info;
       info.size = info.requested_size = b.size;
       info.allocated = info.active = b.live;
-      auto const [ctx, requested] = history.block(b.ptr);
+      auto const [ctx, requested] = history.block(reinterpret_cast<void*>(b.ptr));
       if (b.live) {
         info.context_when_allocated = ctx;
         if (requested != 0) { info.requested_size = requested; }
       }
-      add(std::move(info), b.stream);
+      add(std::move(info), reinterpret_cast<cudaStream_t>(b.stream));
       close();
     };
     std::uint64_t segment = 0;
     for (auto const& r : rows) {
       bool const new_segment = r.segment != segment;
       segment                = r.segment;
-      if (auto it = privates.find(r.ptr); it != privates.end() && r.state == 1) {
+      if (auto it = privates.find(r.ptr); it != privates.end() && r.state == EMMPOOL_BLOCK_ALLOCATED) {
         // A private pool's block: a segment of that pool (live, or free within the pool).
         private_segment(it->second, r);
         shown[r.ptr] = true;
         continue;
       }
-      if (r.kind == 2 && r.state == 0) {  // growable address space, not all of it mapped
+      if (r.kind == EMMPOOL_SEGMENT_GROWABLE && r.state == EMMPOOL_BLOCK_FREE) {
+        // growable address space, not all of it mapped
         close();
         continue;
       }
       if (new_segment || !open) { start(r); }
       BlockInfo info;
       info.size = info.requested_size = r.size;
-      info.allocated = r.state == 1;
-      info.active    = r.state != 0;
-      if (r.tag == torch_tag && r.state == 1) {
+      info.allocated = r.state == EMMPOOL_BLOCK_ALLOCATED;
+      info.active    = r.state != EMMPOOL_BLOCK_FREE;
+      if (r.library == EMMPOOL_LIBRARY_TORCH && r.state == EMMPOOL_BLOCK_ALLOCATED) {
         auto const [ctx, requested] = history.block(reinterpret_cast<void*>(r.ptr));
         info.context_when_allocated = ctx;
         if (requested != 0) { info.requested_size = requested; }
@@ -124,7 +123,12 @@ cca::SnapshotInfo build_snapshot(private_pools& pools, memory_history& history, 
     // Blocks of a MemPool made with another allocator: that allocator's memory, not emmpool's.
     for (auto const& [ptr, b] : privates) {
       if (shown.count(ptr) != 0) { continue; }
-      layout_row const r{ptr, b.size, ptr, b.size, 0, 1, torch_tag, 1};
+      emmpool_layout_row r{};
+      r.segment = r.ptr = ptr;
+      r.segment_size = r.size = b.size;
+      r.state   = EMMPOOL_BLOCK_ALLOCATED;
+      r.library = EMMPOOL_LIBRARY_TORCH;
+      r.kind    = EMMPOOL_SEGMENT_LARGE;
       private_segment(b, r);
     }
   }
@@ -142,8 +146,8 @@ std::vector<std::pair<std::uint64_t, std::string>> block_libraries(int device)
 {
   std::vector<std::pair<std::uint64_t, std::string>> out;
   for (auto const& r : layout_of(device)) {
-    if (r.state == 0 || r.tag == torch_tag) { continue; }
-    char const* name = api.tag_name(static_cast<int>(r.tag));
+    if (r.state == EMMPOOL_BLOCK_FREE || r.library == EMMPOOL_LIBRARY_TORCH) { continue; }
+    char const* name = api.emmpool_library_name(r.library);
     out.emplace_back(r.ptr, name != nullptr ? name : "other");
   }
   return out;

@@ -1,5 +1,6 @@
 // emmpool's allocator for PyTorch: a c10::cuda::CUDACachingAllocator::CUDAAllocator over
-// emmpool's C entry points (cpp/edges/c_api.cpp, cpp/edges/c_api_torch.cpp).
+// emmpool's C entry points (emmpool/torch_api.h), translating PyTorch's interface to emmpool's
+// and nothing more: pools, private pools, statistics and segment events are the core's.
 //
 // Compiled on the user's machine by emmpool._torch (torch.utils.cpp_extension.load), against
 // the PyTorch that is installed, and installed with changeCurrentAllocator before PyTorch's
@@ -14,10 +15,10 @@
 //
 // The allocation path: the C entry point, with no lock or map of our own. A block's device rides
 // in the low bits of the DataPtr's context (blocks are 256-byte aligned), so the deleter needs
-// no lookup either. Beside it, each in its own file: the C entry points
-// (_torch_entry_points.hpp), private pools (_torch_private_pools.hpp), the memory history
-// (_torch_history.hpp) and snapshots (_torch_snapshot.hpp). One translation unit: the build
-// cache is keyed by these sources (emmpool._torch).
+// no lookup either. Beside it, each in its own file: the C entry points (entry_points.hpp),
+// private pools (private_pools.hpp), the memory history (history.hpp) and snapshots
+// (snapshot.hpp). One translation unit: the build cache is keyed by these sources and the C
+// header (emmpool._torch).
 //
 // emmpool's _core is never linked: its entry points are looked up with dlsym in the library
 // whose path install() is given.
@@ -36,10 +37,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
-#include "_torch_entry_points.hpp"
-#include "_torch_history.hpp"
-#include "_torch_private_pools.hpp"
-#include "_torch_snapshot.hpp"
+#include "entry_points.hpp"
+#include "history.hpp"
+#include "private_pools.hpp"
+#include "snapshot.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -131,7 +132,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
           return allocate_or_throw(size, device, stream);
         },
         [](void* ptr, std::size_t size, int device, cudaStream_t stream) {
-          api.free(ptr, size, device, stream);
+          api.emmpool_torch_free(ptr, size, device, stream);
         })
   {
   }
@@ -180,8 +181,8 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   void raw_delete(void* ptr) override
   {
     if (ptr == nullptr) { return; }
-    if (C10_UNLIKELY(pools_.owns(ptr))) {
-      free_block(context_of(ptr, pools_.device_of(ptr), true));
+    if (int const device = pools_.device_of(ptr); C10_UNLIKELY(device >= 0)) {
+      free_block(context_of(ptr, device, true));
       return;
     }
     cudaPointerAttributes attributes{};
@@ -205,32 +206,32 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     } else {
       relaxed_while relaxed{pools_.active()};
       // PyTorch passes the allocation's stream; emmpool remembers it (c_api.cpp)
-      api.free(p, 0, device_of(ctx), nullptr);
+      api.emmpool_torch_free(p, 0, device_of(ctx), nullptr);
     }
+    if (C10_UNLIKELY(history_.on())) { history_.take_segment_events(device_of(ctx)); }
   }
 
   // ---- the cache, statistics, the cap
 
-  // emmpool_torch_stats() as PyTorch counts: the free blocks that private pools keep are
-  // emmpool's allocations but PyTorch's cache, so they leave PyTorch's bytes in use ([0]) and
-  // live blocks ([7]) for the frees ([6]). The private pools' totals, or nothing if the device
-  // has no pool.
-  std::optional<private_pools::device_totals> pytorch_stats(int device, std::uint64_t (&v)[16])
+  // The pool's statistics as PyTorch counts: the free blocks that private pools keep are
+  // emmpool's allocations but PyTorch's cache, so they leave PyTorch's bytes in use and live
+  // blocks for the frees. The private pools' totals, or nothing if the device has no pool.
+  std::optional<emmpool_private_totals> pytorch_stats(int device, emmpool_torch_stats& v)
   {
-    if (api.stats(device, v, 16) < 16) { return std::nullopt; }
+    if (api.emmpool_torch_stats_of(device, &v) != 0) { return std::nullopt; }
     auto const privates      = pools_.totals(device);
-    auto const cached_blocks = std::min<std::uint64_t>(v[7], privates.cached_blocks);
-    v[0] -= std::min<std::uint64_t>(v[0], privates.cached_bytes);
-    v[7] -= cached_blocks;
-    v[6] += cached_blocks;
+    auto const cached_blocks = std::min<std::uint64_t>(v.blocks_in_use, privates.cached_blocks);
+    v.torch_bytes_in_use -= std::min<std::uint64_t>(v.torch_bytes_in_use, privates.cached_bytes);
+    v.blocks_in_use -= cached_blocks;
+    v.frees += cached_blocks;
     return privates;
   }
 
   // PyTorch's bytes in use on a device.
   std::size_t pytorch_bytes(int device)
   {
-    std::uint64_t v[16] = {};
-    return pytorch_stats(device, v) ? v[0] : 0;
+    emmpool_torch_stats v{};
+    return pytorch_stats(device, v) ? v.torch_bytes_in_use : 0;
   }
 
   // torch.cuda.empty_cache(): every pool returns its wholly free segments ({0, 0}); a
@@ -241,33 +242,33 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     if (mempool_id != MempoolId{0, 0}) { return; }
     int const n = device_count();
     for (int d = 0; d < n; ++d) {
-      (void)api.trim(d);
-      history_.watch_segments(d);
+      (void)api.emmpool_torch_trim(d);
+      history_.take_segment_events(d);
     }
   }
 
   void cacheInfo(c10::DeviceIndex device, std::size_t* largest_block) override
   {
-    *largest_block = api.largest_block(device);
+    *largest_block = api.emmpool_torch_largest_block(device);
   }
 
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override
   {
-    std::uint64_t v[16] = {};
+    emmpool_torch_stats v{};
     c10::CachingDeviceAllocator::DeviceStats s;
     auto const privates = pytorch_stats(device, v);
     if (!privates) { return s; }
     auto i64 = [](std::uint64_t x) { return static_cast<std::int64_t>(x); };
     // [0]: all pools (PyTorch keeps a small and a large pool; emmpool has one)
     auto& allocated     = s.allocated_bytes[0];
-    allocated.current   = i64(v[0]);           // PyTorch's blocks
-    allocated.peak      = std::max(i64(v[2]), allocated.current);  // the pool's peak: every library
+    allocated.current   = i64(v.torch_bytes_in_use);  // PyTorch's blocks
+    allocated.peak      = std::max(i64(v.peak_bytes_in_use), allocated.current);  // every library's
     // Accumulated (since resetAccumulatedStats): counted here, at each allocation; what was freed
     // since is what was allocated since, less what the bytes in use grew by.
     auto const d = static_cast<std::size_t>(device) & 63;
     auto const total     = allocated_total_[d].load(std::memory_order_relaxed);
     auto const requested = requested_total_[d].load(std::memory_order_relaxed);
-    auto const grown     = i64(v[0]) - in_use_at_reset_[d].load(std::memory_order_relaxed);
+    auto const grown     = i64(v.torch_bytes_in_use) - in_use_at_reset_[d].load(std::memory_order_relaxed);
     allocated.allocated  = i64(total);
     allocated.freed      = std::max<std::int64_t>(0, i64(total) - grown);
     s.active_bytes[0]    = allocated;
@@ -275,25 +276,26 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     s.requested_bytes[0].allocated = i64(requested);
     s.requested_bytes[0].freed     = std::max<std::int64_t>(0, i64(requested) - grown);
     // with the blocks of MemPools made with another allocator, as PyTorch counts them
-    s.reserved_bytes[0].current = i64(v[3] + privates->foreign_bytes);
-    s.reserved_bytes[0].peak    = std::max(i64(v[4]), s.reserved_bytes[0].current);
+    s.reserved_bytes[0].current = i64(v.bytes_reserved + privates->foreign_bytes);
+    s.reserved_bytes[0].peak    = std::max(i64(v.peak_bytes_reserved), s.reserved_bytes[0].current);
     // reserved_bytes.allocated/freed (bytes ever reserved, released) are not counted: left 0
-    s.inactive_split_bytes[0].current = i64(v[3] > v[1] ? v[3] - v[1] : 0);
-    s.allocation[0].current   = i64(v[7]);
-    s.allocation[0].allocated = i64(v[5]);
-    s.allocation[0].freed     = i64(v[6]);
+    s.inactive_split_bytes[0].current =
+      i64(v.bytes_reserved > v.bytes_in_use ? v.bytes_reserved - v.bytes_in_use : 0);
+    s.allocation[0].current   = i64(v.blocks_in_use);
+    s.allocation[0].allocated = i64(v.torch_allocations);
+    s.allocation[0].freed     = i64(v.frees);
     s.active[0]               = s.allocation[0];
-    s.segment[0].current      = i64(v[8]);
-    s.segment[0].allocated    = i64(v[9]);
-    s.segment[0].freed        = i64(v[10]);
-    s.num_ooms                = i64(v[11]);
-    s.num_sync_all_streams    = i64(v[15]);
-    s.num_device_alloc        = i64(v[9]);
-    s.num_device_free         = i64(v[10]);
+    s.segment[0].current      = i64(v.segments);
+    s.segment[0].allocated    = i64(v.segment_allocations);
+    s.segment[0].freed        = i64(v.segment_releases);
+    s.num_ooms                = i64(v.out_of_memory);
+    s.num_sync_all_streams    = i64(v.dormant_fences);
+    s.num_device_alloc        = i64(v.segment_allocations);
+    s.num_device_free         = i64(v.segment_releases);
     return s;
   }
 
-  void resetPeakStats(c10::DeviceIndex device) override { api.reset_peaks(device); }
+  void resetPeakStats(c10::DeviceIndex device) override { api.emmpool_torch_reset_peaks(device); }
   void resetAccumulatedStats(c10::DeviceIndex device) override
   {
     auto const d = static_cast<std::size_t>(device) & 63;
@@ -314,16 +316,16 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     std::size_t free = 0, total = 0;
     C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
     auto const bytes = static_cast<std::size_t>(fraction * static_cast<double>(total));
-    char why[error_length] = "";
-    if (api.set_maximum(device, bytes == 0 ? 1 : bytes, why, sizeof why) != 0) {
+    emmpool_error error{};
+    if (api.emmpool_torch_set_maximum(device, bytes == 0 ? 1 : bytes, &error) != 0) {
       raise("emmpool: set_per_process_memory_fraction(" + std::to_string(fraction) + ", " +
-            std::to_string(device) + "): " + why);
+            std::to_string(device) + "): " + error.message);
     }
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override
   {
-    std::size_t const cap = api.maximum(device);
+    std::size_t const cap = api.emmpool_torch_maximum(device);
     if (cap == std::numeric_limits<std::size_t>::max()) { return 1.0; }
     c10::cuda::CUDAGuard guard{device};
     std::size_t free = 0, total = 0;
@@ -342,10 +344,11 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
       pools_.record_stream(pointer_of(data.get_context()));
       return;
     }
-    char why[error_length] = "";
-    if (api.record_stream(pointer_of(data.get_context()), device_of(data.get_context()),
-                          stream.stream(), why, sizeof why) != 0) {
-      raise(std::string{"emmpool: record_stream failed: "} + why);
+    emmpool_error error{};
+    if (api.emmpool_torch_record_stream(pointer_of(data.get_context()),
+                                        device_of(data.get_context()), stream.stream(),
+                                        &error) != 0) {
+      raise(std::string{"emmpool: record_stream failed: "} + error.message);
     }
   }
 
@@ -355,9 +358,9 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
     unsigned char handle[CUDA_IPC_HANDLE_SIZE];
     std::size_t offset = 0;
-    char why[error_length] = "";
-    if (api.ipc_handle(ptr, device, handle, &offset, why, sizeof why) != 0) {
-      raise(std::string{"emmpool: cannot share this CUDA tensor: "} + why);
+    emmpool_error error{};
+    if (api.emmpool_torch_ipc_handle(ptr, device, handle, &offset, &error) != 0) {
+      raise(std::string{"emmpool: cannot share this CUDA tensor: "} + error.message);
     }
     return {static_cast<std::ptrdiff_t>(offset),
             std::string(reinterpret_cast<char const*>(handle), CUDA_IPC_HANDLE_SIZE)};
@@ -365,7 +368,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
 
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override { return ipc_.open(handle); }
 
-  // ---- private pools (_torch_private_pools.hpp)
+  // ---- private pools (private_pools.hpp)
 
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId mempool_id,
                            std::function<bool(cudaStream_t)> filter) override
@@ -431,7 +434,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     return pools_.restore(*pps);
   }
 
-  // ---- history and snapshots (_torch_history.hpp, _torch_snapshot.hpp)
+  // ---- history and snapshots (history.hpp, snapshot.hpp)
 
   bool isHistoryEnabled() override { return history_.enabled(); }
 
@@ -450,9 +453,6 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
 #endif
     history_.configure(enabled, context_recorder, alloc_trace_max_entries, when, clear_history,
                        skip_actions);
-    if (enabled) {
-      for (int d = 0, n = device_count(); d < n; ++d) { history_.watch_segments(d); }
-    }
   }
 
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override
@@ -535,8 +535,8 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     }
     count(device, size);
     if (C10_UNLIKELY(history_.on())) {
+      history_.take_segment_events(device);  // before the block: its segment came first
       history_.allocated(device, p, size, stream, id, context);
-      if (!pools_.active()) { history_.watch_segments(device); }  // a query: not in a capture
     }
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) { profiler_allocated(p, size, device); }
     return p;
@@ -578,9 +578,9 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
 
   void report_to_profiler(void* p, std::int64_t size, int device)
   {
-    std::uint64_t v[16] = {};
-    (void)api.stats(device, v, 16);
-    c10::reportMemoryUsageToProfiler(p, size, v[0], v[3],
+    emmpool_torch_stats v{};
+    (void)api.emmpool_torch_stats_of(device, &v);
+    c10::reportMemoryUsageToProfiler(p, size, v.torch_bytes_in_use, v.bytes_reserved,
                                      c10::Device{c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)});
   }
 
@@ -645,5 +645,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
   m.def("block_libraries", &block_libraries,
         "(address, library) of every block of emmpool's pool on a device that another library "
         "than PyTorch holds");
-  m.attr("abi") = expected_abi;
+  m.attr("abi") = EMMPOOL_TORCH_ABI_VERSION;
 }

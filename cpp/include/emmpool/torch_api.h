@@ -1,0 +1,230 @@
+/*
+ * emmpool/torch_api.h - the C interface between emmpool's core and its PyTorch extension.
+ *
+ * The extension (cpp/torch/) is compiled on the user's machine against the installed PyTorch
+ * and finds these functions with dlsym() in emmpool's _core library: nothing links against the
+ * other, and this header is the whole contract. Both sides include it; the extension refuses a
+ * core whose emmpool_torch_abi_version() is not EMMPOOL_TORCH_ABI_VERSION (bump it on any
+ * change below).
+ *
+ * Conventions: a device is a CUDA ordinal; a stream a cudaStream_t as an opaque pointer; an
+ * `emmpool_error*` may be NULL, else it receives what failed. No function throws across this
+ * boundary (but a thread's end at interpreter exit: cpp/edges/caller_lock.hpp), and none holds
+ * the caller's GIL while it waits for a pool's lock or the GPU. Functions that fill an array
+ * take its room `n` and return how many entries there are (fill again with more room if that is
+ * more than n), or, for queues (segment events, returned foreign blocks), how many they took.
+ */
+#ifndef EMMPOOL_TORCH_API_H
+#define EMMPOOL_TORCH_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EMMPOOL_TORCH_ABI_VERSION 4
+
+/* ---- kinds -------------------------------------------------------------------------------- */
+
+/* What an allocation failed of. */
+typedef enum emmpool_failure {
+  EMMPOOL_FAILED_OUT_OF_MEMORY     = 0,
+  EMMPOOL_FAILED_INVALID_ARGUMENT  = 1,
+  EMMPOOL_FAILED_OTHER             = 2
+} emmpool_failure;
+
+/* The library a block was allocated for (emmpool::alloc_tag). */
+typedef enum emmpool_library {
+  EMMPOOL_LIBRARY_OTHER     = 0,
+  EMMPOOL_LIBRARY_NUMBA     = 1,
+  EMMPOOL_LIBRARY_CUPY      = 2,
+  EMMPOOL_LIBRARY_TORCH     = 3,
+  EMMPOOL_LIBRARY_RMM       = 4,
+  EMMPOOL_LIBRARY_CUDA_CORE = 5,
+  EMMPOOL_LIBRARIES         = 6
+} emmpool_library;
+
+/* Where a block is in its life (emmpool::block_status). */
+typedef enum emmpool_block_state {
+  EMMPOOL_BLOCK_FREE      = 0,
+  EMMPOOL_BLOCK_ALLOCATED = 1,
+  EMMPOOL_BLOCK_WAITING   = 2 /* freed, waiting for its fence */
+} emmpool_block_state;
+
+/* Which requests a segment serves (emmpool::segment_type). */
+typedef enum emmpool_segment_type {
+  EMMPOOL_SEGMENT_SMALL    = 0,
+  EMMPOOL_SEGMENT_LARGE    = 1,
+  EMMPOOL_SEGMENT_GROWABLE = 2 /* address space: its free blocks mapped in part */
+} emmpool_segment_type;
+
+/* A change of the memory a pool holds from the driver (emmpool::segment_event::kind). */
+typedef enum emmpool_segment_action {
+  EMMPOOL_SEGMENT_MADE     = 0,
+  EMMPOOL_SEGMENT_RELEASED = 1,
+  EMMPOOL_SEGMENT_MAPPED   = 2,
+  EMMPOOL_SEGMENT_UNMAPPED = 3
+} emmpool_segment_action;
+
+/* ---- records ------------------------------------------------------------------------------ */
+
+#define EMMPOOL_ERROR_LENGTH 512
+
+typedef struct emmpool_error {
+  int32_t kind; /* emmpool_failure */
+  char message[EMMPOOL_ERROR_LENGTH];
+} emmpool_error;
+
+/* A device pool's statistics, as PyTorch's allocator interface needs them. */
+typedef struct emmpool_torch_stats {
+  uint64_t torch_bytes_in_use;  /* PyTorch's blocks */
+  uint64_t bytes_in_use;        /* every library's */
+  uint64_t peak_bytes_in_use;
+  uint64_t bytes_reserved;
+  uint64_t peak_bytes_reserved;
+  uint64_t torch_allocations;
+  uint64_t frees;               /* every library's */
+  uint64_t blocks_in_use;
+  uint64_t segments;
+  uint64_t segment_allocations;
+  uint64_t segment_releases;
+  uint64_t out_of_memory;
+  uint64_t bytes_waiting;
+  uint64_t bytes_free;
+  uint64_t largest_free_block;
+  uint64_t dormant_fences;      /* device synchronizations for frees of streams maybe gone */
+} emmpool_torch_stats;
+
+/* One block of a pool's segments; the blocks of a segment tile it, in address order. */
+typedef struct emmpool_layout_row {
+  uint64_t segment;       /* the segment's base */
+  uint64_t segment_size;
+  uint64_t ptr;
+  uint64_t size;
+  uint64_t stream;        /* named at allocation; 1 (CU_STREAM_LEGACY): none */
+  uint8_t state;          /* emmpool_block_state */
+  uint8_t library;        /* emmpool_library; 0 if free */
+  uint8_t kind;           /* emmpool_segment_type */
+  uint8_t reserved_[5];
+} emmpool_layout_row;
+
+typedef struct emmpool_segment_event {
+  uint64_t address;       /* the segment's base, or the first page mapped or unmapped */
+  uint64_t size;
+  uint8_t action;         /* emmpool_segment_action */
+  uint8_t kind;           /* emmpool_segment_type */
+  uint8_t library;        /* emmpool_library whose request made it; 0 otherwise */
+  uint8_t reserved_[5];
+} emmpool_segment_event;
+
+/* A private pool's id (PyTorch's MempoolId_t). */
+typedef struct emmpool_private_id {
+  uint64_t first;
+  uint64_t second;
+} emmpool_private_id;
+
+typedef struct emmpool_private_block {
+  uint64_t ptr;
+  uint64_t size;
+  uint64_t stream;        /* the allocation's */
+  emmpool_private_id pool;
+  int32_t device;
+  uint8_t live;
+  uint8_t foreign;        /* from the pool's own allocator, not emmpool's */
+  uint8_t reserved_[2];
+} emmpool_private_block;
+
+typedef struct emmpool_private_totals {
+  uint64_t cached_bytes;  /* free blocks the pools keep: emmpool's allocations, PyTorch's cache */
+  uint64_t cached_blocks;
+  uint64_t foreign_bytes; /* held by blocks of pools' own allocators */
+} emmpool_private_totals;
+
+/* ---- the device pools --------------------------------------------------------------------- */
+
+int emmpool_torch_abi_version(void);
+/* The name of a library ("numba", "cupy", ...), or NULL past the last. */
+const char* emmpool_library_name(int library);
+
+/* Allocate `size` bytes on `device` for `stream`; NULL on failure, saying why in `error`. */
+void* emmpool_torch_allocate(size_t size, int device, void* stream, emmpool_error* error);
+/* Free a block of PyTorch's; a foreign or doubly freed pointer is ignored. The signature of
+ * PyTorch's CUDAPluggableAllocator, which finds it by this name too. */
+void emmpool_torch_free(void* ptr, size_t size, int device, void* stream);
+/* tensor.record_stream(stream). 0 done; -1 failed. */
+int emmpool_torch_record_stream(void* ptr, int device, void* stream, emmpool_error* error);
+/* 0 done; -1 if the device has no pool yet (none is made: statistics must not create a
+ * context on a device the program never used). */
+int emmpool_torch_stats_of(int device, emmpool_torch_stats* out);
+void emmpool_torch_reset_peaks(int device);
+/* torch.cuda.empty_cache(): wait for pending frees, return wholly free memory. Bytes released. */
+size_t emmpool_torch_trim(int device);
+/* The largest block the pool could hand out at once (cuDNN's benchmark mode sizes its
+ * workspace by it): its largest free block, or what the device has free within the cap. */
+size_t emmpool_torch_largest_block(int device);
+/* The CUDA IPC handle (64 bytes) of the segment holding ptr, and ptr's offset in it. 0 / -1. */
+int emmpool_torch_ipc_handle(void* ptr, int device, unsigned char* handle, size_t* offset,
+                             emmpool_error* error);
+/* The cap on what the device's pool reserves, for every library (0: none). 0 / -1. */
+int emmpool_torch_set_maximum(int device, size_t bytes, emmpool_error* error);
+/* The cap: SIZE_MAX if none, or if the device has no pool. */
+size_t emmpool_torch_maximum(int device);
+/* Bytes another allocator reserves for PyTorch on the device change by `delta`, counted
+ * against the cap. 0 done; 1 an increase that does not fit; -1 failed. */
+int emmpool_torch_reserve_outside(int device, long long delta, emmpool_error* error);
+/* The blocks of the device's pool (a memory snapshot); -1 if it has no pool. */
+long emmpool_torch_layout(int device, emmpool_layout_row* out, size_t n);
+/* Record segment events in every pool, present and future (on != 0), or stop. */
+void emmpool_torch_watch_segments(int on);
+/* Take the device's oldest segment events, at most n; -1 if it has no pool. */
+long emmpool_torch_segment_events(int device, emmpool_segment_event* out, size_t n);
+
+/* ---- private pools (emmpool/private_pools.hpp) -------------------------------------------- */
+
+void emmpool_private_create_or_incref(int device, emmpool_private_id id);
+int emmpool_private_use_count(emmpool_private_id id);
+/* 0 done; -1 failed (no such pool). */
+int emmpool_private_set_use_on_oom(emmpool_private_id id, int on, emmpool_error* error);
+int emmpool_private_set_no_split(emmpool_private_id id, emmpool_error* error);
+/* Allocations PyTorch routes to pool `id` on `device` until the matching end; the device pool
+ * makes no call a capture forbids meanwhile. 0 / -1 (being allocated to already). */
+int emmpool_private_begin(int device, emmpool_private_id id, emmpool_error* error);
+void emmpool_private_end(int device, emmpool_private_id id);
+void emmpool_private_release(emmpool_private_id id);
+/* id {0, 0}: every pool nobody uses. */
+void emmpool_private_empty_cache(emmpool_private_id id);
+/* A block of pool `id` that it freed on `stream` (of at least `size` bytes, at most twice);
+ * NULL if none. */
+void* emmpool_private_take(emmpool_private_id id, size_t size, void* stream);
+/* A block of pool `id`: one it freed on `stream`, else a new one of the device's pool. */
+void* emmpool_private_allocate(emmpool_private_id id, size_t size, int device, void* stream,
+                               emmpool_error* error);
+/* ptr (`size` bytes from the pool's own allocator) is a new live block of pool `id`. 0 / -1. */
+int emmpool_private_adopt_foreign(emmpool_private_id id, void* ptr, size_t size, int device,
+                                  void* stream, emmpool_error* error);
+/* Out of memory elsewhere: a free block of a use_on_oom pool, freed on `stream`; else NULL. */
+void* emmpool_private_allocate_on_oom(size_t size, int device, void* stream);
+void emmpool_private_record_stream(void* ptr);
+void emmpool_private_free(void* ptr);
+/* The device of a private block, -1 if ptr is not one. */
+int emmpool_private_device_of(void* ptr);
+/* Take foreign blocks due back to their allocator (the caller deletes each and counts it off
+ * with emmpool_torch_reserve_outside), at most n. */
+long emmpool_private_returned_foreign(emmpool_private_block* out, size_t n);
+/* 1 if pool `id`'s live blocks are exactly ptrs[0..n), 0 if not. */
+int emmpool_private_live_blocks_are(emmpool_private_id id, const uint64_t* ptrs, size_t n);
+/* Pool `id`'s live blocks, in address order (a checkpoint). */
+long emmpool_private_live_blocks(emmpool_private_id id, uint64_t* out, size_t n);
+/* Pool `id`'s live blocks become exactly live[0..n). 0 / -1 (pool gone, block left it). */
+int emmpool_private_restore(emmpool_private_id id, const uint64_t* live, size_t n,
+                            emmpool_error* error);
+void emmpool_private_totals_of(int device, emmpool_private_totals* out);
+long emmpool_private_blocks(int device, emmpool_private_block* out, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EMMPOOL_TORCH_API_H */
