@@ -1,7 +1,6 @@
 // device_pool: an allocation's ladder, a free, statistics. Growth and giving memory back:
 // pool_growth.cpp; trim, the cap, captures, reset, IPC and the layout: pool_controls.cpp.
 #include <emmpool/detail/fork_guard.hpp>
-#include <emmpool/detail/growth_policy.hpp>
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 
@@ -16,12 +15,14 @@ namespace {
 
 using detail::human_bytes;
 
+constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
+
 std::size_t checked_rounded_size(std::size_t bytes, alloc_tag tag)
 {
   EMMPOOL_EXPECTS(bytes <= std::numeric_limits<std::size_t>::max() / 2,
                   "allocation size is too large");
   EMMPOOL_EXPECTS(static_cast<std::size_t>(tag) < alloc_tag_count, "unknown allocation tag");
-  return std::max(detail::round_up(bytes, device_pool::alignment), device_pool::alignment);
+  return std::max(round_up(bytes, device_pool::alignment), device_pool::alignment);
 }
 
 }  // namespace
@@ -48,7 +49,7 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
   growable_.configure(options_);
   if (options_.initial_size > 0 && options_.mode == pool_mode::pool) {
     std::lock_guard lock{mutex_};
-    auto* blk = grow(detail::round_up(options_.initial_size, detail::large_granularity), true,
+    auto* blk = grow(round_up(options_.initial_size, segment_granularity), true,
                      false, alloc_tag::other);
     if (blk == nullptr) {
       throw out_of_memory{"emmpool: cannot reserve the initial pool of " +

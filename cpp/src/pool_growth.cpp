@@ -1,6 +1,5 @@
 // device_pool: growing (a segment from the driver, or the growable segment's pages) and giving
-// memory back. How big a segment is: detail/growth_policy.hpp; the cap: detail/pool_cap.hpp.
-#include <emmpool/detail/growth_policy.hpp>
+// memory back. How big a segment is: pool_options::segment_size; the cap: detail/pool_cap.hpp.
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 
@@ -15,8 +14,8 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact, bool grow
     if (auto* blk = take_growable(rounded, tag, true)) { return blk; }
     // No address space left, or no memory: a fixed segment, as without growable segments.
   }
-  bool const small = detail::small_request(rounded, options_);
-  std::size_t size = detail::segment_size_for(rounded, exact, options_);
+  bool const small = options_.small(rounded);
+  std::size_t size = options_.segment_size(rounded, exact);
   // Near the cap, a segment just as big as the request may still fit where the usual one
   // (2 MiB small segment, 2 MiB rounding) does not: a cap never refuses what it could hold.
   if (!cap_.fits(stats_.bytes_reserved, size) && size > rounded) { size = rounded; }

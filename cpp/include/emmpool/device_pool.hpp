@@ -17,7 +17,7 @@
  *   detail/segment_index.hpp   segments and live blocks by address, and the questions asked of
  *                              them (owns, live_extent, ipc_handle, layout)
  *   detail/pool_cap.hpp        the cap, and what another allocator reserves against it
- *   detail/growth_policy.hpp   how big a segment to make
+ *   pool_options.hpp           how big a segment to make (segment_size: the growth policy)
  *   detail/capture_mode.hpp    deferred cleanup and CUDA graph captures: what may not be done
  *   detail/retired_segments.hpp  what outlives a reset
  * Where each job is done: device_pool.cpp (an allocation's ladder, a free, statistics),
@@ -318,7 +318,7 @@ class device_pool : private detail::pool_lifecycle {
   device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);
 
   // ---- growth and giving memory back (pool_growth.cpp)
-  // A segment for `rounded` bytes (segment_size_for; exact: no more than the request needs),
+  // A segment for `rounded` bytes (pool_options::segment_size; exact: no more than needed),
   // or the growable segment's pages; null at the cap or out of memory.
   block* grow(std::size_t rounded, bool exact, bool growable, alloc_tag tag);
   // The driver's segment, on the books; null if the driver is out of memory.

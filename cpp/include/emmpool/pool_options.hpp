@@ -11,6 +11,8 @@ namespace emmpool {
 
 /// Every block's size and address are a multiple of this (device_pool::alignment).
 inline constexpr std::size_t block_alignment = 256;
+/// The driver's own allocation granularity: a fixed segment's size is a multiple of it.
+inline constexpr std::size_t segment_granularity = std::size_t{2} << 20;
 
 enum class pool_mode : std::uint8_t { pool, passthrough };
 
@@ -48,6 +50,25 @@ struct pool_options {
   /// @brief Check that the options are consistent (the device's own limits aside).
   /// @throws std::invalid_argument saying which is not
   void check() const;
+
+  /// @brief Whether a request of `rounded` bytes is served by small segments.
+  [[nodiscard]] constexpr bool small(std::size_t rounded) const noexcept
+  {
+    return mode == pool_mode::pool && rounded <= small_request;
+  }
+  /// @brief How big a fixed segment to make for a request of `rounded` bytes (the growth
+  /// policy, RMM's size_to_grow; device_pool::grow checks the cap and makes it). In pool mode a
+  /// small request gets a small segment (size classes share it); a mid-sized one, unless
+  /// `exact`, a large segment that several such requests share (the out-of-memory ladder asks
+  /// for exact sizes once that failed); a larger one its size in driver granules. Passthrough:
+  /// the request itself, one segment per allocation.
+  [[nodiscard]] constexpr std::size_t segment_size(std::size_t rounded, bool exact) const noexcept
+  {
+    if (mode != pool_mode::pool) { return rounded; }
+    if (rounded <= small_request) { return small_segment; }
+    if (!exact && rounded <= large_segment / 2) { return large_segment; }
+    return (rounded + segment_granularity - 1) / segment_granularity * segment_granularity;
+  }
 };
 
 }  // namespace emmpool

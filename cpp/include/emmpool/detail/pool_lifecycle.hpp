@@ -8,6 +8,7 @@
 
 #include <emmpool/detail/fork_guard.hpp>
 #include <emmpool/detail/pool_mutex.hpp>
+#include <emmpool/driver.hpp>
 #include <emmpool/error.hpp>
 
 #include <cstdint>
@@ -38,8 +39,8 @@ class pool_lifecycle {
  protected:
   // Held across fork() (so the child never inherits it held by another thread); in the child,
   // forked_ is set. For the pool's whole life, this one included.
-  pool_lifecycle() { register_for_fork(&mutex_, &forked_); }
-  ~pool_lifecycle() { unregister_for_fork(&mutex_); }
+  pool_lifecycle();
+  ~pool_lifecycle();
 
   // The rest expect mutex_ held.
   /// As the pool goes away: whether it may call the driver (never in a forked child, whose
