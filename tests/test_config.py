@@ -13,6 +13,7 @@ import pytest
 
 import emmpool
 from emmpool import _config, _core
+from tests.conftest import needs_repository
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -265,7 +266,7 @@ def test_no_variable_the_repositorys_tools_use_is_warned_of():
             for name in re.findall(r"\bEMMPOOL_[A-Za-z0-9_]+", text):
                 names.setdefault(name, relative)
     if not names:
-        pytest.skip("the repository's tools are not here (a wheel's test run)")
+        pytest.skip(needs_repository("tests/, benchmarks/ and .ci/"))
     unknown = {n: where for n, where in names.items() if not _config._is_known(n)}
     assert not unknown, f"variables of the tools that emmpool would warn of: {unknown}"
 

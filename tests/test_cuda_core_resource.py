@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import textwrap
 
-import pytest
-
+from tests.conftest import require
 from tests.processes import run_python
 
-pytest.importorskip("cuda.core", reason="needs cuda-core (pip install 'emmpool[numba]')")
+require("cuda.core")
 
 PRELUDE = textwrap.dedent(
     """

@@ -14,7 +14,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("distributed", reason="emmpool.dask needs distributed: pip install '.[dask]'")
+from tests.conftest import needs, require
+
+require("distributed")
 
 import dask  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
@@ -141,7 +143,7 @@ def test_setup_errors_reach_the_client_saying_what_to_install(client):
     except ImportError:
         pass
     else:
-        pytest.skip("PyTorch is installed here: its hook would install, not fail")
+        pytest.skip(needs("no PyTorch", "it is installed here, so its hook would install, not fail"))
     try:
         with pytest.raises(ImportError, match=r"pip install 'emmpool\[torch\]'"):
             client.register_plugin(EmmPool(torch=True))
@@ -219,7 +221,7 @@ def test_numba_choices_made_before_are_reported(monkeypatch):
 
 
 def test_cupy_allocator_chosen_before_is_reported():
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    cupy = require("cupy")
 
     def rmm_cupy_allocator(size):  # stands for RMM's, as dask-cuda installs it
         raise AssertionError("not called")

@@ -9,7 +9,7 @@ import pytest
 
 import emmpool
 from emmpool import _core
-from tests.conftest import installed_or_skip
+from tests.conftest import installed_or_skip, needs, require
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,7 @@ def test_no_driver_error_is_one_sentence_saying_what_to_do():
     except emmpool.DriverUnavailableError as e:
         error = e
     else:
-        pytest.skip("a CUDA driver is present: the no-driver error cannot be observed")
+        pytest.skip(needs("no CUDA driver", "one is present, so its absence cannot be observed"))
     message = str(error)
     # What is missing, what it means, what to do; no error number or source path for a user
     # to decode (the code is still there as an attribute).
@@ -169,7 +169,7 @@ def test_a_negative_device_is_a_value_error(no_driver_call, call):
 
 
 def test_integers_of_other_types_are_integers():
-    np = pytest.importorskip("numpy")
+    np = require("numpy")
     with pytest.raises(ValueError, match="no pool exists for device 63"):
         emmpool.stats(np.int64(63))
 
@@ -251,7 +251,7 @@ def test_cupy_entry_point_raises_its_failures_only_when_asked():
 
 
 def test_cupy_hook_lets_the_entry_point_raise_only_where_cupy_passes_it_on():
-    cupy = pytest.importorskip("cupy")
+    cupy = require("cupy")
     from emmpool import hooks
 
     addresses = _core.c_function_addresses()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import needs
 from tests.test_gpu_numba import check, run
 
 pytestmark = pytest.mark.gpu
@@ -133,14 +134,14 @@ print("OK")
 
 def test_every_numba_idiom_allocates_from_emmpool(numba_package):
     if numba_package.name != "numba-cuda":
-        pytest.skip("the idioms are written against numba-cuda's API")
+        pytest.skip(needs("numba-cuda", "the idioms are written against its API"))
     check(run(NUMBA_IDIOMS, "plugin", package=numba_package))
 
 
 def test_without_the_plugin_the_idioms_use_the_drivers_pool(numba_package):
     # The check above can fail: the same idioms, Numba's own manager.
     if numba_package.name != "numba-cuda":
-        pytest.skip("the idioms are written against numba-cuda's API")
+        pytest.skip(needs("numba-cuda", "the idioms are written against its API"))
     check(run(NUMBA_IDIOMS, "default", manager=None, package=numba_package))
 
 

@@ -6,15 +6,14 @@ each with its own pool and budget; or RMM allocating from emmpool through emmpoo
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from tests.conftest import requires
 from tests.test_gpu_numba import check, run
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("rmm") is None, reason="needs RMM (rmm-cu13)"),
+    requires("rmm"),
 ]
 
 # RMM with its own pool (as RAPIDS sets it up), Numba through emmpool; arrays of each are used
