@@ -170,7 +170,7 @@ def test_summary_shows_each_pool(host):
                                 "peak", "reserved", "allocations"]
     assert lines[1].startswith("tcp://w0:1  -       no pool yet")  # sorted by worker
     row = lines[2].split()
-    assert row[:4] == ["tcp://w1:1", "0", "4.00", "MiB"]
+    assert row[:4] == ["tcp://w1:1", "0", "4", "MiB"]
     assert lines[2].endswith("numba 1, cupy 1")
 
 

@@ -6,10 +6,7 @@ Importing emmpool touches no GPU: the CUDA driver is loaded on first use.
 
 from __future__ import annotations
 
-import operator
-import reprlib
-
-from . import _config, _core
+from . import _args, _config, _core
 from ._config import Config, UnknownVariableWarning, config, configure
 from ._core import CudaError, DriverUnavailableError, OutOfMemoryError, PoolError
 from ._numba_packages import UntestedVersionWarning
@@ -64,11 +61,7 @@ def use_for_cuda_core(devices=None) -> list:
     becomes :func:`cuda_core_resource` ``(i)`` (default: every device). cuda.core's Device
     objects are per thread: this sets the calling thread's. Returns the resources.
     (The Numba plugin does this itself for the Device Numba allocates through.)"""
-    if devices is not None:
-        if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
-            raise TypeError(f"devices must be a list of device ordinals (e.g. [0, 1]) or None, "
-                            f"not {type(devices).__name__}")
-        devices = [_device(d) for d in devices]
+    devices = _args.devices(devices)
     from . import cuda_core
 
     return cuda_core.install(devices)
@@ -77,7 +70,8 @@ def use_for_cuda_core(devices=None) -> list:
 def cuda_core_resource(device: int | None = None):
     """emmpool's ``cuda.core.MemoryResource`` for ``device`` (default: the current device,
     else 0): :class:`emmpool.cuda_core.EmmPoolMemoryResource`."""
-    device = _device(device, optional=True)
+    if device is not None:
+        device = _args.device(device)
     from . import cuda_core
 
     return cuda_core.resource(device)
@@ -118,7 +112,8 @@ def dump_torch_snapshot(filename: str = "dump_snapshot.pickle") -> None:
 
 def rmm_resource(device: int | None = None):
     """An RMM memory resource over emmpool's pool (see :func:`emmpool.hooks.rmm_resource`)."""
-    device = _device(device, optional=True)
+    if device is not None:
+        device = _args.device(device)
     from .hooks import rmm_resource as _make
 
     return _make(device)
@@ -126,7 +121,8 @@ def rmm_resource(device: int | None = None):
 
 def stats(device: int | None = None) -> dict:
     """Statistics of the pools created so far: ``{device: {...}}``, or one device's dict."""
-    device = _device(device, optional=True)
+    if device is not None:
+        device = _args.device(device)
     pools = {p.device: p for p in _core.pools()}
     if device is not None:
         if device not in pools:
@@ -159,10 +155,10 @@ def record_stream(ptr: int, stream: int, device: int = 0) -> None:
 
     ``ptr``, ``stream`` (a handle: CuPy's ``stream.ptr``, PyTorch's ``stream.cuda_stream``)
     and ``device`` are integers: anything else raises TypeError before the driver is loaded."""
-    ptr = _integer(ptr, "ptr", "the device address of a block from emmpool's pool")
-    stream = _integer(stream, "stream", "a stream handle, e.g. CuPy's stream.ptr or PyTorch's "
-                                        "stream.cuda_stream")
-    device = _device(device)
+    ptr = _args.integer(ptr, "ptr", "the device address of a block from emmpool's pool")
+    stream = _args.integer(stream, "stream", "a stream handle, e.g. CuPy's stream.ptr or "
+                                             "PyTorch's stream.cuda_stream")
+    device = _args.device(device)
     _core.pool(device).record_stream(ptr, stream)
 
 
@@ -187,27 +183,4 @@ def set_out_of_memory_callback(callback, device: int | None = None) -> None:
     if callback is not None and not callable(callback):
         raise TypeError(f"the out-of-memory callback must be callable or None, not "
                         f"{type(callback).__name__}")
-    _core.set_out_of_memory_callback(callback, _device(device, optional=True))
-
-
-def _integer(value, name: str, what: str) -> int:
-    """``value`` as an int (numpy's integers too): a bool or anything else is a mistake,
-    said before the driver is loaded (whose errors would hide it)."""
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise TypeError(f"{name} must be an integer ({what}), not {type(value).__name__} "
-                    f"{reprlib.repr(value)}")
-
-
-def _device(device, optional: bool = False) -> int | None:
-    """A device ordinal: an integer >= 0 (or None where ``optional``)."""
-    if device is None and optional:
-        return None
-    device = _integer(device, "device", "a CUDA device ordinal, 0 for the first GPU")
-    if device < 0:
-        raise ValueError(f"device must be a CUDA device ordinal (0 for the first GPU), not "
-                         f"{device}")
-    return device
+    _core.set_out_of_memory_callback(callback, None if device is None else _args.device(device))

@@ -25,7 +25,8 @@ import time
 import warnings
 from pathlib import Path
 
-from . import __version__, _core, _info, replay, trace
+from . import __version__, _args, _core, _info, replay, trace
+from ._args import format_bytes
 
 MiB = 1 << 20
 
@@ -173,7 +174,7 @@ def cmd_bench(args) -> int:
     rows = ["| size | Numba default (µs) | emmpool (µs) | speed-up |", "|---:|---:|---:|---:|"]
     for n in _SIZES:
         a, b = results["numba-default"][str(n)], results["emmpool"][str(n)]
-        rows.append(f"| {_human(n)} | {a:.1f} | {b:.1f} | {a / b:.1f}× |")
+        rows.append(f"| {format_bytes(n)} | {a:.1f} | {b:.1f} | {a / b:.1f}× |")
     table = (f"Allocation + free via `cuda.device_array(n, uint8)` + `del` on {gpu}, "
              f"median of 5 timed blocks\n\n" + "\n".join(rows) + "\n")
     (out / "emmpool-bench.md").write_text(table)
@@ -189,13 +190,6 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _human(n: int) -> str:
-    for unit, size in (("MiB", MiB), ("KiB", 1024)):
-        if n >= size:
-            return f"{n // size} {unit}"
-    return f"{n} B"
-
-
 def _plot(results: dict, gpu: str, path: Path) -> None:
     import matplotlib
 
@@ -207,7 +201,7 @@ def _plot(results: dict, gpu: str, path: Path) -> None:
         ax.plot(_SIZES, [results[name][str(n)] for n in _SIZES], style, label=name)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xticks(_SIZES, [_human(n) for n in _SIZES], rotation=30)
+    ax.set_xticks(_SIZES, [format_bytes(n) for n in _SIZES], rotation=30)
     ax.set_xlabel("allocation size")
     ax.set_ylabel("µs per allocation + free")
     ax.set_title(f"Numba device_array + del on {gpu}")
@@ -262,12 +256,10 @@ def _positive_seconds(text: str) -> float:
 
 def _device_ordinal(text: str) -> int:
     try:
-        value = int(text)
+        return _args.device(int(text))
     except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a device ordinal (0, 1, ...), not {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(
+            f"expected a device ordinal (0, 1, ...), not {text!r}") from None
 
 
 def parser() -> argparse.ArgumentParser:

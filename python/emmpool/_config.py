@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Callable, NamedTuple
 
 from . import _core
+from ._args import format_bytes
 
 __all__ = [
     "Config",
@@ -522,17 +523,18 @@ def diagnose() -> tuple[list[Setting], list[str]]:
     if cfg.maximum_pool_fraction is not None:
         maximum = f"{cfg.maximum_pool_fraction * 100:g}% of the device's memory"
     elif cfg.maximum_pool_size is not None:
-        maximum = _bytes(cfg.maximum_pool_size)
+        maximum = format_bytes(cfg.maximum_pool_size, exact=True)
     words = {
         "mode": cfg.mode,
-        "initial_pool_size": _bytes(cfg.initial_pool_size),
+        "initial_pool_size": format_bytes(cfg.initial_pool_size, exact=True),
         "maximum_pool_size": maximum,
         "trace": cfg.trace or "off",
         "log": cfg.log or "not set (the application's logging configuration)",
         "pinned": {"pool": "pool (emmpool's pinned cache)",
                    "numba": "numba (Numba's own pinned memory)"}[cfg.pinned],
-        "pinned_limit": _bytes(cfg.pinned_limit) if cfg.pinned_limit is not None
-        else f"a quarter of physical memory, {_human(_physical_memory() // 4)} here",
+        "pinned_limit": format_bytes(cfg.pinned_limit, exact=True)
+        if cfg.pinned_limit is not None
+        else f"a quarter of physical memory, {format_bytes(_physical_memory() // 4)} here",
         "segments": {"fixed": "fixed (cuMemAlloc segments)",
                      "growable": "growable (pages mapped on demand where the device supports "
                                  "virtual memory management; Numba's blocks on fixed segments)",
@@ -567,14 +569,3 @@ def _torch_allocator(errors: list[str]) -> Setting:
 def _physical_memory() -> int:
     # The same sysconf query as the pinned cache's default (cpp/src/host_pool.cpp).
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _human(n: int) -> str:
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.4g} {unit}"
-    return f"{n} bytes"
-
-
-def _bytes(n: int) -> str:
-    return _human(n) if n < 1024 else f"{_human(n)} ({n} bytes)"

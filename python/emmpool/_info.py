@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from . import __version__, _config, _core, _numba_packages
-
-MiB = 1 << 20
+from ._args import format_bytes
 
 # (name shown, distributions that provide it, first installed wins)
 _LIBRARIES = [
@@ -99,8 +98,7 @@ def _print_driver(say) -> bool:
         pass
     for d in range(n):
         free, total = _core.memory_info(d)
-        say(f"  device {d}: {names.get(d, '?')}, {total / 2**30:.1f} GiB, "
-            f"{free / 2**30:.1f} GiB free")
+        say(f"  device {d}: {names.get(d, '?')}, {format_bytes(total)}, {format_bytes(free)} free")
     return n > 0
 
 
@@ -137,7 +135,6 @@ def _hooks() -> list[str]:
         s = pool.stats()
         served = ", ".join(f"{lib} {t['allocations']}" for lib, t in s["by_library"].items()
                            if t["allocations"]) or "none"
-        lines.append(f"pool of device {pool.device}: {s['bytes_reserved'] / MiB:.1f} MiB "
-                     f"reserved, {s['bytes_in_use'] / MiB:.1f} MiB in use; allocations by library: "
-                     f"{served}")
+        lines.append(f"pool of device {pool.device}: {format_bytes(s['bytes_reserved'])} reserved, "
+                     f"{format_bytes(s['bytes_in_use'])} in use; allocations by library: {served}")
     return lines

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import threading
 
-from . import _core
+from . import _args, _core
 from ._config import ensure_configured
 
 try:
@@ -81,7 +81,7 @@ class EmmPoolMemoryResource(MemoryResource):
 
     def __init__(self, device: int = 0, *, library: str = "cuda_core") -> None:
         if type(device) is not int:
-            device = _as_int(device, "device")
+            device = _args.device(device)
         if library not in _core.LIBRARIES:
             raise ValueError(f"library must be one of {', '.join(_core.LIBRARIES)}, not {library!r}")
         ensure_configured()
@@ -101,7 +101,7 @@ class EmmPoolMemoryResource(MemoryResource):
 
         Raises :class:`OutOfMemoryError` when the pool cannot serve it."""
         if type(size) is not int:
-            size = _as_int(size, "size")
+            size = _args.size(size)
         if type(stream) is Stream:
             handle = stream.__cuda_stream__()[1]
         elif stream is None:
@@ -193,13 +193,6 @@ def _stream_handle(stream) -> int:
     return int(handle)
 
 
-def _as_int(value, what: str) -> int:
-    try:
-        return int(value.__index__())
-    except (AttributeError, TypeError):
-        raise TypeError(f"{what} must be an integer, not {type(value).__name__}") from None
-
-
 _resources: dict[tuple[int, str], EmmPoolMemoryResource] = {}
 _making = threading.Lock()
 
@@ -207,10 +200,8 @@ _making = threading.Lock()
 def resource(device: int | None = None, *, library: str = "cuda_core") -> EmmPoolMemoryResource:
     """emmpool's cuda.core memory resource for ``device`` (default: the current device, else
     0), one per device and library, made on first use."""
-    if device is None:
-        device = max(_core.current_device(), 0)
-    elif type(device) is not int:
-        device = _as_int(device, "device")
+    if type(device) is not int:
+        device = _args.current_device(device)
     with _making:
         mr = _resources.get((device, library))
         if mr is None:

@@ -31,7 +31,6 @@ from dataclasses import fields
 
 try:
     import click
-    from dask.utils import format_bytes
     from distributed import Worker, WorkerPlugin
 except ImportError as e:
     raise ImportError(
@@ -39,9 +38,10 @@ except ImportError as e:
         "(dask-cuda on top for LocalCUDACluster)"
     ) from e
 
-from . import _config, config, configure, hooks, set_out_of_memory_callback, use_for_cupy
+from . import _args, _config, config, configure, hooks, set_out_of_memory_callback, use_for_cupy
 from . import stats as _pool_stats
 from . import use_for_numba, use_for_torch
+from ._args import format_bytes
 
 __all__ = ["DeviceSpiller", "EmmPool", "dask_setup", "stats", "summary"]
 
@@ -127,8 +127,7 @@ class EmmPool(WorkerPlugin):
         _config.resolve(self.options, _config.Config())
         chosen = dict(numba=numba, cupy=cupy, torch=torch, rmm=rmm)
         for library, on in {**chosen, "spill": spill}.items():
-            if not isinstance(on, bool):
-                raise TypeError(f"{library}={on!r}: expected True or False")
+            _args.flag(on, library)
         self.libraries = tuple(library for library, on in chosen.items() if on)
         self.spill = spill
 
