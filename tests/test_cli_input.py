@@ -146,7 +146,7 @@ def test_info_says_every_bad_value_and_exits_1():
     assert [e.split("=")[0] for e in errors] == [
         "  error: EMMPOOL_MODE", "  error: EMMPOOL_MAXIMUM_POOL_SIZE", "  error: EMMPOOL_PINNED",
         "  error: EMMPOOL_TORCH_ALLOCATOR"], p.stdout
-    assert "  error: EMMPOOL_TORCH_ALLOCATOR='fast': expected one of auto, extension, pluggable" \
+    assert "  error: EMMPOOL_TORCH_ALLOCATOR='fast': expected 'auto' or 'extension' or 'pluggable'" \
         in errors
     assert ("  warning: EMMPOOL_MAXIMUM_POOLSIZE is not an emmpool variable and has no effect: "
             "did you mean EMMPOOL_MAXIMUM_POOL_SIZE?") in p.stdout.splitlines()

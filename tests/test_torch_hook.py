@@ -122,10 +122,12 @@ def test_c_entry_points_over_the_host_driver():
 
 
 def test_choice_is_checked(monkeypatch):
-    from emmpool import _torch
+    from emmpool import _config, _torch
 
+    monkeypatch.setattr(_config, "_applied", None)  # the environment not yet read
     monkeypatch.setenv("EMMPOOL_TORCH_ALLOCATOR", "fast")
-    with pytest.raises(ValueError, match="EMMPOOL_TORCH_ALLOCATOR='fast': expected one of"):
+    with pytest.raises(ValueError, match="EMMPOOL_TORCH_ALLOCATOR='fast': expected 'auto' or "
+                                         "'extension' or 'pluggable'"):
         _torch._choice(None)
     assert _torch._choice("Pluggable") == "pluggable"
     monkeypatch.delenv("EMMPOOL_TORCH_ALLOCATOR")

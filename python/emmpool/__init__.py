@@ -88,8 +88,8 @@ def use_for_torch(allocator: str | None = None) -> str:
     """Make PyTorch allocate from emmpool's pools (before PyTorch's first CUDA allocation);
     returns "extension" or "pluggable" (see :func:`emmpool.hooks.use_for_torch`)."""
     if allocator is not None and not isinstance(allocator, str):
-        raise TypeError(f"allocator must be 'auto', 'extension', 'pluggable' or None, not "
-                        f"{type(allocator).__name__}")
+        raise TypeError(f"allocator must be {', '.join(repr(c) for c in _config.TORCH_ALLOCATORS)}"
+                        f" or None, not {type(allocator).__name__}")
     from .hooks import use_for_torch as _use
 
     return _use(allocator)
@@ -120,9 +120,13 @@ def rmm_resource(device: int | None = None):
 
 
 def stats(device: int | None = None) -> dict:
-    """Statistics of the pools created so far: ``{device: {...}}``, or one device's dict."""
+    """Statistics of the pools created so far: ``{device: {...}}``, or one device's dict.
+
+    Raises ``ValueError`` naming the variable where an ``EMMPOOL_*`` value is bad (what the
+    pools would be made with)."""
     if device is not None:
         device = _args.device(device)
+    _config.ensure_configured()
     pools = {p.device: p for p in _core.pools()}
     if device is not None:
         if device not in pools:
@@ -135,6 +139,7 @@ def trim() -> int:
     """Wait for pending frees and return every wholly free segment to the driver.
 
     Returns the number of bytes released."""
+    _config.ensure_configured()
     released = sum(p.trim() for p in _core.pools())
     _config.log.info("trim returned %d bytes to the driver", released)
     return released
@@ -142,6 +147,7 @@ def trim() -> int:
 
 def reset_peak_stats() -> None:
     """Restart the peak counters of every pool from the current values."""
+    _config.ensure_configured()
     for p in _core.pools():
         p.reset_peaks()
 

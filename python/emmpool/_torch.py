@@ -28,14 +28,14 @@ import shutil
 import warnings
 from pathlib import Path
 
-from . import _core
+from . import _config, _core
 from ._config import ensure_configured, log
 
 SOURCE = Path(__file__).with_name("_torch_allocator.cpp")
 # What SOURCE includes: part of the build cache's key with it.
 HEADERS = tuple(SOURCE.with_name(f"_torch_{part}.hpp")
                 for part in ("entry_points", "private_pools", "history", "snapshot"))
-CHOICES = ("auto", "extension", "pluggable")
+CHOICES = _config.TORCH_ALLOCATORS
 # After PyTorch's own flags. No -std: PyTorch passes the standard its headers need (C++17 up to
 # 2.11, C++20 from 2.12; 2.14's headers fail in C++17), which one here would override
 # (.ci/torch-compat compiles the source with these against several releases' headers).
@@ -55,12 +55,11 @@ def how_installed() -> str | None:
 
 
 def _choice(allocator: str | None) -> str:
-    choice = (allocator or os.environ.get("EMMPOOL_TORCH_ALLOCATOR") or "auto").strip().lower()
-    if choice not in CHOICES:
-        raise ValueError(
-            f"EMMPOOL_TORCH_ALLOCATOR={choice!r}: expected one of {', '.join(CHOICES)}"
-        )
-    return choice
+    """``allocator`` checked, else the configuration's (``EMMPOOL_TORCH_ALLOCATOR``,
+    ``configure(torch_allocator=...)``)."""
+    if allocator is None:
+        return _config.config().torch_allocator
+    return _config.parse_torch_allocator(allocator, "allocator")
 
 
 def _build_problem() -> str | None:
