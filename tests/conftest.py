@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,38 @@ def host():
 
     return emmpool._core.HostDriver(devices=1, capacity=1 << 30)
 
+
+# ---- stand-ins for libraries this machine may lack (their real use is tested on a GPU) -------
+@pytest.fixture
+def fake_rmm(monkeypatch):
+    """``rmm`` and ``rmm.mr`` as emmpool uses them: per-device resources, RMM's default
+    (``CudaMemoryResource``) until one is set, ``CallbackMemoryResource`` keeping its callbacks;
+    two devices, device 0 current. emmpool's own resources are forgotten after the test."""
+    from emmpool import _core, _installed, hooks
+
+    class CudaMemoryResource:
+        pass
+
+    class PoolMemoryResource:
+        pass
+
+    class CallbackMemoryResource:
+        def __init__(self, allocate, deallocate):
+            self.allocate, self.deallocate = allocate, deallocate
+
+    resources: dict[int, object] = {}
+    mr = types.ModuleType("rmm.mr")
+    mr.CudaMemoryResource = CudaMemoryResource
+    mr.PoolMemoryResource = PoolMemoryResource
+    mr.CallbackMemoryResource = CallbackMemoryResource
+    mr.get_per_device_resource = lambda d: resources.setdefault(d, CudaMemoryResource())
+    mr.set_per_device_resource = resources.__setitem__
+    rmm = types.ModuleType("rmm")
+    rmm.mr = mr
+    monkeypatch.setitem(sys.modules, "rmm", rmm)
+    monkeypatch.setitem(sys.modules, "rmm.mr", mr)
+    monkeypatch.setattr(_core, "device_count", lambda: 2)
+    monkeypatch.setattr(_core, "current_device", lambda: 0)
+    monkeypatch.setattr(hooks, "_rmm_resources", {})
+    monkeypatch.setattr(_installed, "_installed", {})
+    return rmm

@@ -194,30 +194,18 @@ def test_numba_choices_made_before_are_reported(monkeypatch):
 
     from numba.cuda.cudadrv import driver
 
-    from emmpool.plugin import EmmPoolManager
-
-    conflict = emmpool.dask._numba_conflict
     monkeypatch.setattr(driver, "_memory_manager", None)
-    monkeypatch.setattr(driver.config, "CUDA_MEMORY_MANAGER", "default")
-    assert conflict(driver, EmmPoolManager) is None
     monkeypatch.setattr(driver.config, "CUDA_MEMORY_MANAGER", "rmm.allocators.numba")
-    assert "rmm.allocators.numba already" in conflict(driver, EmmPoolManager)
-    monkeypatch.setattr(driver, "_memory_manager", EmmPoolManager)  # ours, set before: fine
-    assert conflict(driver, EmmPoolManager) is None
-
-    class OtherManager(driver.HostOnlyCUDAMemoryManager):
-        pass
-
-    monkeypatch.setattr(driver, "_memory_manager", OtherManager)
-    assert "OtherManager already" in conflict(driver, EmmPoolManager)
-    # A context Numba made with its own manager keeps it, whatever is set afterwards.
-    monkeypatch.setattr(driver, "_memory_manager", None)
+    with pytest.raises(RuntimeError, match=r"worker w: Numba's memory manager is "
+                                           r"rmm\.allocators\.numba already; .*numba=False"):
+        emmpool.dask._INSTALL["numba"]("worker w")
+    monkeypatch.setattr(driver.config, "CUDA_MEMORY_MANAGER", "default")
     made = SimpleNamespace(primary_context=SimpleNamespace(
         memory_manager=driver.NumbaCUDAMemoryManager(context=None)))
     monkeypatch.setattr(driver.driver, "devices", {0: made})
-    assert "made its CUDA context already" in conflict(driver, EmmPoolManager)
     with pytest.raises(RuntimeError, match="worker w: Numba has made its CUDA context"):
-        emmpool.dask._for_numba("worker w")
+        emmpool.dask._INSTALL["numba"]("worker w")
+    assert driver._memory_manager is None  # nothing was changed
 
 
 def test_cupy_allocator_chosen_before_is_reported():
@@ -231,34 +219,18 @@ def test_cupy_allocator_chosen_before_is_reported():
     try:
         with pytest.raises(RuntimeError, match=r"worker w: CuPy allocates through "
                                                r"\S*rmm_cupy_allocator already.*cupy=False"):
-            emmpool.dask._for_cupy("worker w")
+            emmpool.dask._INSTALL["cupy"]("worker w")
     finally:
         cupy.cuda.set_allocator(before)
 
 
-def test_rmm_is_put_on_the_pool_unless_another_resource_was_chosen(monkeypatch):
+def test_rmm_is_put_on_the_pool_unless_another_resource_was_chosen(monkeypatch, fake_rmm):
     """EmmPool(rmm=True): RMM's default resource is replaced by emmpool's; one that dask-cuda
     (or anyone) set is reported, not replaced; without RMM, nothing happens."""
-    import types
-
-    class CudaMemoryResource:  # RMM's default, by its name
-        pass
-
-    class PoolMemoryResource:
-        pass
-
-    current = {"r": CudaMemoryResource()}
-    mr = types.SimpleNamespace(get_current_device_resource=lambda: current["r"],
-                               set_current_device_resource=lambda r: current.update(r=r))
-    fake = types.ModuleType("rmm")
-    fake.mr = mr
-    monkeypatch.setitem(sys.modules, "rmm", fake)
-    monkeypatch.setitem(sys.modules, "rmm.mr", mr)
-    monkeypatch.setattr(emmpool, "rmm_resource", lambda: "emmpool's resource")
     emmpool.dask._for_rmm("worker w")
-    assert current["r"] == "emmpool's resource"
-    current["r"] = PoolMemoryResource()
-    with pytest.raises(RuntimeError, match=r"worker w: RMM's current device resource is "
+    assert fake_rmm.mr.get_per_device_resource(0) is emmpool.rmm_resource(0)
+    fake_rmm.mr.set_per_device_resource(0, fake_rmm.mr.PoolMemoryResource())
+    with pytest.raises(RuntimeError, match=r"worker w: RMM's resource for device 0 is "
                                            r"\S*PoolMemoryResource already.*rmm=False"):
         emmpool.dask._for_rmm("worker w")
     monkeypatch.setitem(sys.modules, "rmm", None)  # not installed: nothing to do

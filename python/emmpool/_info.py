@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import TextIO
 
-from . import __version__, _config, _core, _numba_packages
+from . import __version__, _config, _core, _installed, _numba_packages
 from ._args import format_bytes
 
 # (name shown, distributions that provide it, first installed wins)
@@ -127,10 +127,10 @@ def _hooks() -> list[str]:
     else:
         lines.append("Numba: its own manager, unless the program calls emmpool.use_for_numba() "
                      "(or set NUMBA_CUDA_MEMORY_MANAGER=emmpool.plugin)")
-    hooks = sys.modules.get("emmpool.hooks")
-    libraries = sorted({type(a).__module__.split(".")[0] for a in getattr(hooks, "_installed", [])})
-    lines.append(f"hooks installed in this process: {', '.join(libraries) or 'none'} "
-                 f"(CuPy, PyTorch: emmpool.use_for_cupy() / use_for_torch() in the program)")
+    done = _installed.installed()
+    libraries = ", ".join(f"{r.library} ({r.how})" for _, r in sorted(done.items()))
+    lines.append(f"use_for_* in this process: {libraries or 'none'} (a program calls "
+                 f"emmpool.use_for_cupy(), use_for_torch(), ...)")
     for pool in _core.pools():
         s = pool.stats()
         served = ", ".join(f"{lib} {t['allocations']}" for lib, t in s["by_library"].items()

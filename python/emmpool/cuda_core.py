@@ -44,6 +44,7 @@ import threading
 
 from . import _args, _core
 from ._config import ensure_configured
+from ._installed import AllocatorConflictError
 
 try:
     from cuda.core import Buffer, Device, MemoryResource, Stream
@@ -209,17 +210,36 @@ def resource(device: int | None = None, *, library: str = "cuda_core") -> EmmPoo
         return mr
 
 
-def install(devices=None, *, library: str = "cuda_core") -> list[EmmPoolMemoryResource]:
+def install(devices=None, *, library: str = "cuda_core",
+            replace: bool = False) -> list[EmmPoolMemoryResource]:
     """Make emmpool serve cuda.core's allocations: ``Device(i).memory_resource`` becomes
     :func:`resource` ``(i)`` for each device in ``devices`` (default: every device), on the
     calling thread's Device objects (cuda.core's are per thread). Returns the resources, in
-    device order."""
+    device order.
+
+    cuda.core's own resources are replaced; any other (another library's, the program's) raises
+    :class:`emmpool.AllocatorConflictError` naming the device, before anything changes, unless
+    ``replace``."""
     if devices is None:
         devices = range(_core.device_count())
-    installed = []
-    for d in devices:
-        installed.append(install_on(Device(d), library=library))
-    return installed
+    targets = [Device(d) for d in devices]
+    if not replace:
+        for device in targets:
+            current = device.memory_resource
+            if not _ours_or_cuda_cores(current):
+                raise AllocatorConflictError(
+                    "cuda_core", f"cuda.core's Device({device.device_id}).memory_resource is "
+                                 f"{type(current).__module__}.{type(current).__qualname__} "
+                                 f"already")
+    return [install_on(device, library=library) for device in targets]
+
+
+def _ours_or_cuda_cores(mr) -> bool:
+    """Whether ``mr`` is emmpool's, or one of cuda.core's own (its default, which differs with
+    the device: a memory pool's, or synchronous where the device has no pools)."""
+    module = type(mr).__module__
+    return isinstance(mr, EmmPoolMemoryResource) or module == "cuda.core" or module.startswith(
+        "cuda.core.")
 
 
 def install_on(device, *, library: str = "cuda_core") -> EmmPoolMemoryResource:
