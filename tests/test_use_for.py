@@ -255,6 +255,25 @@ def test_what_was_installed_is_listed_by_info(fake_rmm, fake_cupy):
 
 
 # ---- arguments -----------------------------------------------------------------------------------
+def test_record_stream_means_the_current_device_by_default(monkeypatch):
+    asked = []
+
+    class Pool:
+        def __init__(self, device):
+            self.device = device
+
+        def record_stream(self, ptr, stream):
+            asked.append((self.device, ptr, stream))
+
+    monkeypatch.setattr(_core, "pool", Pool)
+    monkeypatch.setattr(_core, "current_device", lambda: 1)
+    emmpool.record_stream(0x7000, 5)
+    emmpool.record_stream(0x7000, 5, device=0)
+    monkeypatch.setattr(_core, "current_device", lambda: -1)  # no CUDA context current
+    emmpool.record_stream(0x7000, 6)
+    assert asked == [(1, 0x7000, 5), (0, 0x7000, 5), (0, 0x7000, 6)]
+
+
 @pytest.mark.parametrize(
     "call",
     [lambda: emmpool.use_for_numba(replace="yes"), lambda: emmpool.use_for_cupy(replace=1),

@@ -196,7 +196,7 @@ def reset_peak_stats() -> None:
         p.reset_peaks()
 
 
-def record_stream(ptr: int, stream: int, device: int = 0) -> None:
+def record_stream(ptr: int, stream: int, device: int | None = None) -> None:
     """Declare that ``stream`` (e.g. a non-blocking stream) uses the block at ``ptr``.
 
     Its free then also waits for the work issued to that stream before the free; without this,
@@ -204,12 +204,15 @@ def record_stream(ptr: int, stream: int, device: int = 0) -> None:
     Numba's, work on every blocking stream).
 
     ``ptr``, ``stream`` (a handle: CuPy's ``stream.ptr``, PyTorch's ``stream.cuda_stream``)
-    and ``device`` are integers: anything else raises TypeError before the driver is loaded."""
+    and ``device`` (the block's pool; default: the current device, else 0) are integers:
+    anything else raises TypeError before the driver is loaded."""
     ptr = _args.integer(ptr, "ptr", "the device address of a block from emmpool's pool")
     stream = _args.integer(stream, "stream", "a stream handle, e.g. CuPy's stream.ptr or "
                                              "PyTorch's stream.cuda_stream")
-    device = _args.device(device)
-    _core.pool(device).record_stream(ptr, stream)
+    if device is not None:
+        device = _args.device(device)
+    _config.ensure_configured()
+    _core.pool(_args.current_device(device)).record_stream(ptr, stream)
 
 
 def set_out_of_memory_callback(callback, device: int | None = None) -> None:
