@@ -211,6 +211,20 @@ def test_use_for_torch_says_pytorchs_own_allocator_is_in_use(fake_torch):
     assert not fake_torch.state.changes
 
 
+def test_dump_torch_snapshot_writes_nothing_where_there_is_no_snapshot(fake_torch, tmp_path,
+                                                                       monkeypatch):
+    path = tmp_path / "snap.pickle"
+    emmpool.use_for_torch("pluggable")  # PyTorch's pluggable allocator takes no snapshot
+    with pytest.raises(RuntimeError, match="needs emmpool's PyTorch extension"):
+        emmpool.dump_torch_snapshot(str(path))
+    assert not path.exists()
+    monkeypatch.setitem(sys.modules, "torch", None)  # PyTorch not installed
+    for call in (lambda: emmpool.dump_torch_snapshot(str(path)), emmpool.torch_snapshot):
+        with pytest.raises(ImportError, match=r"needs PyTorch: pip install 'emmpool\[torch\]'"):
+            call()
+    assert not path.exists()
+
+
 # ---- RMM -------------------------------------------------------------------------------------
 def test_use_for_rmm_serves_every_device_and_makes_no_pool_until_rmm_allocates(fake_rmm,
                                                                               monkeypatch):

@@ -141,13 +141,20 @@ def use_for_rmm(devices=None, *, replace: bool = False) -> Installed:
 def torch_snapshot() -> dict:
     """PyTorch's memory snapshot of emmpool's pool, every other library's blocks named (see
     :func:`emmpool._torch.torch_snapshot`)."""
+    from . import hooks
+
+    hooks.import_torch("emmpool.torch_snapshot()")
     from ._torch import torch_snapshot as _snapshot
 
     return _snapshot()
 
 
 def dump_torch_snapshot(filename: str = "dump_snapshot.pickle") -> None:
-    """:func:`torch_snapshot` pickled for PyTorch's memory viewer (memory_viz)."""
+    """:func:`torch_snapshot` pickled for PyTorch's memory viewer (memory_viz). Nothing is
+    written where there is no snapshot to take."""
+    from . import hooks
+
+    hooks.import_torch("emmpool.dump_torch_snapshot()")
     from ._torch import dump_torch_snapshot as _dump
 
     _dump(filename)

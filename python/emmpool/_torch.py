@@ -246,5 +246,6 @@ def dump_torch_snapshot(filename: str = "dump_snapshot.pickle") -> None:
     https://pytorch.org/memory_viz or ``python -m torch.cuda._memory_viz``)."""
     import pickle
 
+    snapshot = torch_snapshot()  # first: where there is none to take, no file is left behind
     with open(filename, "wb") as f:
-        pickle.dump(torch_snapshot(), f)
+        pickle.dump(snapshot, f)
