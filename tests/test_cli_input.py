@@ -34,8 +34,9 @@ def one_line_error(p, command: str) -> str:
     return lines[0][len(prefix):]
 
 
-def test_version():
-    p = run_cli("--version")
+@pytest.mark.parametrize("option", ["--version", "-V"])
+def test_version(option):
+    p = run_cli(option)
     assert (p.returncode, p.stdout, p.stderr) == (0, f"emmpool {emmpool.__version__}\n", "")
 
 
@@ -123,7 +124,10 @@ def test_a_warning_is_one_line_and_the_command_goes_on(tmp_path):
     "args, message",
     [(["replay", "t.csv", "--device", "-1"], "argument --device: expected a device ordinal"),
      (["replay", "t.csv", "--device", "first"], "argument --device: expected a device ordinal"),
-     (["replay", "t.csv", "--backends", "magic"], "argument --backends: invalid choice"),
+     (["replay", "t.csv", "--backends", "magic"], "argument --backends: invalid choice: 'magic'"),
+     (["replay", "--backends", "magic", "t.csv"], "argument --backends: invalid choice: 'magic'"),
+     (["replay", "--backends", "emmpool-host"], "the following arguments are required: TRACE"),
+     (["replay", "t.csv", "--backends", ","], "argument --backends: expected at least one"),
      (["bench", "--budget", "0"], "argument --budget: expected a number of seconds > 0"),
      (["bench", "--budget", "nan"], "argument --budget: expected a number of seconds > 0"),
      ([], "the following arguments are required: command")],
@@ -132,6 +136,26 @@ def test_usage_errors_are_argparses(args, message):
     p = run_cli(*args, env=environment())
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert message in p.stderr.splitlines()[-1], p.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--backends", "emmpool-host", "TRACE"],  # the trace after the backends: not a backend
+     ["--backends", "emmpool-host", "emmpool-host-behind", "TRACE"],
+     ["--backends", "emmpool-host,emmpool-host-behind", "TRACE"],
+     ["TRACE", "--backends", "emmpool-host", "emmpool-host-behind"],
+     ["--device", "0", "TRACE", "--backends", "emmpool-host"]],
+)
+def test_replay_takes_the_trace_before_or_after_the_backends(tmp_path, args):
+    path = tmp_path / "t.csv"
+    path.write_text(ONE_ALLOCATION)
+    p = run_cli("replay", *[str(path) if a == "TRACE" else a for a in args], env=environment())
+    assert p.returncode == 0, p.stderr
+    rows = [line.split("|")[1].strip() for line in p.stdout.splitlines()
+            if line.startswith("| emmpool-host")]
+    asked = [n for a in args[args.index("--backends") + 1:] if a != "TRACE"
+             for n in a.split(",")]
+    assert rows == asked, p.stdout
 
 
 # ---- info: every setting, every bad value, exit status 1 -------------------------------------

@@ -16,6 +16,7 @@ in one line on stderr, with exit status 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -265,7 +266,7 @@ def _device_ordinal(text: str) -> int:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--version", action="version", version=f"emmpool {__version__}")
+    ap.add_argument("-V", "--version", action="version", version=f"emmpool {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="configuration in force, driver, devices, versions, hooks")
     sub.add_parser("selftest", help="a quick GPU check")
@@ -273,12 +274,37 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=".", help="folder for emmpool-bench.{md,json,png}")
     b.add_argument("--budget", type=_positive_seconds, default=1.0,
                    help="seconds per size and manager")
-    r = sub.add_parser("replay", help="replay a CSV trace")
-    r.add_argument("trace", help="CSV written by EMMPOOL_TRACE or emmpool.trace.write_csv")
+    r = sub.add_parser("replay", help="replay a CSV trace",
+                       usage=f"{PROG} replay [-h] [--device DEVICE] "
+                             f"[--backends BACKEND [BACKEND ...]] TRACE")
+    # nargs="?": --backends takes one or more names, and would take the trace's path after
+    # them too; _replay_arguments gives it back.
+    r.add_argument("trace", nargs="?", metavar="TRACE",
+                   help="CSV written by EMMPOOL_TRACE or emmpool.trace.write_csv")
     r.add_argument("--device", type=_device_ordinal, default=0)
-    r.add_argument("--backends", nargs="+", choices=sorted(replay.BACKENDS),
-                   default=list(replay.BACKENDS))
+    r.add_argument("--backends", nargs="+", metavar="BACKEND",
+                   help=f"one or more of {', '.join(sorted(replay.BACKENDS))} (also "
+                        f"comma-separated; default: all)")
+    r.set_defaults(check=functools.partial(_replay_arguments, usage=r))
     return ap
+
+
+def _replay_arguments(args, usage: argparse.ArgumentParser) -> None:
+    """The trace and the backends of ``replay``, however they were ordered: ``--backends A B
+    FILE`` hands FILE to --backends, which is not a backend; usage errors as argparse says
+    them."""
+    names = [n for value in (args.backends or []) for n in value.split(",") if n]
+    if args.trace is None and names and names[-1] not in replay.BACKENDS:
+        args.trace = names.pop()
+    if args.trace is None:
+        usage.error("the following arguments are required: TRACE")
+    unknown = [n for n in names if n not in replay.BACKENDS]
+    if unknown:
+        usage.error(f"argument --backends: invalid choice: {unknown[0]!r} (choose from "
+                    f"{', '.join(sorted(replay.BACKENDS))})")
+    if args.backends is not None and not names:
+        usage.error("argument --backends: expected at least one backend")
+    args.backends = names or list(replay.BACKENDS)
 
 
 def _one_line(e: BaseException) -> str:
@@ -303,6 +329,8 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)  # a usage error: argparse's message, exit status 2
+    if hasattr(args, "check"):
+        args.check(args)  # what argparse cannot check alone: also a usage error
     command = {"info": cmd_info, "selftest": cmd_selftest, "bench": cmd_bench,
                "replay": cmd_replay}[args.command]
     with warnings.catch_warnings():
