@@ -186,11 +186,12 @@ from cuda.core import Device
 from cuda.core.utils import StridedMemoryView
 from cuda.core._utils.cuda_utils import CUDAError
 """ + DRIVER_POOL + r"""
-resources = emmpool.use_for_cuda_core()
+installed = emmpool.use_for_cuda_core()            # every device
+assert installed.devices == tuple(range(len(Device.get_all_devices()))), installed
 dev = Device(0)
 dev.set_current()
 reset_driver_pool_high()
-assert dev.memory_resource is resources[0] is emmpool.cuda_core_resource(0)
+assert dev.memory_resource is installed.allocators[0] is emmpool.cuda_core_resource(0)
 s = dev.create_stream()
 a = dev.allocate(1 << 20, stream=s)
 b = dev.allocate(1 << 20, stream=s)
