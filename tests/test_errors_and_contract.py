@@ -150,6 +150,9 @@ def no_driver_call(monkeypatch):
         (lambda: emmpool.use_for_cuda_core("01"), r"devices must be a list of device ordinals"),
         (lambda: emmpool.use_for_cuda_core([0, "1"]), "device must be an integer"),
         (lambda: emmpool.use_for_torch(1), "allocator must be 'auto', 'extension', 'pluggable'"),
+        (lambda: emmpool.use_for_rmm(0), r"devices must be a list of device ordinals"),
+        (lambda: emmpool.use_for_rmm([0, 1.0]), "device must be an integer"),
+        (lambda: emmpool.record_stream(0x7000, 0, device=True), "device must be an integer"),
     ],
 )
 def test_a_wrong_type_is_a_type_error_before_the_driver_is_asked(no_driver_call, call, message):
@@ -161,7 +164,7 @@ def test_a_wrong_type_is_a_type_error_before_the_driver_is_asked(no_driver_call,
     "call",
     [lambda: emmpool.stats(-1), lambda: emmpool.record_stream(0x7000, 0, device=-1),
      lambda: emmpool.rmm_resource(-2), lambda: emmpool.cuda_core_resource(-1),
-     lambda: emmpool.use_for_cuda_core([-1])],
+     lambda: emmpool.use_for_cuda_core([-1]), lambda: emmpool.use_for_rmm([-1])],
 )
 def test_a_negative_device_is_a_value_error(no_driver_call, call):
     with pytest.raises(ValueError, match="device must be a CUDA device ordinal"):
