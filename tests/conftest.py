@@ -1,14 +1,68 @@
-"""Shared fixtures. GPU tests are marked `gpu` and skip, with the reason, where CUDA is absent."""
+"""Shared fixtures and the tests' skip reasons. GPU tests are marked `gpu` and skip, with the
+reason, where CUDA is absent."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- skip reasons: one wording, "needs <what>: <why, or what to do>" --------------------------
+def needs(what: str, why: str) -> str:
+    """The reason of every skip here: what the test needs, then why it is missing or how to get
+    it (``needs a CUDA GPU: <the driver's words>``, ``needs CuPy: pip install ...``)."""
+    return f"needs {what}: {why}"
+
+
+# What a test may need that a user installs: the name said, and how to install it.
+_INSTALLS = {
+    "cupy": ("CuPy", "pip install 'emmpool[cupy]'"),
+    "torch": ("PyTorch", "pip install 'emmpool[torch]'"),
+    "rmm": ("RMM", "pip install 'emmpool[rmm]'"),
+    "cuda.core": ("cuda.core", "pip install 'emmpool[numba]'"),
+    "numba.cuda": ("numba-cuda", "pip install 'emmpool[numba]'"),
+    "distributed": ("Dask's distributed", "pip install 'emmpool[dask]'"),
+    "dask_cuda": ("dask-cuda", "pip install dask-cuda"),
+    "numpy": ("NumPy", "pip install numpy"),
+}
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):  # a parent package that is absent
+        return True
+
+
+def needs_module(module: str) -> str:
+    """The skip reason for a test that needs ``module``."""
+    name, install = _INSTALLS.get(module, (module, f"pip install {module}"))
+    return needs(name, install)
+
+
+def require(module: str):
+    """``module`` imported, or skip the test saying what to install."""
+    return pytest.importorskip(module, reason=needs_module(module))
+
+
+def requires(*modules: str):
+    """A mark: skip unless every one of ``modules`` is installed, naming the first missing."""
+    missing = [m for m in modules if _missing(m)]
+    return pytest.mark.skipif(bool(missing),
+                              reason=needs_module(missing[0]) if missing else "")
+
+
+def needs_repository(path: str) -> str:
+    """The skip reason for a test of the repository's own files (benchmarks/, .ci/, ...),
+    which an sdist or a wheel's test run does not ship."""
+    return needs(f"the repository's {path}", "not shipped here (an sdist or a wheel's tests)")
 
 
 @functools.cache
@@ -20,16 +74,16 @@ def gpu_unavailable_reason() -> str | None:
         n = emmpool._core.device_count()
     except emmpool.CudaError as e:
         # The driver's message says what to install; its first clause says what is missing.
-        return f"needs a CUDA GPU: {str(e).split(', so ')[0]}"
+        return needs("a CUDA GPU", str(e).split(", so ")[0])
     if n == 0:
-        return "needs a CUDA GPU: the CUDA driver reports no device"
+        return needs("a CUDA GPU", "the CUDA driver reports no device")
     try:
         from numba import cuda
 
         if not cuda.is_available():
-            return "needs a CUDA GPU: numba.cuda reports CUDA unavailable"
+            return needs("a CUDA GPU", "numba.cuda reports CUDA unavailable")
     except Exception as e:  # pragma: no cover - depends on the machine
-        return f"needs a CUDA GPU: numba.cuda is not usable: {e}"
+        return needs("a CUDA GPU", f"numba.cuda is not usable: {e}")
     return None
 
 
@@ -49,7 +103,7 @@ def benchmark_module(name: str):
     test run takes tests/ alone)."""
     path = ROOT / "benchmarks" / f"{name}.py"
     if not path.exists():
-        pytest.skip("benchmarks/ is not shipped here")
+        pytest.skip(needs_repository("benchmarks/"))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -63,8 +117,16 @@ def installed_or_skip(name: str):
 
     package = packages.by_name(name)
     if package not in packages.installed():
-        pytest.skip(f"{name} is not installed (pip install 'emmpool[{package.extra}]')")
+        pytest.skip(needs_package(package))
     return package
+
+
+def needs_package(package) -> str:
+    """The skip reason for a test of a package that provides Numba's CUDA target."""
+    install = f"pip install 'emmpool[{package.extra}]'"
+    if package.name == "numba-cuda-mlir":
+        install += f" (the {package.extra} extra needs Python >= 3.11)"
+    return needs(package.name, install)
 
 
 @pytest.fixture(params=["numba-cuda", "numba-cuda-mlir"])
@@ -79,3 +141,39 @@ def host():
     import emmpool
 
     return emmpool._core.HostDriver(devices=1, capacity=1 << 30)
+
+
+# ---- stand-ins for libraries this machine may lack (their real use is tested on a GPU) -------
+@pytest.fixture
+def fake_rmm(monkeypatch):
+    """``rmm`` and ``rmm.mr`` as emmpool uses them: per-device resources, RMM's default
+    (``CudaMemoryResource``) until one is set, ``CallbackMemoryResource`` keeping its callbacks;
+    two devices, device 0 current. emmpool's own resources are forgotten after the test."""
+    from emmpool import _core, _installed, hooks
+
+    class CudaMemoryResource:
+        pass
+
+    class PoolMemoryResource:
+        pass
+
+    class CallbackMemoryResource:
+        def __init__(self, allocate, deallocate):
+            self.allocate, self.deallocate = allocate, deallocate
+
+    resources: dict[int, object] = {}
+    mr = types.ModuleType("rmm.mr")
+    mr.CudaMemoryResource = CudaMemoryResource
+    mr.PoolMemoryResource = PoolMemoryResource
+    mr.CallbackMemoryResource = CallbackMemoryResource
+    mr.get_per_device_resource = lambda d: resources.setdefault(d, CudaMemoryResource())
+    mr.set_per_device_resource = resources.__setitem__
+    rmm = types.ModuleType("rmm")
+    rmm.mr = mr
+    monkeypatch.setitem(sys.modules, "rmm", rmm)
+    monkeypatch.setitem(sys.modules, "rmm.mr", mr)
+    monkeypatch.setattr(_core, "device_count", lambda: 2)
+    monkeypatch.setattr(_core, "current_device", lambda: 0)
+    monkeypatch.setattr(hooks, "_rmm_resources", {})
+    monkeypatch.setattr(_installed, "_installed", {})
+    return rmm

@@ -12,14 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import needs_repository, require
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 if not BENCHMARKS.is_dir():  # a wheel's test run takes tests/ alone
-    pytest.skip("benchmarks/ is not shipped here", allow_module_level=True)
+    pytest.skip(needs_repository("benchmarks/"), allow_module_level=True)
 
 
 @pytest.fixture
 def bench_numba(monkeypatch):
-    pytest.importorskip("numba.cuda", reason="bench_numba imports numba.cuda")
+    require("numba.cuda")
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import bench_numba
 
@@ -224,8 +226,8 @@ def test_a_case_that_raises_is_recorded_as_its_error(bench_numba, capsys):
 
 @pytest.fixture
 def dask_spill(monkeypatch):
-    pytest.importorskip("distributed", reason="dask_spill imports distributed")
-    pytest.importorskip("numba.cuda", reason="dask_spill imports numba.cuda")
+    require("distributed")
+    require("numba.cuda")
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import dask_spill
 

@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 
+from tests.conftest import needs
 from tests.processes import hung, run_python
 
 # What every script below runs first: the process-wide pools over a host driver (`host`) and
@@ -196,7 +197,7 @@ def test_an_entry_point_called_without_the_gil_after_a_subinterpreter():
     try:
         import _interpreters  # noqa: F401
     except ImportError:
-        pytest.importorskip("_xxsubinterpreters", reason="no sub-interpreters in this Python")
+        pytest.importorskip("_xxsubinterpreters", reason=needs("sub-interpreters", "this Python has none"))
     run(SUBINTERPRETER)
 
 

@@ -16,13 +16,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.conftest import needs_repository
 from tests.processes import HUNG, hung, run_python
 
 CI = Path(__file__).parent.parent / ".ci"
 COMPARE = CI / "compare_numba.py"
 
 
-@pytest.mark.skipif(not COMPARE.exists(), reason=".ci/ is not shipped here")  # an sdist
+@pytest.mark.skipif(not COMPARE.exists(), reason=needs_repository(".ci/"))
 def test_compare_numba_selftest():
     p = subprocess.run([sys.executable, str(COMPARE), "--selftest"], capture_output=True,
                        text=True, timeout=60)
@@ -59,7 +60,7 @@ def test_hang_after_caps_the_timeout(monkeypatch):
 
 def load_ci_module(name: str):
     if not (CI / f"{name}.py").exists():
-        pytest.skip(".ci/ is not shipped here")  # an sdist
+        pytest.skip(needs_repository(".ci/"))
     spec = importlib.util.spec_from_file_location(name, CI / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

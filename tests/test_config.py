@@ -7,12 +7,14 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 import emmpool
 from emmpool import _config, _core
+from tests.conftest import needs_repository
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -91,12 +93,16 @@ def test_parse_maximum_says_what_is_wrong(value, message):
         ({"EMMPOOL_PINNED_LIMIT": "0"}, "EMMPOOL_PINNED_LIMIT=0"),
         ({"EMMPOOL_LOG": "loud"}, "EMMPOOL_LOG='loud'"),
         ({"EMMPOOL_TRACE": "/nonexistent-dir/trace.csv"}, "EMMPOOL_TRACE"),
+        ({"EMMPOOL_TORCH_ALLOCATOR": "fast"}, "EMMPOOL_TORCH_ALLOCATOR='fast': expected 'auto'"),
     ],
 )
 def test_bad_environment_is_named(monkeypatch, env, message):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    for check in (_config.check_environment, emmpool.config, _config.report, emmpool.configure):
+    # Every call that depends on the configuration says it, the pools' statistics too: an
+    # empty answer would hide the mistake.
+    for check in (_config.check_environment, emmpool.config, _config.report, emmpool.configure,
+                  emmpool.stats, emmpool.trim, emmpool.reset_peak_stats):
         with pytest.raises(ValueError, match=message):
             check()
 
@@ -145,10 +151,37 @@ def test_report_says_how_pytorch_would_be_served(monkeypatch, value, words, sour
     assert s.value.startswith(words) and s.source == source
 
 
-def test_torch_allocator_choices_are_the_hooks():
+def test_torch_allocator_is_configured_as_every_option(monkeypatch):
+    # EMMPOOL_TORCH_ALLOCATOR's lower-case twin, as every variable has one; what
+    # use_for_torch() then installs.
     from emmpool import _torch
 
-    assert tuple(_config._TORCH_CHOICES) == _torch.CHOICES
+    assert _torch._choice(None) == "auto"
+    assert emmpool.configure(torch_allocator="Pluggable").torch_allocator == "pluggable"
+    assert _torch._choice(None) == "pluggable"
+    assert _torch._choice("extension") == "extension"  # the argument wins
+    s = settings()["torch_allocator"]
+    assert s.value.startswith("pluggable (") and s.source == "configure()"
+    with pytest.raises(ValueError, match="torch_allocator='fast': expected 'auto' or "):
+        emmpool.configure(torch_allocator="fast")
+    with pytest.raises(ValueError, match="allocator='fast': expected 'auto' or "):
+        _torch._choice("fast")
+
+
+def test_every_variable_has_its_lower_case_twin():
+    assert {f"EMMPOOL_{name.upper()}" for name in _config._OPTIONS
+            if name != "maximum_pool_fraction"} == set(_config.VARIABLES)
+    assert set(_config._OPTIONS) - {"maximum_pool_fraction"} == {
+        f.name for f in fields(emmpool.Config)} - {"maximum_pool_fraction"}
+
+
+def test_maximum_pool_fraction_is_maximum_pool_size_given_a_fraction():
+    with pytest.warns(DeprecationWarning, match=r"maximum_pool_size takes a fraction.*"
+                                                r"maximum_pool_size='25%'") as record:
+        cfg = emmpool.configure(maximum_pool_fraction="25%")
+    assert record[0].filename == __file__  # the caller's line
+    assert cfg == emmpool.configure(maximum_pool_size="25%")
+    assert (cfg.maximum_pool_size, cfg.maximum_pool_fraction) == (None, 0.25)
 
 
 def test_config_reports_the_environment_in_force(monkeypatch):
@@ -234,7 +267,7 @@ def test_an_empty_unknown_variable_counts_as_unset(monkeypatch):
 
 @pytest.mark.parametrize(
     "variable",
-    ["EMMPOOL_TORCH_ALLOCATOR", "EMMPOOL_TEST_CUDA", "EMMPOOL_TEST_HANG_AFTER",
+    ["EMMPOOL_TEST_CUDA", "EMMPOOL_TEST_HANG_AFTER",
      "EMMPOOL_BENCH_DEADLINE", "EMMPOOL_BENCHES", "EMMPOOL_GPU_SKIP_TORCH", "EMMPOOL_CUDA_HEADERS",
      "EMMPOOL_PYTEST_ARGS", "EMMPOOL_CUPY_SUITE", "EMMPOOL_MLIR_MODE"],
 )
@@ -265,7 +298,7 @@ def test_no_variable_the_repositorys_tools_use_is_warned_of():
             for name in re.findall(r"\bEMMPOOL_[A-Za-z0-9_]+", text):
                 names.setdefault(name, relative)
     if not names:
-        pytest.skip("the repository's tools are not here (a wheel's test run)")
+        pytest.skip(needs_repository("tests/, benchmarks/ and .ci/"))
     unknown = {n: where for n, where in names.items() if not _config._is_known(n)}
     assert not unknown, f"variables of the tools that emmpool would warn of: {unknown}"
 
@@ -298,7 +331,6 @@ def test_configure_takes_the_forms_the_variables_take(monkeypatch):
     assert cfg.pinned_limit == 8 * GiB
     assert settings()["maximum_pool_size"].value == "16 GiB (17179869184 bytes)"
     assert emmpool.configure(maximum_pool_size=0.5).maximum_pool_fraction == 0.5
-    assert emmpool.configure(maximum_pool_fraction="25%").maximum_pool_fraction == 0.25
     assert emmpool.configure(maximum_pool_size=None).maximum_pool_fraction is None
     assert emmpool.configure(initial_pool_size=GiB).initial_pool_size == GiB
     assert _core.configured_options()["initial_size"] == GiB  # it reached the core
@@ -309,7 +341,7 @@ def test_configure_takes_the_forms_the_variables_take(monkeypatch):
     [
         ({"colour": "blue"}, TypeError, "unknown option"),
         ({"mode": "fast"}, ValueError, "mode='fast'"),
-        ({"maximum_pool_fraction": 3}, ValueError, "maximum_pool_fraction=3"),
+        ({"torch_allocator": "fast"}, ValueError, "torch_allocator='fast'"),
         ({"maximum_pool_size": -5}, ValueError, "maximum_pool_size=-5"),
         ({"maximum_pool_size": "1GiB", "maximum_pool_fraction": 0.5}, TypeError, "not both"),
         ({"initial_pool_size": "2GiB", "maximum_pool_size": "1GiB"}, ValueError, "exceeds"),
@@ -332,10 +364,12 @@ def test_log_level_and_configuration_message(monkeypatch, caplog):
     assert any("emmpool configured" in r.getMessage() for r in caplog.records)
 
 
-# ---- bad values fail where emmpool is installed, not at the first allocation ----------------
+# ---- bad values fail where emmpool is installed or first asked, not at the first allocation --
 _INSTALLS = {
     "use_for_numba": "import emmpool; emmpool.use_for_numba()",
     "plugin import": "import emmpool.plugin",  # what NUMBA_CUDA_MEMORY_MANAGER does
+    # import emmpool alone never fails; the first call that depends on the configuration does
+    "stats": "import emmpool; emmpool.stats()",
 }
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import textwrap
 
-import pytest
-
+from tests.conftest import require
 from tests.processes import run_python
 
-pytest.importorskip("cuda.core", reason="needs cuda-core (pip install 'emmpool[numba]')")
+require("cuda.core")
 
 PRELUDE = textwrap.dedent(
     """
@@ -256,5 +255,47 @@ def test_install_on_a_device_object_and_from_numbas_plugin():
         plugin._serve_cuda_core(NumbaDevice)
         assert NumbaDevice._dev.memory_resource is cuda_core.resource(0, library="numba")
         plugin._serve_cuda_core(object())  # a context attached from a third party: nothing
+        """
+    )
+
+
+def test_use_for_cuda_core_keeps_another_resource_unless_asked_to_replace_it():
+    run(
+        """
+        class Device:  # cuda.core's Device as install() uses it: one object per device
+            made = {}
+            def __new__(cls, i):
+                if i not in cls.made:
+                    d = cls.made[i] = object.__new__(cls)
+                    d.device_id, d.memory_resource = i, cuda_core_default()
+                return cls.made[i]
+        def cuda_core_default():  # a resource of cuda.core's own: what emmpool takes over
+            return type("DeviceMemoryResource", (), {"__module__": "cuda.core._memory"})()
+        cuda_core.Device = Device
+
+        done = emmpool.use_for_cuda_core([0, 1])
+        assert isinstance(done, emmpool.Installed)
+        assert (done.library, done.how, done.devices) == ("cuda_core", "memory resource", (0, 1))
+        assert done.allocators == (cuda_core.resource(0), cuda_core.resource(1))
+        assert all(Device(i).memory_resource is done.allocators[i] for i in (0, 1))
+        assert emmpool.use_for_cuda_core([0, 1]) == done  # idempotent
+
+        class TheirResource:  # another library's, set on device 1 by the program
+            pass
+        theirs = Device(1).memory_resource = TheirResource()
+        Device(0).memory_resource = cuda_core_default()
+        try:
+            emmpool.use_for_cuda_core([0, 1])
+        except emmpool.AllocatorConflictError as e:
+            message = str(e)
+        else:
+            raise AssertionError("replaced another's resource")
+        assert message.startswith("cuda.core's Device(1).memory_resource is "
+                                  "__main__.TheirResource already. emmpool does not replace"), message
+        assert "use_for_cuda_core(replace=True)" in message, message
+        assert Device(1).memory_resource is theirs  # nothing changed, on either device
+        assert type(Device(0).memory_resource).__name__ == "DeviceMemoryResource"
+        assert emmpool.use_for_cuda_core([0, 1], replace=True) == done
+        assert Device(1).memory_resource is done.allocators[1]
         """
     )

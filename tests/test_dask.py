@@ -14,7 +14,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("distributed", reason="emmpool.dask needs distributed: pip install '.[dask]'")
+from tests.conftest import needs, require
+
+require("distributed")
 
 import dask  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
@@ -141,7 +143,7 @@ def test_setup_errors_reach_the_client_saying_what_to_install(client):
     except ImportError:
         pass
     else:
-        pytest.skip("PyTorch is installed here: its hook would install, not fail")
+        pytest.skip(needs("no PyTorch", "it is installed here, so its hook would install, not fail"))
     try:
         with pytest.raises(ImportError, match=r"pip install 'emmpool\[torch\]'"):
             client.register_plugin(EmmPool(torch=True))
@@ -168,7 +170,7 @@ def test_summary_shows_each_pool(host):
                                 "peak", "reserved", "allocations"]
     assert lines[1].startswith("tcp://w0:1  -       no pool yet")  # sorted by worker
     row = lines[2].split()
-    assert row[:4] == ["tcp://w1:1", "0", "4.00", "MiB"]
+    assert row[:4] == ["tcp://w1:1", "0", "4", "MiB"]
     assert lines[2].endswith("numba 1, cupy 1")
 
 
@@ -192,34 +194,22 @@ def test_numba_choices_made_before_are_reported(monkeypatch):
 
     from numba.cuda.cudadrv import driver
 
-    from emmpool.plugin import EmmPoolManager
-
-    conflict = emmpool.dask._numba_conflict
     monkeypatch.setattr(driver, "_memory_manager", None)
-    monkeypatch.setattr(driver.config, "CUDA_MEMORY_MANAGER", "default")
-    assert conflict(driver, EmmPoolManager) is None
     monkeypatch.setattr(driver.config, "CUDA_MEMORY_MANAGER", "rmm.allocators.numba")
-    assert "rmm.allocators.numba already" in conflict(driver, EmmPoolManager)
-    monkeypatch.setattr(driver, "_memory_manager", EmmPoolManager)  # ours, set before: fine
-    assert conflict(driver, EmmPoolManager) is None
-
-    class OtherManager(driver.HostOnlyCUDAMemoryManager):
-        pass
-
-    monkeypatch.setattr(driver, "_memory_manager", OtherManager)
-    assert "OtherManager already" in conflict(driver, EmmPoolManager)
-    # A context Numba made with its own manager keeps it, whatever is set afterwards.
-    monkeypatch.setattr(driver, "_memory_manager", None)
+    with pytest.raises(RuntimeError, match=r"worker w: Numba's memory manager is "
+                                           r"rmm\.allocators\.numba already; .*numba=False"):
+        emmpool.dask._INSTALL["numba"]("worker w")
+    monkeypatch.setattr(driver.config, "CUDA_MEMORY_MANAGER", "default")
     made = SimpleNamespace(primary_context=SimpleNamespace(
         memory_manager=driver.NumbaCUDAMemoryManager(context=None)))
     monkeypatch.setattr(driver.driver, "devices", {0: made})
-    assert "made its CUDA context already" in conflict(driver, EmmPoolManager)
     with pytest.raises(RuntimeError, match="worker w: Numba has made its CUDA context"):
-        emmpool.dask._for_numba("worker w")
+        emmpool.dask._INSTALL["numba"]("worker w")
+    assert driver._memory_manager is None  # nothing was changed
 
 
 def test_cupy_allocator_chosen_before_is_reported():
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    cupy = require("cupy")
 
     def rmm_cupy_allocator(size):  # stands for RMM's, as dask-cuda installs it
         raise AssertionError("not called")
@@ -229,34 +219,18 @@ def test_cupy_allocator_chosen_before_is_reported():
     try:
         with pytest.raises(RuntimeError, match=r"worker w: CuPy allocates through "
                                                r"\S*rmm_cupy_allocator already.*cupy=False"):
-            emmpool.dask._for_cupy("worker w")
+            emmpool.dask._INSTALL["cupy"]("worker w")
     finally:
         cupy.cuda.set_allocator(before)
 
 
-def test_rmm_is_put_on_the_pool_unless_another_resource_was_chosen(monkeypatch):
+def test_rmm_is_put_on_the_pool_unless_another_resource_was_chosen(monkeypatch, fake_rmm):
     """EmmPool(rmm=True): RMM's default resource is replaced by emmpool's; one that dask-cuda
     (or anyone) set is reported, not replaced; without RMM, nothing happens."""
-    import types
-
-    class CudaMemoryResource:  # RMM's default, by its name
-        pass
-
-    class PoolMemoryResource:
-        pass
-
-    current = {"r": CudaMemoryResource()}
-    mr = types.SimpleNamespace(get_current_device_resource=lambda: current["r"],
-                               set_current_device_resource=lambda r: current.update(r=r))
-    fake = types.ModuleType("rmm")
-    fake.mr = mr
-    monkeypatch.setitem(sys.modules, "rmm", fake)
-    monkeypatch.setitem(sys.modules, "rmm.mr", mr)
-    monkeypatch.setattr(emmpool, "rmm_resource", lambda: "emmpool's resource")
     emmpool.dask._for_rmm("worker w")
-    assert current["r"] == "emmpool's resource"
-    current["r"] = PoolMemoryResource()
-    with pytest.raises(RuntimeError, match=r"worker w: RMM's current device resource is "
+    assert fake_rmm.mr.get_per_device_resource(0) is emmpool.rmm_resource(0)
+    fake_rmm.mr.set_per_device_resource(0, fake_rmm.mr.PoolMemoryResource())
+    with pytest.raises(RuntimeError, match=r"worker w: RMM's resource for device 0 is "
                                            r"\S*PoolMemoryResource already.*rmm=False"):
         emmpool.dask._for_rmm("worker w")
     monkeypatch.setitem(sys.modules, "rmm", None)  # not installed: nothing to do

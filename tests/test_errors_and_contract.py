@@ -9,7 +9,7 @@ import pytest
 
 import emmpool
 from emmpool import _core
-from tests.conftest import installed_or_skip
+from tests.conftest import installed_or_skip, needs, require
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,7 @@ def test_no_driver_error_is_one_sentence_saying_what_to_do():
     except emmpool.DriverUnavailableError as e:
         error = e
     else:
-        pytest.skip("a CUDA driver is present: the no-driver error cannot be observed")
+        pytest.skip(needs("no CUDA driver", "one is present, so its absence cannot be observed"))
     message = str(error)
     # What is missing, what it means, what to do; no error number or source path for a user
     # to decode (the code is still there as an attribute).
@@ -150,6 +150,9 @@ def no_driver_call(monkeypatch):
         (lambda: emmpool.use_for_cuda_core("01"), r"devices must be a list of device ordinals"),
         (lambda: emmpool.use_for_cuda_core([0, "1"]), "device must be an integer"),
         (lambda: emmpool.use_for_torch(1), "allocator must be 'auto', 'extension', 'pluggable'"),
+        (lambda: emmpool.use_for_rmm(0), r"devices must be a list of device ordinals"),
+        (lambda: emmpool.use_for_rmm([0, 1.0]), "device must be an integer"),
+        (lambda: emmpool.record_stream(0x7000, 0, device=True), "device must be an integer"),
     ],
 )
 def test_a_wrong_type_is_a_type_error_before_the_driver_is_asked(no_driver_call, call, message):
@@ -161,7 +164,7 @@ def test_a_wrong_type_is_a_type_error_before_the_driver_is_asked(no_driver_call,
     "call",
     [lambda: emmpool.stats(-1), lambda: emmpool.record_stream(0x7000, 0, device=-1),
      lambda: emmpool.rmm_resource(-2), lambda: emmpool.cuda_core_resource(-1),
-     lambda: emmpool.use_for_cuda_core([-1])],
+     lambda: emmpool.use_for_cuda_core([-1]), lambda: emmpool.use_for_rmm([-1])],
 )
 def test_a_negative_device_is_a_value_error(no_driver_call, call):
     with pytest.raises(ValueError, match="device must be a CUDA device ordinal"):
@@ -169,7 +172,7 @@ def test_a_negative_device_is_a_value_error(no_driver_call, call):
 
 
 def test_integers_of_other_types_are_integers():
-    np = pytest.importorskip("numpy")
+    np = require("numpy")
     with pytest.raises(ValueError, match="no pool exists for device 63"):
         emmpool.stats(np.int64(63))
 
@@ -251,7 +254,7 @@ def test_cupy_entry_point_raises_its_failures_only_when_asked():
 
 
 def test_cupy_hook_lets_the_entry_point_raise_only_where_cupy_passes_it_on():
-    cupy = pytest.importorskip("cupy")
+    cupy = require("cupy")
     from emmpool import hooks
 
     addresses = _core.c_function_addresses()

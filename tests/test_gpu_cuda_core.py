@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import needs
 from tests.test_gpu_numba import check, run
 
 pytestmark = pytest.mark.gpu
@@ -133,14 +134,14 @@ print("OK")
 
 def test_every_numba_idiom_allocates_from_emmpool(numba_package):
     if numba_package.name != "numba-cuda":
-        pytest.skip("the idioms are written against numba-cuda's API")
+        pytest.skip(needs("numba-cuda", "the idioms are written against its API"))
     check(run(NUMBA_IDIOMS, "plugin", package=numba_package))
 
 
 def test_without_the_plugin_the_idioms_use_the_drivers_pool(numba_package):
     # The check above can fail: the same idioms, Numba's own manager.
     if numba_package.name != "numba-cuda":
-        pytest.skip("the idioms are written against numba-cuda's API")
+        pytest.skip(needs("numba-cuda", "the idioms are written against its API"))
     check(run(NUMBA_IDIOMS, "default", manager=None, package=numba_package))
 
 
@@ -185,11 +186,12 @@ from cuda.core import Device
 from cuda.core.utils import StridedMemoryView
 from cuda.core._utils.cuda_utils import CUDAError
 """ + DRIVER_POOL + r"""
-resources = emmpool.use_for_cuda_core()
+installed = emmpool.use_for_cuda_core()            # every device
+assert installed.devices == tuple(range(len(Device.get_all_devices()))), installed
 dev = Device(0)
 dev.set_current()
 reset_driver_pool_high()
-assert dev.memory_resource is resources[0] is emmpool.cuda_core_resource(0)
+assert dev.memory_resource is installed.allocators[0] is emmpool.cuda_core_resource(0)
 s = dev.create_stream()
 a = dev.allocate(1 << 20, stream=s)
 b = dev.allocate(1 << 20, stream=s)

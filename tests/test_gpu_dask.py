@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import needs, require
 from tests.processes import run_python
 
 pytestmark = pytest.mark.gpu
@@ -29,9 +30,9 @@ def run_job(tmp_path, code: str, *, gpus: int, timeout: float):
     import emmpool
 
     if emmpool._core.device_count() < gpus:
-        pytest.skip(f"needs {gpus} or more GPUs")
+        pytest.skip(needs(f"{gpus} or more CUDA GPUs", f"this machine has {emmpool._core.device_count()}"))
     for module in ("dask_cuda", "cupy"):
-        pytest.importorskip(module, reason=f"the job needs {module}")
+        require(module)
     script = tmp_path / "job.py"
     script.write_text(code)
     done = run_python([str(script)], timeout=timeout, cwd=tmp_path)

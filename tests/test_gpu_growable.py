@@ -15,7 +15,7 @@ import pytest
 
 from emmpool import _core, replay
 from tests import gpu_scripts
-from tests.conftest import benchmark_module
+from tests.conftest import benchmark_module, needs, require
 from tests.test_gpu_numba import check, run
 
 pytestmark = pytest.mark.gpu
@@ -27,8 +27,8 @@ def growable_pool(**options):
     options.setdefault("growable_room", 0)
     pool = _core.DevicePool(None, 0, segments="growable", **options)
     if not pool.growable:
-        pytest.skip("device 0 does not support virtual memory management "
-                    "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)")
+        pytest.skip(needs("a GPU with virtual memory management", "device 0 does not "
+                          "support it (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)"))
     return pool
 
 
@@ -85,7 +85,7 @@ def test_block_of_a_growable_segment_refuses_ipc_clearly():
 
 
 def test_replay_on_the_cuda_driver_is_at_most_1_10():
-    pytest.importorskip("numpy")
+    require("numpy")
     ops = replay.from_slots(*benchmark_module("replay").make_trace())
     r = replay.run(ops, "emmpool-growable")
     assert r["ratio"] <= 1.10, r

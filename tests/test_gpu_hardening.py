@@ -7,10 +7,9 @@ nothing on stderr."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from tests.conftest import requires
 from tests.test_gpu_numba import check, run
 
 pytestmark = pytest.mark.gpu
@@ -257,10 +256,7 @@ def test_fork_after_use_child_refuses_parent_intact(mode):
     assert lines.count("emmpool-refused numba-refused") == 2, p.stdout
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("cupy") is None or importlib.util.find_spec("torch") is None,
-    reason="needs both CuPy and PyTorch",
-)
+@requires("cupy", "torch")
 @pytest.mark.parametrize("mode", MODES)
 def test_exit_with_live_arrays_of_three_libraries(mode):
     check(run(EXIT_SHARED, mode=mode, manager=None))

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 
+from tests.conftest import needs
 from tests import gpu_scripts
 from tests.test_gpu_numba import check, run
 
@@ -25,7 +26,7 @@ def _device_count() -> int:
         return 0
 
 
-needs_two = pytest.mark.skipif("_device_count() < 2", reason="needs two or more GPUs")
+needs_two = pytest.mark.skipif("_device_count() < 2", reason=needs("2 or more CUDA GPUs", "this machine has fewer"))
 
 # Arrays on every device through cuda.gpus[i]: a kernel on each device doubles them. The
 # invariant emmpool owes: every block a device's pool hands out lives on that device (the driver

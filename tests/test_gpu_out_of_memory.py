@@ -4,15 +4,14 @@ a CuPy array, as a spilling Dask worker would."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from tests.conftest import requires
 from tests.test_gpu_numba import check, run
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs CuPy"),
+    requires("cupy"),
 ]
 
 SPILL = r"""

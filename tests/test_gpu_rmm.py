@@ -1,20 +1,19 @@
 """emmpool and RMM in one process (GPU; skipped, with the reason, where RMM or a GPU is absent).
 
 Two ways an application that already uses RMM can combine the two (README, "RMM"): side by side,
-each with its own pool and budget; or RMM allocating from emmpool through emmpool.rmm_resource().
+each with its own pool and budget; or RMM allocating from emmpool (emmpool.use_for_rmm()).
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from tests.conftest import requires
 from tests.test_gpu_numba import check, run
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("rmm") is None, reason="needs RMM (rmm-cu13)"),
+    requires("rmm"),
 ]
 
 # RMM with its own pool (as RAPIDS sets it up), Numba through emmpool; arrays of each are used
@@ -28,6 +27,13 @@ emmpool.use_for_numba()
 rmm.reinitialize(pool_allocator=True, initial_pool_size=1 << 30, maximum_pool_size=4 << 30)
 stats = rmm.mr.StatisticsResourceAdaptor(rmm.mr.get_current_device_resource())
 rmm.mr.set_current_device_resource(stats)
+try:                                   # RMM's own pool, chosen by the program, stays
+    emmpool.use_for_rmm()
+except emmpool.AllocatorConflictError as e:
+    assert "RMM's resource for device 0 is " in str(e) and "StatisticsResourceAdaptor" in str(e), e
+else:
+    raise AssertionError("RMM's own resource was replaced")
+assert rmm.mr.get_current_device_resource() is stats
 
 @cuda.jit
 def add(a, b, out):
@@ -59,7 +65,10 @@ import gc, numpy as np, rmm
 from numba import cuda
 import emmpool
 emmpool.use_for_numba()
-rmm.mr.set_current_device_resource(emmpool.rmm_resource())
+done = emmpool.use_for_rmm()           # RMM's default resource: taken over, on every device
+assert (done.library, done.how) == ("rmm", "callback resource"), done
+assert rmm.mr.get_current_device_resource() is done.allocators[0] is emmpool.rmm_resource()
+assert emmpool.use_for_rmm() == done
 n = 1 << 20
 bufs = [rmm.DeviceBuffer.to_device(np.full(n, i, np.uint8).tobytes()) for i in range(8)]
 s = emmpool.stats(0)["by_library"]["rmm"]

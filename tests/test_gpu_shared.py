@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from tests.conftest import requires
 from tests.test_gpu_numba import check, run
 
 pytestmark = pytest.mark.gpu
 
-needs_cupy_torch = pytest.mark.skipif(
-    importlib.util.find_spec("cupy") is None or importlib.util.find_spec("torch") is None,
-    reason="needs both CuPy and PyTorch",
-)
+needs_cupy_torch = requires("cupy", "torch")
 
 # Each library in turn takes 60% of the device in 1 GiB arrays, then drops them. With each
 # library's own pool the memory stays cached by the first, and the second runs out.
@@ -162,12 +158,12 @@ print("OK")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs CuPy")
+@requires("cupy")
 def test_a_cupy_allocation_waiting_for_the_gpu_lets_a_host_callback_run():
     check(run(CUPY_HOST_CALLBACK, manager=None))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs CuPy")
+@requires("cupy")
 def test_cupy_memory_follows_cupys_current_stream():
     check(run(CUPY_STREAMS, manager=None))
 

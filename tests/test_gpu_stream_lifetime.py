@@ -10,19 +10,15 @@ which fails on any use of a dead stream.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from tests.conftest import requires
 from tests.test_gpu_numba import check, run
 
 pytestmark = pytest.mark.gpu
 
-needs_cupy = pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs CuPy")
-needs_cupy_torch = pytest.mark.skipif(
-    importlib.util.find_spec("cupy") is None or importlib.util.find_spec("torch") is None,
-    reason="needs both CuPy and PyTorch",
-)
+needs_cupy = requires("cupy")
+needs_cupy_torch = requires("cupy", "torch")
 
 # The pattern from the report, as written: the Stream dies first, then the array; later
 # allocations miss the free lists (where the pool fences what was freed).

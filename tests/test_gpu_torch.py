@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import needs, needs_module, require
 from tests.processes import run_python
 
 
@@ -25,14 +26,14 @@ def _unavailable() -> str | None:
     """Why these tests cannot run here (they need PyTorch and a GPU, not Numba: not the `gpu`
     marker, whose check asks Numba), or None."""
     if importlib.util.find_spec("torch") is None:
-        return "PyTorch is not installed (pip install 'emmpool[torch]')"
+        return needs_module("torch")
     import emmpool
 
     try:
         if emmpool._core.device_count() == 0:
-            return "the CUDA driver reports no device"
+            return needs("a CUDA GPU", "the CUDA driver reports no device")
     except emmpool.CudaError as e:
-        return f"no usable CUDA driver/GPU: {e}"
+        return needs("a CUDA GPU", str(e).split(", so ")[0])
     return None
 
 
@@ -67,7 +68,8 @@ def extension_builds():
             "else (t.build_extension(), print('BUILT'))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if p.stdout.startswith("MISSING "):  # a machine without the tools: emmpool falls back
-        pytest.skip("emmpool's PyTorch extension cannot be built here: " + p.stdout[8:].strip())
+        pytest.skip(needs("the tools that build emmpool's PyTorch extension",
+                          p.stdout[8:].strip()))
     if "BUILT" not in p.stdout:
         msg = (p.stdout + p.stderr).strip().splitlines()
         pytest.fail("emmpool's PyTorch extension does not build: " + "\n".join(msg[-15:]))
@@ -195,7 +197,7 @@ def test_history_and_snapshot(extension_builds):
 
 
 def test_snapshot_names_every_library(extension_builds):
-    pytest.importorskip("cupy")
+    require("cupy")
     r, raised, out = scenario("mixed_snapshot", "extension")
     assert raised is None, out
     assert r == {"numba": "numba", "cupy": "cupy", "torch": "torch"}, r

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from emmpool import _config, _core, replay
-from tests.conftest import benchmark_module
+from tests.conftest import benchmark_module, require
 
 MiB = 1 << 20
 NUMBA_TAG, CUPY_TAG = 1, 2
@@ -73,7 +73,7 @@ def test_out_of_memory_leaves_nothing_mapped_half_way():
 
 
 def _benchmark_trace():
-    pytest.importorskip("numpy")
+    require("numpy")
     return replay.from_slots(*benchmark_module("replay").make_trace())
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from emmpool import _core, _numba_extents
 from emmpool import _numba_packages as packages
+from tests.conftest import needs_package
 
 SEGMENT = (1 << 44, 1 << 45)  # what the fake "driver" says: one big allocation
 
@@ -22,7 +23,7 @@ def driver(request):
     is not installed)."""
     package = next(p for p in packages.PACKAGES if p.name == request.param)
     if package not in packages.installed():
-        pytest.skip(f"{package.name} is not installed")
+        pytest.skip(needs_package(package))
     return packages.emm_api(package).driver
 
 

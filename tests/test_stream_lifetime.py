@@ -85,7 +85,7 @@ def test_destroyed_stream_cupy_and_torch_frees(host, mode, tag):
 def test_destroyed_stream_rmm_frees(host, mode):
     # RMM names a live stream at the free, and may destroy it right after.
     pool = make_pool(host, mode)
-    alloc, free = _rmm_callbacks(pool)
+    alloc, free = _rmm_callbacks(lambda: pool)  # the pool, asked at the first allocation
     s = FakeRmmStream(host.create_stream())
     ptrs = [alloc(n, s) for n in (1 << 10, 2 * MiB, 30 * MiB)]
     for p in ptrs:

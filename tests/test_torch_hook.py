@@ -4,13 +4,14 @@ emmpool._torch's choices and messages; no GPU needed (tests/test_gpu_torch.py ha
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from tests.conftest import needs, requires
 
 C_ENTRIES = textwrap.dedent(
     """
@@ -177,10 +178,12 @@ def test_c_entry_points_over_the_host_driver():
 
 
 def test_choice_is_checked(monkeypatch):
-    from emmpool import _torch
+    from emmpool import _config, _torch
 
+    monkeypatch.setattr(_config, "_applied", None)  # the environment not yet read
     monkeypatch.setenv("EMMPOOL_TORCH_ALLOCATOR", "fast")
-    with pytest.raises(ValueError, match="EMMPOOL_TORCH_ALLOCATOR='fast': expected one of"):
+    with pytest.raises(ValueError, match="EMMPOOL_TORCH_ALLOCATOR='fast': expected 'auto' or "
+                                         "'extension' or 'pluggable'"):
         _torch._choice(None)
     assert _torch._choice("Pluggable") == "pluggable"
     monkeypatch.delenv("EMMPOOL_TORCH_ALLOCATOR")
@@ -206,7 +209,7 @@ def test_extension_source_is_shipped_with_the_package():
         assert re.search(rf"\b{name}\(", header), name
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed")
+@requires("torch")
 def test_missing_toolkit_is_said(monkeypatch):
     from torch.utils import cpp_extension
 
@@ -222,7 +225,7 @@ def test_missing_toolkit_is_said(monkeypatch):
         _torch.build_extension()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed")
+@requires("torch")
 def test_extension_name_is_per_source_and_torch_version():
     import torch
 
@@ -243,7 +246,7 @@ BUILD = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed")
+@requires("torch")
 def test_extension_builds_against_the_installed_torch(tmp_path):
     # No GPU needed to compile and load it: what a user's `pip install torch` + first
     # use_for_torch() does, with the flags PyTorch itself chooses (its C++ standard moved from
@@ -253,10 +256,10 @@ def test_extension_builds_against_the_installed_torch(tmp_path):
     from emmpool import _torch
 
     if torch.version.cuda is None:
-        pytest.skip(f"torch {torch.__version__} is a CPU build: no CUDA allocator to build")
+        pytest.skip(needs("a CUDA build of PyTorch", f"torch {torch.__version__} is a CPU build"))
     problem = _torch._build_problem()
     if problem is not None:
-        pytest.skip(f"the extension cannot be built here: {problem}")
+        pytest.skip(needs("the tools that build emmpool's PyTorch extension", problem))
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", BUILD], capture_output=True, text=True, env=env,
                          timeout=600)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from emmpool import _core, replay, trace
+from tests.conftest import needs
 
 
 def traced_workload():
@@ -148,7 +149,7 @@ def test_cli_gpu_commands_without_gpu():
     from tests.conftest import gpu_unavailable_reason
 
     if gpu_unavailable_reason() is None:
-        pytest.skip("a GPU is present: tests/test_gpu_cli.py covers the commands there")
+        pytest.skip(needs("a machine without a GPU", "tests/test_gpu_cli.py covers the commands on one"))
     for command in ("selftest", "bench"):
         p = run_cli(command)
         assert p.returncode == 1 and "libcuda" in (p.stdout + p.stderr)

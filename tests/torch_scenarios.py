@@ -21,7 +21,7 @@ def setup(allocator: str):
     if allocator != "native":
         import emmpool
 
-        how = emmpool.use_for_torch(allocator)
+        how = emmpool.use_for_torch(allocator).how
         assert how == allocator, (how, allocator)
     return torch
 

@@ -1,25 +1,31 @@
-"""emmpool: one stream-safe GPU memory pool per device, shared by Numba, cuda.core, CuPy and
-PyTorch.
+"""emmpool: one stream-safe GPU memory pool per device, shared by Numba, cuda.core, CuPy,
+PyTorch and RMM.
 
 Importing emmpool touches no GPU: the CUDA driver is loaded on first use.
+
+The ``use_for_*`` family makes a library allocate from the pool. Each returns an
+:class:`Installed` (what the library was given), is idempotent, and leaves an allocator another
+library or the program chose in place, raising :class:`AllocatorConflictError`, unless called
+with ``replace=True``. Where one device is asked for, ``device=None`` means the current device
+(0 where no CUDA context is current); where several, ``devices=None`` means every device.
 """
 
 from __future__ import annotations
 
-import operator
-import reprlib
-
-from . import _config, _core
+from . import _args, _config, _core, _installed
 from ._config import Config, UnknownVariableWarning, config, configure
 from ._core import CudaError, DriverUnavailableError, OutOfMemoryError, PoolError
+from ._installed import AllocatorConflictError, Installed
 from ._numba_packages import UntestedVersionWarning
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllocatorConflictError",
     "Config",
     "CudaError",
     "DriverUnavailableError",
+    "Installed",
     "OutOfMemoryError",
     "PoolError",
     "UnknownVariableWarning",
@@ -27,106 +33,151 @@ __all__ = [
     "config",
     "configure",
     "cuda_core_resource",
+    "dump_torch_snapshot",
     "record_stream",
-    "set_out_of_memory_callback",
     "reset_peak_stats",
     "rmm_resource",
+    "set_out_of_memory_callback",
     "stats",
+    "torch_snapshot",
     "trim",
     "use_for_cuda_core",
     "use_for_cupy",
     "use_for_numba",
+    "use_for_rmm",
     "use_for_torch",
-    "torch_snapshot",
-    "dump_torch_snapshot",
 ]
 
 
-def use_for_numba() -> None:
+def use_for_numba(*, replace: bool = False) -> Installed:
     """Make Numba allocate device memory from emmpool: every installed package that provides
     Numba's CUDA target (numba-cuda, numba-cuda-mlir) gets its manager class from
-    :mod:`emmpool.plugin`. Call before that package's first CUDA use.
+    :mod:`emmpool.plugin`. Call before that package's first CUDA use: a context Numba has made
+    keeps its manager (AllocatorConflictError; ``replace=True`` serves the contexts made from
+    then on), as does another manager chosen before (``NUMBA_CUDA_MEMORY_MANAGER``,
+    ``set_memory_manager``).
 
-    Applies the configuration (``EMMPOOL_*``, or :func:`configure` before): a bad value raises
-    ``ValueError`` here rather than at Numba's first allocation.
+    Returns ``Installed("numba", "memory manager", (manager class per package,))``. Applies the
+    configuration (``EMMPOOL_*``, or :func:`configure` before): a bad value raises ``ValueError``
+    here rather than at Numba's first allocation. Raises ImportError saying what to install when
+    neither package is installed."""
+    from . import hooks
 
-    Raises ImportError saying what to install when neither package is installed."""
-    from . import _numba_packages, plugin
-
-    _config.ensure_configured()
-    for package in _numba_packages.installed():
-        manager = plugin.manager_for(package.name)
-        _numba_packages.emm_api(package).set_memory_manager(manager)
+    return hooks.use_for_numba(_args.flag(replace, "replace"))
 
 
-def use_for_cuda_core(devices=None) -> list:
+def use_for_cuda_core(devices=None, *, replace: bool = False) -> Installed:
     """Make cuda.core allocate from emmpool: each device's ``Device(i).memory_resource``
     becomes :func:`cuda_core_resource` ``(i)`` (default: every device). cuda.core's Device
-    objects are per thread: this sets the calling thread's. Returns the resources.
-    (The Numba plugin does this itself for the Device Numba allocates through.)"""
-    if devices is not None:
-        if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
-            raise TypeError(f"devices must be a list of device ordinals (e.g. [0, 1]) or None, "
-                            f"not {type(devices).__name__}")
-        devices = [_device(d) for d in devices]
+    objects are per thread: this sets the calling thread's. A resource other than cuda.core's
+    own is left in place (AllocatorConflictError) unless ``replace=True``.
+
+    Returns ``Installed("cuda_core", "memory resource", (resource per device,), devices)``.
+    (The Numba plugin installs the resource itself for the Device Numba allocates through.)"""
+    devices = _args.devices(devices)
+    replace = _args.flag(replace, "replace")
     from . import cuda_core
 
-    return cuda_core.install(devices)
+    resources = cuda_core.install(devices, replace=replace)
+    return _installed.record(Installed("cuda_core", "memory resource", tuple(resources),
+                            tuple(mr.device_id for mr in resources)))
 
 
 def cuda_core_resource(device: int | None = None):
-    """emmpool's ``cuda.core.MemoryResource`` for ``device`` (default: the current device,
-    else 0): :class:`emmpool.cuda_core.EmmPoolMemoryResource`."""
-    device = _device(device, optional=True)
+    """emmpool's ``cuda.core.MemoryResource`` for ``device`` (default: the current device, else
+    0): :class:`emmpool.cuda_core.EmmPoolMemoryResource`."""
+    if device is not None:
+        device = _args.device(device)
     from . import cuda_core
 
     return cuda_core.resource(device)
 
 
-def use_for_cupy() -> None:
-    """Make CuPy allocate from emmpool's pools (C function allocator: no Python per call)."""
-    from .hooks import use_for_cupy as _use
+def use_for_cupy(*, replace: bool = False) -> Installed:
+    """Make CuPy allocate from emmpool's pools (a C function allocator: no Python per call).
+    CuPy's default memory pool is replaced; another allocator set before (RMM's, say) is left
+    in place (AllocatorConflictError) unless ``replace=True``.
 
-    _use()
+    Returns ``Installed("cupy", "C function allocator", (the function CuPy was given,))``;
+    see :func:`emmpool.hooks.use_for_cupy`."""
+    replace = _args.flag(replace, "replace")
+    from . import hooks
+
+    return hooks.use_for_cupy(replace)
 
 
-def use_for_torch(allocator: str | None = None) -> str:
-    """Make PyTorch allocate from emmpool's pools (before PyTorch's first CUDA allocation);
-    returns "extension" or "pluggable" (see :func:`emmpool.hooks.use_for_torch`)."""
+def use_for_torch(allocator: str | None = None, *, replace: bool = False) -> Installed:
+    """Make PyTorch allocate from emmpool's pools, before PyTorch's first CUDA allocation.
+    ``allocator``: ``"auto"`` (default: ``EMMPOOL_TORCH_ALLOCATOR``, or
+    ``configure(torch_allocator=...)``), ``"extension"`` or ``"pluggable"``. PyTorch swaps no
+    allocator once one is initialized: another library's, or its own once CUDA is initialized,
+    raises AllocatorConflictError (``replace=True`` asks PyTorch all the same).
+
+    Returns ``Installed("torch", how, (the allocator,))``, ``how`` being ``"extension"`` or
+    ``"pluggable"``; see :func:`emmpool.hooks.use_for_torch`."""
     if allocator is not None and not isinstance(allocator, str):
-        raise TypeError(f"allocator must be 'auto', 'extension', 'pluggable' or None, not "
-                        f"{type(allocator).__name__}")
-    from .hooks import use_for_torch as _use
+        raise TypeError(f"allocator must be {', '.join(repr(c) for c in _config.TORCH_ALLOCATORS)}"
+                        f" or None, not {type(allocator).__name__}")
+    replace = _args.flag(replace, "replace")
+    from . import hooks
 
-    return _use(allocator)
+    return hooks.use_for_torch(allocator, replace)
+
+
+def use_for_rmm(devices=None, *, replace: bool = False) -> Installed:
+    """Make RMM allocate from emmpool's pools: each device's RMM resource becomes
+    :func:`rmm_resource` of that device (default: every device; a pool is made where RMM
+    allocates). RMM's default resource is replaced; another (``rmm.reinitialize``'s pool,
+    dask-cuda's) is left in place (AllocatorConflictError) unless ``replace=True``.
+
+    Returns ``Installed("rmm", "callback resource", (resource per device,), devices)``."""
+    devices = _args.devices(devices)
+    replace = _args.flag(replace, "replace")
+    from . import hooks
+
+    return hooks.use_for_rmm(devices, replace)
 
 
 def torch_snapshot() -> dict:
     """PyTorch's memory snapshot of emmpool's pool, every other library's blocks named (see
     :func:`emmpool._torch.torch_snapshot`)."""
+    from . import hooks
+
+    hooks.import_torch("emmpool.torch_snapshot()")
     from ._torch import torch_snapshot as _snapshot
 
     return _snapshot()
 
 
 def dump_torch_snapshot(filename: str = "dump_snapshot.pickle") -> None:
-    """:func:`torch_snapshot` pickled for PyTorch's memory viewer (memory_viz)."""
+    """:func:`torch_snapshot` pickled for PyTorch's memory viewer (memory_viz). Nothing is
+    written where there is no snapshot to take."""
+    from . import hooks
+
+    hooks.import_torch("emmpool.dump_torch_snapshot()")
     from ._torch import dump_torch_snapshot as _dump
 
     _dump(filename)
 
 
 def rmm_resource(device: int | None = None):
-    """An RMM memory resource over emmpool's pool (see :func:`emmpool.hooks.rmm_resource`)."""
-    device = _device(device, optional=True)
-    from .hooks import rmm_resource as _make
+    """emmpool's RMM memory resource for ``device`` (default: the current device, else 0); see
+    :func:`emmpool.hooks.rmm_resource`. :func:`use_for_rmm` installs it."""
+    if device is not None:
+        device = _args.device(device)
+    from . import hooks
 
-    return _make(device)
+    return hooks.rmm_resource(device)
 
 
 def stats(device: int | None = None) -> dict:
-    """Statistics of the pools created so far: ``{device: {...}}``, or one device's dict."""
-    device = _device(device, optional=True)
+    """Statistics of the pools created so far: ``{device: {...}}``, or one device's dict.
+
+    Raises ``ValueError`` naming the variable where an ``EMMPOOL_*`` value is bad (what the
+    pools would be made with)."""
+    if device is not None:
+        device = _args.device(device)
+    _config.ensure_configured()
     pools = {p.device: p for p in _core.pools()}
     if device is not None:
         if device not in pools:
@@ -139,6 +190,7 @@ def trim() -> int:
     """Wait for pending frees and return every wholly free segment to the driver.
 
     Returns the number of bytes released."""
+    _config.ensure_configured()
     released = sum(p.trim() for p in _core.pools())
     _config.log.info("trim returned %d bytes to the driver", released)
     return released
@@ -146,11 +198,12 @@ def trim() -> int:
 
 def reset_peak_stats() -> None:
     """Restart the peak counters of every pool from the current values."""
+    _config.ensure_configured()
     for p in _core.pools():
         p.reset_peaks()
 
 
-def record_stream(ptr: int, stream: int, device: int = 0) -> None:
+def record_stream(ptr: int, stream: int, device: int | None = None) -> None:
     """Declare that ``stream`` (e.g. a non-blocking stream) uses the block at ``ptr``.
 
     Its free then also waits for the work issued to that stream before the free; without this,
@@ -158,12 +211,15 @@ def record_stream(ptr: int, stream: int, device: int = 0) -> None:
     Numba's, work on every blocking stream).
 
     ``ptr``, ``stream`` (a handle: CuPy's ``stream.ptr``, PyTorch's ``stream.cuda_stream``)
-    and ``device`` are integers: anything else raises TypeError before the driver is loaded."""
-    ptr = _integer(ptr, "ptr", "the device address of a block from emmpool's pool")
-    stream = _integer(stream, "stream", "a stream handle, e.g. CuPy's stream.ptr or PyTorch's "
-                                        "stream.cuda_stream")
-    device = _device(device)
-    _core.pool(device).record_stream(ptr, stream)
+    and ``device`` (the block's pool; default: the current device, else 0) are integers:
+    anything else raises TypeError before the driver is loaded."""
+    ptr = _args.integer(ptr, "ptr", "the device address of a block from emmpool's pool")
+    stream = _args.integer(stream, "stream", "a stream handle, e.g. CuPy's stream.ptr or "
+                                             "PyTorch's stream.cuda_stream")
+    if device is not None:
+        device = _args.device(device)
+    _config.ensure_configured()
+    _core.pool(_args.current_device(device)).record_stream(ptr, stream)
 
 
 def set_out_of_memory_callback(callback, device: int | None = None) -> None:
@@ -187,27 +243,4 @@ def set_out_of_memory_callback(callback, device: int | None = None) -> None:
     if callback is not None and not callable(callback):
         raise TypeError(f"the out-of-memory callback must be callable or None, not "
                         f"{type(callback).__name__}")
-    _core.set_out_of_memory_callback(callback, _device(device, optional=True))
-
-
-def _integer(value, name: str, what: str) -> int:
-    """``value`` as an int (numpy's integers too): a bool or anything else is a mistake,
-    said before the driver is loaded (whose errors would hide it)."""
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise TypeError(f"{name} must be an integer ({what}), not {type(value).__name__} "
-                    f"{reprlib.repr(value)}")
-
-
-def _device(device, optional: bool = False) -> int | None:
-    """A device ordinal: an integer >= 0 (or None where ``optional``)."""
-    if device is None and optional:
-        return None
-    device = _integer(device, "device", "a CUDA device ordinal, 0 for the first GPU")
-    if device < 0:
-        raise ValueError(f"device must be a CUDA device ordinal (0 for the first GPU), not "
-                         f"{device}")
-    return device
+    _core.set_out_of_memory_callback(callback, None if device is None else _args.device(device))

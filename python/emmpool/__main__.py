@@ -16,6 +16,7 @@ in one line on stderr, with exit status 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -25,7 +26,8 @@ import time
 import warnings
 from pathlib import Path
 
-from . import __version__, _core, _info, replay, trace
+from . import __version__, _args, _core, _info, replay, trace
+from ._args import format_bytes
 
 MiB = 1 << 20
 
@@ -173,7 +175,7 @@ def cmd_bench(args) -> int:
     rows = ["| size | Numba default (µs) | emmpool (µs) | speed-up |", "|---:|---:|---:|---:|"]
     for n in _SIZES:
         a, b = results["numba-default"][str(n)], results["emmpool"][str(n)]
-        rows.append(f"| {_human(n)} | {a:.1f} | {b:.1f} | {a / b:.1f}× |")
+        rows.append(f"| {format_bytes(n)} | {a:.1f} | {b:.1f} | {a / b:.1f}× |")
     table = (f"Allocation + free via `cuda.device_array(n, uint8)` + `del` on {gpu}, "
              f"median of 5 timed blocks\n\n" + "\n".join(rows) + "\n")
     (out / "emmpool-bench.md").write_text(table)
@@ -189,13 +191,6 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _human(n: int) -> str:
-    for unit, size in (("MiB", MiB), ("KiB", 1024)):
-        if n >= size:
-            return f"{n // size} {unit}"
-    return f"{n} B"
-
-
 def _plot(results: dict, gpu: str, path: Path) -> None:
     import matplotlib
 
@@ -207,7 +202,7 @@ def _plot(results: dict, gpu: str, path: Path) -> None:
         ax.plot(_SIZES, [results[name][str(n)] for n in _SIZES], style, label=name)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xticks(_SIZES, [_human(n) for n in _SIZES], rotation=30)
+    ax.set_xticks(_SIZES, [format_bytes(n) for n in _SIZES], rotation=30)
     ax.set_xlabel("allocation size")
     ax.set_ylabel("µs per allocation + free")
     ax.set_title(f"Numba device_array + del on {gpu}")
@@ -262,18 +257,16 @@ def _positive_seconds(text: str) -> float:
 
 def _device_ordinal(text: str) -> int:
     try:
-        value = int(text)
+        return _args.device(int(text))
     except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a device ordinal (0, 1, ...), not {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(
+            f"expected a device ordinal (0, 1, ...), not {text!r}") from None
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--version", action="version", version=f"emmpool {__version__}")
+    ap.add_argument("-V", "--version", action="version", version=f"emmpool {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="configuration in force, driver, devices, versions, hooks")
     sub.add_parser("selftest", help="a quick GPU check")
@@ -281,12 +274,37 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=".", help="folder for emmpool-bench.{md,json,png}")
     b.add_argument("--budget", type=_positive_seconds, default=1.0,
                    help="seconds per size and manager")
-    r = sub.add_parser("replay", help="replay a CSV trace")
-    r.add_argument("trace", help="CSV written by EMMPOOL_TRACE or emmpool.trace.write_csv")
+    r = sub.add_parser("replay", help="replay a CSV trace",
+                       usage=f"{PROG} replay [-h] [--device DEVICE] "
+                             f"[--backends BACKEND [BACKEND ...]] TRACE")
+    # nargs="?": --backends takes one or more names, and would take the trace's path after
+    # them too; _replay_arguments gives it back.
+    r.add_argument("trace", nargs="?", metavar="TRACE",
+                   help="CSV written by EMMPOOL_TRACE or emmpool.trace.write_csv")
     r.add_argument("--device", type=_device_ordinal, default=0)
-    r.add_argument("--backends", nargs="+", choices=sorted(replay.BACKENDS),
-                   default=list(replay.BACKENDS))
+    r.add_argument("--backends", nargs="+", metavar="BACKEND",
+                   help=f"one or more of {', '.join(sorted(replay.BACKENDS))} (also "
+                        f"comma-separated; default: all)")
+    r.set_defaults(check=functools.partial(_replay_arguments, usage=r))
     return ap
+
+
+def _replay_arguments(args, usage: argparse.ArgumentParser) -> None:
+    """The trace and the backends of ``replay``, however they were ordered: ``--backends A B
+    FILE`` hands FILE to --backends, which is not a backend; usage errors as argparse says
+    them."""
+    names = [n for value in (args.backends or []) for n in value.split(",") if n]
+    if args.trace is None and names and names[-1] not in replay.BACKENDS:
+        args.trace = names.pop()
+    if args.trace is None:
+        usage.error("the following arguments are required: TRACE")
+    unknown = [n for n in names if n not in replay.BACKENDS]
+    if unknown:
+        usage.error(f"argument --backends: invalid choice: {unknown[0]!r} (choose from "
+                    f"{', '.join(sorted(replay.BACKENDS))})")
+    if args.backends is not None and not names:
+        usage.error("argument --backends: expected at least one backend")
+    args.backends = names or list(replay.BACKENDS)
 
 
 def _one_line(e: BaseException) -> str:
@@ -311,6 +329,8 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)  # a usage error: argparse's message, exit status 2
+    if hasattr(args, "check"):
+        args.check(args)  # what argparse cannot check alone: also a usage error
     command = {"info": cmd_info, "selftest": cmd_selftest, "bench": cmd_bench,
                "replay": cmd_replay}[args.command]
     with warnings.catch_warnings():

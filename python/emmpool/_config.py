@@ -22,8 +22,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Callable, NamedTuple
 
 from . import _core
+from ._args import format_bytes
 
 __all__ = [
+    "TORCH_ALLOCATORS",
     "Config",
     "Setting",
     "UnknownVariableWarning",
@@ -35,6 +37,7 @@ __all__ = [
     "parse_fraction",
     "parse_maximum",
     "parse_size",
+    "parse_torch_allocator",
     "report",
     "resolve",
     "unknown_variables",
@@ -54,12 +57,15 @@ class Config:
     mode: str = "pool"  # "pool" or "passthrough"
     initial_pool_size: int = 0  # bytes reserved when a device's pool is created
     maximum_pool_size: int | None = None  # bytes; None (and no fraction): no cap but the device
-    maximum_pool_fraction: float | None = None  # of the device's memory, in (0, 1]
+    # The same cap as a fraction of the device's memory, in (0, 1]: maximum_pool_size='80%'
+    # sets it (and leaves maximum_pool_size None).
+    maximum_pool_fraction: float | None = None
     trace: str = ""  # CSV path: record every allocation and free, written at exit; "": off
     log: str = ""  # level of the "emmpool" logger; "": left to the application
     pinned: str = "pool"  # Numba's pinned/mapped host memory: "pool" (emmpool's) or "numba"
     pinned_limit: int | None = None  # bytes the pinned cache may hold; None: RAM / 4
     segments: str = "fixed"  # "fixed" or "growable" (VMM pages mapped on demand; not Numba's)
+    torch_allocator: str = "auto"  # what use_for_torch() installs: one of TORCH_ALLOCATORS
 
 
 # ---- parsers: one per kind of value, shared by the environment and configure() --------------
@@ -191,36 +197,40 @@ def _fraction_only(value, name):
             "maximum_pool_fraction": None if value is None else parse_fraction(value, name)}
 
 
-# configure()'s keywords. maximum_pool_size takes a size or a fraction, as its variable does;
-# maximum_pool_fraction is the same cap given as a fraction only.
+# How use_for_torch() may serve PyTorch (emmpool._torch), in the words report() gives them.
+_TORCH_WORDS = {
+    "auto": "auto (emmpool's extension, else PyTorch's pluggable allocator)",
+    "extension": "extension (emmpool's PyTorch extension, or an error)",
+    "pluggable": "pluggable (PyTorch's CUDAPluggableAllocator)",
+}
+TORCH_ALLOCATORS = tuple(_TORCH_WORDS)
+parse_torch_allocator = _choice(*TORCH_ALLOCATORS)
+
+# configure()'s keywords: each variable's name in lower case, without EMMPOOL_.
+# maximum_pool_size takes a size or a fraction, as its variable does.
 _OPTIONS = {
     "mode": _Option("EMMPOOL_MODE", _one("mode", _choice("pool", "passthrough"))),
     "initial_pool_size": _Option("EMMPOOL_INITIAL_POOL_SIZE",
                                  _one("initial_pool_size", parse_size)),
     "maximum_pool_size": _Option("EMMPOOL_MAXIMUM_POOL_SIZE", _maximum),
+    # Deprecated: maximum_pool_size given a fraction (configure() warns, and says so).
     "maximum_pool_fraction": _Option("EMMPOOL_MAXIMUM_POOL_SIZE", _fraction_only),
     "trace": _Option("EMMPOOL_TRACE", _one("trace", _path)),
     "log": _Option("EMMPOOL_LOG", _one("log", _choice(*_LOG_LEVELS))),
     "pinned": _Option("EMMPOOL_PINNED", _one("pinned", _choice("pool", "numba"))),
     "pinned_limit": _Option("EMMPOOL_PINNED_LIMIT", _one("pinned_limit", _positive_size)),
     "segments": _Option("EMMPOOL_SEGMENTS", _one("segments", _choice("fixed", "growable"))),
+    "torch_allocator": _Option("EMMPOOL_TORCH_ALLOCATOR",
+                               _one("torch_allocator", parse_torch_allocator)),
 }
 _FIELDS = [f.name for f in fields(Config)]
 _DEFAULT = "default"
 _CONFIGURE = "configure()"
 
-# Read where PyTorch is installed (emmpool._torch), not by configure(): shown by report().
-_TORCH_ALLOCATOR = "EMMPOOL_TORCH_ALLOCATOR"
-_TORCH_CHOICES = {
-    "auto": "auto (emmpool's extension, else PyTorch's pluggable allocator)",
-    "extension": "extension (emmpool's PyTorch extension, or an error)",
-    "pluggable": "pluggable (PyTorch's CUDAPluggableAllocator)",
-}
-
 # ---- variables that are not emmpool's options ------------------------------------------------
 _PREFIX = "EMMPOOL_"
 # The variables emmpool itself reads.
-VARIABLES = tuple(sorted({o.variable for o in _OPTIONS.values()} | {_TORCH_ALLOCATOR}))
+VARIABLES = tuple(sorted({o.variable for o in _OPTIONS.values()}))
 # The project's own tools (tests, benchmarks, CI scripts, the build) read EMMPOOL_* variables
 # too, and their processes import emmpool with them set: those are not misspellings. Whole
 # prefixes are left to the tools, so that a new knob of theirs needs no change here.
@@ -357,6 +367,12 @@ def _merged(options: dict, base: Config | None) -> tuple[Config, dict[str, str]]
         raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
     if "maximum_pool_size" in options and "maximum_pool_fraction" in options:
         raise TypeError("give maximum_pool_size or maximum_pool_fraction, not both")
+    if "maximum_pool_fraction" in options:
+        warnings.warn(
+            f"maximum_pool_fraction is deprecated: maximum_pool_size takes a fraction, as "
+            f"EMMPOOL_MAXIMUM_POOL_SIZE does (maximum_pool_size="
+            f"{options['maximum_pool_fraction']!r})", DeprecationWarning,
+            stacklevel=caller_outside_emmpool())
     if base is not None:
         sources = {}
     elif _applied is not None:
@@ -522,59 +538,36 @@ def diagnose() -> tuple[list[Setting], list[str]]:
     if cfg.maximum_pool_fraction is not None:
         maximum = f"{cfg.maximum_pool_fraction * 100:g}% of the device's memory"
     elif cfg.maximum_pool_size is not None:
-        maximum = _bytes(cfg.maximum_pool_size)
+        maximum = format_bytes(cfg.maximum_pool_size, exact=True)
     words = {
         "mode": cfg.mode,
-        "initial_pool_size": _bytes(cfg.initial_pool_size),
+        "initial_pool_size": format_bytes(cfg.initial_pool_size, exact=True),
         "maximum_pool_size": maximum,
         "trace": cfg.trace or "off",
         "log": cfg.log or "not set (the application's logging configuration)",
         "pinned": {"pool": "pool (emmpool's pinned cache)",
                    "numba": "numba (Numba's own pinned memory)"}[cfg.pinned],
-        "pinned_limit": _bytes(cfg.pinned_limit) if cfg.pinned_limit is not None
-        else f"a quarter of physical memory, {_human(_physical_memory() // 4)} here",
+        "pinned_limit": format_bytes(cfg.pinned_limit, exact=True)
+        if cfg.pinned_limit is not None
+        else f"a quarter of physical memory, {format_bytes(_physical_memory() // 4)} here",
         "segments": {"fixed": "fixed (cuMemAlloc segments)",
                      "growable": "growable (pages mapped on demand where the device supports "
                                  "virtual memory management; Numba's blocks on fixed segments)",
                      }[cfg.segments],
+        "torch_allocator": _TORCH_WORDS[cfg.torch_allocator],
     }
-    settings = [Setting(name, _INVALID if name in invalid else text, sources[name])
-                for name, text in words.items()]
-    errors = [message for _, message in problems]
-    settings.append(_torch_allocator(errors))
-    return settings, errors
-
-
-def _torch_allocator(errors: list[str]) -> Setting:
-    """How PyTorch is (or would be) served: EMMPOOL_TORCH_ALLOCATOR, or what use_for_torch()
-    installed in this process."""
+    # What use_for_torch() installed in this process, if it ran, is what serves PyTorch.
     torch_hook = sys.modules.get("emmpool._torch")
     how = torch_hook.how_installed() if torch_hook is not None else None
     if how is not None:
-        return Setting("torch_allocator", f"{how} (installed in this process)", "use_for_torch()")
-    text = os.environ.get(_TORCH_ALLOCATOR, "")
-    if not text.strip():
-        return Setting("torch_allocator", _TORCH_CHOICES["auto"], _DEFAULT)
-    source = f"{_TORCH_ALLOCATOR}={text!r}"
-    choice = text.strip().lower()
-    if choice not in _TORCH_CHOICES:
-        # The words of emmpool._torch's own error, raised by use_for_torch().
-        errors.append(f"{source}: expected one of {', '.join(_TORCH_CHOICES)}")
-        return Setting("torch_allocator", _INVALID, source)
-    return Setting("torch_allocator", _TORCH_CHOICES[choice], source)
+        words["torch_allocator"] = f"{how} (installed in this process)"
+        sources["torch_allocator"] = "use_for_torch()"
+        invalid.discard("torch_allocator")
+    settings = [Setting(name, _INVALID if name in invalid else text, sources[name])
+                for name, text in words.items()]
+    return settings, [message for _, message in problems]
 
 
 def _physical_memory() -> int:
     # The same sysconf query as the pinned cache's default (cpp/src/host_pool.cpp).
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _human(n: int) -> str:
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.4g} {unit}"
-    return f"{n} bytes"
-
-
-def _bytes(n: int) -> str:
-    return _human(n) if n < 1024 else f"{_human(n)} ({n} bytes)"

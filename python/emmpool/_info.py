@@ -14,9 +14,8 @@ import warnings
 from pathlib import Path
 from typing import TextIO
 
-from . import __version__, _config, _core, _numba_packages
-
-MiB = 1 << 20
+from . import __version__, _config, _core, _installed, _numba_packages
+from ._args import format_bytes
 
 # (name shown, distributions that provide it, first installed wins)
 _LIBRARIES = [
@@ -99,8 +98,7 @@ def _print_driver(say) -> bool:
         pass
     for d in range(n):
         free, total = _core.memory_info(d)
-        say(f"  device {d}: {names.get(d, '?')}, {total / 2**30:.1f} GiB, "
-            f"{free / 2**30:.1f} GiB free")
+        say(f"  device {d}: {names.get(d, '?')}, {format_bytes(total)}, {format_bytes(free)} free")
     return n > 0
 
 
@@ -129,15 +127,14 @@ def _hooks() -> list[str]:
     else:
         lines.append("Numba: its own manager, unless the program calls emmpool.use_for_numba() "
                      "(or set NUMBA_CUDA_MEMORY_MANAGER=emmpool.plugin)")
-    hooks = sys.modules.get("emmpool.hooks")
-    libraries = sorted({type(a).__module__.split(".")[0] for a in getattr(hooks, "_installed", [])})
-    lines.append(f"hooks installed in this process: {', '.join(libraries) or 'none'} "
-                 f"(CuPy, PyTorch: emmpool.use_for_cupy() / use_for_torch() in the program)")
+    done = _installed.installed()
+    libraries = ", ".join(f"{r.library} ({r.how})" for _, r in sorted(done.items()))
+    lines.append(f"use_for_* in this process: {libraries or 'none'} (a program calls "
+                 f"emmpool.use_for_cupy(), use_for_torch(), ...)")
     for pool in _core.pools():
         s = pool.stats()
         served = ", ".join(f"{lib} {t['allocations']}" for lib, t in s["by_library"].items()
                            if t["allocations"]) or "none"
-        lines.append(f"pool of device {pool.device}: {s['bytes_reserved'] / MiB:.1f} MiB "
-                     f"reserved, {s['bytes_in_use'] / MiB:.1f} MiB in use; allocations by library: "
-                     f"{served}")
+        lines.append(f"pool of device {pool.device}: {format_bytes(s['bytes_reserved'])} reserved, "
+                     f"{format_bytes(s['bytes_in_use'])} in use; allocations by library: {served}")
     return lines

@@ -29,7 +29,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from . import _core
+from . import _config, _core
 from ._config import ensure_configured, log
 
 EXTENSION = Path(__file__).with_name("torch_extension")
@@ -39,7 +39,7 @@ INCLUDE = EXTENSION / "include"  # emmpool/torch_api.h: the C interface it share
 HEADERS = (*(EXTENSION / f"{part}.hpp"
              for part in ("entry_points", "private_pools", "history", "snapshot")),
            INCLUDE / "emmpool" / "torch_api.h")
-CHOICES = ("auto", "extension", "pluggable")
+CHOICES = _config.TORCH_ALLOCATORS
 # After PyTorch's own flags. No -std: PyTorch passes the standard its headers need (C++17 up to
 # 2.11, C++20 from 2.12; 2.14's headers fail in C++17), which one here would override
 # (.ci/torch-compat compiles the source with these against several releases' headers).
@@ -59,12 +59,11 @@ def how_installed() -> str | None:
 
 
 def _choice(allocator: str | None) -> str:
-    choice = (allocator or os.environ.get("EMMPOOL_TORCH_ALLOCATOR") or "auto").strip().lower()
-    if choice not in CHOICES:
-        raise ValueError(
-            f"EMMPOOL_TORCH_ALLOCATOR={choice!r}: expected one of {', '.join(CHOICES)}"
-        )
-    return choice
+    """``allocator`` checked, else the configuration's (``EMMPOOL_TORCH_ALLOCATOR``,
+    ``configure(torch_allocator=...)``)."""
+    if allocator is None:
+        return _config.config().torch_allocator
+    return _config.parse_torch_allocator(allocator, "allocator")
 
 
 def _build_problem() -> str | None:
@@ -252,5 +251,6 @@ def dump_torch_snapshot(filename: str = "dump_snapshot.pickle") -> None:
     https://pytorch.org/memory_viz or ``python -m torch.cuda._memory_viz``)."""
     import pickle
 
+    snapshot = torch_snapshot()  # first: where there is none to take, no file is left behind
     with open(filename, "wb") as f:
-        pickle.dump(torch_snapshot(), f)
+        pickle.dump(snapshot, f)

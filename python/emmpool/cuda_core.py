@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import threading
 
-from . import _core
+from . import _args, _core
 from ._config import ensure_configured
+from ._installed import AllocatorConflictError
 
 try:
     from cuda.core import Buffer, Device, MemoryResource, Stream
@@ -81,7 +82,7 @@ class EmmPoolMemoryResource(MemoryResource):
 
     def __init__(self, device: int = 0, *, library: str = "cuda_core") -> None:
         if type(device) is not int:
-            device = _as_int(device, "device")
+            device = _args.device(device)
         if library not in _core.LIBRARIES:
             raise ValueError(f"library must be one of {', '.join(_core.LIBRARIES)}, not {library!r}")
         ensure_configured()
@@ -101,7 +102,7 @@ class EmmPoolMemoryResource(MemoryResource):
 
         Raises :class:`OutOfMemoryError` when the pool cannot serve it."""
         if type(size) is not int:
-            size = _as_int(size, "size")
+            size = _args.size(size)
         if type(stream) is Stream:
             handle = stream.__cuda_stream__()[1]
         elif stream is None:
@@ -193,13 +194,6 @@ def _stream_handle(stream) -> int:
     return int(handle)
 
 
-def _as_int(value, what: str) -> int:
-    try:
-        return int(value.__index__())
-    except (AttributeError, TypeError):
-        raise TypeError(f"{what} must be an integer, not {type(value).__name__}") from None
-
-
 _resources: dict[tuple[int, str], EmmPoolMemoryResource] = {}
 _making = threading.Lock()
 
@@ -207,10 +201,8 @@ _making = threading.Lock()
 def resource(device: int | None = None, *, library: str = "cuda_core") -> EmmPoolMemoryResource:
     """emmpool's cuda.core memory resource for ``device`` (default: the current device, else
     0), one per device and library, made on first use."""
-    if device is None:
-        device = max(_core.current_device(), 0)
-    elif type(device) is not int:
-        device = _as_int(device, "device")
+    if type(device) is not int:
+        device = _args.current_device(device)
     with _making:
         mr = _resources.get((device, library))
         if mr is None:
@@ -218,17 +210,36 @@ def resource(device: int | None = None, *, library: str = "cuda_core") -> EmmPoo
         return mr
 
 
-def install(devices=None, *, library: str = "cuda_core") -> list[EmmPoolMemoryResource]:
+def install(devices=None, *, library: str = "cuda_core",
+            replace: bool = False) -> list[EmmPoolMemoryResource]:
     """Make emmpool serve cuda.core's allocations: ``Device(i).memory_resource`` becomes
     :func:`resource` ``(i)`` for each device in ``devices`` (default: every device), on the
     calling thread's Device objects (cuda.core's are per thread). Returns the resources, in
-    device order."""
+    device order.
+
+    cuda.core's own resources are replaced; any other (another library's, the program's) raises
+    :class:`emmpool.AllocatorConflictError` naming the device, before anything changes, unless
+    ``replace``."""
     if devices is None:
         devices = range(_core.device_count())
-    installed = []
-    for d in devices:
-        installed.append(install_on(Device(d), library=library))
-    return installed
+    targets = [Device(d) for d in devices]
+    if not replace:
+        for device in targets:
+            current = device.memory_resource
+            if not _ours_or_cuda_cores(current):
+                raise AllocatorConflictError(
+                    "cuda_core", f"cuda.core's Device({device.device_id}).memory_resource is "
+                                 f"{type(current).__module__}.{type(current).__qualname__} "
+                                 f"already")
+    return [install_on(device, library=library) for device in targets]
+
+
+def _ours_or_cuda_cores(mr) -> bool:
+    """Whether ``mr`` is emmpool's, or one of cuda.core's own (its default, which differs with
+    the device: a memory pool's, or synchronous where the device has no pools)."""
+    module = type(mr).__module__
+    return isinstance(mr, EmmPoolMemoryResource) or module == "cuda.core" or module.startswith(
+        "cuda.core.")
 
 
 def install_on(device, *, library: str = "cuda_core") -> EmmPoolMemoryResource:

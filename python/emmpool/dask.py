@@ -31,7 +31,6 @@ from dataclasses import fields
 
 try:
     import click
-    from dask.utils import format_bytes
     from distributed import Worker, WorkerPlugin
 except ImportError as e:
     raise ImportError(
@@ -39,9 +38,10 @@ except ImportError as e:
         "(dask-cuda on top for LocalCUDACluster)"
     ) from e
 
-from . import _config, config, configure, hooks, set_out_of_memory_callback, use_for_cupy
+from . import AllocatorConflictError, _args, _config, config, configure
+from . import set_out_of_memory_callback, use_for_cupy, use_for_numba, use_for_rmm, use_for_torch
 from . import stats as _pool_stats
-from . import use_for_numba, use_for_torch
+from ._args import format_bytes
 
 __all__ = ["DeviceSpiller", "EmmPool", "dask_setup", "stats", "summary"]
 
@@ -91,12 +91,13 @@ class EmmPool(WorkerPlugin):
     pool anew where it does not exist yet, finds the same options where it does, and installs
     emmpool for each library once per process. Setup fails, naming the worker, where a pool
     exists with other options, where Numba made its CUDA context before, or where another
-    allocator serves Numba or CuPy already (RMM's, say: for CuPy by dask-cuda's
-    ``rmm_allocator_external_lib_list``, for Numba by ``NUMBA_CUDA_MEMORY_MANAGER``): emmpool
-    does not replace another library's choice. A registration that failed stays registered, as any
-    worker plugin does in distributed: register a corrected one (same name), or
-    ``client.unregister_worker_plugin("emmpool")``. The pool and the installed allocators stay
-    for the worker's life; unregistering the plugin does not remove them.
+    allocator serves a library already (RMM's, say: for CuPy by dask-cuda's
+    ``rmm_allocator_external_lib_list``, for Numba by ``NUMBA_CUDA_MEMORY_MANAGER``; a pool
+    for RMM itself by ``rmm_pool_size``): emmpool does not replace another library's choice
+    (the ``use_for_*`` family's :class:`emmpool.AllocatorConflictError`). A registration that
+    failed stays registered, as any worker plugin does in distributed: register a corrected one
+    (same name), or ``client.unregister_worker_plugin("emmpool")``. The pool and the installed
+    allocators stay for the worker's life; unregistering the plugin does not remove them.
     """
 
     name = "emmpool"
@@ -127,8 +128,7 @@ class EmmPool(WorkerPlugin):
         _config.resolve(self.options, _config.Config())
         chosen = dict(numba=numba, cupy=cupy, torch=torch, rmm=rmm)
         for library, on in {**chosen, "spill": spill}.items():
-            if not isinstance(on, bool):
-                raise TypeError(f"{library}={on!r}: expected True or False")
+            _args.flag(on, library)
         self.libraries = tuple(library for library, on in chosen.items() if on)
         self.spill = spill
 
@@ -188,92 +188,44 @@ def _configure(options: dict, where: str) -> None:
             ) from None
 
 
-def _for_numba(where: str) -> None:
+# Where each library's allocator may have been chosen before on a Dask worker: what the error
+# says beside AllocatorConflictError's own sentence.
+_CHOSEN_BY = {
+    "numba": "",
+    "cupy": " (RMM's where dask-cuda's rmm_allocator_external_lib_list names 'cupy')",
+    "torch": " (RMM's where dask-cuda's rmm_allocator_external_lib_list names 'torch')",
+    "rmm": " (dask-cuda's rmm_pool_size or rmm_async sets one)",
+}
+_NAMES = {"numba": "Numba", "cupy": "CuPy", "torch": "PyTorch", "rmm": "RMM"}
+
+
+def _for(library: str, install, where: str) -> None:
+    """``install()`` (a use_for_*), its refusal to replace another's allocator said for a
+    worker: which one, and how to leave that library to it."""
     try:
-        from numba.cuda.cudadrv import driver
-    except ImportError:  # numba-cuda-mlir alone (or neither: use_for_numba() says what to install)
-        use_for_numba()
-        return
-
-    from .plugin import EmmPoolManager
-
-    conflict = _numba_conflict(driver, EmmPoolManager)
-    if conflict:
-        raise RuntimeError(f"{where}: {conflict}")
-    use_for_numba()
-
-
-def _numba_conflict(driver, ours: type) -> str | None:
-    """Why Numba would not, or should not, allocate from emmpool on this worker; None if it
-    will. numba-cuda has no public getter for its manager: this reads its module's state."""
-    for device in driver.driver.devices.values():
-        context = device.primary_context
-        if context is not None and not isinstance(context.memory_manager, ours):
-            return (
-                f"Numba has made its CUDA context already, with "
-                f"{_name(type(context.memory_manager))} as memory manager, and keeps it. "
-                f"Register the plugin before the first GPU task, or restart the workers "
-                f"(client.restart()): they run it as they join"
-            )
-    chosen = driver._memory_manager  # set by set_memory_manager, or at Numba's first context
-    variable = driver.config.CUDA_MEMORY_MANAGER
-    if chosen is not None and chosen is not driver.NumbaCUDAMemoryManager:
-        other = None if issubclass(chosen, ours) else _name(chosen)
-    else:
-        other = None if variable in ("default", "emmpool.plugin") else variable
-    if other is None:
-        return None
-    return (
-        f"Numba's memory manager is {other} already; emmpool does not replace another "
-        f"library's choice: leave Numba to it (EmmPool(numba=False)), or drop that setting"
-    )
-
-
-def _for_cupy(where: str) -> None:
-    try:
-        import cupy
-    except ImportError:
-        cupy = None  # use_for_cupy() says what to install
-    if cupy is not None:
-        current = cupy.cuda.get_allocator()
-        if current is not hooks._cupy_malloc and current != cupy.get_default_memory_pool().malloc:
-            raise RuntimeError(
-                f"{where}: CuPy allocates through {_name(current)} already (RMM's where "
-                f"dask-cuda's rmm_allocator_external_lib_list names 'cupy'); emmpool does not "
-                f"replace another library's choice: leave CuPy to it (EmmPool(cupy=False)), "
-                f"or drop that setting"
-            )
-    use_for_cupy()
-
-
-def _for_torch(where: str) -> None:
-    # PyTorch refuses by itself to swap an allocator that has allocated already.
-    use_for_torch()
+        install()
+    except AllocatorConflictError as e:
+        raise RuntimeError(
+            f"{where}: {e.situation}{_CHOSEN_BY[library]}; emmpool does not replace another "
+            f"library's choice: leave {_NAMES[library]} to it (EmmPool({library}=False)), or "
+            f"drop that setting"
+        ) from None
 
 
 def _for_rmm(where: str) -> None:
     try:
-        import rmm.mr
+        import rmm.mr  # noqa: F401
     except ImportError:
         return  # distributed then makes Numba's arrays, which emmpool serves
-    from . import rmm_resource
-
-    current = rmm.mr.get_current_device_resource()
-    if type(current).__name__ != "CudaMemoryResource":  # RMM's default
-        raise RuntimeError(
-            f"{where}: RMM's current device resource is {_name(type(current))} already "
-            f"(dask-cuda's rmm_pool_size or rmm_async set one); emmpool does not replace "
-            f"another library's choice: leave RMM to it (EmmPool(rmm=False)), or drop that "
-            f"setting"
-        )
-    rmm.mr.set_current_device_resource(rmm_resource())
+    _for("rmm", use_for_rmm, where)
 
 
-_INSTALL = {"numba": _for_numba, "cupy": _for_cupy, "torch": _for_torch, "rmm": _for_rmm}
-
-
-def _name(obj) -> str:
-    return f"{getattr(obj, '__module__', None) or '?'}.{getattr(obj, '__qualname__', obj)}"
+_INSTALL = {
+    "numba": lambda where: _for("numba", use_for_numba, where),
+    "cupy": lambda where: _for("cupy", use_for_cupy, where),
+    "torch": lambda where: _for("torch", use_for_torch, where),
+    "rmm": _for_rmm,
+}
 
 
 class _SetupCommand(click.Command):

@@ -56,6 +56,7 @@ import weakref
 from . import _core
 from . import _numba_extents
 from . import _numba_packages as packages
+from ._args import size as _as_size  # by this name: benchmarks/bench_plugin_path.py times it
 from ._config import check_environment, ensure_configured, log
 
 # NUMBA_CUDA_MEMORY_MANAGER=emmpool.plugin imports this module: a bad EMMPOOL_* value fails
@@ -301,15 +302,6 @@ def _host_finalizer(manager, release, ptr, mapped, generation=None):
             release(ptr, _LEGACY, generation)
 
     return core
-
-
-def _as_size(size) -> int:
-    try:
-        return int(size.__index__())
-    except (AttributeError, TypeError):
-        raise TypeError(
-            f"allocation size must be an integer number of bytes, not {type(size).__name__}"
-        ) from None
 
 
 _made: dict[str, type] = {}
