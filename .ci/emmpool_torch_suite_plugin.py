@@ -34,7 +34,7 @@ def pytest_configure(config):
     if _run() == "emmpool":
         import emmpool
 
-        _state["how"] = emmpool.use_for_torch()
+        _state["how"] = emmpool.use_for_torch().how
     _report()
 
 

@@ -154,7 +154,8 @@ def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: boo
         baselines.check_imported()  # emmpool@NAME: the earlier build, or fail
         import emmpool
 
-        how = emmpool.use_for_torch("pluggable" if config == "emmpool-pluggable" else "extension")
+        installed = emmpool.use_for_torch("pluggable" if config == "emmpool-pluggable" else "extension")
+        how = getattr(installed, "how", installed)  # an earlier build (emmpool@NAME) says a str
     if trace_to is not None:
         import emmpool.trace
 
