@@ -150,13 +150,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="timing scale per program, e.g. a=16,c=8 [each program's own]")
     p.add_argument("--rounds", type=int, default=None, help="timing rounds [3; --quick 1]")
     p.add_argument("--cycles", type=int, default=None,
-                   help=f"timed cycles of {work.STEPS_PER_CYCLE} steps per child [5; --quick 2]")
+                   help=f"timed cycles of {work.STEPS_PER_CYCLE} steps per child [8; --quick 2]")
     p.add_argument("--warmup-cycles", type=int, default=1,
                    help="untimed cycles first in each timing child [1]")
     p.add_argument("--budget-gib", type=float, default=None,
                    help="B: GiB of the device left to a capacity probe [8; --quick 2]")
     p.add_argument("--probes", type=int, default=None,
-                   help="capacity probes per setup at most [6; --quick 3]")
+                   help="capacity probes per setup at most [5; --quick 3]")
     p.add_argument("--grow", type=float, default=1.25,
                    help="capacity search: factor between probes until one fails [1.25]")
     p.add_argument("--resolution", type=float, default=0.03,
@@ -229,8 +229,8 @@ def _complete(args) -> None:
     args.scales = {p: scales.get(p, work.PROGRAMS[p].quick_scale if quick
                                  else work.PROGRAMS[p].timing_scale) for p in args.programs}
     args.rounds = args.rounds if args.rounds is not None else (1 if quick else 3)
-    args.cycles = args.cycles if args.cycles is not None else (2 if quick else 5)
-    args.probes = args.probes if args.probes is not None else (3 if quick else 6)
+    args.cycles = args.cycles if args.cycles is not None else (2 if quick else 8)
+    args.probes = args.probes if args.probes is not None else (3 if quick else 5)
     budget = args.budget_gib if args.budget_gib is not None else (2.0 if quick else 8.0)
     args.budget = int(budget * GiB)
     if args.rounds < 1 or args.cycles < 1 or args.warmup_cycles < 0 or args.probes < 1:
@@ -517,7 +517,8 @@ class ForkLauncher:
             stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
             start_new_session=True)
         self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         message = self._next(ready_timeout)
         if message is None or "ready" not in message:
             self.close()
@@ -578,6 +579,8 @@ class ForkLauncher:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        self._reader.join(10)
+        self.proc.stdout.close()
         self._log.close()
 
 
@@ -1074,13 +1077,15 @@ def capacity_cell(row: dict) -> str:
     if not cap:
         return "-"
     largest, hi = cap.get("largest"), cap.get("smallest_failing")
-    if largest == 0 and hi is not None:
+    if largest == 0 and hi is None:
+        text = "-"
+    elif largest == 0:
         text = f"none (scale {hi} fails)"
     elif hi is None:
         text = f"≥ {largest} (none failed)"
     else:
         res = cap.get("resolution")
-        text = f"{largest}" + (f" (±{100 * res:.0f}%)" if res else "")
+        text = f"{largest}" + (f" ±{100 * res:.0f}%" if res else "")
     text += _x(row.get("x_separate_capacity"))
     if cap.get("stopped"):
         text += f"; stopped: {cap['stopped']}"
@@ -1099,6 +1104,27 @@ def allocator_cell(row: dict) -> str:
     return text
 
 
+LIBRARIES = (("cupy", "CuPy"), ("torch", "PyTorch"), ("numba", "Numba"), ("rmm", "RMM"))
+
+
+def setups_table(doc: dict) -> list:
+    """Who allocates for each library under each setup, as the children said."""
+    serves: dict = {}
+    for program in doc["results"]:
+        for setup, row in program_table(doc, program)["rows"].items():
+            for lib, how in (row.get("serves") or {}).items():
+                serves.setdefault(setup, {}).setdefault(lib, how)
+    if not serves:
+        return []
+    lines = ["", "| setup | " + " | ".join(name for _, name in LIBRARIES) + " |",
+             "|---" * (len(LIBRARIES) + 1) + "|"]
+    for setup in work.SETUPS:
+        if setup in serves:
+            lines.append(f"| {setup} | " + " | ".join(serves[setup].get(lib, "")
+                                                        for lib, _ in LIBRARIES) + " |")
+    return lines
+
+
 def markdown(doc: dict, pictures: dict) -> str:
     runs = doc["runs"]
     first = next(iter(runs.values()))
@@ -1114,25 +1140,32 @@ def markdown(doc: dict, pictures: dict) -> str:
             f"- {run_id}: {r.get('date')}, {', '.join(r.get('phases', []))}; driver "
             f"{r.get('driver')}; children {r.get('start')}ed"
             + (f" (zygote imports {r['zygote']['import_s']:.1f} s)" if r.get("zygote") else "")
-            + f"; {r.get('rounds')} round(s) of {r.get('cycles')} timed cycles after "
-            f"{r.get('warmup_cycles')} warm-up; scales "
-            + ", ".join(f"{p}={s}" for p, s in (r.get("scales") or {}).items())
+            + (f"; {r.get('rounds')} round(s) of {r.get('cycles')} timed cycles after "
+               f"{r.get('warmup_cycles')} warm-up; scales "
+               + ", ".join(f"{p}={s}" for p, s in (r.get("scales") or {}).items())
+               if "timing" in r.get("phases", []) else "")
             + f"; {r.get('wall_s', 0):.0f} s; "
             + ", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items()))
         for note in r.get("notes", []):
             lines.append(f"  - {note}")
-    lines += [
-        "",
-        "Peak GPU memory: " + "; ".join(source_text.get(s, s) for s in sources)
-        + ", sampled every few ms, the CUDA context and the libraries' handles and kernels "
-        "included; the largest over the rounds. Allocators' own peak: what each caching "
-        "allocator reserved at most (Numba's own manager and RMM's default resource cache "
-        "nothing and are not counted). ms/step: a round's median cycle over its steps; the "
-        "median and the best round, with the ratio to the fastest setup's. Largest scale in B: "
-        f"the largest scale that completes one cycle with {_gib(budget)} GiB of the device "
-        "left beyond the CUDA context (±: the search's bracket). Check: every step's value "
-        f"against the first setup's, relative difference ≤ {CHECK_TOLERANCE:g}.",
-    ]
+    intro = []
+    if sources:
+        intro.append(
+            "Peak GPU memory: " + "; ".join(source_text.get(s, s) for s in sources)
+            + ", sampled every few ms, the CUDA context and the libraries' handles and kernels "
+            "included; the largest over the rounds. Allocators' own peak: what each caching "
+            "allocator reserved at most (Numba's own manager and RMM's default resource cache "
+            "nothing and are not counted). ms/step: a round's median cycle over its steps; the "
+            "median and the best round, with the ratio to the fastest setup's. Check: every "
+            f"step's value against the first setup's, relative difference ≤ "
+            f"{CHECK_TOLERANCE:g}.")
+    if budget and any("capacity" in r.get("phases", []) for r in runs.values()):
+        intro.append(
+            f"Largest scale in B: the largest scale that completes one cycle of steps with "
+            f"B = {_gib(budget)} GiB of the device left beyond the CUDA context (±: the "
+            "search's bracket; × the separate setup's).")
+    lines += ["", " ".join(intro)] if intro else []
+    lines += setups_table(doc)
     for program in doc["results"]:
         spec = work.PROGRAMS[program]
         table = program_table(doc, program)
@@ -1169,11 +1202,6 @@ def markdown(doc: dict, pictures: dict) -> str:
                 f"| {setup} | {check} | {_gib(row.get('peak'))}{_x(row.get('x_separate_peak'))}"
                 f" | {allocator_cell(row)} | {ms}{_x(row.get('x_fastest'), 3)} | "
                 f"{best}{_x(row.get('x_fastest_best'), 3)} | {capacity_cell(row)} |")
-        serves = [(s, r["serves"]) for s, r in rows.items() if r.get("serves")]
-        if serves:
-            lines += ["", "Who allocates for each library: " + "; ".join(
-                f"{s}: " + ", ".join(f"{lib} → {how}" for lib, how in sv.items())
-                for s, sv in serves) + "."]
         probes = [(s, (r.get("capacity") or {}).get("probes")) for s, r in rows.items()]
         probes = [(s, p) for s, p in probes if p]
         if probes:

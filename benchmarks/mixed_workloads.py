@@ -58,11 +58,11 @@ PROGRAMS = {
     p.name: p for p in (
         Program("cupy_torch", "a", ("cupy", "torch"),
                 "CuPy (batched solve, FFT) then a PyTorch MLP's training step, alternating",
-                "1,024 samples of a 64×64 matrix", 16, 1, 180 * MiB, "CupyTorch"),
+                "1,024 samples of a 64×64 matrix", 16, 1, 210 * MiB, "CupyTorch"),
         Program("numba_cupy_torch", "b", ("numba", "cupy", "torch"),
                 "CuPy preprocessing and Numba kernels of variable-size batches feeding a "
                 "PyTorch training step",
-                "2,048 signals of 1,024 samples", 16, 1, 130 * MiB, "NumbaCupyTorch"),
+                "2,048 signals of 1,024 samples", 16, 1, 180 * MiB, "NumbaCupyTorch"),
         Program("rapids", "c", ("rmm", "cupy", "numba"),
                 "RAPIDS-style: tables in rmm.DeviceBuffers, a Numba UDF over them, CuPy's "
                 "sort, gather and group-by, buffers freed and allocated again",
@@ -464,7 +464,7 @@ class Rapids:
         sent = []
         for buf, dtype in zip((*columns, derived), (xp.int64, *(xp.float64,) * 4), strict=True):
             out = env.buffer(8 * n)
-            env.view(out, dtype)[...] = env.view(buf, dtype)[order]
+            xp.take(env.view(buf, dtype), order, out=env.view(out, dtype))
             sent.append(out)
         del columns, derived, order
         keys, values = env.view(sent[0], xp.int64), env.view(sent[4], xp.float64)
@@ -679,6 +679,8 @@ def run_job(job: dict) -> dict:
     program, setup = job["program"], job["setup"]
     out = {"program": program, "setup": setup, "kind": job["kind"], "scale": job["scale"],
            "pid": os.getpid(), "marks": {"start": time.time()}, "outcome": "error"}
+    out["environment"] = {k: os.environ.get(k) for k in (
+        *setup_environment(setup), "CUDA_VISIBLE_DEVICES")}
     try:
         out["context"] = open_context()
         out["marks"]["context"] = time.time()
@@ -764,11 +766,31 @@ def _cuda_initialized() -> bool:
     return err != cu.CUresult.CUDA_ERROR_NOT_INITIALIZED
 
 
-def _threads() -> int:
+def _threads() -> list:
+    """The names of this process's threads (Linux), the main one first."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        tasks = sorted(os.listdir("/proc/self/task"), key=lambda t: t != str(os.getpid()))
     except OSError:
-        return 1
+        return ["main"]
+    names = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            names.append("?")
+    return names
+
+
+def _driver_present() -> bool:
+    """Whether the CUDA driver library is here (without it no child runs PyTorch on a GPU)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def preload() -> dict:
@@ -786,7 +808,7 @@ def preload() -> dict:
         except Exception as e:  # noqa: BLE001 - a library missing here: its setups say so
             missing[name] = f"{type(e).__name__}: {e}"[:200]
     extension = None
-    if "emmpool._torch" in loaded:
+    if "emmpool._torch" in loaded and _driver_present():
         try:
             extension = sys.modules["emmpool._torch"].build_extension().__name__
         except Exception as e:  # noqa: BLE001 - use_for_torch then says the same in the child
@@ -797,15 +819,21 @@ def preload() -> dict:
     unsafe = []
     if info["cuda_initialized"]:
         unsafe.append("CUDA was initialized by an import")
-    if info["threads"] > 1:
-        unsafe.append(f"{info['threads']} threads after the imports")
+    if len(info["threads"]) > 1:
+        unsafe.append(f"threads besides the main one after the imports: "
+                      f"{', '.join(info['threads'][1:])}")
     info["fork_unsafe"] = "; ".join(unsafe) or None
     return info
 
 
 def zygote_main() -> int:
     """``--zygote``: preload, say so on stdout, then for each job line on stdin fork a child
-    (its own process group, its output to the job's log) and report its pid and exit status."""
+    (its own process group, its output to the job's log) and report its pid and exit status.
+
+    NumPy's OpenBLAS starts its threads when it loads, and a fork copies none of them: the
+    zygote asks it for one (OPENBLAS_NUM_THREADS=1, before NumPy loads), so that it forks with
+    no thread but its own. The programs do no BLAS work on the host."""
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
     info = preload()
     gc.collect()
     gc.freeze()   # the imports' objects stay out of the children's collections (no copy-on-write)
