@@ -565,7 +565,10 @@ class ForkLauncher:
             except ProcessLookupError:
                 pass
             exited = self._next(60)
-        status = exited.get("status") if exited else None
+        if exited is None:
+            return {**{k: job[k] for k in ("program", "setup", "kind", "scale")},
+                    "outcome": "error", "error": "the zygote died", "log_tail": _tail(log)}
+        status = exited.get("status")
         code = os.waitstatus_to_exitcode(status) if status is not None else None
         return _result_or_error(result, log, code, timed_out, job)
 
@@ -716,12 +719,16 @@ def _outcome(result: dict) -> str:
 
 
 def search_pair(args, launcher, program: str, setup: str, start: int, deadline,
-                durations: list) -> dict:
-    """The capacity search of one (program, setup), each probe a child."""
+                durations: list, settle=None) -> dict:
+    """The capacity search of one (program, setup), each probe a child, started once the GPU's
+    memory is back to idle (`settle()`): memory the last child gave back after the filler was
+    made would be more than B."""
     runs = []
 
     def probe(scale):
         job = job_of(args, program, setup, "probe", scale)
+        if settle is not None:
+            settle()
         t = time.perf_counter()
         result = launcher.run(job, args.child_timeout)
         result["wall_s"] = time.perf_counter() - t
@@ -735,29 +742,35 @@ def search_pair(args, launcher, program: str, setup: str, start: int, deadline,
         probe, start, grow=args.grow, max_probes=args.probes, resolution=args.resolution,
         out_of_time=lambda: not deadline.allows(1.2 * max(durations[-3:])))
     found.update(budget=args.budget, start=start, runs=[_slim_probe(r) for r in runs])
+    left = [r["filler"]["free_after"] for r in runs if r.get("filler")]
+    if left:
+        found["free_after_filler"] = [min(left), max(left)]
     return found
 
 
-def capacity_phase(args, pairs, launchers: list, deadline, results, starts: dict) -> None:
+def capacity_phase(args, pairs, launchers: list, gpus: list, deadline, results,
+                   starts: dict) -> None:
     """One search per (program, setup); several at once, one per device."""
     tasks: queue.Queue = queue.Queue()
     for pair in pairs:
         tasks.put(pair)
     lock = threading.Lock()
 
-    def worker(launcher):
+    def worker(launcher, gpu):
         durations = [30.0]   # a guess of a probe's time until one has run
+        idle = gpu.used()
         while True:
             try:
                 program, setup = tasks.get_nowait()
             except queue.Empty:
                 return
             found = search_pair(args, launcher, program, setup, starts[(program, setup)],
-                                deadline, durations)
+                                deadline, durations, lambda: gpu.settle(idle))
             with lock:
                 results.setdefault(program, {}).setdefault(setup, {})["capacity"] = found
 
-    threads = [threading.Thread(target=worker, args=(launcher,)) for launcher in launchers]
+    threads = [threading.Thread(target=worker, args=pair)
+               for pair in zip(launchers, gpus, strict=True)]
     for t in threads:
         t.start()
     for t in threads:
@@ -883,7 +896,7 @@ def run(args) -> dict:
                 earlier = json.loads(args.timing_from.read_text()).get("results", {})
             starts = capacity_starts(args, pairs, results, earlier)
             others = [make_launcher(launcher.mode, g.uuid, workdir, notes) for g in gpus[1:]]
-            capacity_phase(args, pairs, [launcher, *others], deadline, results, starts)
+            capacity_phase(args, pairs, [launcher, *others], gpus, deadline, results, starts)
     finally:
         for each in (launcher, *others):
             each.close()

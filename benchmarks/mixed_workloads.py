@@ -268,8 +268,9 @@ def _train_step(env, model, opt, features, labels) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# The programs. Each step makes its batch from a generator seeded by the step's number, so that
-# every setup computes the same thing; a step's check value goes into the comparison.
+# The programs. Each makes its batches from one seeded generator, drawn from in the same order
+# in every setup, so that every setup computes the same thing; a step's check value goes into
+# the comparison.
 
 
 class CupyTorch:
@@ -286,6 +287,7 @@ class CupyTorch:
         torch = env.torch
         self.env, self.seed = env, seed
         self.samples = round(1024 * scale)
+        self.rng = env.xp.random.default_rng(seed)
         torch.manual_seed(seed)
         self.model = _mlp(torch, 512, 4096, self.CLASSES).to(env.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
@@ -293,7 +295,7 @@ class CupyTorch:
     def step(self, i: int) -> float:
         xp, n = self.env.xp, self.N
         m = batch(self.samples, i)
-        rng = xp.random.default_rng(self.seed * 1000 + i)
+        rng = self.rng
         x = rng.standard_normal((m, n, n), dtype=xp.float32)
         a = xp.matmul(x, x.transpose(0, 2, 1))
         a *= 1.0 / n
@@ -389,6 +391,7 @@ class NumbaCupyTorch:
         torch = env.torch
         self.env, self.seed = env, seed
         self.samples = round(2048 * scale)
+        self.rng = env.xp.random.default_rng(seed)
         torch.manual_seed(seed)
         features = WINDOWS * 3 + BINS + self.BANDS
         self.model = _mlp(torch, features, 2048, self.CLASSES).to(env.device)
@@ -401,7 +404,7 @@ class NumbaCupyTorch:
 
         env, xp, cuda = self.env, self.env.xp, self.env.cuda
         m = batch(self.samples, i)
-        rng = xp.random.default_rng(self.seed * 1000 + i)
+        rng = self.rng
         raw = rng.standard_normal((m, SIGNAL), dtype=xp.float32)
         slope = rng.standard_normal((m, 1), dtype=xp.float32)
         raw += slope * xp.linspace(-1, 1, SIGNAL, dtype=xp.float32)
@@ -440,6 +443,7 @@ class Rapids:
     def __init__(self, env, scale: int, seed: int = SEED):
         self.env, self.seed = env, seed
         self.rows = round((1 << 20) * scale)
+        self.rng = env.xp.random.default_rng(seed)
         self.udf = kernel(env, _udf)
         self.sent = None   # the last step's partitions, freed after this step's are made
 
@@ -448,7 +452,7 @@ class Rapids:
 
         env, xp, cuda = self.env, self.env.xp, self.env.cuda
         n = batch(self.rows, i)
-        rng = xp.random.default_rng(self.seed * 1000 + i)
+        rng = self.rng
         columns = [env.buffer(8 * n) for _ in range(4)]
         env.view(columns[0], xp.int64)[...] = rng.integers(0, self.GROUPS, n, dtype=xp.int64)
         for c in columns[1:]:

@@ -734,7 +734,7 @@ class FakeGpu:
         return 0
 
 
-def fake_children(mixed, monkeypatch, fits, failing=()):
+def fake_mixed_children(mixed, monkeypatch, fits, failing=()):
     """Children that return at once: timing figures by setup, probes that fit up to
     fits[setup], and a sampler whose peak is the scale in GiB / 4 (emmpool: / 8)."""
     calls = []
@@ -793,7 +793,7 @@ def fake_children(mixed, monkeypatch, fits, failing=()):
 def test_mixed_run_interleaves_rounds_and_searches_from_the_timing_peak(mixed, monkeypatch,
                                                                         tmp_path):
     fits = {"separate": 20, "emmpool": 41}
-    calls = fake_children(mixed, monkeypatch, fits)
+    calls = fake_mixed_children(mixed, monkeypatch, fits)
     argv = ["--out", str(tmp_path), "--programs", "a", "--setups", "separate,emmpool",
             "--rounds", "2", "--scales", "a=8", "--budget-gib", "4", "--probes", "8"]
     assert mixed.main(argv) == 0
@@ -822,7 +822,7 @@ def test_mixed_run_interleaves_rounds_and_searches_from_the_timing_peak(mixed, m
 
 def test_mixed_capacity_on_several_devices_and_failures(mixed, monkeypatch, tmp_path):
     fits = {"separate": 3, "emmpool": 5, "rmm-pool": 4}
-    calls = fake_children(mixed, monkeypatch, fits, failing=("rmm-async",))
+    calls = fake_mixed_children(mixed, monkeypatch, fits, failing=("rmm-async",))
     argv = ["--out", str(tmp_path), "--programs", "a", "--capacity-only", "--no-warmup",
             "--setups", "separate", "emmpool", "rmm-pool", "rmm-async", "--devices", "0,1",
             "--budget-gib", "1"]
