@@ -884,8 +884,8 @@ def run(args) -> dict:
     try:
         zygote = getattr(launcher, "info", None)
         if zygote:
-            _say(f"zygote: imports {zygote['import_s']:.1f} s, PyTorch extension: "
-                 f"{zygote.get('torch_extension')}")
+            _say(f"zygote: imports {zygote['import_s']:.1f} s; not importable there: "
+                 f"{', '.join(zygote['missing']) or 'none'}")
         if args.warmup:
             warmup = warmup_phase(args, pairs, launcher)
         if not args.capacity_only:
@@ -1287,6 +1287,8 @@ def failed(doc: dict) -> list:
                 bad.append(f"{program} {setup}: check differs")
             if setup.startswith("emmpool") and row.get("failure"):
                 bad.append(f"{program} {setup}: {row['failure'][:100]}")
+            if row.get("expandable") is False:
+                bad.append(f"{program} {setup}: PyTorch's segments were not expandable")
     return bad
 
 

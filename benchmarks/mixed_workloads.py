@@ -786,21 +786,11 @@ def _threads() -> list:
     return names
 
 
-def _driver_present() -> bool:
-    """Whether the CUDA driver library is here (without it no child runs PyTorch on a GPU)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    return True
-
-
 def preload() -> dict:
-    """Import what the children use, build emmpool's PyTorch extension (its first build takes
-    a minute; later ones load it), and say whether forking is safe: no CUDA initialized, one
-    thread."""
+    """Import what the children use and say whether forking is safe: no CUDA initialized, one
+    thread. emmpool's PyTorch extension is not loaded here: each child loads it (from PyTorch's
+    build cache, once a warm-up child built it), as a program does, and a module loaded twice in
+    one process image would not be."""
     import importlib
 
     t0 = time.perf_counter()
@@ -811,14 +801,8 @@ def preload() -> dict:
             loaded.append(name)
         except Exception as e:  # noqa: BLE001 - a library missing here: its setups say so
             missing[name] = f"{type(e).__name__}: {e}"[:200]
-    extension = None
-    if "emmpool._torch" in loaded and _driver_present():
-        try:
-            extension = sys.modules["emmpool._torch"].build_extension().__name__
-        except Exception as e:  # noqa: BLE001 - use_for_torch then says the same in the child
-            extension = f"not built: {type(e).__name__}: {e}"[:300]
     info = {"import_s": time.perf_counter() - t0, "loaded": loaded, "missing": missing,
-            "torch_extension": extension, "threads": _threads(),
+            "threads": _threads(),
             "cuda_initialized": _cuda_initialized()}
     unsafe = []
     if info["cuda_initialized"]:

@@ -742,7 +742,7 @@ def fake_mixed_children(mixed, monkeypatch, fits, failing=()):
 
     class Launcher:
         mode = "fork"
-        info = {"import_s": 1.0, "torch_extension": "fake"}
+        info = {"import_s": 1.0, "missing": {}}
 
         def __init__(self, uuid):
             self.uuid = uuid
