@@ -81,7 +81,8 @@ per GPU of the same kind); timing uses the first device only.
 Writes DIR/mixed_programs.json (every round, probe and sample timeline, the environment),
 DIR/mixed_programs.md (the tables, also printed) and DIR/mixed_programs_<program>.png (used
 memory over time, one line per setup; where matplotlib is installed). ``--merge`` writes the
-same from the JSON of several runs (say, the timing and the capacity halves of the matrix).
+same from the JSON of one or several runs (say, the timing and the capacity halves of the
+matrix), pictures included, on any machine.
 Exit status 1 where a check differs or an emmpool setup failed.
 """
 
@@ -328,8 +329,11 @@ class Gpu:
     """One GPU seen through NVML (never through CUDA: this process makes no context)."""
 
     def __init__(self, index: int):
-        import pynvml
-
+        try:
+            import pynvml
+        except ImportError:
+            raise SystemExit(f"{NAME} measures memory through NVML: pip install nvidia-ml-py "
+                             "(on a host without network, carry its wheel)") from None
         self.nvml = pynvml
         pynvml.nvmlInit()
         self.index = index
@@ -1243,7 +1247,8 @@ def plot(doc: dict, out: Path) -> dict:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return {"_why": "matplotlib is not installed"}
+        return {"_why": "matplotlib is not installed where this ran; `mixed_programs.py --merge "
+                        "mixed_programs.json --out DIR` draws them wherever it is"}
     written = {}
     for program in doc["results"]:
         rows = program_table(doc, program)["rows"]

@@ -209,6 +209,13 @@ class GpuEnv:
     def from_numba(self, array):
         return self.xp.asarray(array)
 
+    def cupy_pool_bytes(self) -> int:
+        """What CuPy's own pool holds (0 where CuPy allocates through another allocator)."""
+        return int(self.xp.get_default_memory_pool().total_bytes())
+
+    def torch_max_reserved(self) -> int:
+        return int(self.torch.cuda.max_memory_reserved())
+
 
 class HostBuffer:
     """A stand-in for rmm.DeviceBuffer in the CPU check: bytes with an array view."""
@@ -246,6 +253,12 @@ class CpuEnv:
 
     def from_numba(self, array):
         return array.copy_to_host()
+
+    def cupy_pool_bytes(self) -> int:
+        return 0
+
+    def torch_max_reserved(self) -> int:
+        return 0
 
 
 def _mlp(torch, inputs: int, hidden: int, outputs: int):
@@ -584,7 +597,7 @@ def allocator_figures(setup: str, env, installed: dict, cupy_peak: int) -> dict:
         if "cupy" in libs and setup != "torch-under-cupy":
             counted["cupy"] = cupy_peak
         if "torch" in libs:
-            counted["torch"] = int(env.torch.cuda.max_memory_reserved())
+            counted["torch"] = env.torch_max_reserved()
             if setup == "torch-under-cupy":
                 counted["torch+cupy"] = counted.pop("torch")
         if "numba" in libs:
@@ -699,7 +712,6 @@ def run_job(job: dict) -> dict:
             env.torch.set_float32_matmul_precision("high")
         runner = globals()[PROGRAMS[program].factory](env, job["scale"])
         out["marks"]["built"] = time.time()
-        cupy_pool = env.xp.get_default_memory_pool()
         cupy_peak = 0
         checks, cycle_s, step_s = [], [], []
         step = 0
@@ -715,7 +727,7 @@ def run_job(job: dict) -> dict:
                 if cycle >= warm:
                     step_s.append(time.perf_counter() - t_step)
                 step += 1
-                cupy_peak = max(cupy_peak, cupy_pool.total_bytes())
+                cupy_peak = max(cupy_peak, env.cupy_pool_bytes())
             if cycle >= warm:
                 cycle_s.append(time.perf_counter() - t_cycle)
         out["marks"]["done"] = time.time()

@@ -852,12 +852,28 @@ def test_mixed_programs_compute_the_same_twice_on_the_cpu(tmp_path):
         "out = {}\n"
         "for p, s in [('cupy_torch', 1/64), ('numba_cupy_torch', 1/256), ('rapids', 1/4096)]:\n"
         "    out[p] = [w.cpu_check(p, s, 4), w.cpu_check(p, s, 4)]\n"
+        "# a timing job's loop, on the CPU: its context and GPU libraries made up\n"
+        "w.open_context = lambda: {'free': 1, 'total': 2}\n"
+        "w.GpuEnv = w.CpuEnv\n"
+        "job = {'program': 'rapids', 'setup': 'separate', 'kind': 'timing', 'scale': 1/4096,\n"
+        "       'warmup_cycles': 1, 'cycles': 2}\n"
+        "out['job'] = w.run_job(job)\n"
         "print(json.dumps(out))\n")
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
+    job = out.pop("job")
+    assert job["outcome"] == "ok", job
+    assert job["checks"][:4] == out["rapids"][0]   # the same batches as cpu_check's
+    assert len(job["checks"]) == 12 and len(job["cycle_s"]) == 2 and len(job["step_s"]) == 8
+    assert list(job["marks"]) == ["start", "context", "installed", "built", "timed", "done",
+                                  "end"]
+    assert job["serves"] == {"rmm": "its own", "cupy": "its own", "numba": "its own"}
+    assert job["allocator"] == {"counted": {"cupy": 0}, "total": 0, "uncounted": [
+        "numba (its own manager: cuMemAlloc per array)",
+        "rmm (its default resource: cudaMalloc per buffer)"]}
     for program, (first, second) in out.items():
         assert len(first) == 4 and all(math.isfinite(v) for v in first), program
         assert first == second, program
