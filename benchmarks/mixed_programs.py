@@ -405,24 +405,30 @@ class MemorySampler:
 
 
 def summarize_samples(samples: list, baseline: int, bin_s: float = 0.02) -> dict:
-    """Peaks and the binned timeline [[time, bytes], ...] of (time, device used, process used or
-    None) samples."""
+    """Peaks and the binned timeline [[time, device bytes above the baseline, process bytes or
+    None], ...] (each bin's largest) of (time, device used, process used or None) samples. The
+    process figure is the one quoted where NVML reported the child in every child of the table
+    (program_table decides), else the device's."""
     if not samples:
         return {"source": None, "peak": None, "samples": 0}
     device_peak = max(s[1] for s in samples) - baseline
     reported = [s[2] for s in samples if s[2] is not None]
-    source = "process" if reported else "device"
-    figure = (lambda s: s[2] or 0) if reported else (lambda s: max(s[1] - baseline, 0))
     timeline: list = []
-    for s in samples:
-        t = round(s[0] - (s[0] % bin_s), 3)
-        value = figure(s)
+    bin_ms = max(1, round(bin_s * 1000))
+    for t_abs, device, process in samples:
+        t = (round(t_abs * 1000) // bin_ms) * bin_ms / 1000
+        device = max(device - baseline, 0)
         if timeline and timeline[-1][0] == t:
-            timeline[-1][1] = max(timeline[-1][1], value)
+            last = timeline[-1]
+            last[1] = max(last[1], device)
+            if process is not None:
+                last[2] = process if last[2] is None else max(last[2], process)
         else:
-            timeline.append([t, value])
-    return {"source": source, "peak": max(reported) if reported else device_peak,
-            "peak_device": device_peak, "peak_process": max(reported) if reported else None,
+            timeline.append([t, device, process])
+    process_peak = max(reported) if reported else None
+    return {"source": "process" if reported else "device",
+            "peak": process_peak if reported else device_peak,
+            "peak_device": device_peak, "peak_process": process_peak,
             "baseline": baseline, "samples": len(samples), "timeline": timeline}
 
 
@@ -826,6 +832,30 @@ def capacity_starts(args, pairs, results, earlier: dict | None) -> dict:
     return starts
 
 
+def child_costs(results: dict) -> dict:
+    """What a child costs, to plan runs: how many ran, and the median seconds of a timing
+    child from its start to its setup in place (its CUDA context, PyTorch's and the others'
+    start), to its timed cycles (the warm-up cycle), and in all; and of a probe in all."""
+    timing = [r for p in results.values() for e in p.values()
+              for r in e.get("timing", {}).get("rounds", [])]
+    probes = [r for p in results.values() for e in p.values()
+              for r in (e.get("capacity") or {}).get("runs", [])]
+
+    def median(values):
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values), 2) if values else None
+
+    def since_start(r, mark):
+        marks = r.get("marks", {})
+        return marks[mark] - marks["start"] if mark in marks and "start" in marks else None
+
+    return {"timing": len(timing), "probes": len(probes),
+            "timing_to_installed_s": median(since_start(r, "installed") for r in timing),
+            "timing_to_timed_s": median(since_start(r, "timed") for r in timing),
+            "timing_wall_s": median(r.get("wall_s") for r in timing),
+            "probe_wall_s": median(r.get("wall_s") for r in probes)}
+
+
 def _keep_first_timeline(rounds: list) -> None:
     """The picture shows each setup's first round that ran: the other rounds keep their peaks,
     not their samples (the JSON stays small)."""
@@ -912,6 +942,7 @@ def run(args) -> dict:
             _keep_first_timeline(entry.get("timing", {}).get("rounds", []))
     sources = {r["memory"].get("source") for p in results.values() for e in p.values()
                for r in e.get("timing", {}).get("rounds", []) if r.get("memory")}
+    children = child_costs(results)
     run_info = {
         "gpu": gpu.name, "gpu_total": gpu.total, "driver": gpu.driver,
         "devices": [g.index for g in gpus], "host": platform.node(),
@@ -926,7 +957,7 @@ def run(args) -> dict:
                                                                              if s),
         "phases": [p for p, on in (("timing", not args.capacity_only),
                                    ("capacity", not args.skip_capacity)) if on],
-        "notes": notes, "wall_s": time.perf_counter() - t_run,
+        "notes": notes, "wall_s": time.perf_counter() - t_run, "children": children,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                  if k not in ("child", "zygote", "merge")},
     }
@@ -938,28 +969,40 @@ def run(args) -> dict:
 # Summaries (from the document alone: a merged one renders the same way)
 
 
-def summarize_timing(timing: dict) -> dict:
-    """Per (program, setup): outcome, peak memory, allocators' peak, ms/step (median and best
-    round), the check values and whether the rounds agree."""
+def memory_source(timings: list) -> str:
+    """'process' where NVML reported the child's own memory in every round that ran, else
+    'device': one figure for every setup of a table."""
+    rounds = [r for t in timings for r in t.get("rounds", []) if r.get("outcome") == "ok"
+              and r.get("memory")]
+    if rounds and all(r["memory"].get("peak_process") is not None for r in rounds):
+        return "process"
+    return "device"
+
+
+def summarize_timing(timing: dict, source: str | None = None) -> dict:
+    """Per (program, setup): outcome, peak memory (`source`: 'process' or 'device', by default
+    what its own rounds allow), allocators' peak, ms/step (median and best round), the check
+    values and whether the rounds agree, and the first round's memory over time."""
     rounds = timing.get("rounds", [])
     ok = [r for r in rounds if r.get("outcome") == "ok"]
+    source = source or memory_source([timing])
     out: dict = {"scale": timing.get("scale"), "rounds": len(rounds), "rounds_ok": len(ok),
-                 "run": timing.get("run")}
+                 "run": timing.get("run"), "source": source}
     failed = [r for r in rounds if r.get("outcome") != "ok"]
     if failed:
         out["failure"] = f"{failed[0].get('outcome')}: {failed[0].get('error', '')}"
     if not ok:
         return out
-    peaks = [r["memory"]["peak"] for r in ok if r.get("memory", {}).get("peak") is not None]
+    key = f"peak_{source}"
+    peaks = [r["memory"].get(key, r["memory"].get("peak")) for r in ok if r.get("memory")]
+    peaks = [p for p in peaks if p is not None]
     out["peak"] = max(peaks) if peaks else None
     out["peak_rounds"] = peaks
     contexts = [r["memory"].get("context") for r in ok if r.get("memory", {}).get("context")]
     out["context"] = max(contexts) if contexts else None
-    out["source"] = ok[0].get("memory", {}).get("source")
     allocator = [r.get("allocator") for r in ok if r.get("allocator")]
     if allocator:
-        best = max(allocator, key=lambda a: a.get("total") or 0)
-        out["allocator"] = best
+        out["allocator"] = max(allocator, key=lambda a: a.get("total") or 0)
     times = [t for t in (_ms_per_step(r) for r in ok) if t is not None]
     if times:
         out["ms_median"] = statistics.median(times)
@@ -971,11 +1014,13 @@ def summarize_timing(timing: dict) -> dict:
     out["serves"] = ok[0].get("serves")
     if "expandable" in ok[0]:
         out["expandable"] = ok[0]["expandable"]
-    timelines = [r for r in ok if r.get("memory", {}).get("timeline")]
-    if timelines:
-        first = timelines[0]
-        origin = first.get("marks", {}).get("context") or first["memory"]["timeline"][0][0]
-        out["timeline"] = [[t - origin, v] for t, v in first["memory"]["timeline"]]
+    first = next((r for r in ok if r.get("memory", {}).get("timeline")), None)
+    if first:
+        timeline = first["memory"]["timeline"]
+        origin = first.get("marks", {}).get("context") or timeline[0][0]
+        column = 2 if source == "process" else 1
+        out["timeline"] = [[p[0] - origin, p[column] or 0] for p in timeline
+                           if len(p) > column]
     return out
 
 
@@ -995,6 +1040,7 @@ def _rel_diff(a, b) -> float:
 def program_table(doc: dict, program: str) -> dict:
     """Every setup's summary with its ratios, for one program."""
     entries = doc["results"].get(program, {})
+    source = memory_source([e["timing"] for e in entries.values() if "timing" in e])
     rows: dict = {}
     for setup in work.SETUPS:
         entry = entries.get(setup)
@@ -1002,7 +1048,7 @@ def program_table(doc: dict, program: str) -> dict:
             continue
         row: dict = {"not_run": entry.get("not_run")}
         if "timing" in entry:
-            row.update(summarize_timing(entry["timing"]))
+            row.update(summarize_timing(entry["timing"], source))
         if "capacity" in entry:
             row["capacity"] = entry["capacity"]
         rows[setup] = row
@@ -1027,7 +1073,8 @@ def program_table(doc: dict, program: str) -> dict:
         if largest and separate_cap:
             row["x_separate_capacity"] = largest / separate_cap
     runs = {r.get("run") for r in ok.values()}
-    return {"rows": rows, "reference": reference, "timed_in_runs": sorted(x for x in runs if x)}
+    return {"rows": rows, "reference": reference, "source": source,
+            "timed_in_runs": sorted(x for x in runs if x)}
 
 
 def check_cell(row: dict) -> str:
@@ -1142,14 +1189,24 @@ def setups_table(doc: dict) -> list:
     return lines
 
 
+def _children_text(c: dict | None) -> str:
+    if not c:
+        return ""
+    parts = []
+    if c.get("timing"):
+        parts.append(f"{c['timing']} timing children, median {c.get('timing_wall_s')} s each "
+                     f"({c.get('timing_to_installed_s')} s to the setup in place)")
+    if c.get("probes"):
+        parts.append(f"{c['probes']} probes, median {c.get('probe_wall_s')} s each")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def markdown(doc: dict, pictures: dict) -> str:
     runs = doc["runs"]
     first = next(iter(runs.values()))
     budget = next((r.get("budget") for r in runs.values() if "capacity" in r.get("phases", [])),
                   first.get("budget"))
-    sources = sorted({s for r in runs.values() for s in r.get("memory_sources", [])})
-    source_text = {"process": "NVML's used memory of the child process",
-                   "device": "NVML's used memory of the device above its value before the child"}
+    timed = any("timing" in r.get("phases", []) for r in runs.values())
     lines = [f"## Mixed programs: one pool against each library's own and the bridges, "
              f"{doc['gpu']}", ""]
     for run_id, r in runs.items():
@@ -1161,16 +1218,18 @@ def markdown(doc: dict, pictures: dict) -> str:
                f"{r.get('warmup_cycles')} warm-up; scales "
                + ", ".join(f"{p}={s}" for p, s in (r.get("scales") or {}).items())
                if "timing" in r.get("phases", []) else "")
-            + f"; {r.get('wall_s', 0):.0f} s; "
+            + f"; {r.get('wall_s', 0):.0f} s" + _children_text(r.get("children")) + "; "
             + ", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items()))
         for note in r.get("notes", []):
             lines.append(f"  - {note}")
     intro = []
-    if sources:
+    if timed:
         intro.append(
-            "Peak GPU memory: " + "; ".join(source_text.get(s, s) for s in sources)
-            + ", sampled every few ms, the CUDA context and the libraries' handles and kernels "
-            "included; the largest over the rounds. Allocators' own peak: what each caching "
+            "Peak GPU memory: NVML's used memory of the child process where NVML reports it "
+            "for every child of the table, else the device's above its value before the child "
+            "(each table says which), sampled every few ms, the CUDA context and the "
+            "libraries' handles and kernels included; the largest over the rounds. Allocators' "
+            "own peak: what each caching "
             "allocator reserved at most (Numba's own manager and RMM's default resource cache "
             "nothing and are not counted). ms/step: a round's median cycle over its steps; the "
             "median and the best round, with the ratio to the fastest setup's. Check: every "
@@ -1190,7 +1249,10 @@ def markdown(doc: dict, pictures: dict) -> str:
         scale = next((r.get("scale") for r in rows.values() if r.get("scale")), None)
         lines += ["", f"### {spec.letter}. `{program}`: {spec.title}", ""]
         if scale:
-            lines.append(f"Timing scale {scale} (one unit: {spec.unit}).")
+            where = ("the child process's (NVML)" if table["source"] == "process"
+                     else "the device's above its value before the child (NVML)")
+            lines.append(f"Timing scale {scale} (one unit: {spec.unit}); peak GPU memory: "
+                         f"{where}.")
         if len(table["timed_in_runs"]) > 1:
             lines.append(f"Timed in {len(table['timed_in_runs'])} runs: the time ratios "
                          "compare runs.")

@@ -592,10 +592,11 @@ GiB = 1 << 30
 
 def synthetic_round(setup, peak_gib, ms, checks, allocator, r=0, timeline=True):
     """One timing child's result as mixed_programs records it, made up for the tests."""
-    memory = {"source": "device", "peak": int(peak_gib * GiB), "context": GiB // 2,
-              "baseline": 0}
+    peak = int(peak_gib * GiB)
+    memory = {"source": "device", "peak": peak, "peak_device": peak, "peak_process": None,
+              "context": GiB // 2, "baseline": 0}
     if timeline:
-        memory["timeline"] = [[100.0, 0], [100.5, int(peak_gib * GiB)], [101.0, GiB]]
+        memory["timeline"] = [[100.0, 0, None], [100.5, peak, None], [101.0, GiB, None]]
     return {"setup": setup, "outcome": "ok", "round": r, "checks": checks,
             "cycle_s": [4 * ms / 1e3] * 3, "marks": {"context": 100.0},
             "allocator": {"counted": allocator, "uncounted": [],
@@ -925,3 +926,26 @@ def test_mixed_fresh_children_that_hang_crash_or_say_nothing(mixed, monkeypatch,
         result = launcher.run(job, 2.0)
         assert time.monotonic() - t < 30
         assert result["outcome"] == "error" and result["error"] == why, result
+
+
+def test_mixed_memory_samples_and_one_source_per_table(mixed):
+    # (time, device used, process used or None): bins of 20 ms keep their largest sample
+    samples = [(10.000, 100, None), (10.005, 300, 150), (10.012, 200, 180), (10.031, 150, None)]
+    m = mixed.summarize_samples(samples, baseline=100)
+    assert m["timeline"] == [[10.0, 200, 180], [10.02, 50, None]]
+    assert (m["peak_device"], m["peak_process"], m["peak"], m["source"]) == \
+        (200, 180, 180, "process")
+    assert mixed.summarize_samples([(1.0, 500, None)], 100)["source"] == "device"
+    # a table quotes the process figure only where every child had one
+    doc = synthetic_doc()
+    for entry in doc["results"]["cupy_torch"].values():
+        for r in entry["timing"]["rounds"]:
+            r["memory"]["peak_process"] = r["memory"]["peak"] - GiB // 4
+    table = mixed.program_table(doc, "cupy_torch")
+    assert table["source"] == "process"
+    assert table["rows"]["separate"]["peak"] == int(3.75 * GiB)
+    doc["results"]["cupy_torch"]["emmpool"]["timing"]["rounds"][1]["memory"]["peak_process"] = None
+    table = mixed.program_table(doc, "cupy_torch")
+    assert table["source"] == "device" and table["rows"]["separate"]["peak"] == 4 * GiB
+    assert "peak GPU memory: the device's above its value before the child (NVML)" in \
+        mixed.markdown(doc, {})
