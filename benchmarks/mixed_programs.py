@@ -496,15 +496,19 @@ class ExecLauncher:
             child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child",
                                       str(spec)], stdout=out, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
-            if on_start:
-                on_start(child.pid)
             timed_out = False
             try:
+                if on_start:
+                    on_start(child.pid)
                 status = child.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
+                _kill_group(child.pid)
                 status = child.wait()
                 timed_out = True
+            except BaseException:   # the run was stopped: the child goes with it
+                _kill_group(child.pid)
+                child.wait()
+                raise
         return _result_or_error(result, log, status, timed_out, job)
 
     def close(self) -> None:
@@ -520,6 +524,7 @@ class ForkLauncher:
     def __init__(self, device_uuid: str, workdir: Path, ready_timeout: float = 900.0):
         self.uuid, self.workdir = device_uuid, workdir
         self.count = 0
+        self.current = None   # the child running now
         log = workdir / f"zygote-{device_uuid[-6:]}.log"
         self._log = open(log, "w")
         self.proc = subprocess.Popen(
@@ -564,17 +569,15 @@ class ForkLauncher:
         if not started or "started" not in started:
             return {**{k: job[k] for k in ("program", "setup", "kind", "scale")},
                     "outcome": "error", "error": f"the zygote did not fork: {started}"}
-        pid = started["started"]
+        pid = self.current = started["started"]
         if on_start:
             on_start(pid)
         exited = self._next(timeout)
         timed_out = bool(exited and exited.get("timeout"))
         if timed_out:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(pid)
             exited = self._next(60)
+        self.current = None
         if exited is None:
             return {**{k: job[k] for k in ("program", "setup", "kind", "scale")},
                     "outcome": "error", "error": "the zygote died", "log_tail": _tail(log)}
@@ -583,6 +586,9 @@ class ForkLauncher:
         return _result_or_error(result, log, code, timed_out, job)
 
     def close(self) -> None:
+        """End the zygote, and a child still running (the run was stopped)."""
+        if self.current is not None:
+            _kill_group(self.current)
         try:
             self.proc.stdin.close()
         except OSError:
@@ -595,6 +601,13 @@ class ForkLauncher:
         self._reader.join(10)
         self.proc.stdout.close()
         self._log.close()
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _device_environment(uuid: str) -> dict:
@@ -613,6 +626,14 @@ def make_launcher(mode: str, uuid: str, workdir: Path, notes: list):
 
 # ---------------------------------------------------------------------------------------------
 # The run
+
+
+class Stopped(BaseException):
+    """SIGTERM (a time limit from outside): the run writes what it has."""
+
+
+def _stop(signum, frame):
+    raise Stopped(f"signal {signal.Signals(signum).name}")
 
 
 class Deadline:
@@ -931,6 +952,9 @@ def run(args) -> dict:
             starts = capacity_starts(args, pairs, results, earlier)
             others = [make_launcher(launcher.mode, g.uuid, workdir, notes) for g in gpus[1:]]
             capacity_phase(args, pairs, [launcher, *others], gpus, deadline, results, starts)
+    except (Exception, Stopped) as e:   # what ran is kept, and said to be partial
+        notes.append(f"the run stopped early: {type(e).__name__}: {e}")
+        _say(f"stopped early: {type(e).__name__}: {e}")
     finally:
         for each in (launcher, *others):
             each.close()
@@ -1345,8 +1369,10 @@ def write_outputs(doc: dict, out: Path) -> str:
 
 
 def failed(doc: dict) -> list:
-    """What makes the exit status 1: a check that differs, an emmpool setup that failed."""
-    bad = []
+    """What makes the exit status 1: a check that differs, an emmpool setup that failed, a run
+    that stopped early."""
+    bad = [note for r in doc["runs"].values() for note in r.get("notes", [])
+           if note.startswith("the run stopped early")]
     for program in doc["results"]:
         for setup, row in program_table(doc, program)["rows"].items():
             diff = row.get("check_diff")
@@ -1422,6 +1448,7 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as e:
             raise SystemExit(f"--merge: {e}") from None
     else:
+        signal.signal(signal.SIGTERM, _stop)
         doc = run(args)
     text = write_outputs(doc, args.out)
     print(text)

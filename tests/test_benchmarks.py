@@ -949,3 +949,25 @@ def test_mixed_memory_samples_and_one_source_per_table(mixed):
     assert table["source"] == "device" and table["rows"]["separate"]["peak"] == 4 * GiB
     assert "peak GPU memory: the device's above its value before the child (NVML)" in \
         mixed.markdown(doc, {})
+
+
+def test_mixed_run_stopped_early_keeps_what_ran(mixed, monkeypatch, tmp_path):
+    calls = fake_mixed_children(mixed, monkeypatch, {"separate": 9, "emmpool": 9})
+    real = mixed.run_timed
+
+    def stopped_at_the_third(launcher, gpu, idle, job, args):
+        if sum(c[1] == "timing" for c in calls) == 2:
+            raise mixed.Stopped("signal SIGTERM")
+        return real(launcher, gpu, idle, job, args)
+
+    monkeypatch.setattr(mixed, "run_timed", stopped_at_the_third)
+    argv = ["--out", str(tmp_path), "--programs", "a", "--setups", "separate,emmpool",
+            "--rounds", "2", "--no-warmup"]
+    assert mixed.main(argv) == 1
+    doc = json.loads((tmp_path / "mixed_programs.json").read_text())
+    (run,) = doc["runs"].values()
+    assert run["notes"] == ["the run stopped early: Stopped: signal SIGTERM"]
+    assert len(doc["results"]["cupy_torch"]["separate"]["timing"]["rounds"]) == 1
+    assert "capacity" not in doc["results"]["cupy_torch"]["separate"]
+    assert "  - the run stopped early: Stopped: signal SIGTERM" in \
+        (tmp_path / "mixed_programs.md").read_text()
