@@ -1,7 +1,8 @@
-"""benchmarks/mixed_programs.py end to end on a GPU, at its smallest: program a under each
-library's own pools and under emmpool, one round, and a short capacity search with a filler
-allocation (skipped, with the reason, where there is no GPU, CuPy, PyTorch or NVML). The full
-matrix is a benchmark run, not a test: see benchmarks/README.md."""
+"""benchmarks/mixed_programs.py end to end on a GPU, at its smallest (four children, under a
+minute): program a under each library's own pools and under emmpool, one round of one cycle,
+and one capacity probe each with its filler allocation (skipped, with the reason, where there is
+no GPU, CuPy, PyTorch or NVML). The full matrix is a benchmark run, not a test: see
+benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ pytestmark = [
 def test_mixed_programs_quick_run(tmp_path):
     p = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--quick", "--programs", "a",
-         "--setups", "separate", "emmpool", "--probes", "2", "--budget-gib", "1", "--cpus", "0"],
+         "--setups", "separate", "emmpool", "--cycles", "1", "--probes", "1", "--no-warmup",
+         "--budget-gib", "1", "--cpus", "0"],
         capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     doc = json.loads((tmp_path / "mixed_programs.json").read_text())
