@@ -65,25 +65,30 @@ Measured per program and setup:
   timing run's peak predicts, grows by ``--grow`` until a probe fails, then bisects, at most
   ``--probes`` probes a setup; its resolution is reported;
 - a check: every step's value (a loss, or for program c sums over the shuffled columns) is
-  compared with the separate setup's, relative difference at most 1e-4.
+  compared with the first setup's (separate's, where it ran), relative difference at most
+  1e-4.
 
 Why a child per (program, setup, round): an allocator is fixed per process, and rounds run the
 setups in turn (round 1: every setup, round 2: every setup, ...), so that a drift of the host's
 speed over the minutes of the run falls on every setup alike; each round starts at another
 setup. The children start from a zygote (``--start fork``, the default): a process that imports
-the libraries once (about as long as a whole timed run otherwise) and never initializes CUDA,
+the libraries once (seconds for every child otherwise; the JSON says how long) and never
+initializes CUDA,
 forking one child per job, so that each child starts with no CUDA state, as a fresh interpreter
 does; where an import initialized CUDA or started a thread, forking would be unsafe and the
 children are started as ``python mixed_programs.py --child JOB`` instead (``--start exec``
 always does that). Capacity searches of several setups run at once on ``--devices`` (one search
 per GPU of the same kind); timing uses the first device only.
 
-Writes DIR/mixed_programs.json (every round, probe and sample timeline, the environment),
+Writes DIR/mixed_programs.json (every round and probe, each setup's memory over time in its
+first round, the environment),
 DIR/mixed_programs.md (the tables, also printed) and DIR/mixed_programs_<program>.png (used
 memory over time, one line per setup; where matplotlib is installed). ``--merge`` writes the
 same from the JSON of one or several runs (say, the timing and the capacity halves of the
 matrix), pictures included, on any machine.
-Exit status 1 where a check differs or an emmpool setup failed.
+Exit status 1 where a check differs, PyTorch's segments were not expandable under
+separate-expandable, an emmpool setup failed, or the run stopped early (SIGTERM, an error: what
+ran is written all the same).
 """
 
 from __future__ import annotations
