@@ -422,6 +422,13 @@ def mixed(monkeypatch):
     return mixed_programs
 
 
+@pytest.fixture
+def report(mixed):
+    import mixed_report
+
+    return mixed_report
+
+
 def test_mixed_options_defaults_quick_and_errors(mixed, capsys):
     a = mixed.parse_args(["--out", "x"])
     assert a.programs == ["cupy_torch", "numba_cupy_torch", "rapids"]
@@ -638,9 +645,9 @@ def synthetic_doc(gpu="synthetic GPU (test data)", budget=8 * GiB, run="run A"):
             "results": {"cupy_torch": setups, "rapids": rapids}, "warmup": []}
 
 
-def test_mixed_tables_ratios_and_goals_from_a_synthetic_document(mixed, tmp_path):
+def test_mixed_tables_ratios_and_goals_from_a_synthetic_document(mixed, report, tmp_path):
     doc = synthetic_doc()
-    table = mixed.program_table(doc, "cupy_torch")
+    table = report.program_table(doc, "cupy_torch")
     rows = table["rows"]
     # the median round is the 1.0 one, the best the 0.9 one; separate is the fastest
     assert rows["separate"]["ms_median"] == pytest.approx(10.0)
@@ -649,7 +656,7 @@ def test_mixed_tables_ratios_and_goals_from_a_synthetic_document(mixed, tmp_path
     assert rows["emmpool"]["x_separate_peak"] == pytest.approx(2.5 / 4.0)
     assert rows["emmpool"]["x_separate_capacity"] == pytest.approx(44 / 30)
     assert rows["torch-under-cupy"]["check_diff"] == pytest.approx(0.01 / 1.01)
-    md = mixed.markdown(doc, {"cupy_torch": "mixed_programs_cupy_torch.png"})
+    md = report.markdown(doc, {"cupy_torch": "mixed_programs_cupy_torch.png"})
     assert ("| emmpool | ok | 2.50 (0.62×) | emmpool 2.00 | 10.10 (1.010×) | 9.09 (1.010×) "
             "| 44 ±2% (1.47×) |") in md
     assert ("| separate | ok | 4.00 (1.00×) | cupy 1.00 + torch 2.00 = 3.00 | 10.00 (1.000×) "
@@ -671,13 +678,13 @@ def test_mixed_tables_ratios_and_goals_from_a_synthetic_document(mixed, tmp_path
     assert "![GPU memory over time, cupy_torch](mixed_programs_cupy_torch.png)" in md
     assert "| setup | CuPy | PyTorch | Numba | RMM |" in md
     assert "| emmpool | its own | its own |  |  |" in md
-    assert mixed.failed(doc) == ["cupy_torch torch-under-cupy: check differs",
+    assert report.failed(doc) == ["cupy_torch torch-under-cupy: check differs",
                                  "rapids emmpool: oom: MemoryError: out of memory"]
 
 
-def test_mixed_pictures_one_per_program(mixed, tmp_path):
+def test_mixed_pictures_one_per_program(mixed, report, tmp_path):
     pytest.importorskip("matplotlib", reason="the pictures need matplotlib")
-    text = mixed.write_outputs(synthetic_doc(), tmp_path)
+    text = report.write_outputs(synthetic_doc(), tmp_path)
     assert (tmp_path / "mixed_programs_cupy_torch.png").stat().st_size > 1000
     assert not (tmp_path / "mixed_programs_rapids.png").exists()   # no timeline there
     assert json.loads((tmp_path / "mixed_programs.json").read_text())["gpu"] == \
@@ -687,7 +694,7 @@ def test_mixed_pictures_one_per_program(mixed, tmp_path):
         "mixed_programs.json", "mixed_programs.md", "mixed_programs_cupy_torch.png"]
 
 
-def test_mixed_merge_of_runs(mixed, tmp_path):
+def test_mixed_merge_of_runs(mixed, report, tmp_path):
     a, b = synthetic_doc(run="run A"), synthetic_doc(run="run B")
     for entry in a["results"]["cupy_torch"].values():
         del entry["capacity"]                     # A: timing only
@@ -695,21 +702,21 @@ def test_mixed_merge_of_runs(mixed, tmp_path):
         entry["timing"]["rounds"][0]["checks"] = [9.0, 9.0, 9.0]
         del entry["timing"]                       # B: capacity only
     b["results"]["rapids"] = {}
-    merged = mixed.merge_docs([a, b])
+    merged = report.merge_docs([a, b])
     assert list(merged["runs"]) == ["run A", "run B"]
     sep = merged["results"]["cupy_torch"]["separate"]
     assert sep["timing"]["run"] == "run A" and sep["capacity"]["run"] == "run B"
     assert merged["results"]["rapids"]["separate-expandable"]["not_run"]
     assert "notes" not in merged["runs"]["run B"] or not merged["runs"]["run B"]["notes"]
     # the same pair in both: the later one, said so
-    again = mixed.merge_docs([synthetic_doc(run="run A"), synthetic_doc(run="run C")])
+    again = report.merge_docs([synthetic_doc(run="run A"), synthetic_doc(run="run C")])
     assert again["results"]["cupy_torch"]["emmpool"]["timing"]["run"] == "run C"
     assert "taken from the later run: cupy_torch separate timing" in \
         again["runs"]["run C"]["notes"][-1]
     with pytest.raises(ValueError, match="different GPUs"):
-        mixed.merge_docs([a, synthetic_doc(gpu="another synthetic GPU")])
+        report.merge_docs([a, synthetic_doc(gpu="another synthetic GPU")])
     with pytest.raises(ValueError, match="different budgets"):
-        mixed.merge_docs([synthetic_doc(), synthetic_doc(budget=4 * GiB, run="run D")])
+        report.merge_docs([synthetic_doc(), synthetic_doc(budget=4 * GiB, run="run D")])
     # from the command line, into files
     paths = []
     for i, doc in enumerate((a, b)):
@@ -928,7 +935,7 @@ def test_mixed_fresh_children_that_hang_crash_or_say_nothing(mixed, monkeypatch,
         assert result["outcome"] == "error" and result["error"] == why, result
 
 
-def test_mixed_memory_samples_and_one_source_per_table(mixed):
+def test_mixed_memory_samples_and_one_source_per_table(mixed, report):
     # (time, device used, process used or None): bins of 20 ms keep their largest sample
     samples = [(10.000, 100, None), (10.005, 300, 150), (10.012, 200, 180), (10.031, 150, None)]
     m = mixed.summarize_samples(samples, baseline=100)
@@ -941,14 +948,14 @@ def test_mixed_memory_samples_and_one_source_per_table(mixed):
     for entry in doc["results"]["cupy_torch"].values():
         for r in entry["timing"]["rounds"]:
             r["memory"]["peak_process"] = r["memory"]["peak"] - GiB // 4
-    table = mixed.program_table(doc, "cupy_torch")
+    table = report.program_table(doc, "cupy_torch")
     assert table["source"] == "process"
     assert table["rows"]["separate"]["peak"] == int(3.75 * GiB)
     doc["results"]["cupy_torch"]["emmpool"]["timing"]["rounds"][1]["memory"]["peak_process"] = None
-    table = mixed.program_table(doc, "cupy_torch")
+    table = report.program_table(doc, "cupy_torch")
     assert table["source"] == "device" and table["rows"]["separate"]["peak"] == 4 * GiB
     assert "peak GPU memory: the device's above its value before the child (NVML)" in \
-        mixed.markdown(doc, {})
+        report.markdown(doc, {})
 
 
 def test_mixed_run_stopped_early_keeps_what_ran(mixed, monkeypatch, tmp_path):
