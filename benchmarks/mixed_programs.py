@@ -336,9 +336,13 @@ class Gpu:
             raise SystemExit(f"{NAME} measures memory through NVML: pip install nvidia-ml-py "
                              "(on a host without network, carry its wheel)") from None
         self.nvml = pynvml
-        pynvml.nvmlInit()
+        try:
+            pynvml.nvmlInit()
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError as e:
+            raise SystemExit(f"{NAME} needs an NVIDIA GPU and its driver (NVML, GPU {index}): "
+                             f"{e}") from None
         self.index = index
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         self.name = _text(pynvml.nvmlDeviceGetName(self.handle))
         self.uuid = _text(pynvml.nvmlDeviceGetUUID(self.handle))
         self.total = int(pynvml.nvmlDeviceGetMemoryInfo(self.handle).total)
