@@ -2,11 +2,16 @@
 at a deadline with what they finished (a GPU step cut off by its timeout would keep nothing),
 and its report says so; the in-process pairing times the managers' blocks in turns and takes
 each ratio within a round. Each child (one process per manager, or per emmpool build, and
-round) is replaced by a fake that takes a known time."""
+round) is replaced by a fake that takes a known time. mixed_programs.py: its options, search,
+tables, merge and children, and its programs' logic on the CPU."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -404,3 +409,574 @@ def test_dask_spill_peak_within_the_job(dask_spill):
     sampler.samples = [(1.0, [900, 200]), (2.0, [300, 700]), (3.0, [150, 250])]
     assert sampler.peak_within(1.5, 3.0) == [200, 500]
     assert sampler.peak_within(5.0, 6.0) is None
+
+
+# mixed_programs.py: its options, the capacity search, the tables and goals from a synthetic
+# document, the merge, the children's outcomes, and the programs' own logic on the CPU. The GPU
+# run is tests/test_gpu_mixed_programs.py.
+
+
+@pytest.fixture
+def mixed(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import mixed_programs
+
+    return mixed_programs
+
+
+@pytest.fixture
+def report(mixed):
+    import mixed_report
+
+    return mixed_report
+
+
+def test_mixed_options_defaults_quick_and_errors(mixed, capsys):
+    a = mixed.parse_args(["--out", "x"])
+    assert a.programs == ["cupy_torch", "numba_cupy_torch", "rapids"]
+    assert a.setups == list(mixed.work.SETUPS)
+    assert (a.rounds, a.cycles, a.probes, a.budget) == (3, 8, 5, 8 << 30)
+    assert a.scales == {"cupy_torch": 16, "numba_cupy_torch": 16, "rapids": 16}
+    q = mixed.parse_args(["--out", "x", "--quick", "--programs", "c,a",
+                          "--setups", "emmpool,separate", "rmm-pool", "--scales", "a=3",
+                          "--rmm-initial-pool", "1GiB", "--devices", "0,2"])
+    assert q.programs == ["rapids", "cupy_torch"]
+    assert q.setups == ["emmpool", "separate", "rmm-pool"]
+    assert (q.rounds, q.cycles, q.probes, q.budget) == (1, 2, 3, 2 << 30)
+    assert q.scales == {"rapids": 1, "cupy_torch": 3}
+    assert q.rmm_initial_pool == 1 << 30 and q.devices == [0, 2]
+    assert mixed.parse_size("1.5GiB") == 3 << 29 and mixed.parse_size("512") == 512
+    bad = [
+        (["--programs", "d"], "unknown program 'd'"),
+        (["--setups", "rmm"], "unknown setup 'rmm'"),
+        (["--scales", "a=0"], "PROGRAM=SCALE"),
+        (["--skip-capacity", "--capacity-only"], "exclude each other"),
+        (["--rmm-initial-pool", "lots"], "is not a size"),
+        (["--grow", "1"], "--grow"),
+        (["--devices", "x"], "NVML indices"),
+    ]
+    for extra, message in bad:
+        with pytest.raises(SystemExit):
+            mixed.parse_args(["--out", "x", *extra])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mixed.parse_args([])
+    assert "--out DIR is required" in capsys.readouterr().err
+
+
+def threshold(limit, errors=()):
+    """A fake probe: scales up to `limit` fit, larger ones run out of memory, `errors` fail
+    otherwise; it records what it was asked."""
+    asked = []
+
+    def probe(scale):
+        asked.append(scale)
+        if scale in errors:
+            return "error"
+        return "ok" if scale <= limit else "oom"
+
+    return probe, asked
+
+
+@pytest.mark.parametrize("limit", [1, 2, 7, 30, 31, 64, 100, 333])
+@pytest.mark.parametrize("start", [1, 10, 40, 500])
+def test_mixed_search_brackets_the_limit_and_stays_consistent(mixed, limit, start):
+    probe, asked = threshold(limit)
+    found = mixed.search_capacity(probe, start, max_probes=40, resolution=0.0)
+    # enough probes and no tolerance: the exact limit, bracketed by the next scale
+    assert found["largest"] == limit and found["smallest_failing"] == limit + 1
+    assert found["stopped"] is None
+    # every probe after the first lies strictly inside what the earlier ones left open
+    lo, hi = 0, None
+    for scale, outcome in found["probes"]:
+        assert scale > lo and (hi is None or scale < hi), found["probes"]
+        assert outcome == ("ok" if scale <= limit else "oom")
+        if outcome == "ok":
+            lo = scale
+        else:
+            hi = scale
+    assert asked == [s for s, _ in found["probes"]]
+
+
+def test_mixed_search_stops_at_its_probes_and_resolution(mixed):
+    probe, asked = threshold(1000)
+    found = mixed.search_capacity(probe, 700, grow=1.25, max_probes=6, resolution=0.03)
+    assert len(asked) <= 6
+    assert found["largest"] <= 1000 < (found["smallest_failing"] or 10**9)
+    if found["smallest_failing"] is not None:
+        res = (found["smallest_failing"] - found["largest"]) / found["largest"]
+        assert found["resolution"] == pytest.approx(res)
+    # 700 ok, 875 ok, 1094 oom, then bisection: 984, 1039, 1011 -> a bracket of 3%, the 6th
+    assert found["probes"] == [[700, "ok"], [875, "ok"], [1094, "oom"], [984, "ok"],
+                               [1039, "oom"], [1011, "oom"]]
+    # (1011 - 984) / 984 = 2.7%: within the resolution asked, in the 6 probes allowed
+    assert found["largest"] == 984 and found["stopped"] is None
+    assert found["resolution"] == pytest.approx(27 / 984)
+    # a finer resolution than 6 probes reach: said so
+    probe, _ = threshold(1000)
+    found = mixed.search_capacity(probe, 700, max_probes=6, resolution=0.005)
+    assert found["stopped"] == "6 probes made" and found["largest"] == 984
+
+
+def test_mixed_search_errors_are_never_fits(mixed):
+    probe, asked = threshold(50, errors={40})
+    found = mixed.search_capacity(probe, 32, max_probes=10)
+    assert asked == [32, 40]
+    assert found["largest"] == 32 and found["smallest_failing"] is None
+    assert found["stopped"] == "error at scale 40"
+    # nothing fits at all: down to scale 1, then no more
+    probe, asked = threshold(0)
+    found = mixed.search_capacity(probe, 5, max_probes=10)
+    assert found["largest"] == 0 and found["smallest_failing"] == 1 and asked[-1] == 1
+    # the time limit
+    probe, asked = threshold(50)
+    calls = iter([False, False, True])
+    found = mixed.search_capacity(probe, 8, max_probes=10, out_of_time=lambda: next(calls))
+    assert len(asked) == 2 and found["stopped"] == "the run's time limit"
+
+
+def test_mixed_search_starts_where_the_timing_peak_predicts(mixed):
+    # 16 units used 4 GiB beyond a 0.5 GiB context: 8 GiB predicts 32, at 95%: 30
+    timing = {"peak": int(4.5 * (1 << 30)), "context": 1 << 29, "scale": 16}
+    assert mixed.predict_start(8 << 30, timing, 1 << 30) == 30
+    assert mixed.predict_start(8 << 30, None, 1 << 29) == 16
+    assert mixed.predict_start(1 << 20, None, 1 << 30) == 1
+
+
+def test_mixed_failure_classification(mixed):
+    classify = mixed.work.classify_failure
+
+    class OutOfMemoryError(RuntimeError):   # torch.OutOfMemoryError's name
+        pass
+
+    class CudaAPIError(Exception):          # Numba's, with its code
+        def __init__(self, code, msg):
+            super().__init__(msg)
+            self.code = code
+
+    class CUBLASError(RuntimeError):
+        pass
+
+    assert classify(MemoryError("Out of memory allocating 1,024 bytes")) == "oom"
+    assert classify(OutOfMemoryError("CUDA out of memory. Tried to allocate")) == "oom"
+    assert classify(CudaAPIError(2, "[CUresult.CUDA_ERROR_OUT_OF_MEMORY] cuMemAlloc")) == "oom"
+    assert classify(CudaAPIError(1, "CUDA_ERROR_INVALID_VALUE")) == "error"
+    assert classify(CUBLASError("CUBLAS_STATUS_ALLOC_FAILED")) == "oom"
+    assert classify(RuntimeError("std::bad_alloc: out_of_memory: RMM failure")) == "oom"
+    assert classify(ValueError("shapes (3,4) and (5,) not aligned")) == "error"
+    assert classify(KeyboardInterrupt()) == "error"
+    try:
+        try:
+            raise MemoryError("out of memory")
+        except MemoryError as e:
+            raise RuntimeError("a kernel launch failed") from e
+    except RuntimeError as e:
+        assert classify(e) == "oom"   # its cause
+
+
+def test_mixed_setups_not_run_and_environments(mixed):
+    work = mixed.work
+    everything = lambda module: True  # noqa: E731
+    assert work.not_run_reason("rapids", "separate-expandable", everything) == \
+        "the program uses no PyTorch: the same as separate"
+    assert work.not_run_reason("rapids", "torch-under-cupy", everything) is None
+    assert work.libraries_of("rapids", "torch-under-cupy") == ("rmm", "cupy", "numba", "torch")
+    no_rmm = lambda module: module != "rmm"  # noqa: E731
+    assert work.not_run_reason("cupy_torch", "rmm-async", no_rmm) == "rmm is not installed here"
+    assert work.not_run_reason("cupy_torch", "emmpool", no_rmm) is None
+    assert work.setup_environment("emmpool") == {"PYTORCH_CUDA_ALLOC_CONF": None,
+                                                 "EMMPOOL_SEGMENTS": "fixed"}
+    assert work.setup_environment("emmpool-growable")["EMMPOOL_SEGMENTS"] == "growable"
+    assert work.setup_environment("separate-expandable")["PYTORCH_CUDA_ALLOC_CONF"] == \
+        "expandable_segments:True"
+    assert work.setup_environment("separate") == {"PYTORCH_CUDA_ALLOC_CONF": None,
+                                                  "EMMPOOL_SEGMENTS": None}
+    assert [work.batch(100, i) for i in range(5)] == [60, 100, 35, 80, 60]
+    order = mixed.round_order([("a", "x"), ("a", "y"), ("a", "z"), ("b", "x")], 1)
+    assert order == [("a", "y"), ("a", "z"), ("a", "x"), ("b", "x")]
+
+
+GiB = 1 << 30
+
+
+def synthetic_round(setup, peak_gib, ms, checks, allocator, r=0, timeline=True):
+    """One timing child's result as mixed_programs records it, made up for the tests."""
+    peak = int(peak_gib * GiB)
+    memory = {"source": "device", "peak": peak, "peak_device": peak, "peak_process": None,
+              "context": GiB // 2, "baseline": 0}
+    if timeline:
+        memory["timeline"] = [[100.0, 0, None], [100.5, peak, None], [101.0, GiB, None]]
+    return {"setup": setup, "outcome": "ok", "round": r, "checks": checks,
+            "cycle_s": [4 * ms / 1e3] * 3, "marks": {"context": 100.0},
+            "allocator": {"counted": allocator, "uncounted": [],
+                          "total": sum(allocator.values())},
+            "serves": {"cupy": "its own", "torch": "its own"}, "memory": memory}
+
+
+def synthetic_doc(gpu="synthetic GPU (test data)", budget=8 * GiB, run="run A"):
+    """A hand-made mixed_programs document: synthetic test data, not a measurement."""
+    checks = [2.5, 2.25, 2.0]
+    table = {   # setup: peak GiB, ms per step, allocators, largest scale in B
+        "separate": (4.0, 10.0, {"cupy": GiB, "torch": 2 * GiB}, 30),
+        "separate-expandable": (3.5, 10.4, {"cupy": GiB, "torch": int(1.5 * GiB)}, 33),
+        "rmm-pool": (3.2, 12.0, {"rmm pool": 3 * GiB}, 36),
+        "rmm-async": (2.9, 11.0, {"rmm async": int(2.5 * GiB)}, 40),
+        "torch-under-cupy": (3.0, 13.0, {"torch+cupy": int(2.6 * GiB)}, 38),
+        "emmpool": (2.5, 10.1, {"emmpool": 2 * GiB}, 44),
+        "emmpool-growable": (2.95, 10.3, {"emmpool": int(1.9 * GiB)}, 40),
+    }
+    setups = {}
+    for setup, (peak, ms, allocator, largest) in table.items():
+        mine = [c * (1.01 if setup == "torch-under-cupy" else 1) for c in checks]
+        rounds = [synthetic_round(setup, peak, ms * f, mine, allocator, r, timeline=r == 0)
+                  for r, f in enumerate((1.0, 1.2, 0.9))]
+        setups[setup] = {
+            "timing": {"scale": 16, "run": run, "rounds": rounds},
+            "capacity": {"largest": largest, "smallest_failing": largest + 1,
+                         "resolution": 1 / largest, "budget": budget, "stopped": None,
+                         "probes": [[largest, "ok"], [largest + 1, "oom"]], "run": run}}
+    rapids = {"separate-expandable": {"not_run": "the program uses no PyTorch: the same as "
+                                                 "separate"},
+              "emmpool": {"timing": {"scale": 4, "run": run, "rounds": [
+                  {"setup": "emmpool", "outcome": "oom", "error": "MemoryError: out of memory"}]}}}
+    run_info = {"date": "synthetic", "phases": ["timing", "capacity"], "driver": "0.0",
+                "start": "fork", "rounds": 3, "cycles": 3, "warmup_cycles": 1,
+                "scales": {"cupy_torch": 16}, "wall_s": 1.0, "versions": {"emmpool": "test"},
+                "budget": budget, "memory_sources": ["device"], "notes": []}
+    return {"benchmark": "mixed_programs", "gpu": gpu, "runs": {run: run_info},
+            "results": {"cupy_torch": setups, "rapids": rapids}, "warmup": []}
+
+
+def test_mixed_tables_ratios_and_goals_from_a_synthetic_document(mixed, report, tmp_path):
+    doc = synthetic_doc()
+    table = report.program_table(doc, "cupy_torch")
+    rows = table["rows"]
+    # the median round is the 1.0 one, the best the 0.9 one; separate is the fastest
+    assert rows["separate"]["ms_median"] == pytest.approx(10.0)
+    assert rows["separate"]["ms_best"] == pytest.approx(9.0)
+    assert rows["emmpool"]["x_fastest"] == pytest.approx(1.01)
+    assert rows["emmpool"]["x_separate_peak"] == pytest.approx(2.5 / 4.0)
+    assert rows["emmpool"]["x_separate_capacity"] == pytest.approx(44 / 30)
+    assert rows["torch-under-cupy"]["check_diff"] == pytest.approx(0.01 / 1.01)
+    md = report.markdown(doc, {"cupy_torch": "mixed_programs_cupy_torch.png"})
+    assert ("| emmpool | ok | 2.50 (0.62×) | emmpool 2.00 | 10.10 (1.010×) | 9.09 (1.010×) "
+            "| 44 ±2% (1.47×) |") in md
+    assert ("| separate | ok | 4.00 (1.00×) | cupy 1.00 + torch 2.00 = 3.00 | 10.00 (1.000×) "
+            "| 9.00 (1.000×) | 30 ±3% (1.00×) |") in md
+    assert "| torch-under-cupy | DIFFERS from separate (rel. 9.9e-03) |" in md
+    assert "| separate-expandable | not run: the program uses no PyTorch: the same as " \
+           "separate |" in md
+    assert "| emmpool | FAILED: oom: MemoryError: out of memory |" in md
+    # the goals: against the lower separate peak (3.5), every bridge, the larger separate
+    # capacity (33), the fastest median (10.0)
+    assert ("- emmpool: peak 0.71× the separate pools' (≤ 0.8) ✓; 0.78× rmm-pool's (≤ 1) ✓; "
+            "0.86× rmm-async's (≤ 1) ✓; 0.83× torch-under-cupy's (≤ 1) ✓; largest scale in B "
+            "1.33× the separate pools' (≥ 1.25) ✓; time per step 1.010× the fastest setup's, "
+            "median round (≤ 1.02) ✓") in md
+    growable = next(line for line in md.splitlines() if line.startswith("- emmpool-growable"))
+    assert "peak 0.84× the separate pools' (≤ 0.8) ✗" in growable
+    assert "1.02× rmm-async's (≤ 1) ✗" in growable
+    assert "largest scale in B 1.21× the separate pools' (≥ 1.25) ✗" in growable
+    assert "![GPU memory over time, cupy_torch](mixed_programs_cupy_torch.png)" in md
+    assert "| setup | CuPy | PyTorch | Numba | RMM |" in md
+    assert "| emmpool | its own | its own |  |  |" in md
+    assert report.failed(doc) == ["cupy_torch torch-under-cupy: check differs",
+                                 "rapids emmpool: oom: MemoryError: out of memory"]
+
+
+def test_mixed_pictures_one_per_program(mixed, report, tmp_path):
+    pytest.importorskip("matplotlib", reason="the pictures need matplotlib")
+    text = report.write_outputs(synthetic_doc(), tmp_path)
+    assert (tmp_path / "mixed_programs_cupy_torch.png").stat().st_size > 1000
+    assert not (tmp_path / "mixed_programs_rapids.png").exists()   # no timeline there
+    assert json.loads((tmp_path / "mixed_programs.json").read_text())["gpu"] == \
+        "synthetic GPU (test data)"
+    assert text == (tmp_path / "mixed_programs.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "mixed_programs.json", "mixed_programs.md", "mixed_programs_cupy_torch.png"]
+
+
+def test_mixed_merge_of_runs(mixed, report, tmp_path):
+    a, b = synthetic_doc(run="run A"), synthetic_doc(run="run B")
+    for entry in a["results"]["cupy_torch"].values():
+        del entry["capacity"]                     # A: timing only
+    for entry in b["results"]["cupy_torch"].values():
+        entry["timing"]["rounds"][0]["checks"] = [9.0, 9.0, 9.0]
+        del entry["timing"]                       # B: capacity only
+    b["results"]["rapids"] = {}
+    merged = report.merge_docs([a, b])
+    assert list(merged["runs"]) == ["run A", "run B"]
+    sep = merged["results"]["cupy_torch"]["separate"]
+    assert sep["timing"]["run"] == "run A" and sep["capacity"]["run"] == "run B"
+    assert merged["results"]["rapids"]["separate-expandable"]["not_run"]
+    assert "notes" not in merged["runs"]["run B"] or not merged["runs"]["run B"]["notes"]
+    # the same pair in both: the later one, said so
+    again = report.merge_docs([synthetic_doc(run="run A"), synthetic_doc(run="run C")])
+    assert again["results"]["cupy_torch"]["emmpool"]["timing"]["run"] == "run C"
+    assert "taken from the later run: cupy_torch separate timing" in \
+        again["runs"]["run C"]["notes"][-1]
+    with pytest.raises(ValueError, match="different GPUs"):
+        report.merge_docs([a, synthetic_doc(gpu="another synthetic GPU")])
+    with pytest.raises(ValueError, match="different budgets"):
+        report.merge_docs([synthetic_doc(), synthetic_doc(budget=4 * GiB, run="run D")])
+    # from the command line, into files
+    paths = []
+    for i, doc in enumerate((a, b)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    out = tmp_path / "merged"
+    assert mixed.main(["--merge", *map(str, paths), "--out", str(out)]) == 1  # the rapids failure
+    md = (out / "mixed_programs.md").read_text()
+    assert "| emmpool | ok | 2.50 (0.62×) |" in md and "44 ±2% (1.47×)" in md
+
+
+class FakeGpu:
+    """NVML's view of a GPU, made up: nothing ever uses it."""
+
+    def __init__(self, index):
+        self.index, self.name, self.uuid = index, "fake GPU", f"GPU-fake-{index}"
+        self.total, self.driver = 80 * GiB, "0.0"
+
+    def used(self):
+        return 0
+
+    def settle(self, idle, timeout=15.0):
+        return 0
+
+
+def fake_mixed_children(mixed, monkeypatch, fits, failing=()):
+    """Children that return at once: timing figures by setup, probes that fit up to
+    fits[setup], and a sampler whose peak is the scale in GiB / 4 (emmpool: / 8)."""
+    calls = []
+    last = {}
+
+    class Launcher:
+        mode = "fork"
+        info = {"import_s": 1.0, "missing": {}}
+
+        def __init__(self, uuid):
+            self.uuid = uuid
+
+        def run(self, job, timeout, on_start=None):
+            calls.append((self.uuid, job["kind"], job["program"], job["setup"], job["scale"]))
+            last["job"] = job
+            if on_start:
+                on_start(1234)
+            base = {"program": job["program"], "setup": job["setup"], "kind": job["kind"],
+                    "scale": job["scale"], "context": {"free": 79 * GiB, "total": 80 * GiB},
+                    "marks": {"context": 5.0}}
+            if job["setup"] in failing:
+                return {**base, "outcome": "error", "error": "RuntimeError: broken"}
+            if job["kind"] == "probe":
+                time.sleep(0.05)   # long enough for every device's thread to take a search
+                ok = job["scale"] <= fits[job["setup"]]
+                return {**base, "outcome": "ok" if ok else "oom"}
+            ms = 10.0 if job["setup"].startswith("emmpool") else 11.0
+            return {**base, "outcome": "ok", "checks": [1.0, 2.0],
+                    "cycle_s": [4 * ms / 1e3] * job["cycles"],
+                    "serves": {"cupy": job["setup"]},
+                    "allocator": {"counted": {"x": GiB}, "uncounted": [], "total": GiB}}
+
+        def close(self):
+            calls.append((self.uuid, "closed"))
+
+    class Sampler:
+        def __init__(self, gpu, period):
+            self.pid = None
+
+        def stop(self):
+            job = last["job"]
+            per = 8 if job["setup"].startswith("emmpool") else 4
+            peak = GiB + job["scale"] * GiB // per
+            return {"source": "device", "peak": peak, "baseline": 0, "samples": 2,
+                    "timeline": [[5.0, 0], [6.0, peak]]}
+
+    monkeypatch.setattr(mixed, "Gpu", FakeGpu)
+    monkeypatch.setattr(mixed, "MemorySampler", Sampler)
+    monkeypatch.setattr(mixed, "make_launcher", lambda mode, uuid, workdir, notes:
+                        Launcher(uuid))
+    monkeypatch.setattr(mixed.cpus, "pin_near_gpu", lambda n, device=0: [])
+    monkeypatch.delenv("EMMPOOL_BENCH_DEADLINE", raising=False)
+    return calls
+
+
+def test_mixed_run_interleaves_rounds_and_searches_from_the_timing_peak(mixed, monkeypatch,
+                                                                        tmp_path):
+    fits = {"separate": 20, "emmpool": 41}
+    calls = fake_mixed_children(mixed, monkeypatch, fits)
+    argv = ["--out", str(tmp_path), "--programs", "a", "--setups", "separate,emmpool",
+            "--rounds", "2", "--scales", "a=8", "--budget-gib", "4", "--probes", "8"]
+    assert mixed.main(argv) == 0
+    runs = [c for c in calls if c[1] != "closed"]
+    assert runs[:2] == [("GPU-fake-0", "warmup", "cupy_torch", "separate", 1),
+                        ("GPU-fake-0", "warmup", "cupy_torch", "emmpool", 1)]
+    timing = [(c[3], c[4]) for c in runs if c[1] == "timing"]
+    assert timing == [("separate", 8), ("emmpool", 8), ("emmpool", 8), ("separate", 8)]
+    # separate: 8 units took 2 GiB above the 1 GiB context: 4 GiB predicts 16, 95%: 15
+    probes = [(c[3], c[4]) for c in runs if c[1] == "probe"]
+    assert probes[0] == ("separate", 15)
+    assert [s for _, s in probes if _ == "emmpool"][0] == 30
+    doc = json.loads((tmp_path / "mixed_programs.json").read_text())
+    sep = doc["results"]["cupy_torch"]["separate"]
+    assert sep["capacity"]["largest"] == 20 and sep["capacity"]["smallest_failing"] == 21
+    assert doc["results"]["cupy_torch"]["emmpool"]["capacity"]["largest"] == 41
+    rounds = sep["timing"]["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1]
+    assert "timeline" in rounds[0]["memory"] and "timeline" not in rounds[1]["memory"]
+    (run,) = doc["runs"].values()
+    assert run["rounds"] == 2 and run["budget"] == 4 * GiB and run["start"] == "fork"
+    md = (tmp_path / "mixed_programs.md").read_text()
+    assert "| emmpool | ok | 2.00 (0.67×) |" in md
+    assert "41 ±2% (2.05×)" in md
+
+
+def test_mixed_capacity_on_several_devices_and_failures(mixed, monkeypatch, tmp_path):
+    fits = {"separate": 3, "emmpool": 5, "rmm-pool": 4}
+    calls = fake_mixed_children(mixed, monkeypatch, fits, failing=("rmm-async",))
+    argv = ["--out", str(tmp_path), "--programs", "a", "--capacity-only", "--no-warmup",
+            "--setups", "separate", "emmpool", "rmm-pool", "rmm-async", "--devices", "0,1",
+            "--budget-gib", "1"]
+    monkeypatch.setattr(mixed.work, "not_run_reason", lambda program, setup, importable: None)
+    assert mixed.main(argv) == 0   # only an emmpool failure or a differing check fails the run
+    probes = [c for c in calls if c[1] == "probe"]
+    assert {c[0] for c in probes} == {"GPU-fake-0", "GPU-fake-1"}
+    assert not [c for c in calls if c[1] == "timing"]
+    doc = json.loads((tmp_path / "mixed_programs.json").read_text())
+    results = doc["results"]["cupy_torch"]
+    assert results["rmm-async"]["capacity"]["stopped"].startswith("error at scale")
+    assert results["rmm-async"]["capacity"]["largest"] == 0
+    assert results["emmpool"]["capacity"]["largest"] == 5
+    assert ("GPU-fake-1", "closed") in calls and ("GPU-fake-0", "closed") in calls
+
+
+def test_mixed_programs_compute_the_same_twice_on_the_cpu(tmp_path):
+    # The programs' own logic (shapes, the seeded batches, the Numba kernels, the training
+    # step) run on NumPy, PyTorch on the CPU and Numba's CUDA simulator, twice: the check values
+    # must be finite and repeat exactly (every setup is compared on them).
+    pytest.importorskip("torch", reason="the programs' CPU check needs PyTorch (CPU is enough)")
+    pytest.importorskip("numba.cuda", reason="the programs' CPU check needs numba-cuda")
+    script = (
+        "import json, math, sys\n"
+        f"sys.path.insert(0, {str(BENCHMARKS)!r})\n"
+        "import mixed_workloads as w\n"
+        "out = {}\n"
+        "for p, s in [('cupy_torch', 1/64), ('numba_cupy_torch', 1/256), ('rapids', 1/4096)]:\n"
+        "    out[p] = [w.cpu_check(p, s, 4), w.cpu_check(p, s, 4)]\n"
+        "# a timing job's loop, on the CPU: its context and GPU libraries made up\n"
+        "w.open_context = lambda: {'free': 1, 'total': 2}\n"
+        "w.GpuEnv = w.CpuEnv\n"
+        "job = {'program': 'rapids', 'setup': 'separate', 'kind': 'timing', 'scale': 1/4096,\n"
+        "       'warmup_cycles': 1, 'cycles': 2}\n"
+        "out['job'] = w.run_job(job)\n"
+        "print(json.dumps(out))\n")
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    job = out.pop("job")
+    assert job["outcome"] == "ok", job
+    assert job["checks"][:4] == out["rapids"][0]   # the same batches as cpu_check's
+    assert len(job["checks"]) == 12 and len(job["cycle_s"]) == 2 and len(job["step_s"]) == 8
+    assert list(job["marks"]) == ["start", "context", "installed", "built", "timed", "done",
+                                  "end"]
+    assert job["serves"] == {"rmm": "its own", "cupy": "its own", "numba": "its own"}
+    assert job["allocator"] == {"counted": {"cupy": 0}, "total": 0, "uncounted": [
+        "numba (its own manager: cuMemAlloc per array)",
+        "rmm (its default resource: cudaMalloc per buffer)"]}
+    for program, (first, second) in out.items():
+        assert len(first) == 4 and all(math.isfinite(v) for v in first), program
+        assert first == second, program
+
+
+def test_mixed_zygote_forks_fresh_children_with_their_setup(mixed, tmp_path):
+    # The zygote imports what it can here, forks one child per job into its own process, with
+    # the setup's environment; without a GPU the child's CUDA context fails, as an error (not
+    # out of memory), and its log says why.
+    launcher = mixed.ForkLauncher("GPU-test-uuid", tmp_path, ready_timeout=300)
+    try:
+        assert launcher.info["fork_unsafe"] is None and len(launcher.info["threads"]) == 1
+        job = {"program": "cupy_torch", "setup": "emmpool-growable", "kind": "probe",
+               "scale": 1, "cycles": 1, "warmup_cycles": 0, "budget": 1 << 30}
+        started = []
+        result = launcher.run(job, 120, started.append)
+        assert result["pid"] == started[0] != os.getpid()
+        assert result["pid"] != launcher.proc.pid
+        assert result["environment"] == {"PYTORCH_CUDA_ALLOC_CONF": None,
+                                         "EMMPOOL_SEGMENTS": "growable",
+                                         "CUDA_VISIBLE_DEVICES": "GPU-test-uuid"}
+        if result["outcome"] != "ok":   # no GPU here
+            assert result["outcome"] == "error" and result["log_tail"]
+        second = launcher.run({**job, "setup": "separate-expandable"}, 120)
+        assert second["pid"] != result["pid"]
+        assert second["environment"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        assert second["environment"]["EMMPOOL_SEGMENTS"] is None
+    finally:
+        launcher.close()
+    assert launcher.proc.returncode == 0
+
+
+def test_mixed_fresh_children_that_hang_crash_or_say_nothing(mixed, monkeypatch, tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "how = os.environ['HOW']\n"
+        "if how == 'hang': time.sleep(60)\n"
+        "if how == 'crash': os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "sys.exit(3)\n")
+    monkeypatch.setattr(mixed, "__file__", str(script))
+    launcher = mixed.ExecLauncher("GPU-x", tmp_path)
+    job = {"program": "rapids", "setup": "separate", "kind": "probe", "scale": 2}
+    expected = {"hang": "killed at its time limit", "crash": "killed by signal 11 (SIGSEGV)",
+                "quiet": "exited (3) without a result"}
+    for how, why in expected.items():
+        monkeypatch.setenv("HOW", how)
+        t = time.monotonic()
+        result = launcher.run(job, 2.0)
+        assert time.monotonic() - t < 30
+        assert result["outcome"] == "error" and result["error"] == why, result
+
+
+def test_mixed_memory_samples_and_one_source_per_table(mixed, report):
+    # (time, device used, process used or None): bins of 20 ms keep their largest sample
+    samples = [(10.000, 100, None), (10.005, 300, 150), (10.012, 200, 180), (10.031, 150, None)]
+    m = mixed.summarize_samples(samples, baseline=100)
+    assert m["timeline"] == [[10.0, 200, 180], [10.02, 50, None]]
+    assert (m["peak_device"], m["peak_process"], m["peak"], m["source"]) == \
+        (200, 180, 180, "process")
+    assert mixed.summarize_samples([(1.0, 500, None)], 100)["source"] == "device"
+    # a table quotes the process figure only where every child had one
+    doc = synthetic_doc()
+    for entry in doc["results"]["cupy_torch"].values():
+        for r in entry["timing"]["rounds"]:
+            r["memory"]["peak_process"] = r["memory"]["peak"] - GiB // 4
+    table = report.program_table(doc, "cupy_torch")
+    assert table["source"] == "process"
+    assert table["rows"]["separate"]["peak"] == int(3.75 * GiB)
+    doc["results"]["cupy_torch"]["emmpool"]["timing"]["rounds"][1]["memory"]["peak_process"] = None
+    table = report.program_table(doc, "cupy_torch")
+    assert table["source"] == "device" and table["rows"]["separate"]["peak"] == 4 * GiB
+    assert "peak GPU memory: the device's above its value before the child (NVML)" in \
+        report.markdown(doc, {})
+
+
+def test_mixed_run_stopped_early_keeps_what_ran(mixed, monkeypatch, tmp_path):
+    calls = fake_mixed_children(mixed, monkeypatch, {"separate": 9, "emmpool": 9})
+    real = mixed.run_timed
+
+    def stopped_at_the_third(launcher, gpu, idle, job, args):
+        if sum(c[1] == "timing" for c in calls) == 2:
+            raise mixed.Stopped("signal SIGTERM")
+        return real(launcher, gpu, idle, job, args)
+
+    monkeypatch.setattr(mixed, "run_timed", stopped_at_the_third)
+    argv = ["--out", str(tmp_path), "--programs", "a", "--setups", "separate,emmpool",
+            "--rounds", "2", "--no-warmup"]
+    assert mixed.main(argv) == 1
+    doc = json.loads((tmp_path / "mixed_programs.json").read_text())
+    (run,) = doc["runs"].values()
+    assert run["notes"] == ["the run stopped early: Stopped: signal SIGTERM"]
+    assert len(doc["results"]["cupy_torch"]["separate"]["timing"]["rounds"]) == 1
+    assert "capacity" not in doc["results"]["cupy_torch"]["separate"]
+    assert "  - the run stopped early: Stopped: signal SIGTERM" in \
+        (tmp_path / "mixed_programs.md").read_text()

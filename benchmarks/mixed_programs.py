@@ -1,0 +1,1022 @@
+"""Programs that mix GPU libraries, with one pool (emmpool) against each library's own pool and
+against the bridges people use to share one: how much device memory each needs, how large a
+problem fits in a given amount of memory, and what each costs in time.
+
+    python benchmarks/mixed_programs.py --out DIR [--programs a,b,c] [--setups NAME ...]
+        [--rounds 3] [--budget-gib 8] [--skip-capacity | --capacity-only] [--devices 0,1]
+    python benchmarks/mixed_programs.py --out DIR --quick           # a smoke test
+    python benchmarks/mixed_programs.py --merge A.json B.json --out DIR
+
+Programs (mixed_workloads.py; each has one integer scale that its memory grows with, about
+linearly, and batches of 0.6, 1.0, 0.35 and 0.8 times the scale's in turn):
+
+- a ``cupy_torch``: a CuPy phase of large temporaries (batched matmul and solve, FFT), then a
+  PyTorch MLP's forward, backward and AdamW step on its output (DLPack), repeated;
+- b ``numba_cupy_torch``: CuPy preprocessing and Numba kernels (arrays from Numba's allocator,
+  launched on CuPy arrays) of variable-size batches feeding a PyTorch training step;
+- c ``rapids``: tables in rmm.DeviceBuffers (what cuDF and distributed allocate), a Numba UDF
+  over them, CuPy's sort, gather and group-by, buffers freed and allocated again.
+
+Setups, each installed before any library's first CUDA allocation:
+
+- ``separate``: each library's own: CuPy's MemoryPool, PyTorch's caching allocator, Numba's
+  manager (cuMemAlloc per array), RMM's default resource (cudaMalloc per buffer);
+- ``separate-expandable``: the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  (checked in PyTorch's snapshot; not run where the program has no PyTorch);
+- ``rmm-pool``: RMM everywhere over RMM's PoolMemoryResource: CuPy through
+  ``rmm.allocators.cupy.rmm_cupy_allocator`` (a Python call per allocation), Numba through
+  ``rmm.allocators.numba.RMMNumbaManager``, PyTorch through
+  ``rmm.allocators.torch.rmm_torch_allocator`` (a CUDAPluggableAllocator over RMM's current
+  resource). The pool starts empty (``--rmm-initial-pool``, 0) with no maximum, and grows by the
+  larger of the request and its size: RMM's default initial size, half the free memory, would
+  make its peak that half whatever the program needs;
+- ``rmm-async``: the same over RMM's CudaAsyncMemoryResource (the driver's stream-ordered pool;
+  RMM keeps what it reserved: its release threshold is the largest value);
+- ``torch-under-cupy``: CuPy allocating from PyTorch's caching allocator
+  (``cupy.cuda.memory.PythonFunctionAllocator`` over ``torch.cuda.caching_allocator_alloc`` /
+  ``caching_allocator_delete``, as pytorch-pfn-extras' ``use_torch_mempool_in_cupy``); Numba and
+  RMM keep their own (no standard bridge puts Numba on PyTorch's pool);
+- ``emmpool`` (EMMPOOL_SEGMENTS=fixed) and ``emmpool-growable`` (EMMPOOL_SEGMENTS=growable):
+  ``emmpool.use_for_numba()``, ``use_for_cupy()``, ``use_for_torch()`` and
+  ``rmm.mr.set_current_device_resource(emmpool.rmm_resource())``, for the libraries used.
+
+Measured per program and setup:
+
+- peak GPU memory of the process: NVML's per-process used memory
+  (nvmlDeviceGetComputeRunningProcesses) where NVML reports the child's pid, else the device's
+  used memory above its value before the child started (the results say which); sampled by a
+  thread of this process every ``--sample-ms`` (2) ms, contexts, library handles and kernels'
+  code included; the largest over the rounds;
+- the allocators' own peak reserved, summed over the libraries that cache: CuPy's pool
+  (total_bytes, read after every step: CuPy keeps no peak), PyTorch's max_memory_reserved (which
+  holds CuPy's blocks too under torch-under-cupy), RMM's pool size, the high-water mark of the
+  CUDA pool behind RMM's async resource, emmpool's peak_bytes_reserved (every library). Numba's
+  own manager and RMM's default resource cache nothing and are not counted;
+- time per step: each child warms up (``--warmup-cycles``: every kernel compiled or loaded, the
+  pools filled) and then times ``--cycles`` cycles of steps, one device synchronization per
+  step; a round's figure is the median over its cycles of a cycle's time per step; the table
+  gives the median and the best of the rounds, each against the fastest setup's;
+- the largest scale that completes when only B bytes (``--budget-gib``) of the device are left
+  to the program: a probe child makes the CUDA context, then one driver allocation of all free
+  memory but B (the same for every setup: B is what the program, its libraries' handles and
+  kernels included, may use beyond the context), then installs the setup and runs one cycle of
+  steps at the probed scale. Every library's out-of-memory error is an "oom"; any other failure
+  is an error, which stops the search and is never taken for a fit. The search starts where the
+  timing run's peak predicts, grows by ``--grow`` until a probe fails, then bisects, at most
+  ``--probes`` probes a setup; its resolution is reported;
+- a check: every step's value (a loss, or for program c sums over the shuffled columns) is
+  compared with the first setup's (separate's, where it ran), relative difference at most
+  1e-4.
+
+Why a child per (program, setup, round): an allocator is fixed per process, and rounds run the
+setups in turn (round 1: every setup, round 2: every setup, ...), so that a drift of the host's
+speed over the minutes of the run falls on every setup alike; each round starts at another
+setup. The children start from a zygote (``--start fork``, the default): a process that imports
+the libraries once (seconds for every child otherwise; the JSON says how long) and never
+initializes CUDA,
+forking one child per job, so that each child starts with no CUDA state, as a fresh interpreter
+does; where an import initialized CUDA or started a thread, forking would be unsafe and the
+children are started as ``python mixed_programs.py --child JOB`` instead (``--start exec``
+always does that). Capacity searches of several setups run at once on ``--devices`` (one search
+per GPU of the same kind); timing uses the first device only.
+
+This file runs the children and searches; mixed_workloads.py is what runs in a child (the
+programs, the setups, the zygote), mixed_report.py the tables, goals and pictures from the JSON.
+Writes DIR/mixed_programs.json (every round and probe, each setup's memory over time in its
+first round, the environment),
+DIR/mixed_programs.md (the tables, also printed) and DIR/mixed_programs_<program>.png (used
+memory over time, one line per setup; where matplotlib is installed). ``--merge`` writes the
+same from the JSON of one or several runs (say, the timing and the capacity halves of the
+matrix), pictures included, on any machine.
+Exit status 1 where a check differs, PyTorch's segments were not expandable under
+separate-expandable, an emmpool setup failed, or the run stopped early (SIGTERM, an error: what
+ran is written all the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import queue
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import cpus  # noqa: E402
+import mixed_report as report  # noqa: E402
+import mixed_workloads as work  # noqa: E402  (imports no GPU library)
+from mixed_report import NAME, GiB, MiB, ms_per_step, summarize_timing  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# Options
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '0', '1073741824', '512MiB', '1.5GiB', '2GB'; ValueError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{text!r} is not a size (bytes, or a number with KiB, MiB, GiB)")
+    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+    return int(float(m[1]) * units[(m[2] or "b").lower()])
+
+
+def _split(values) -> list:
+    out = []
+    for v in values or []:
+        out += [x for x in v.split(",") if x.strip()]
+    return [x.strip() for x in out]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, help="output directory")
+    p.add_argument("--programs", default="a,b,c",
+                   help="programs, by letter or name, comma-separated [a,b,c]")
+    p.add_argument("--setups", nargs="+", default=None,
+                   help=f"setups (space- or comma-separated) [{' '.join(work.SETUPS)}]")
+    p.add_argument("--scales", default="",
+                   help="timing scale per program, e.g. a=16,c=8 [each program's own]")
+    p.add_argument("--rounds", type=int, default=None, help="timing rounds [3; --quick 1]")
+    p.add_argument("--cycles", type=int, default=None,
+                   help=f"timed cycles of {work.STEPS_PER_CYCLE} steps per child [8; --quick 2]")
+    p.add_argument("--warmup-cycles", type=int, default=1,
+                   help="untimed cycles first in each timing child [1]")
+    p.add_argument("--budget-gib", type=float, default=None,
+                   help="B: GiB of the device left to a capacity probe [8; --quick 2]")
+    p.add_argument("--probes", type=int, default=None,
+                   help="capacity probes per setup at most [5; --quick 3]")
+    p.add_argument("--grow", type=float, default=1.25,
+                   help="capacity search: factor between probes until one fails [1.25]")
+    p.add_argument("--resolution", type=float, default=0.03,
+                   help="capacity search: stop once the bracket is this fraction wide [0.03]")
+    p.add_argument("--skip-capacity", action="store_true", help="no capacity searches")
+    p.add_argument("--capacity-only", action="store_true", help="capacity searches only")
+    p.add_argument("--timing-from", type=Path,
+                   help="an earlier run's JSON whose peaks tell the capacity searches where to "
+                        "start (with --capacity-only)")
+    p.add_argument("--devices", default="0",
+                   help="GPUs by NVML index (PCI bus order), comma-separated: timing on the "
+                        "first, capacity searches spread over all [0]")
+    p.add_argument("--start", choices=("fork", "exec"), default="fork",
+                   help="children forked from a zygote that imported the libraries, or each a "
+                        "fresh interpreter [fork]")
+    p.add_argument("--rmm-initial-pool", default="0",
+                   help="rmm-pool's initial pool size [0: it grows from empty]")
+    p.add_argument("--sample-ms", type=float, default=2.0,
+                   help="NVML sampling period in milliseconds [2]")
+    p.add_argument("--cpus", type=int, default=8,
+                   help="pin to this many CPUs near the GPU (cpus.py); 0: no pinning [8]")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the unreported warm-up children (CuPy's kernel cache on disk, "
+                        "Numba's cache, emmpool's PyTorch extension)")
+    p.add_argument("--time-limit", type=float,
+                   help="seconds the run may take: no round or probe starts that would end "
+                        "past it [EMMPOOL_BENCH_DEADLINE, else none]")
+    p.add_argument("--child-timeout", type=float, default=240.0,
+                   help="seconds a timing child or probe may take [240]")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke test: scale 1, one round, 2 cycles, B = 2 GiB, 3 probes")
+    p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                   help="merge these runs' mixed_programs.json into --out instead of running")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--zygote", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child or args.zygote:
+        return args
+    if args.out is None:
+        p.error("--out DIR is required")
+    try:
+        _complete(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def _complete(args) -> None:
+    """Check the options and fill in what --quick and the defaults say; ValueError saying what
+    is wrong."""
+    if args.merge:
+        return
+    args.programs = list(dict.fromkeys(work.program_named(x) for x in _split([args.programs])))
+    setups = _split(args.setups) if args.setups else list(work.SETUPS)
+    for s in setups:
+        if s not in work.SETUPS:
+            raise ValueError(f"unknown setup {s!r}: one of {', '.join(work.SETUPS)}")
+    args.setups = list(dict.fromkeys(setups))
+    scales = {}
+    for item in _split([args.scales]):
+        name, _, value = item.partition("=")
+        try:
+            scale = int(value)
+        except ValueError:
+            scale = 0
+        if scale < 1:
+            raise ValueError(f"--scales {item!r}: PROGRAM=SCALE, SCALE an integer >= 1")
+        scales[work.program_named(name)] = scale
+    quick = args.quick
+    args.scales = {p: scales.get(p, work.PROGRAMS[p].quick_scale if quick
+                                 else work.PROGRAMS[p].timing_scale) for p in args.programs}
+    args.rounds = args.rounds if args.rounds is not None else (1 if quick else 3)
+    args.cycles = args.cycles if args.cycles is not None else (2 if quick else 8)
+    args.probes = args.probes if args.probes is not None else (3 if quick else 5)
+    budget = args.budget_gib if args.budget_gib is not None else (2.0 if quick else 8.0)
+    args.budget = int(budget * GiB)
+    if args.rounds < 1 or args.cycles < 1 or args.warmup_cycles < 0 or args.probes < 1:
+        raise ValueError("--rounds, --cycles and --probes must be at least 1, "
+                         "--warmup-cycles at least 0")
+    if args.budget <= 0:
+        raise ValueError("--budget-gib must be more than 0")
+    if args.grow <= 1.0:
+        raise ValueError("--grow must be more than 1")
+    if not 0 < args.resolution < 1:
+        raise ValueError("--resolution must be between 0 and 1")
+    if args.skip_capacity and args.capacity_only:
+        raise ValueError("--skip-capacity and --capacity-only exclude each other")
+    if args.sample_ms <= 0:
+        raise ValueError("--sample-ms must be more than 0")
+    args.rmm_initial_pool = parse_size(args.rmm_initial_pool)
+    try:
+        args.devices = [int(d) for d in _split([args.devices])]
+    except ValueError:
+        raise ValueError(f"--devices {args.devices!r}: NVML indices, e.g. 0 or 0,1") from None
+    if not args.devices or min(args.devices) < 0:
+        raise ValueError("--devices: at least one NVML index >= 0")
+
+
+# ---------------------------------------------------------------------------------------------
+# The capacity search (pure: `probe(scale)` runs a child)
+
+
+def search_capacity(probe, start: int, *, grow: float = 1.25, max_probes: int = 6,
+                    resolution: float = 0.03, out_of_time=None) -> dict:
+    """The largest integer scale >= 1 for which probe(scale) says 'ok', assuming that every
+    smaller scale fits where one fits and every larger one fails where one fails ('oom').
+
+    From `start`: up by `grow` until a probe fails (or down by it until one fits), then
+    bisection, until the bracket (largest fit, smallest failure) is at most `resolution` of the
+    fit wide, or one scale, or `max_probes` probes were made. Any outcome but 'ok' and 'oom' (an
+    error) stops the search: it is not a fit, and not known to be a lack of memory either.
+    `out_of_time()`, asked before each probe, stops it too. Returns largest (0: no scale fits),
+    smallest_failing (None: none failed), resolution ((smallest failing - largest) / largest,
+    None where unbracketed), probes [[scale, outcome], ...] and stopped (why it ended early, or
+    None)."""
+    lo, hi = 0, None
+    probes: list = []
+    stopped = None
+    scale = max(1, int(start))
+    while True:
+        if len(probes) >= max_probes:
+            bracketed = hi is not None and lo > 0 and hi - lo <= max(1, resolution * lo)
+            if not bracketed:
+                stopped = f"{max_probes} probes made"
+            break
+        if out_of_time is not None and out_of_time():
+            stopped = "the run's time limit"
+            break
+        outcome = probe(scale)
+        probes.append([scale, outcome])
+        if outcome == "ok":
+            lo = scale
+        elif outcome == "oom":
+            hi = scale
+        else:
+            stopped = f"{outcome} at scale {scale}"
+            break
+        if hi is None:                          # nothing failed yet: grow
+            scale = max(lo + 1, math.ceil(lo * grow))
+        elif lo == 0:                           # nothing fit yet: shrink
+            if hi == 1:
+                break
+            scale = max(1, min(hi - 1, math.floor(hi / grow)))
+        elif hi - lo <= max(1, resolution * lo):
+            break
+        else:
+            scale = (lo + hi) // 2
+    return {"largest": lo, "smallest_failing": hi,
+            "resolution": (hi - lo) / lo if lo and hi is not None else None,
+            "probes": probes, "stopped": stopped}
+
+
+def predict_start(budget: int, timing: dict | None, bytes_per_scale: int) -> int:
+    """Where a capacity search starts: the scale whose memory the timing run's peak, taken as
+    proportional to the scale beyond the CUDA context, puts at 95% of the budget; without a
+    timing run, the program's own guess of bytes per unit of scale."""
+    if timing and timing.get("peak") and timing.get("scale"):
+        used = timing["peak"] - (timing.get("context") or 0)
+        if used > 0:
+            return max(1, math.floor(0.95 * timing["scale"] * budget / used))
+    return max(1, budget // bytes_per_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVML
+
+
+class Gpu:
+    """One GPU seen through NVML (never through CUDA: this process makes no context)."""
+
+    def __init__(self, index: int):
+        try:
+            import pynvml
+        except ImportError:
+            raise SystemExit(f"{NAME} measures memory through NVML: pip install nvidia-ml-py "
+                             "(on a host without network, carry its wheel)") from None
+        self.nvml = pynvml
+        try:
+            pynvml.nvmlInit()
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError as e:
+            raise SystemExit(f"{NAME} needs an NVIDIA GPU and its driver (NVML, GPU {index}): "
+                             f"{e}") from None
+        self.index = index
+        self.name = _text(pynvml.nvmlDeviceGetName(self.handle))
+        self.uuid = _text(pynvml.nvmlDeviceGetUUID(self.handle))
+        self.total = int(pynvml.nvmlDeviceGetMemoryInfo(self.handle).total)
+        self.driver = _text(pynvml.nvmlSystemGetDriverVersion())
+
+    def used(self) -> int:
+        return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+
+    def process_used(self, pid: int) -> int | None:
+        """NVML's used memory of process `pid` on this GPU; None where NVML does not list it
+        (another PID namespace, say) or says nothing."""
+        for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
+            if p.pid == pid:
+                value = p.usedGpuMemory
+                return int(value) if value is not None else None
+        return None
+
+    def settle(self, idle: int, timeout: float = 15.0) -> int:
+        """Wait until the used memory is back near `idle` (an exited child's memory goes back
+        shortly after it exits); return it."""
+        end = time.monotonic() + timeout
+        while True:
+            used = self.used()
+            if used <= idle + 64 * MiB or time.monotonic() > end:
+                return used
+            time.sleep(0.05)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class MemorySampler:
+    """The GPU's used memory, and the child's where NVML tells it, every `period` seconds from
+    a thread, while a child runs."""
+
+    BIN = 0.02    # the timeline keeps the largest sample of every 20 ms
+
+    def __init__(self, gpu: Gpu, period: float):
+        self.gpu, self.period = gpu, period
+        self.baseline = gpu.used()
+        self.pid = None
+        self.per_process = True
+        self.samples: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            process = None
+            if self.pid is not None and self.per_process:
+                try:
+                    process = self.gpu.process_used(self.pid)
+                except Exception:  # noqa: BLE001 - NVML without per-process figures here
+                    self.per_process = False
+            self.samples.append((time.time(), self.gpu.used(), process))
+
+    def stop(self) -> dict:
+        """Stop and summarize: peaks (device: above the baseline; process: NVML's own) and a
+        timeline of the figure used (process where NVML reported the child, else device)."""
+        self._stop.set()
+        self._thread.join()
+        return summarize_samples(self.samples, self.baseline, self.BIN)
+
+
+def summarize_samples(samples: list, baseline: int, bin_s: float = 0.02) -> dict:
+    """Peaks and the binned timeline [[time, device bytes above the baseline, process bytes or
+    None], ...] (each bin's largest) of (time, device used, process used or None) samples. The
+    process figure is the one quoted where NVML reported the child in every child of the table
+    (program_table decides), else the device's."""
+    if not samples:
+        return {"source": None, "peak": None, "samples": 0}
+    device_peak = max(s[1] for s in samples) - baseline
+    reported = [s[2] for s in samples if s[2] is not None]
+    timeline: list = []
+    bin_ms = max(1, round(bin_s * 1000))
+    for t_abs, device, process in samples:
+        t = (round(t_abs * 1000) // bin_ms) * bin_ms / 1000
+        device = max(device - baseline, 0)
+        if timeline and timeline[-1][0] == t:
+            last = timeline[-1]
+            last[1] = max(last[1], device)
+            if process is not None:
+                last[2] = process if last[2] is None else max(last[2], process)
+        else:
+            timeline.append([t, device, process])
+    process_peak = max(reported) if reported else None
+    return {"source": "process" if reported else "device",
+            "peak": process_peak if reported else device_peak,
+            "peak_device": device_peak, "peak_process": process_peak,
+            "baseline": baseline, "samples": len(samples), "timeline": timeline}
+
+
+# ---------------------------------------------------------------------------------------------
+# Children: forked from a zygote, or fresh interpreters
+
+
+class ForkUnsafe(RuntimeError):
+    """The zygote found forking unsafe after its imports (CUDA initialized, threads)."""
+
+
+def _tail(path: Path, lines: int = 12) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _result_or_error(result_path: Path, log: Path, code: int | None, timed_out: bool,
+                     job: dict) -> dict:
+    """The child's result; or, where it wrote none, an error saying how it ended (`code`: its
+    exit code, negative for a signal, as subprocess reports it)."""
+    if result_path.is_file():
+        try:
+            result = json.loads(result_path.read_text())
+        except ValueError:
+            result = None
+        if result is not None:
+            if result.get("outcome") != "ok":
+                result["log_tail"] = _tail(log)
+            return result
+    if timed_out:
+        why = "killed at its time limit"
+    elif code is not None and code < 0:
+        why = f"killed by signal {-code} ({signal.Signals(-code).name})"
+    else:
+        why = f"exited ({code}) without a result"
+    return {"program": job["program"], "setup": job["setup"], "kind": job["kind"],
+            "scale": job["scale"], "outcome": "error", "error": why, "log_tail": _tail(log)}
+
+
+class ExecLauncher:
+    """Each child a fresh interpreter: ``python mixed_programs.py --child JOBFILE``."""
+
+    mode = "exec"
+
+    def __init__(self, device_uuid: str, workdir: Path):
+        self.uuid, self.workdir = device_uuid, workdir
+        self.count = 0
+
+    def run(self, job: dict, timeout: float, on_start=None) -> dict:
+        self.count += 1
+        base = self.workdir / f"exec-{self.uuid[-6:]}-{self.count}"
+        result, log = base.with_suffix(".result.json"), base.with_suffix(".log")
+        spec = base.with_suffix(".job.json")
+        spec.write_text(json.dumps({"job": job, "result": str(result)}))
+        env = dict(os.environ)
+        for key, value in {**work.setup_environment(job["setup"]),
+                           **_device_environment(self.uuid)}.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        with open(log, "w") as out:
+            child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child",
+                                      str(spec)], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+            timed_out = False
+            try:
+                if on_start:
+                    on_start(child.pid)
+                status = child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(child.pid)
+                status = child.wait()
+                timed_out = True
+            except BaseException:   # the run was stopped: the child goes with it
+                _kill_group(child.pid)
+                child.wait()
+                raise
+        return _result_or_error(result, log, status, timed_out, job)
+
+    def close(self) -> None:
+        pass
+
+
+class ForkLauncher:
+    """Children forked from a zygote (``mixed_programs.py --zygote``) that imported the
+    libraries once and never initialized CUDA."""
+
+    mode = "fork"
+
+    def __init__(self, device_uuid: str, workdir: Path, ready_timeout: float = 900.0):
+        self.uuid, self.workdir = device_uuid, workdir
+        self.count = 0
+        self.current = None   # the child running now
+        log = workdir / f"zygote-{device_uuid[-6:]}.log"
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--zygote"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
+            start_new_session=True)
+        self.lines: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        message = self._next(ready_timeout)
+        if message is None or "ready" not in message:
+            self.close()
+            raise ForkUnsafe(f"the zygote did not start: {_tail(log, 5)}")
+        self.info = message["ready"]
+        if self.info.get("fork_unsafe"):
+            self.close()
+            raise ForkUnsafe(self.info["fork_unsafe"])
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.lines.put(json.loads(line))
+            except ValueError:
+                continue   # a library's own output
+        self.lines.put(None)
+
+    def _next(self, timeout: float):
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return {"timeout": True}
+
+    def run(self, job: dict, timeout: float, on_start=None) -> dict:
+        self.count += 1
+        base = self.workdir / f"fork-{self.uuid[-6:]}-{self.count}"
+        result, log = base.with_suffix(".result.json"), base.with_suffix(".log")
+        env = {**work.setup_environment(job["setup"]), **_device_environment(self.uuid)}
+        self.proc.stdin.write(json.dumps({"job": job, "result": str(result), "log": str(log),
+                                          "env": env}) + "\n")
+        self.proc.stdin.flush()
+        started = self._next(60)
+        if not started or "started" not in started:
+            return {**{k: job[k] for k in ("program", "setup", "kind", "scale")},
+                    "outcome": "error", "error": f"the zygote did not fork: {started}"}
+        pid = self.current = started["started"]
+        if on_start:
+            on_start(pid)
+        exited = self._next(timeout)
+        timed_out = bool(exited and exited.get("timeout"))
+        if timed_out:
+            _kill_group(pid)
+            exited = self._next(60)
+        self.current = None
+        if exited is None:
+            return {**{k: job[k] for k in ("program", "setup", "kind", "scale")},
+                    "outcome": "error", "error": "the zygote died", "log_tail": _tail(log)}
+        status = exited.get("status")
+        code = os.waitstatus_to_exitcode(status) if status is not None else None
+        return _result_or_error(result, log, code, timed_out, job)
+
+    def close(self) -> None:
+        """End the zygote, and a child still running (the run was stopped)."""
+        if self.current is not None:
+            _kill_group(self.current)
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._reader.join(10)
+        self.proc.stdout.close()
+        self._log.close()
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _device_environment(uuid: str) -> dict:
+    """The child sees the GPU it is given as device 0."""
+    return {"CUDA_VISIBLE_DEVICES": uuid, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def make_launcher(mode: str, uuid: str, workdir: Path, notes: list):
+    if mode == "fork":
+        try:
+            return ForkLauncher(uuid, workdir)
+        except ForkUnsafe as e:
+            notes.append(f"children started as fresh interpreters: forking was unsafe ({e})")
+    return ExecLauncher(uuid, workdir)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+class Stopped(BaseException):
+    """SIGTERM (a time limit from outside): the run writes what it has."""
+
+
+def _stop(signum, frame):
+    raise Stopped(f"signal {signal.Signals(signum).name}")
+
+
+class Deadline:
+    def __init__(self, limit: float | None):
+        env = os.environ.get("EMMPOOL_BENCH_DEADLINE")
+        self.at = (time.time() + limit if limit is not None
+                   else float(env) if env else None)
+
+    def allows(self, seconds: float) -> bool:
+        """Whether work of about `seconds` would end before the deadline."""
+        return self.at is None or time.time() + seconds < self.at
+
+
+def job_of(args, program: str, setup: str, kind: str, scale: int) -> dict:
+    job = {"program": program, "setup": setup, "kind": kind, "scale": scale,
+           "rmm_initial_pool": args.rmm_initial_pool, "warmup_cycles": 0, "cycles": 1}
+    if kind == "timing":
+        job.update(warmup_cycles=args.warmup_cycles, cycles=args.cycles)
+    elif kind == "probe":
+        job["budget"] = args.budget
+    return job
+
+
+def _say(text: str) -> None:
+    print(f"[{NAME}] {text}", flush=True)
+
+
+
+
+def run_timed(launcher, gpu: Gpu, idle: int, job: dict, args) -> dict:
+    """One child, with its memory sampled."""
+    gpu.settle(idle)
+    sampler = MemorySampler(gpu, args.sample_ms / 1e3)
+
+    def started(pid):
+        sampler.pid = pid
+
+    t = time.perf_counter()
+    try:
+        result = launcher.run(job, args.child_timeout, started)
+    finally:
+        memory = sampler.stop()
+    result["wall_s"] = time.perf_counter() - t
+    context = result.get("context")
+    if context:   # the bytes the context took: device memory used once it existed, before it
+        memory["context"] = max(0, context["total"] - context["free"] - memory.get("baseline", 0))
+    result["memory"] = memory
+    return result
+
+
+def plan_pairs(args, importable) -> tuple[list, dict]:
+    """The (program, setup) pairs to run, and why each other one is not run."""
+    pairs, not_run = [], {}
+    for program in args.programs:
+        for setup in args.setups:
+            why = work.not_run_reason(program, setup, importable)
+            if why:
+                not_run[(program, setup)] = why
+            else:
+                pairs.append((program, setup))
+    return pairs, not_run
+
+
+def round_order(pairs: list, r: int) -> list:
+    """Round r's order: every program's setups, each program's list rotated by r, so that no
+    setup always runs first (the first child after a pause, or after another program, may run
+    on a cooler or a busier host)."""
+    by_program: dict = {}
+    for program, setup in pairs:
+        by_program.setdefault(program, []).append(setup)
+    order = []
+    for program, setups in by_program.items():
+        k = r % len(setups)
+        order += [(program, s) for s in setups[k:] + setups[:k]]
+    return order
+
+
+def timing_phase(args, pairs, launcher, gpu, idle, deadline, results) -> int:
+    """Interleaved rounds; returns the rounds run."""
+    rounds_run = 0
+    last = None
+    for r in range(args.rounds):
+        if r and last is not None and not deadline.allows(last * 1.1):
+            _say(f"timing: stopped after {r} of {args.rounds} rounds (time limit)")
+            break
+        t = time.perf_counter()
+        for program, setup in round_order(pairs, r):
+            job = job_of(args, program, setup, "timing", args.scales[program])
+            result = run_timed(launcher, gpu, idle, job, args)
+            result["round"] = r
+            entry = results.setdefault(program, {}).setdefault(setup, {})
+            entry.setdefault("timing", {"scale": args.scales[program], "rounds": []})
+            entry["timing"]["rounds"].append(result)
+            ms = ms_per_step(result)
+            peak = result["memory"].get("peak")
+            _say(f"round {r + 1}/{args.rounds} {program} {setup}: {_outcome(result)}"
+                 + (f", {ms:.2f} ms/step" if ms else "")
+                 + (f", peak {peak / GiB:.2f} GiB" if peak is not None else "")
+                 + f" ({result['wall_s']:.1f} s)")
+        last = time.perf_counter() - t
+        rounds_run += 1
+    return rounds_run
+
+
+def _outcome(result: dict) -> str:
+    if result.get("outcome") == "ok":
+        return "ok"
+    return f"{result.get('outcome')}: {result.get('error', '')}"[:200]
+
+
+def search_pair(args, launcher, program: str, setup: str, start: int, deadline,
+                durations: list, settle=None) -> dict:
+    """The capacity search of one (program, setup), each probe a child, started once the GPU's
+    memory is back to idle (`settle()`): memory the last child gave back after the filler was
+    made would be more than B."""
+    runs = []
+
+    def probe(scale):
+        job = job_of(args, program, setup, "probe", scale)
+        if settle is not None:
+            settle()
+        t = time.perf_counter()
+        result = launcher.run(job, args.child_timeout)
+        result["wall_s"] = time.perf_counter() - t
+        durations.append(result["wall_s"])
+        runs.append(result)
+        _say(f"capacity {program} {setup} scale {scale}: {_outcome(result)} "
+             f"({result['wall_s']:.1f} s)")
+        return result["outcome"]
+
+    found = search_capacity(
+        probe, start, grow=args.grow, max_probes=args.probes, resolution=args.resolution,
+        out_of_time=lambda: not deadline.allows(1.2 * max(durations[-3:])))
+    found.update(budget=args.budget, start=start, runs=[_slim_probe(r) for r in runs])
+    left = [r["filler"]["free_after"] for r in runs if r.get("filler")]
+    if left:
+        found["free_after_filler"] = [min(left), max(left)]
+    return found
+
+
+def capacity_phase(args, pairs, launchers: list, gpus: list, deadline, results,
+                   starts: dict) -> None:
+    """One search per (program, setup); several at once, one per device."""
+    tasks: queue.Queue = queue.Queue()
+    for pair in pairs:
+        tasks.put(pair)
+    lock = threading.Lock()
+
+    def worker(launcher, gpu):
+        durations = [30.0]   # a guess of a probe's time until one has run
+        idle = gpu.used()
+        while True:
+            try:
+                program, setup = tasks.get_nowait()
+            except queue.Empty:
+                return
+            found = search_pair(args, launcher, program, setup, starts[(program, setup)],
+                                deadline, durations, lambda: gpu.settle(idle))
+            with lock:
+                results.setdefault(program, {}).setdefault(setup, {})["capacity"] = found
+
+    threads = [threading.Thread(target=worker, args=pair)
+               for pair in zip(launchers, gpus, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _slim_probe(result: dict) -> dict:
+    keep = ("scale", "outcome", "error", "wall_s", "filler", "context", "checks", "serves",
+            "log_tail", "allocator")
+    return {k: result[k] for k in keep if k in result}
+
+
+def warmup_phase(args, pairs, launcher) -> list:
+    """Unreported children at the quick scale: CuPy compiles its kernels into its cache on
+    disk, Numba its kernels into its cache, emmpool's PyTorch extension is built, once, before
+    anything is timed (a fresh host's first runs spend most of their time there). One child per
+    program for its separate setup and one for emmpool suffice: the kernels are the same for
+    every setup."""
+    out = []
+    seen = set()
+    for program, setup in pairs:
+        if setup not in ("separate", "emmpool") or (program, setup) in seen:
+            continue
+        seen.add((program, setup))
+        job = job_of(args, program, setup, "warmup", work.PROGRAMS[program].quick_scale)
+        t = time.perf_counter()
+        result = launcher.run(job, max(args.child_timeout, 600.0))
+        wall = time.perf_counter() - t
+        _say(f"warm-up {program} {setup}: {_outcome(result)} ({wall:.1f} s)")
+        out.append({"program": program, "setup": setup, "outcome": result.get("outcome"),
+                    "error": result.get("error"), "wall_s": wall})
+    return out
+
+
+def capacity_starts(args, pairs, results, earlier: dict | None) -> dict:
+    starts = {}
+    for program, setup in pairs:
+        summary = None
+        for source in (results, earlier or {}):
+            timing = source.get(program, {}).get(setup, {}).get("timing")
+            if timing:
+                summary = summarize_timing(timing)
+                break
+        if summary and summary.get("peak") is not None:
+            summary = {"peak": summary["peak"], "context": summary.get("context"),
+                       "scale": summary["scale"]}
+        starts[(program, setup)] = predict_start(args.budget, summary,
+                                                 work.PROGRAMS[program].bytes_per_scale)
+    return starts
+
+
+def child_costs(results: dict) -> dict:
+    """What a child costs, to plan runs: how many ran, and the median seconds of a timing
+    child from its start to its setup in place (its CUDA context, PyTorch's and the others'
+    start), to its timed cycles (the warm-up cycle), and in all; and of a probe in all."""
+    timing = [r for p in results.values() for e in p.values()
+              for r in e.get("timing", {}).get("rounds", [])]
+    probes = [r for p in results.values() for e in p.values()
+              for r in (e.get("capacity") or {}).get("runs", [])]
+
+    def median(values):
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values), 2) if values else None
+
+    def since_start(r, mark):
+        marks = r.get("marks", {})
+        return marks[mark] - marks["start"] if mark in marks and "start" in marks else None
+
+    return {"timing": len(timing), "probes": len(probes),
+            "timing_to_installed_s": median(since_start(r, "installed") for r in timing),
+            "timing_to_timed_s": median(since_start(r, "timed") for r in timing),
+            "timing_wall_s": median(r.get("wall_s") for r in timing),
+            "probe_wall_s": median(r.get("wall_s") for r in probes)}
+
+
+def _keep_first_timeline(rounds: list) -> None:
+    """The picture shows each setup's first round that ran: the other rounds keep their peaks,
+    not their samples (the JSON stays small)."""
+    kept = False
+    for r in rounds:
+        memory = r.get("memory") or {}
+        if "timeline" in memory:
+            if kept or r.get("outcome") != "ok":
+                del memory["timeline"]
+            else:
+                kept = True
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    names = ["emmpool", "cupy-cuda13x", "cupy-cuda12x", "cupy", "torch", "numba-cuda", "numba",
+             "rmm-cu13", "rmm-cu12", "cuda-bindings", "numpy", "nvidia-ml-py", "matplotlib"]
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def run(args) -> dict:
+    """Every phase; the run's document (what the JSON holds)."""
+    import importlib.util
+
+    t_run = time.perf_counter()
+    deadline = Deadline(args.time_limit)
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    gpus = [Gpu(d) for d in args.devices]
+    kinds = {g.name for g in gpus}
+    if len(kinds) > 1:
+        raise SystemExit(f"--devices: GPUs of different kinds ({', '.join(sorted(kinds))}): "
+                         "capacity searches must run on one kind")
+    gpu = gpus[0]
+    pinned = cpus.pin_near_gpu(args.cpus, gpu.index) if len(gpus) == 1 else []
+    idle = gpu.used()
+
+    def importable(module):
+        return importlib.util.find_spec(module.split(".")[0]) is not None
+
+    pairs, not_run = plan_pairs(args, importable)
+    notes: list = []
+    run_id = datetime.datetime.now(datetime.timezone.utc).strftime("run %Y%m%dT%H%M%SZ")
+    results: dict = {}
+    for (program, setup), why in not_run.items():
+        results.setdefault(program, {}).setdefault(setup, {})["not_run"] = why
+    workdir = Path(tempfile.mkdtemp(prefix="mixed-programs-"))
+    _say(f"{gpu.name}; {len(pairs)} (program, setup) pairs, {len(not_run)} not run; children "
+         f"in {workdir}")
+    launcher = make_launcher(args.start, gpu.uuid, workdir, notes)
+    others: list = []
+    warmup = []
+    rounds_run = 0
+    try:
+        zygote = getattr(launcher, "info", None)
+        if zygote:
+            _say(f"zygote: imports {zygote['import_s']:.1f} s; not importable there: "
+                 f"{', '.join(zygote['missing']) or 'none'}")
+        if args.warmup:
+            warmup = warmup_phase(args, pairs, launcher)
+        if not args.capacity_only:
+            rounds_run = timing_phase(args, pairs, launcher, gpu, idle, deadline, results)
+        if not args.skip_capacity:
+            earlier = None
+            if args.timing_from:
+                earlier = json.loads(args.timing_from.read_text()).get("results", {})
+            starts = capacity_starts(args, pairs, results, earlier)
+            others = [make_launcher(launcher.mode, g.uuid, workdir, notes) for g in gpus[1:]]
+            capacity_phase(args, pairs, [launcher, *others], gpus, deadline, results, starts)
+    except (Exception, Stopped) as e:   # what ran is kept, and said to be partial
+        notes.append(f"the run stopped early: {type(e).__name__}: {e}")
+        _say(f"stopped early: {type(e).__name__}: {e}")
+    finally:
+        for each in (launcher, *others):
+            each.close()
+    for program in results.values():
+        for entry in program.values():
+            for kind in ("timing", "capacity"):
+                if kind in entry:
+                    entry[kind]["run"] = run_id
+            _keep_first_timeline(entry.get("timing", {}).get("rounds", []))
+    sources = {r["memory"].get("source") for p in results.values() for e in p.values()
+               for r in e.get("timing", {}).get("rounds", []) if r.get("memory")}
+    children = child_costs(results)
+    run_info = {
+        "gpu": gpu.name, "gpu_total": gpu.total, "driver": gpu.driver,
+        "devices": [g.index for g in gpus], "host": platform.node(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "versions": versions(),
+        "start": launcher.mode, "zygote": getattr(launcher, "info", None), "cpus": pinned,
+        "budget": args.budget, "rounds": rounds_run, "rounds_asked": args.rounds,
+        "cycles": args.cycles, "warmup_cycles": args.warmup_cycles,
+        "steps_per_cycle": work.STEPS_PER_CYCLE, "factors": list(work.FACTORS),
+        "scales": args.scales, "sample_ms": args.sample_ms,
+        "rmm_initial_pool": args.rmm_initial_pool, "memory_sources": sorted(s for s in sources
+                                                                             if s),
+        "phases": [p for p, on in (("timing", not args.capacity_only),
+                                   ("capacity", not args.skip_capacity)) if on],
+        "notes": notes, "wall_s": time.perf_counter() - t_run, "children": children,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                 if k not in ("child", "zygote", "merge")},
+    }
+    return {"benchmark": NAME, "gpu": gpu.name, "runs": {run_id: run_info},
+            "results": results, "warmup": warmup}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return work.child_main(args.child)
+    if args.zygote:
+        return work.zygote_main()
+    t = time.perf_counter()
+    if args.merge:
+        try:
+            doc = report.merge_docs([json.loads(p.read_text()) for p in args.merge])
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--merge: {e}") from None
+    else:
+        signal.signal(signal.SIGTERM, _stop)
+        doc = run(args)
+    text = report.write_outputs(doc, args.out)
+    print(text)
+    bad = report.failed(doc)
+    for line in bad:
+        _say(f"FAILED: {line}")
+    files = sorted(p.name for p in args.out.iterdir() if p.name.startswith(NAME))
+    _say(f"wrote {', '.join(files)} to {args.out} in {time.perf_counter() - t:.0f} s"
+         + (f"; {len(bad)} failure(s)" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
