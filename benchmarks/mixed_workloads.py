@@ -572,11 +572,9 @@ def install(setup: str, env, rmm_initial_pool: int) -> dict:
         if "cupy" in libs:
             emmpool.use_for_cupy()
         if "torch" in libs:
-            serves["torch"] = f"emmpool ({emmpool.use_for_torch()})"
+            serves["torch"] = f"emmpool ({emmpool.use_for_torch().how})"
         if "rmm" in libs:
-            import rmm.mr
-
-            rmm.mr.set_current_device_resource(emmpool.rmm_resource())
+            emmpool.use_for_rmm()
         for lib in libs:
             serves.setdefault(lib, "emmpool")
     else:
