@@ -689,6 +689,11 @@ def run_timed(launcher, gpu: Gpu, idle: int, job: dict, args) -> dict:
     return result
 
 
+def importable(module: str) -> bool:
+    """Whether `module` can be imported here (without importing it)."""
+    return importlib.util.find_spec(module.split(".")[0]) is not None
+
+
 def plan_pairs(args, importable) -> tuple[list, dict]:
     """The (program, setup) pairs to run, and why each other one is not run."""
     pairs, not_run = [], {}
@@ -919,9 +924,6 @@ def run(args) -> dict:
     gpu = gpus[0]
     pinned = cpus.pin_near_gpu(args.cpus, gpu.index) if len(gpus) == 1 else []
     idle = gpu.used()
-
-    def importable(module):
-        return importlib.util.find_spec(module.split(".")[0]) is not None
 
     pairs, not_run = plan_pairs(args, importable)
     notes: list = []

@@ -796,6 +796,7 @@ def fake_mixed_children(mixed, monkeypatch, fits, failing=()):
     monkeypatch.setattr(mixed, "make_launcher", lambda mode, uuid, workdir, notes:
                         Launcher(uuid))
     monkeypatch.setattr(mixed.cpus, "pin_near_gpu", lambda n, device=0: [])
+    monkeypatch.setattr(mixed, "importable", lambda module: True)  # as on a GPU host
     monkeypatch.delenv("EMMPOOL_BENCH_DEADLINE", raising=False)
     return calls
 
