@@ -1,14 +1,16 @@
-"""Page maps and unmaps per step of a PyTorch-like training loop over the host driver (no GPU):
-emmpool's growable segments with and without the hysteresis, fixed segments for reference.
+"""Page maps, unmaps and creations per step of a PyTorch-like training loop over the host driver
+(no GPU), or over the CUDA driver with --cuda: emmpool's growable segments under several limits
+on the free pages they keep (growable_free_limit: 0 moves every free page a request needs, the
+default keeps some, a large one keeps all), fixed segments for reference.
 
 The loop: parameters and optimizer state held throughout; per step a batch shape drawn anew
 (sequence length and batch size change every step, as in torch_training.py), activations
 allocated layer by layer (forward, with a temporary per layer), then per layer in reverse a
 gradient allocated and the activation freed (backward), then the optimizer's temporaries. The
-GPU keeps up (every fence completes at once). On an H100, every page map/unmap is a
-cuMemCreate+cuMemMap+cuMemSetAccess / cuMemUnmap+cuMemRelease: in torch_training.py's loop on
-an H100, 32 maps and 18.5 unmaps per step made the growable pool 13.9 ms/step against 13.0 with
-fixed segments (benchmarks/results/H100/torch_training.md).
+GPU keeps up (every fence completes at once). A new page costs a cuMemCreate + cuMemMap +
+cuMemSetAccess and its return a cuMemUnmap + cuMemRelease; a page moved under another block
+costs a cuMemUnmap + cuMemMap + cuMemSetAccess. Over the CUDA driver the milliseconds per step
+say what each costs there.
 
     python benchmarks/growable_steps.py [--steps 200] [--seed 1] [--out FILE.json|DIR] [--cuda]
 
@@ -29,23 +31,26 @@ import time
 from emmpool import _core
 
 MiB = 1 << 20
+DEFAULT_LIMIT = _core.DevicePool(_core.HostDriver(devices=1), 0).options["growable_free_limit"]
+# growable_free_limit values compared: every free page moved; the default; all of them kept
+LIMITS = [0, None, 1 << 40]
 
 
-def run(segments: str, hysteresis: bool, steps: int, seed: int, warm: int = 10,
+def run(segments: str, free_limit: int | None, steps: int, seed: int, warm: int = 10,
         cuda: bool = False) -> dict:
     drv = None if cuda else _core.HostDriver(devices=1, capacity=1 << 40)
-    pool = _core.DevicePool(drv, 0, segments=segments, growable_hysteresis=hysteresis)
+    pool = _core.DevicePool(drv, 0, segments=segments, growable_free_limit=free_limit)
     complete = (lambda: None) if cuda else drv.complete_all_events
     rng = random.Random(seed)
     layers = 24
     width = [rng.choice([1, 2, 3, 4, 6, 8]) for _ in range(layers)]  # MiB per unit of shape
     params = [pool.allocate(w * 2 * MiB) for w in width]
     state = [pool.allocate(w * 4 * MiB) for w in width]  # Adam's two moments
-    maps0 = unmaps0 = 0
+    maps0 = unmaps0 = creates0 = 0
     for step in range(warm + steps):
         if step == warm:
             s = pool.stats()
-            maps0, unmaps0 = s["page_maps"], s["page_unmaps"]
+            maps0, unmaps0, creates0 = s["page_maps"], s["page_unmaps"], s["page_creates"]
             pool.reset_peaks()
             t0 = time.perf_counter()
         shape = rng.randint(4, 16) * rng.choice([1, 2])  # sequence length x batch, in units
@@ -80,10 +85,12 @@ def run(segments: str, hysteresis: bool, steps: int, seed: int, warm: int = 10,
     return {
         "driver": "cuda" if cuda else "host",
         "segments": segments,
-        "hysteresis": hysteresis if segments == "growable" else None,
+        "free_limit_mib": (pool.options["growable_free_limit"] / MiB
+                           if segments == "growable" else None),
         "steps": steps,
         "page_maps_per_step": (s["page_maps"] - maps0) / steps,
         "page_unmaps_per_step": (s["page_unmaps"] - unmaps0) / steps,
+        "page_creates_per_step": (s["page_creates"] - creates0) / steps,
         "peak_in_use_mib": s["peak_bytes_in_use"] / MiB,
         "peak_reserved_mib": s["peak_bytes_reserved"] / MiB,
         "reserved_over_live": s["peak_bytes_reserved"] / s["peak_bytes_in_use"],
@@ -105,22 +112,22 @@ def main() -> None:
             a.cuda = bool(_core.DevicePool(None, 0, segments="growable").growable)
         except Exception:  # no GPU, no driver: the host driver
             a.cuda = False
-    rows = [
-        run("fixed", True, a.steps, a.seed, cuda=a.cuda),
-        run("growable", False, a.steps, a.seed, cuda=a.cuda),
-        run("growable", True, a.steps, a.seed, cuda=a.cuda),
-    ]
+    rows = [run("fixed", None, a.steps, a.seed, cuda=a.cuda)]
+    rows += [run("growable", limit, a.steps, a.seed, cuda=a.cuda) for limit in LIMITS]
     where = "the CUDA driver" if a.cuda else "the host driver"
     lines = [f"PyTorch-like training loop over {where}: {a.steps} steps, seed {a.seed}", "",
-             "| segments | hysteresis | page maps / step | page unmaps / step | peak in use (MiB) "
-             "| peak reserved (MiB) | reserved / in use | ms / step |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| segments | free pages kept (MiB) | page maps / step | page unmaps / step "
+             "| pages made / step | peak in use (MiB) | peak reserved (MiB) | reserved / in use "
+             "| ms / step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        hy = "-" if r["hysteresis"] is None else ("on" if r["hysteresis"] else "off")
-        lines.append(f"| {r['segments']} | {hy} | {r['page_maps_per_step']:.1f} | "
-                     f"{r['page_unmaps_per_step']:.1f} | {r['peak_in_use_mib']:.0f} | "
-                     f"{r['peak_reserved_mib']:.0f} | {r['reserved_over_live']:.3f} | "
-                     f"{r['ms_per_step']:.2f} |")
+        limit = "-" if r["free_limit_mib"] is None else f"{r['free_limit_mib']:.0f}"
+        if r["segments"] == "growable" and r["free_limit_mib"] == DEFAULT_LIMIT / MiB:
+            limit += " (default)"
+        lines.append(f"| {r['segments']} | {limit} | {r['page_maps_per_step']:.1f} | "
+                     f"{r['page_unmaps_per_step']:.1f} | {r['page_creates_per_step']:.1f} | "
+                     f"{r['peak_in_use_mib']:.0f} | {r['peak_reserved_mib']:.0f} | "
+                     f"{r['reserved_over_live']:.3f} | {r['ms_per_step']:.2f} |")
     print("\n".join(lines))
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)

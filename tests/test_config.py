@@ -234,7 +234,7 @@ UnknownVariableWarning = _config.UnknownVariableWarning
      ("EMMPOOL_MDOE", "did you mean EMMPOOL_MODE?"),
      ("EMMPOOL_mode", "did you mean EMMPOOL_MODE?"),
      ("EMMPOOL_TORCH_ALLOCATER", "did you mean EMMPOOL_TORCH_ALLOCATOR?"),
-     ("EMMPOOL_COLOUR", "emmpool reads EMMPOOL_INITIAL_POOL_SIZE, EMMPOOL_LOG, ")],
+     ("EMMPOOL_COLOUR", "emmpool reads EMMPOOL_GROWABLE_FREE_LIMIT, EMMPOOL_INITIAL_POOL_SIZE, ")],
 )
 def test_an_unknown_variable_is_warned_of_once_naming_the_nearest(monkeypatch, variable, nearest):
     monkeypatch.setenv(variable, "1GiB")

@@ -91,18 +91,19 @@ def test_replay_on_the_cuda_driver_is_at_most_1_10():
     assert r["ratio"] <= 1.10, r
 
 
-def test_hysteresis_maps_fewer_pages_per_step_on_the_cuda_driver():
-    """benchmarks/growable_steps.py over the CUDA driver: at a new peak only the free pages that
-    keep reserved at the peak are unmapped; far fewer cuMemMap/cuMemUnmap per step, and no
-    slower per step (each map is cuMemCreate + cuMemMap + cuMemSetAccess)."""
+def test_pages_move_rather_than_come_and_go_on_the_cuda_driver():
+    """benchmarks/growable_steps.py over the CUDA driver: free pages move under the requests
+    that lack pages (cuMemUnmap + cuMemMap, no cuMemCreate or cuMemRelease), and the pool's
+    books agree with the driver's calls. Times are the benchmark's to compare, not this test's."""
     growable_pool()  # skips without VMM
     bench = benchmark_module("growable_steps")
-    off = bench.run("growable", False, steps=40, seed=1, cuda=True)
-    on = bench.run("growable", True, steps=40, seed=1, cuda=True)
-    print("growable_steps on the CUDA driver:", off, on)
-    assert on["growable"] and off["growable"]
-    assert on["page_maps_per_step"] * 2 <= off["page_maps_per_step"], (on, off)
-    assert on["ms_per_step"] <= off["ms_per_step"] * 1.10, (on, off)
+    moved = bench.run("growable", 0, steps=40, seed=1, cuda=True)
+    kept = bench.run("growable", 1 << 40, steps=40, seed=1, cuda=True)
+    print("growable_steps on the CUDA driver:", moved, kept)
+    assert moved["growable"] and kept["growable"]
+    assert moved["page_creates_per_step"] * 4 <= moved["page_maps_per_step"], moved
+    assert kept["page_unmaps_per_step"] == 0, kept
+    assert moved["peak_reserved_mib"] < kept["peak_reserved_mib"], (moved, kept)
 
 
 @pytest.mark.parametrize("scenario", ["IPC_PRODUCER", "IPC_SAME_SEGMENT_OPEN_TOGETHER",

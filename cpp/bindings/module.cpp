@@ -57,6 +57,8 @@ py::dict stats_dict(pool_stats const& s)
   d["out_of_memory"]       = s.out_of_memory;
   d["page_maps"]           = s.page_maps;
   d["page_unmaps"]         = s.page_unmaps;
+  d["page_creates"]        = s.page_creates;
+  d["page_releases"]       = s.page_releases;
   py::dict by_tag;
   for (std::size_t i = 0; i < alloc_tag_count; ++i) {
     py::dict t;
@@ -118,7 +120,7 @@ py::dict options_dict(pool_options const& o)
   d["small_segment"]    = o.small_segment;
   d["large_segment"]    = o.large_segment;
   d["segments"]         = o.segments == segment_kind::growable ? "growable" : "fixed";
-  d["growable_hysteresis"] = o.growable_hysteresis;
+  d["growable_free_limit"] = o.growable_free_limit;
   return d;
 }
 
@@ -291,6 +293,12 @@ PYBIND11_MODULE(_core, m)
       out["unmaps"]            = c.unmaps;
       out["bytes_mapped"]      = c.bytes_mapped;
       out["live_mappings"]     = c.live_mappings;
+      out["creates"]           = c.creates;
+      out["releases"]          = c.releases;
+      out["exports"]           = c.exports;
+      out["imports"]           = c.imports;
+      out["bytes_physical"]    = c.bytes_physical;
+      out["live_handles"]      = c.live_handles;
       out["live_reservations"] = c.live_reservations;
       return out;
     });
@@ -300,13 +308,14 @@ PYBIND11_MODULE(_core, m)
                      std::size_t initial_size, std::size_t maximum_size, double maximum_fraction,
                      std::size_t small_request, std::size_t small_segment,
                      std::size_t large_segment, std::string const& segments,
-                     std::optional<std::size_t> growable_room, bool growable_hysteresis) {
+                     std::optional<std::size_t> growable_room,
+                     std::optional<std::size_t> growable_free_limit) {
            driver& d = drv != nullptr ? static_cast<driver&>(*drv) : cuda_driver();
            auto o    = make_options(mode, initial_size, maximum_size, maximum_fraction,
                                     small_request, small_segment, large_segment);
            o.segments = parse_segments(segments);
            if (growable_room) { o.growable_room = *growable_room; }
-           o.growable_hysteresis = growable_hysteresis;
+           if (growable_free_limit) { o.growable_free_limit = *growable_free_limit; }
            return new device_pool{d, device, o};
          }),
          py::arg("driver"), py::arg("device") = 0, py::kw_only(), py::arg("mode") = "pool",
@@ -315,7 +324,7 @@ PYBIND11_MODULE(_core, m)
          py::arg("small_segment") = pool_options{}.small_segment,
          py::arg("large_segment") = pool_options{}.large_segment, py::arg("segments") = "fixed",
          py::arg("growable_room") = py::none(),
-         py::arg("growable_hysteresis") = pool_options{}.growable_hysteresis, py::keep_alive<1, 2>())
+         py::arg("growable_free_limit") = py::none(), py::keep_alive<1, 2>())
     // Every call that takes a pool's mutex lets go of the GIL first: a thread holding that
     // mutex may be waiting for GPU work queued behind a host callback that needs the GIL. The
     // hot pair first tries without letting go (pool_calls.hpp).
@@ -485,18 +494,21 @@ PYBIND11_MODULE(_core, m)
   m.def(
     "configure",
     [](std::string const& mode, std::size_t initial_size, std::size_t maximum_size,
-       double maximum_fraction, std::size_t pinned_limit, std::string const& segments) {
+       double maximum_fraction, std::size_t pinned_limit, std::string const& segments,
+       std::optional<std::size_t> growable_free_limit) {
       pool_options o = pool_registry::instance().options();
       o.mode             = parse_mode(mode);
       o.segments         = parse_segments(segments);
       o.initial_size     = initial_size;
       o.maximum_size     = maximum_size;
       o.maximum_fraction = maximum_fraction;
+      o.growable_free_limit =
+        growable_free_limit.value_or(pool_options{}.growable_free_limit);
       pool_registry::instance().configure(o, pinned_limit);
     },
     py::kw_only(), py::arg("mode") = "pool", py::arg("initial_size") = 0,
     py::arg("maximum_size") = 0, py::arg("maximum_fraction") = 0.0, py::arg("pinned_limit") = 0,
-    py::arg("segments") = "fixed",
+    py::arg("segments") = "fixed", py::arg("growable_free_limit") = py::none(),
     "Set the options of the process-wide pools; only before the first one exists.");
   m.def(
     "set_tracing",

@@ -248,25 +248,53 @@ class cuda_driver_impl final : public driver {
           EMMPOOL_WHERE);
   }
 
-  [[nodiscard]] physical_handle map_physical(int device, device_ptr at, std::size_t bytes) override
+  [[nodiscard]] physical_handle create_physical(int device, std::size_t bytes) override
   {
     scoped_context ctx{*this, device};
     require_vmm("cuMemCreate");
     CUdevice dev{};
     check(api_.cuDeviceGet(&dev, device), "cuDeviceGet", EMMPOOL_WHERE);
-    auto const prop = allocation_prop(dev);
+    // Exportable as a file descriptor (IPC of growable blocks), unless this device or driver
+    // refused that once: then plain pages, which serve everything but IPC.
+    auto const bit = std::uint64_t{1} << (static_cast<unsigned>(device) % 64);
     CUmemGenericAllocationHandle h{};
-    auto const r = vmm_.cuMemCreate(&h, bytes, &prop, 0);
+    auto r = CUDA_ERROR_NOT_SUPPORTED;
+    if ((not_shareable_.load(std::memory_order_relaxed) & bit) == 0) {
+      auto prop                 = allocation_prop(dev);
+      prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+      r = vmm_.cuMemCreate(&h, bytes, &prop, 0);
+      if (r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_INVALID_VALUE) {
+        not_shareable_.fetch_or(bit, std::memory_order_relaxed);
+      }
+    }
+    if ((not_shareable_.load(std::memory_order_relaxed) & bit) != 0) {
+      auto const prop = allocation_prop(dev);
+      r = vmm_.cuMemCreate(&h, bytes, &prop, 0);
+    }
     if (r == CUDA_ERROR_OUT_OF_MEMORY) {
       throw out_of_memory{"cuMemCreate of " + std::to_string(bytes) + " bytes: out of memory"};
     }
     check(r, "cuMemCreate", EMMPOOL_WHERE);
+    return static_cast<physical_handle>(h);
+  }
+
+  void release_physical(int device, physical_handle h) override
+  {
+    scoped_context ctx{*this, device};
+    require_vmm("cuMemRelease");
+    check(vmm_.cuMemRelease(static_cast<CUmemGenericAllocationHandle>(h)), "cuMemRelease",
+          EMMPOOL_WHERE);
+  }
+
+  void map_physical(int device, device_ptr at, std::size_t bytes, physical_handle h) override
+  {
+    scoped_context ctx{*this, device};
+    require_vmm("cuMemMap");
+    CUdevice dev{};
+    check(api_.cuDeviceGet(&dev, device), "cuDeviceGet", EMMPOOL_WHERE);
     auto const p = static_cast<CUdeviceptr>(at);
-    auto const m = vmm_.cuMemMap(p, bytes, 0, h, 0);
-    if (m != CUDA_SUCCESS) {
-      vmm_.cuMemRelease(h);
-      check(m, "cuMemMap", EMMPOOL_WHERE);
-    }
+    check(vmm_.cuMemMap(p, bytes, 0, static_cast<CUmemGenericAllocationHandle>(h), 0), "cuMemMap",
+          EMMPOOL_WHERE);
     // Read/write for the device and for every device that can access it as a peer, as a
     // cuMemAlloc segment is once peer access is enabled (VMM mappings need no enabling).
     auto const& readers = accessors(dev);
@@ -279,19 +307,41 @@ class cuda_driver_impl final : public driver {
     auto const a = vmm_.cuMemSetAccess(p, bytes, access.data(), access.size());
     if (a != CUDA_SUCCESS) {
       vmm_.cuMemUnmap(p, bytes);
-      vmm_.cuMemRelease(h);
       check(a, "cuMemSetAccess", EMMPOOL_WHERE);
     }
-    return static_cast<physical_handle>(h);
   }
 
-  void unmap_physical(int device, device_ptr at, std::size_t bytes, physical_handle h) override
+  void unmap_physical(int device, device_ptr at, std::size_t bytes) override
   {
     scoped_context ctx{*this, device};
     require_vmm("cuMemUnmap");
     check(vmm_.cuMemUnmap(static_cast<CUdeviceptr>(at), bytes), "cuMemUnmap", EMMPOOL_WHERE);
-    check(vmm_.cuMemRelease(static_cast<CUmemGenericAllocationHandle>(h)), "cuMemRelease",
-          EMMPOOL_WHERE);
+  }
+
+  [[nodiscard]] int export_physical(int device, physical_handle h) override
+  {
+    scoped_context ctx{*this, device};
+    if (vmm_.cuMemExportToShareableHandle == nullptr) { require_vmm_ipc("cuMemExportToShareableHandle"); }
+    int fd = -1;
+    check(vmm_.cuMemExportToShareableHandle(&fd, static_cast<CUmemGenericAllocationHandle>(h),
+                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+          "cuMemExportToShareableHandle", EMMPOOL_WHERE);
+    return fd;
+  }
+
+  [[nodiscard]] physical_handle import_physical(int device, int fd) override
+  {
+    scoped_context ctx{*this, device};
+    if (vmm_.cuMemImportFromShareableHandle == nullptr) {
+      require_vmm_ipc("cuMemImportFromShareableHandle");
+    }
+    CUmemGenericAllocationHandle h{};
+    // The handle type's descriptor is passed by value, in the pointer (CUDA's documented form).
+    check(vmm_.cuMemImportFromShareableHandle(
+            &h, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
+            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+          "cuMemImportFromShareableHandle", EMMPOOL_WHERE);
+    return static_cast<physical_handle>(h);
   }
 
  private:
@@ -306,6 +356,9 @@ class cuda_driver_impl final : public driver {
     decltype(&::cuMemUnmap) cuMemUnmap                                         = nullptr;
     decltype(&::cuMemSetAccess) cuMemSetAccess                                 = nullptr;
     decltype(&::cuDeviceCanAccessPeer) cuDeviceCanAccessPeer = nullptr;  // optional: own device only
+    // optional: IPC of growable blocks
+    decltype(&::cuMemExportToShareableHandle) cuMemExportToShareableHandle     = nullptr;
+    decltype(&::cuMemImportFromShareableHandle) cuMemImportFromShareableHandle = nullptr;
     [[nodiscard]] bool complete() const noexcept
     {
       return cuDeviceGetAttribute && cuMemGetAllocationGranularity && cuMemAddressReserve &&
@@ -345,6 +398,12 @@ class cuda_driver_impl final : public driver {
       }
     }
     return list;
+  }
+
+  [[noreturn]] static void require_vmm_ipc(char const* call)
+  {
+    throw cuda_error{call, static_cast<int>(CUDA_ERROR_NOT_SUPPORTED), "CUDA_ERROR_NOT_SUPPORTED",
+                     EMMPOOL_WHERE};
   }
 
   void require_vmm(char const* call) const
@@ -448,6 +507,8 @@ class cuda_driver_impl final : public driver {
     EMMPOOL_VMM(cuMemUnmap)
     EMMPOOL_VMM(cuMemSetAccess)
     EMMPOOL_VMM(cuDeviceCanAccessPeer)
+    EMMPOOL_VMM(cuMemExportToShareableHandle)
+    EMMPOOL_VMM(cuMemImportFromShareableHandle)
 #undef EMMPOOL_VMM
     auto const r = api_.cuInit(0);
     if (r != CUDA_SUCCESS) {
@@ -493,6 +554,8 @@ class cuda_driver_impl final : public driver {
   decltype(&::cuStreamGetId) stream_get_id_ = nullptr;
   vmm_api vmm_{};
   std::map<int, std::vector<CUdevice>> accessors_;  // contexts_mutex_
+  // Per device (bit device % 64): cuMemCreate refused exportable pages once; asks no more.
+  std::atomic<std::uint64_t> not_shareable_{0};
   std::string load_call_;
   std::string load_error_;
   int load_code_ = 0;

@@ -90,18 +90,23 @@ device_pool::block* device_pool::take_free(request const& r, bool may_map)
 
 device_pool::block* device_pool::take_growable(std::size_t rounded, alloc_tag tag, bool may_map)
 {
-  // The growable segment's best fit, off its free list; if mapping its pages makes a new peak
-  // (or meets the cap), wholly free memory goes back to the driver first, as before growing a
-  // fixed segment; then its pages are mapped (detail/growable_space.hpp).
+  // The growable segment's best fit, off its free list; its missing pages moved from free
+  // blocks beyond the limit; for what new pages it still needs, wholly free memory goes back
+  // to the driver first if they would pass the cap (everything) or the peak (large fixed
+  // segments, as before growing one); then its pages are mapped (detail/growable_space.hpp).
   auto const claim = growable_.claim_best_fit(rounded, tag, may_map);
   if (claim.blk == nullptr) { return nullptr; }
-  if (auto const room = growable_.room_for(claim)) {
-    try {
-      release_free_segments(true, room);
-    } catch (...) {
-      growable_.give_back(claim);  // a failed cuMemFree: the claimed block is not lost
-      throw;
+  try {
+    if (auto const fresh = growable_.prepare(claim, capture_.may_give_back())) {
+      if (!cap_.fits(stats_.bytes_reserved, fresh)) {
+        release_free_segments();
+      } else if (stats_.bytes_reserved + fresh > stats_.peak_bytes_reserved) {
+        release_free_segments(true, false);  // its pages moved already: fixed ones only
+      }
     }
+  } catch (...) {
+    growable_.give_back(claim);  // a failed cuMemFree or cuMemUnmap: the block is not lost
+    throw;
   }
   return growable_.finish(claim);
 }
@@ -459,8 +464,9 @@ pool_stats device_pool::stats_locked() const
 {
   auto const& fences   = lanes_.fences();
   pool_stats s         = stats_;
-  // A growable segment's free blocks are address space: only their mapped pages count.
-  s.bytes_free         = free_.bytes() + growable_.free_mapped_bytes();
+  // A growable segment's free blocks are address space: only their mapped pages count, and
+  // its spare pages.
+  s.bytes_free         = free_.bytes() + growable_.free_bytes();
   s.largest_free_block = free_.largest();
   s.bytes_waiting      = fences.waiting_bytes();
   s.blocks_waiting     = fences.waiting_blocks();

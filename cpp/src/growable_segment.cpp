@@ -8,25 +8,24 @@ namespace emmpool {
 // The seam's defaults: no virtual memory management (fixed segments only).
 std::size_t driver::vmm_page_size(int) { return 0; }
 
-device_ptr driver::reserve_address(int, std::size_t)
+namespace {
+[[noreturn]] void unsupported(char const* call)
 {
-  throw cuda_error{"cuMemAddressReserve", 801, "CUDA_ERROR_NOT_SUPPORTED", EMMPOOL_WHERE};
+  throw cuda_error{call, 801, "CUDA_ERROR_NOT_SUPPORTED", EMMPOOL_WHERE};
 }
+}  // namespace
 
-void driver::free_address(int, device_ptr, std::size_t)
+device_ptr driver::reserve_address(int, std::size_t) { unsupported("cuMemAddressReserve"); }
+void driver::free_address(int, device_ptr, std::size_t) { unsupported("cuMemAddressFree"); }
+physical_handle driver::create_physical(int, std::size_t) { unsupported("cuMemCreate"); }
+void driver::release_physical(int, physical_handle) { unsupported("cuMemRelease"); }
+void driver::map_physical(int, device_ptr, std::size_t, physical_handle) { unsupported("cuMemMap"); }
+void driver::unmap_physical(int, device_ptr, std::size_t) { unsupported("cuMemUnmap"); }
+int driver::export_physical(int, physical_handle)
 {
-  throw cuda_error{"cuMemAddressFree", 801, "CUDA_ERROR_NOT_SUPPORTED", EMMPOOL_WHERE};
+  unsupported("cuMemExportToShareableHandle");
 }
-
-physical_handle driver::map_physical(int, device_ptr, std::size_t)
-{
-  throw cuda_error{"cuMemMap", 801, "CUDA_ERROR_NOT_SUPPORTED", EMMPOOL_WHERE};
-}
-
-void driver::unmap_physical(int, device_ptr, std::size_t, physical_handle)
-{
-  throw cuda_error{"cuMemUnmap", 801, "CUDA_ERROR_NOT_SUPPORTED", EMMPOOL_WHERE};
-}
+physical_handle driver::import_physical(int, int) { unsupported("cuMemImportFromShareableHandle"); }
 
 namespace detail {
 
@@ -66,7 +65,19 @@ std::size_t growable_pages::mapped_overlap(device_ptr ptr, std::size_t bytes) co
   return n;
 }
 
-std::size_t growable_pages::map(device_ptr ptr, std::size_t bytes)
+physical_handle growable_pages::take_page()
+{
+  if (!spare_.empty()) {
+    auto const h = spare_.back();
+    spare_.pop_back();
+    return h;
+  }
+  auto const h = driver_->create_physical(device_, page_);
+  ++creates_;
+  return h;
+}
+
+growable_pages::mapped_result growable_pages::map(device_ptr ptr, std::size_t bytes)
 {
   std::size_t const first = (ptr - base_) / page_;
   std::size_t const last  = (ptr - base_ + bytes - 1) / page_;
@@ -76,38 +87,65 @@ std::size_t growable_pages::map(device_ptr ptr, std::size_t bytes)
     handles_.resize(last + 1, 0);
   }
   std::vector<std::size_t> done;
+  mapped_result r;
   try {
     for (std::size_t p = first; p <= last; ++p) {
       if (mapped_[p]) { continue; }
-      handles_[p] = driver_->map_physical(device_, base_ + p * page_, page_);
+      bool const spare = !spare_.empty();
+      auto const h     = take_page();
+      try {
+        driver_->map_physical(device_, base_ + p * page_, page_, h);
+      } catch (...) {
+        spare_.push_back(h);  // held still: a later call maps or releases it
+        throw;
+      }
+      handles_[p] = h;
       mapped_[p]  = true;
       ++mapped_pages_;
       ++maps_;
+      r.mapped += page_;
+      if (!spare) { r.created += page_; }
       done.push_back(p);
     }
   } catch (...) {
     for (auto p : done) {
       try {
-        unmap_page(p);
+        unmap_page(p, true);
       } catch (...) {
         // Stays mapped, and counted: a later trim tries again.
       }
     }
     throw;
   }
-  return done.size() * page_;
+  return r;
 }
 
-void growable_pages::unmap_page(std::size_t p)
+void growable_pages::unmap_page(std::size_t p, bool keep)
 {
-  driver_->unmap_physical(device_, base_ + p * page_, page_, handles_[p]);
-  mapped_[p]  = false;
-  handles_[p] = 0;
+  driver_->unmap_physical(device_, base_ + p * page_, page_);
+  auto const h = handles_[p];
+  mapped_[p]   = false;
+  handles_[p]  = 0;
   --mapped_pages_;
   ++unmaps_;
+  spare_.push_back(h);
+  if (!keep) { (void)release_spares(page_); }
 }
 
-std::size_t growable_pages::unmap_inside(device_ptr ptr, std::size_t bytes, std::size_t limit)
+std::size_t growable_pages::release_spares(std::size_t limit)
+{
+  std::size_t n = 0;
+  while (!spare_.empty() && n + page_ <= limit) {
+    driver_->release_physical(device_, spare_.back());  // throws: the page stays spare
+    spare_.pop_back();
+    ++releases_;
+    n += page_;
+  }
+  return n;
+}
+
+std::size_t growable_pages::unmap_inside(device_ptr ptr, std::size_t bytes, std::size_t limit,
+                                         bool keep)
 {
   std::size_t const lo    = ptr - base_;
   std::size_t const first = (lo + page_ - 1) / page_;                      // first whole page
@@ -115,15 +153,23 @@ std::size_t growable_pages::unmap_inside(device_ptr ptr, std::size_t bytes, std:
   std::size_t n = 0;
   for (std::size_t p = end; p > first && n + page_ <= limit; --p) {  // from the top down
     if (!mapped_[p - 1]) { continue; }
-    unmap_page(p - 1);
+    unmap_page(p - 1, keep);
     n += page_;
   }
   return n;
 }
 
+physical_handle growable_pages::handle_at(device_ptr ptr) const noexcept
+{
+  if (ptr < base_) { return 0; }
+  std::size_t const p = (ptr - base_) / page_;
+  return mapped(p) ? handles_[p] : 0;
+}
+
 void growable_pages::release()
 {
-  (void)unmap_inside(base_, size_, size_);
+  (void)unmap_inside(base_, size_, size_, false);
+  (void)release_spares(~std::size_t{0});
   driver_->free_address(device_, base_, size_);
   mapped_.clear();
   handles_.clear();

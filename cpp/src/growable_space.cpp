@@ -14,7 +14,7 @@ void growable_space::configure(pool_options const& o) noexcept
   small_request_ = o.small_request;
   reserve_       = o.growable_reserve;
   room_          = o.growable_room;
-  hysteresis_    = o.growable_hysteresis;
+  free_limit_    = o.growable_free_limit;
   if (o.segments != segment_kind::growable || o.mode != pool_mode::pool) { return; }
   try {
     page_ = driver_->vmm_page_size(device_);  // 0: unsupported, fixed segments
@@ -38,15 +38,24 @@ growable_space::claim growable_space::claim_best_fit(std::size_t rounded, alloc_
           static_cast<std::uint8_t>(tag)};
 }
 
-std::size_t growable_space::room_for(claim const& c) const noexcept
+std::size_t growable_space::room_of(claim const& c) const noexcept
 {
-  if (c.need == 0) { return 0; }
-  if (!fits(c.need)) { return all_free; }  // the cap: as the fixed segments' ladder does
-  // About to reach a new peak: give back wholly free large fixed segments, then free pages
-  // (unmap_for_peak: as many as keep reserved at the peak), as grow() does.
-  return stats_->bytes_reserved + c.need > stats_->peak_bytes_reserved ? c.need : 0;
+  return std::min(c.blk->size, std::max(c.rounded, room_));
 }
 
+std::size_t growable_space::prepare(claim const& c, bool may_move)
+{
+  if (c.need == 0) { return 0; }
+  if (!may_move) { return c.need; }
+  // The pages the claim and its room lack: moved from free blocks beyond the limit first.
+  auto const wanted = pages_->unmapped_in(c.blk->ptr, room_of(c));
+  auto const kept   = free_mapped_bytes();
+  if (kept > free_limit_ && wanted > pages_->spare_bytes()) {
+    (void)unmap_free(std::min(kept - free_limit_, wanted - pages_->spare_bytes()), true);
+  }
+  auto const spare = pages_->spare_bytes();
+  return c.need > spare ? c.need - spare : 0;
+}
 block* growable_space::finish(claim const& c)
 {
   if (c.need != 0 && !map_for(c)) {
@@ -60,9 +69,14 @@ bool growable_space::map_for(claim const& c)
 {
   auto const ptr     = c.blk->ptr;
   auto const rounded = c.rounded;
-  // room_for() was given back first (by the pool): what the pages need now fits, or never will.
-  auto const need = pages_->unmapped_in(ptr, rounded);
-  if (!fits(need)) { return false; }
+  // room_for() was given back first (by the pool): what the pages need now fits, or never
+  // will. Spare pages are held already: only new ones count against the cap.
+  auto const new_pages = [&](std::size_t bytes) {
+    auto const need  = pages_->unmapped_in(ptr, bytes);
+    auto const spare = pages_->spare_bytes();
+    return need > spare ? need - spare : 0;
+  };
+  if (!fits(new_pages(rounded))) { return false; }
   try {
     count_mapped(ptr, pages_->map(ptr, rounded), c.tag);
   } catch (out_of_memory const&) {
@@ -71,14 +85,16 @@ bool growable_space::map_for(claim const& c)
   // Room for the next few requests of this size (best effort, within the cap): without it a
   // caller that frees and allocates mid-sized blocks on no stream would miss on every request
   // (its freed block is still pending), where a fixed segment has up to large_segment to spare.
-  std::size_t const room = std::min(c.blk->size, std::max(rounded, room_));
-  if (room > rounded && fits(pages_->unmapped_in(ptr, room))) {
+  std::size_t const room = room_of(c);
+  if (room > rounded && fits(new_pages(room))) {
     try {
       count_mapped(ptr + rounded, pages_->map(ptr, room), c.tag);
     } catch (cuda_error const&) {
     } catch (out_of_memory const&) {
     }
   }
+  // What prepare() moved for this map and it did not take: not held past its need.
+  (void)release_spares(pages_->spare_bytes());
   stats_->peak_bytes_reserved = std::max(stats_->peak_bytes_reserved, stats_->bytes_reserved);
   return true;
 }
@@ -119,39 +135,57 @@ bool growable_space::ensure_segment(std::size_t rounded, segment_map& segments)
   return true;
 }
 
-std::size_t growable_space::unmap_for_peak(std::size_t need)
+std::size_t growable_space::unmap_for_peak()
 {
   if (pages_ == nullptr) { return 0; }
-  if (!hysteresis_ || need == all_free) { return unmap_free(all_free); }
-  auto const after = stats_->bytes_reserved + need;
-  if (after <= stats_->peak_bytes_reserved) { return 0; }
-  return unmap_free(round_up(after - stats_->peak_bytes_reserved, page_));
+  auto const kept = free_mapped_bytes();
+  if (kept <= free_limit_) { return 0; }
+  return unmap_free(round_up(kept - free_limit_, page_), false);
 }
 
-std::size_t growable_space::unmap_free(std::size_t limit)
+std::size_t growable_space::unmap_free(std::size_t limit, bool keep)
 {
-  if (pages_ == nullptr || limit < page_) { return 0; }
-  std::size_t const excess = std::min(limit, pages_->mapped_bytes());
-  auto const before = pages_->mapped_bytes();
-  std::size_t done  = 0;
-  try {
-    // Largest free blocks first: the least likely to be carved whole by the next requests.
-    free_.for_each_large([&](block const* b) {
-      auto const n = pages_->unmap_inside(b->ptr, b->size, excess - done);
-      done += n;
-      if (n != 0) {  // the block's highest pages go first
-        log_->record(segment_event::kind::unmapped, segment_type::growable, 0,
-                     (b->ptr + b->size) / page_ * page_ - n, n);
-      }
-      return done + page_ <= excess;
-    });
-  } catch (cuda_error const&) {
-    // cuMemUnmap failed (a sticky error, say): the page stays mapped and counted, for a later
-    // trim, as a segment whose cuMemFree failed.
+  if (pages_ == nullptr) { return 0; }
+  auto const held_before = pages_->held_bytes();
+  if (limit >= page_) {
+    std::size_t const excess = std::min(limit, pages_->mapped_bytes());
+    std::size_t done         = 0;
+    try {
+      // Largest free blocks first: the least likely to be carved whole by the next requests.
+      free_.for_each_large([&](block const* b) {
+        auto const n = pages_->unmap_inside(b->ptr, b->size, excess - done, keep);
+        done += n;
+        if (n != 0) {  // the block's highest pages go first
+          log_->record(segment_event::kind::unmapped, segment_type::growable, 0,
+                       (b->ptr + b->size) / page_ * page_ - n, n);
+        }
+        return done + page_ <= excess;
+      });
+    } catch (cuda_error const&) {
+      // cuMemUnmap failed (a sticky error, say): the page stays mapped and counted, for a
+      // later trim, as a segment whose cuMemFree failed.
+    }
+    stats_->page_unmaps += done / page_;
   }
-  auto const n = before - pages_->mapped_bytes();
-  count_unmapped(n);
-  return n;
+  if (!keep) {
+    try {
+      (void)pages_->release_spares(pages_->spare_bytes());
+    } catch (cuda_error const&) {
+      // Stays spare and counted, for a later trim.
+    }
+  }
+  return count_released(held_before);
+}
+
+std::size_t growable_space::release_spares(std::size_t bytes)
+{
+  auto const held_before = pages_->held_bytes();
+  try {
+    (void)pages_->release_spares(bytes);
+  } catch (cuda_error const&) {
+    // Stays spare and counted, for a later trim.
+  }
+  return count_released(held_before);
 }
 
 void growable_space::drop(segment_map& segments)
@@ -159,13 +193,15 @@ void growable_space::drop(segment_map& segments)
   if (seg_ == nullptr) { return; }
   if (seg_->live_blocks == 0) {
     // Wholly free: unmap everything, free the reservation, forget the segment.
+    auto const held   = pages_->held_bytes();
     auto const mapped = pages_->mapped_bytes();
     try {
       pages_->release();
     } catch (cuda_error const&) {
       retired_.push_back(std::move(pages_));  // left to the driver
     }
-    count_unmapped(mapped);
+    stats_->bytes_reserved -= held;
+    stats_->page_unmaps += mapped / page_;
     log_->record(segment_event::kind::unmapped, segment_type::growable, 0, seg_->base, mapped);
     for (auto* b = seg_->first; b != nullptr;) {
       auto* next = b->next;
@@ -195,6 +231,11 @@ void growable_space::release_at_teardown() noexcept
   }
 }
 
+std::size_t growable_space::free_bytes() const
+{
+  return free_mapped_bytes() + (pages_ != nullptr ? pages_->spare_bytes() : 0);
+}
+
 std::size_t growable_space::free_mapped_bytes() const
 {
   std::size_t mapped = 0;
@@ -213,20 +254,24 @@ void growable_space::throw_no_ipc()
                    "from one; for other libraries use EMMPOOL_SEGMENTS=fixed"};
 }
 
-void growable_space::count_mapped(device_ptr at, std::size_t n, std::uint8_t tag)
+void growable_space::count_mapped(device_ptr at, growable_pages::mapped_result r,
+                                  std::uint8_t tag)
 {
-  stats_->bytes_reserved += n;
-  stats_->page_maps += n / page_;
-  if (n != 0) {
-    log_->record(segment_event::kind::mapped, segment_type::growable, tag,
-                 at / page_ * page_, n);
+  stats_->bytes_reserved += r.created;
+  stats_->page_maps += r.mapped / page_;
+  stats_->page_creates += r.created / page_;
+  if (r.mapped != 0) {
+    log_->record(segment_event::kind::mapped, segment_type::growable, tag, at / page_ * page_,
+                 r.mapped);
   }
 }
 
-void growable_space::count_unmapped(std::size_t n)
+std::size_t growable_space::count_released(std::size_t held_before)
 {
+  auto const n = held_before - pages_->held_bytes();
   stats_->bytes_reserved -= n;
-  stats_->page_unmaps += n / page_;
+  stats_->page_releases += n / page_;
+  return n;
 }
 
 }  // namespace emmpool::detail

@@ -6,6 +6,9 @@
 #include <cstring>
 #include <iterator>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 namespace emmpool {
 
 namespace {
@@ -98,10 +101,26 @@ void host_driver::invalidate_device(int device)
   }
   for (auto it = mappings_.begin(); it != mappings_.end();) {
     if (it->second.device == device) {
-      used_[static_cast<std::size_t>(device)] -= it->second.bytes;
       counters_.bytes_mapped -= it->second.bytes;
       --counters_.live_mappings;
       it = mappings_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = handles_.begin(); it != handles_.end();) {
+    if (memories_.at(it->second).device == device) {
+      --counters_.live_handles;
+      it = handles_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = memories_.begin(); it != memories_.end();) {
+    if (it->second.device == device) {
+      used_[static_cast<std::size_t>(device)] -= it->second.bytes;
+      counters_.bytes_physical -= it->second.bytes;
+      it = memories_.erase(it);
     } else {
       ++it;
     }
@@ -467,7 +486,7 @@ void host_driver::free_address(int device, device_ptr base, std::size_t bytes)
   reservations_.erase(it);
 }
 
-physical_handle host_driver::map_physical(int device, device_ptr at, std::size_t bytes)
+physical_handle host_driver::create_physical(int device, std::size_t bytes)
 {
   std::lock_guard lock{mutex_};
   check_device(device);
@@ -476,9 +495,58 @@ physical_handle host_driver::map_physical(int device, device_ptr at, std::size_t
     --fail_maps_;
     throw out_of_memory{"host_driver: injected cuMemCreate failure"};
   }
+  if (bytes == 0 || bytes % granularity != 0) {
+    throw cuda_error{"cuMemCreate", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
+  }
+  if (bytes > capacity_[d] - used_[d] || used_[d] > capacity_[d]) {
+    throw out_of_memory{"host_driver: device " + std::to_string(device) + " is full (cuMemCreate)"};
+  }
+  auto const m = next_memory_++;
+  memories_.emplace(m, memory{device, bytes, 1});
+  physical_handle const h = next_handle_++;
+  handles_.emplace(h, m);
+  used_[d] += bytes;
+  counters_.bytes_physical += bytes;
+  ++counters_.creates;
+  ++counters_.live_handles;
+  return h;
+}
+
+void host_driver::drop_holder(std::uint64_t m)
+{
+  auto it = memories_.find(m);
+  if (it == memories_.end() || --it->second.holders != 0) { return; }
+  used_[static_cast<std::size_t>(it->second.device)] -= it->second.bytes;
+  counters_.bytes_physical -= it->second.bytes;
+  memories_.erase(it);
+}
+
+void host_driver::release_physical(int device, physical_handle h)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  auto it = handles_.find(h);
+  if (it == handles_.end() || memories_.at(it->second).device != device) {
+    throw cuda_error{"cuMemRelease", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
+  }
+  auto const m = it->second;
+  handles_.erase(it);
+  --counters_.live_handles;
+  ++counters_.releases;
+  drop_holder(m);
+}
+
+void host_driver::map_physical(int device, device_ptr at, std::size_t bytes, physical_handle h)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
   auto const invalid = [] {
     return cuda_error{"cuMemMap", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
   };
+  auto hit = handles_.find(h);
+  if (hit == handles_.end()) { throw invalid(); }
+  auto& mem = memories_.at(hit->second);
+  if (mem.device != device || mem.bytes != bytes) { throw invalid(); }  // all of the handle
   if (bytes == 0 || bytes % granularity != 0 || at % granularity != 0) { throw invalid(); }
   auto r = reservations_.upper_bound(at);
   if (r == reservations_.begin()) { throw invalid(); }
@@ -489,19 +557,14 @@ physical_handle host_driver::map_physical(int device, device_ptr at, std::size_t
   if (m != mappings_.begin() && std::prev(m)->first + std::prev(m)->second.bytes > at) {
     throw invalid();  // overlaps below
   }
-  if (bytes > capacity_[d] - used_[d] || used_[d] > capacity_[d]) {
-    throw out_of_memory{"host_driver: device " + std::to_string(device) + " is full (cuMemCreate)"};
-  }
-  physical_handle const h = next_handle_++;
-  mappings_.emplace(at, mapping{device, bytes, h});
-  used_[d] += bytes;
+  mappings_.emplace(at, mapping{device, bytes, hit->second});
+  ++mem.holders;
   ++counters_.maps;
   counters_.bytes_mapped += bytes;
   ++counters_.live_mappings;
-  return h;
 }
 
-void host_driver::unmap_physical(int device, device_ptr at, std::size_t bytes, physical_handle h)
+void host_driver::unmap_physical(int device, device_ptr at, std::size_t bytes)
 {
   std::lock_guard lock{mutex_};
   check_device(device);
@@ -510,15 +573,55 @@ void host_driver::unmap_physical(int device, device_ptr at, std::size_t bytes, p
     throw cuda_error{"cuMemUnmap", 700, "CUDA_ERROR_ILLEGAL_ADDRESS", EMMPOOL_WHERE};
   }
   auto m = mappings_.find(at);
-  if (m == mappings_.end() || m->second.device != device || m->second.bytes != bytes ||
-      m->second.handle != h) {
+  if (m == mappings_.end() || m->second.device != device || m->second.bytes != bytes) {
     throw cuda_error{"cuMemUnmap", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
   }
-  used_[static_cast<std::size_t>(device)] -= bytes;
+  auto const mem = m->second.memory;
+  mappings_.erase(m);
   ++counters_.unmaps;
   counters_.bytes_mapped -= bytes;
   --counters_.live_mappings;
-  mappings_.erase(m);
+  drop_holder(mem);
+}
+
+int host_driver::export_physical(int device, physical_handle h)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  auto it = handles_.find(h);
+  if (it == handles_.end() || memories_.at(it->second).device != device) {
+    throw cuda_error{"cuMemExportToShareableHandle", invalid_value_code,
+                     "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
+  }
+  // A real descriptor, as CUDA's: it can be passed over a socket, duplicated and closed.
+  int const fd = ::memfd_create("emmpool-host-memory", MFD_CLOEXEC);
+  std::uint64_t const m = it->second;
+  if (fd < 0 || ::pwrite(fd, &m, sizeof m, 0) != static_cast<ssize_t>(sizeof m)) {
+    if (fd >= 0) { ::close(fd); }
+    throw cuda_error{"cuMemExportToShareableHandle", 999, "CUDA_ERROR_UNKNOWN", EMMPOOL_WHERE};
+  }
+  ++counters_.exports;
+  return fd;
+}
+
+physical_handle host_driver::import_physical(int device, int fd)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  std::uint64_t m = 0;
+  auto const invalid = [] {
+    return cuda_error{"cuMemImportFromShareableHandle", invalid_value_code,
+                      "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
+  };
+  if (::pread(fd, &m, sizeof m, 0) != static_cast<ssize_t>(sizeof m)) { throw invalid(); }
+  auto it = memories_.find(m);
+  if (it == memories_.end() || it->second.device != device) { throw invalid(); }
+  ++it->second.holders;
+  physical_handle const h = next_handle_++;
+  handles_.emplace(h, m);
+  ++counters_.imports;
+  ++counters_.live_handles;
+  return h;
 }
 
 }  // namespace emmpool

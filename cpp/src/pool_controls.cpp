@@ -146,13 +146,13 @@ void device_pool::reset()
   // Free what can be, regardless of deferrals (errors ignored: the context is going anyway).
   capture_.deferrals().lifted([this] { release_free_segments(); });
   auto& segments             = index_.segments();
-  auto const growable_mapped = growable_.mapped_bytes();
+  auto const growable_held   = growable_.held_bytes();
   growable_.drop(segments);  // wholly free: released; else its pages stay mapped, retired
 
   // What is left holds live blocks: retire it, so that it is never handed out again.
   for (auto& [base, seg] : segments) {
     if (!seg->growable) { free_.erase_all_of(*seg); }  // growable: drop() did
-    stats_.bytes_reserved -= seg->growable ? growable_mapped : seg->size;
+    stats_.bytes_reserved -= seg->growable ? growable_held : seg->size;
     --stats_.segments;
   }
   for (auto& [ptr, blk] : index_.live()) { stats_.count_out_of_use(blk->size, blk->tag); }

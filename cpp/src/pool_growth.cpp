@@ -27,7 +27,7 @@ device_pool::block* device_pool::grow(std::size_t rounded, bool exact, bool grow
     // size mixes (replay: peak reserved / peak live 1.40 -> 1.24) at the cost of a cuMemFree,
     // which synchronizes the device, only on growth past the peak. Small segments stay: they
     // are cheap and soon reused.
-    release_free_segments(true, size);
+    release_free_segments(true);
   }
   return make_segment(size, small, tag);
 }
@@ -90,7 +90,7 @@ void device_pool::release_segment(segment* seg)
   index_.segments().erase(seg->base);
 }
 
-std::size_t device_pool::release_free_segments(bool at_peak, std::size_t need)
+std::size_t device_pool::release_free_segments(bool at_peak, bool pages)
 {
   if (!capture_.may_give_back() || forked_) { return 0; }
   std::vector<segment*> idle;
@@ -99,12 +99,13 @@ std::size_t device_pool::release_free_segments(bool at_peak, std::size_t need)
       idle.push_back(seg.get());
     }
   }
-  std::size_t released = at_peak ? 0 : growable_.unmap_free(~std::size_t{0});
+  std::size_t released =
+    at_peak ? 0 : growable_.unmap_free(detail::growable_space::all_free, false);
   for (auto* seg : idle) {
     released += seg->size;
     release_segment(seg);
   }
-  if (at_peak) { released += growable_.unmap_for_peak(need); }  // what the peak needs
+  if (at_peak && pages) { released += growable_.unmap_for_peak(); }  // beyond the limit
   return released;
 }
 

@@ -60,9 +60,9 @@ inline std::string byte_accounting(pool_stats const& s, host_driver::counters co
                 std::to_string(s.bytes_waiting) + " + free " + std::to_string(s.bytes_free) +
                 " != reserved " + std::to_string(s.bytes_reserved) + "; ";
   }
-  if (driver_matches && c.bytes_reserved + c.bytes_mapped != s.bytes_reserved) {
-    problems += "driver holds segments " + std::to_string(c.bytes_reserved) + " + mapped " +
-                std::to_string(c.bytes_mapped) + " != pool reserved " +
+  if (driver_matches && c.bytes_reserved + c.bytes_physical != s.bytes_reserved) {
+    problems += "driver holds segments " + std::to_string(c.bytes_reserved) + " + pages " +
+                std::to_string(c.bytes_physical) + " != pool reserved " +
                 std::to_string(s.bytes_reserved) + "; ";
   }
   return problems;

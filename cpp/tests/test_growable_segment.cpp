@@ -130,36 +130,74 @@ TEST(growable_pending_blocks_are_never_unmapped)
   CHECK_EQ(consistency(f), "");
 }
 
-TEST(growable_new_peak_unmaps_free_pages_first)
+TEST(growable_freed_pages_stay_mapped_and_serve_later_requests)
 {
-  auto o          = growable_options();
-  o.growable_hysteresis = false;  // every wholly free page goes back at a new peak
+  fixture f;  // growable_free_limit: the default
+  auto const a = f->allocate(8 * MiB);
+  auto const b = f->allocate(8 * MiB);
+  f->deallocate(a);
+  f->synchronize();  // a's fence completed: a is free, its pages still mapped
+  CHECK(f.drv.accessible(0, a, 8 * MiB));
+  auto const c = f->allocate(20 * MiB);  // a's hole cannot hold it: new pages, a's kept
+  CHECK_EQ(f->stats().page_unmaps, 0u);
+  CHECK_EQ(f->stats().bytes_reserved, 36 * MiB);
+  CHECK_EQ(consistency(f), "");
+  // A free block whose pages are mapped is preferred to a better fit that would need new
+  // pages: no driver call at all, however often it comes back.
+  auto const maps = f->stats().page_maps;
+  for (int i = 0; i < 10; ++i) {
+    auto const d = f->allocate(6 * MiB);
+    CHECK_EQ(d, a);
+    f->deallocate(d);
+    f->synchronize();
+  }
+  CHECK_EQ(f->stats().page_maps, maps);
+  for (auto p : {b, c}) { f->deallocate(p); }
+  (void)f->trim();  // trim keeps nothing
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_new_peak_moves_free_pages_beyond_the_limit)
+{
+  auto o                = growable_options();
+  o.growable_free_limit = 0;  // every free page moves or goes at a new peak
   fixture f{o};
   auto const a = f->allocate(8 * MiB);
   auto const b = f->allocate(8 * MiB);
   f->deallocate(a);
-  f->synchronize();  // a's fence completed: a is free
-  auto const c = f->allocate(20 * MiB);  // a's 8 MiB hole cannot hold it: new pages
-  // a's pages went back before c's were mapped: the peak is b + c, not a + b + c.
+  f->synchronize();  // a is free
+  auto const creates = f.drv.stats().creates;
+  auto const c       = f->allocate(20 * MiB);  // a's 8 MiB hole cannot hold it
+  // a's four pages moved under c (unmapped, mapped again: no cuMemCreate, no cuMemRelease),
+  // six pages are new: the peak is b + c, not a + b + c.
+  CHECK_EQ(f.drv.stats().creates - creates, 6u);
+  CHECK_EQ(f.drv.stats().releases, 0u);
+  CHECK_EQ(f->stats().page_creates, 4u + 4u + 6u);
   CHECK_EQ(f->stats().peak_bytes_reserved, 28 * MiB);
   CHECK(!f.drv.accessible(0, a, 8 * MiB));
   CHECK(f.drv.accessible(0, b, 8 * MiB));
   CHECK(f.drv.accessible(0, c, 20 * MiB));
   CHECK_EQ(consistency(f), "");
-  // A free block whose pages are still mapped is preferred to a better fit that would need
-  // new pages: no driver call at all.
+  // More free pages than the new peak needs: the rest go back to the driver.
   f->deallocate(c);
   f->synchronize();
-  auto const maps = f->stats().page_maps;
-  auto const d    = f->allocate(6 * MiB);
+  auto const d = f->allocate(4 * MiB);  // c's pages serve it: no new peak, nothing moves
   CHECK_EQ(d, c);
-  CHECK_EQ(f->stats().page_maps, maps);
+  f->deallocate(b);
+  f->synchronize();
+  auto const e = f->allocate(30 * MiB);  // past the peak: b's and c's rest move or go
+  CHECK(f->stats().peak_bytes_reserved <= 34 * MiB);
+  CHECK(f.drv.accessible(0, d, 4 * MiB));
+  CHECK(f.drv.accessible(0, e, 30 * MiB));
   CHECK_EQ(consistency(f), "");
 }
 
-TEST(growable_new_peak_unmaps_only_what_the_peak_needs)
+TEST(growable_new_peak_keeps_free_pages_within_the_limit)
 {
-  fixture f;  // growable_hysteresis: the default
+  auto o                = growable_options();
+  o.growable_free_limit = 8 * MiB;
+  fixture f{o};
   auto const a = f->allocate(8 * MiB);
   auto const b = f->allocate(8 * MiB);
   auto const c = f->allocate(8 * MiB);
@@ -167,23 +205,20 @@ TEST(growable_new_peak_unmaps_only_what_the_peak_needs)
   f->deallocate(a);
   f->deallocate(c);
   f->synchronize();  // 16 MiB of wholly free pages, reserved = peak = 26 MiB
-  auto const e = f->allocate(12 * MiB);  // the 8 MiB holes cannot hold it: 12 MiB new pages
-  // Only 12 MiB of free pages went back (c's, then a's top half), where every free page went
-  // back before: reserved stays at the peak.
-  CHECK_EQ(f->stats().page_unmaps, 6u);
-  CHECK_EQ(f->stats().peak_bytes_reserved, 26 * MiB);
-  CHECK_EQ(f->stats().bytes_reserved, 26 * MiB);
+  auto const e = f->allocate(12 * MiB);  // the 8 MiB holes cannot hold it
+  // 8 MiB of free pages stay mapped (the limit): c's, the largest, highest free block's,
+  // moved under e; a's kept. e needs 2 new pages besides.
+  CHECK_EQ(f->stats().page_unmaps, 4u);
   CHECK(!f.drv.accessible(0, c, 2 * MiB));
-  CHECK(f.drv.accessible(0, a, 4 * MiB));
-  CHECK(!f.drv.accessible(0, a + 4 * MiB, 2 * MiB));
+  CHECK(f.drv.accessible(0, a, 8 * MiB));
   CHECK(f.drv.accessible(0, e, 12 * MiB));
+  CHECK_EQ(f->stats().bytes_reserved, 30 * MiB);
   CHECK_EQ(consistency(f), "");
   // a's pages still mapped serve the next request without a driver call.
   auto const maps = f->stats().page_maps;
   auto const g    = f->allocate(4 * MiB);
   CHECK_EQ(g, a);
   CHECK_EQ(f->stats().page_maps, maps);
-  // Trim keeps nothing.
   for (auto p : {b, d, e, g}) { f->deallocate(p); }
   (void)f->trim();
   CHECK_EQ(f->stats().bytes_reserved, 0u);
@@ -193,18 +228,18 @@ TEST(growable_new_peak_unmaps_only_what_the_peak_needs)
 namespace {
 
 struct step_counts {
-  double maps_per_step, unmaps_per_step;
+  double maps_per_step, unmaps_per_step, creates_per_step;
   std::size_t peak_reserved, peak_in_use;
 };
 
 /// A PyTorch training loop's pattern, shapes changing every step: parameters held throughout;
 /// per step a batch scale, activations allocated layer by layer (forward), then per layer in
 /// reverse a gradient allocated and the activation freed (backward). The GPU keeps up.
-step_counts torch_like_steps(bool hysteresis, int steps)
+step_counts torch_like_steps(std::size_t free_limit, int steps)
 {
-  auto o          = growable_options();
-  o.growable_room = 20 * MiB;  // the default
-  o.growable_hysteresis = hysteresis;
+  auto o                = growable_options();
+  o.growable_room       = 20 * MiB;  // the default
+  o.growable_free_limit = free_limit;
   fixture f{o};
   std::mt19937_64 rng{7};
   std::vector<device_ptr> params;
@@ -212,12 +247,13 @@ step_counts torch_like_steps(bool hysteresis, int steps)
   constexpr int layers = 16;
   std::vector<std::size_t> base(layers);
   for (auto& b : base) { b = (1 + rng() % 16) * 256 * 1024; }  // 0.25 .. 4 MiB per unit
-  std::uint64_t maps0 = 0, unmaps0 = 0;
+  std::uint64_t maps0 = 0, unmaps0 = 0, creates0 = 0;
   int const warm = 5;
   for (int s = 0; s < warm + steps; ++s) {
     if (s == warm) {
-      maps0   = f->stats().page_maps;
-      unmaps0 = f->stats().page_unmaps;
+      maps0    = f->stats().page_maps;
+      unmaps0  = f->stats().page_unmaps;
+      creates0 = f->stats().page_creates;
     }
     std::size_t const scale = 1 + rng() % 8;
     std::vector<device_ptr> act(layers);
@@ -240,31 +276,40 @@ step_counts torch_like_steps(bool hysteresis, int steps)
   CHECK_EQ(consistency(f), "");
   for (auto p : params) { f->deallocate(p); }
   return {double(st.page_maps - maps0) / steps, double(st.page_unmaps - unmaps0) / steps,
-          st.peak_bytes_reserved, st.peak_bytes_in_use};
+          double(st.page_creates - creates0) / steps, st.peak_bytes_reserved,
+          st.peak_bytes_in_use};
 }
 
 }  // namespace
 
-TEST(growable_hysteresis_maps_less_on_a_torch_like_loop)
+TEST(growable_pages_move_rather_than_come_and_go_on_a_torch_like_loop)
 {
-  auto const before = torch_like_steps(false, 60);  // every free page back at each new peak
-  auto const after  = torch_like_steps(true, 60);
-  std::printf("torch-like loop, per step (2 MiB pages): without hysteresis %.1f maps %.1f "
-              "unmaps, peak reserved %zu MiB; with: %.1f maps %.1f unmaps, peak reserved %zu "
-              "MiB (peak in use %zu MiB)\n",
-              before.maps_per_step, before.unmaps_per_step, before.peak_reserved / MiB,
-              after.maps_per_step, after.unmaps_per_step, after.peak_reserved / MiB,
-              after.peak_in_use / MiB);
-  CHECK(after.maps_per_step * 2 <= before.maps_per_step);
-  CHECK(after.unmaps_per_step * 2 <= before.unmaps_per_step);
-  CHECK(after.peak_reserved <= before.peak_reserved + 20 * MiB);  // what it costs: little
+  auto const moved = torch_like_steps(0, 60);  // every free page a request lacks moves
+  auto const dflt  = torch_like_steps(pool_options{}.growable_free_limit, 60);
+  auto const kept  = torch_like_steps(std::size_t{1} << 40, 60);  // no free page ever moves
+  std::printf("torch-like loop, per step (2 MiB pages), maps/unmaps/pages made, peak reserved:\n"
+              "  limit 0:   %.1f %.1f %.1f, %zu MiB\n  default:   %.1f %.1f %.1f, %zu MiB\n"
+              "  keep all:  %.1f %.1f %.1f, %zu MiB (peak in use %zu MiB)\n",
+              moved.maps_per_step, moved.unmaps_per_step, moved.creates_per_step,
+              moved.peak_reserved / MiB, dflt.maps_per_step, dflt.unmaps_per_step,
+              dflt.creates_per_step, dflt.peak_reserved / MiB, kept.maps_per_step,
+              kept.unmaps_per_step, kept.creates_per_step, kept.peak_reserved / MiB,
+              kept.peak_in_use / MiB);
+  // Moved pages are no new ones: most maps cost no cuMemCreate (and their unmaps no release).
+  CHECK(moved.creates_per_step * 4 < moved.maps_per_step);
+  // Keeping free pages maps less, moving them reserves less; the default lies between.
+  CHECK(kept.unmaps_per_step == 0.0);
+  CHECK(kept.maps_per_step < moved.maps_per_step);
+  CHECK(dflt.maps_per_step <= moved.maps_per_step);
+  CHECK(moved.peak_reserved <= kept.peak_reserved);
+  CHECK(dflt.peak_reserved <= kept.peak_reserved + 2 * MiB);
 }
 
 TEST(growable_deferred_cleanup_unmaps_nothing)
 {
-  for (bool hysteresis : {true, false}) {
+  for (std::size_t limit : {pool_options{}.growable_free_limit, std::size_t{0}}) {
     auto o                = growable_options(32 * MiB);
-    o.growable_hysteresis = hysteresis;
+    o.growable_free_limit = limit;
     fixture f{o};
     auto const a = f->allocate(8 * MiB);
     auto const b = f->allocate(8 * MiB);

@@ -65,6 +65,9 @@ class Config:
     pinned: str = "pool"  # Numba's pinned/mapped host memory: "pool" (emmpool's) or "numba"
     pinned_limit: int | None = None  # bytes the pinned cache may hold; None: RAM / 4
     segments: str = "fixed"  # "fixed" or "growable" (VMM pages mapped on demand; not Numba's)
+    # Bytes of free pages the growable segment keeps mapped for later requests; beyond, free
+    # pages move under the requests that lack pages (the core's pool_options says more).
+    growable_free_limit: int = 64 << 20
     torch_allocator: str = "auto"  # what use_for_torch() installs: one of TORCH_ALLOCATORS
 
 
@@ -220,6 +223,8 @@ _OPTIONS = {
     "pinned": _Option("EMMPOOL_PINNED", _one("pinned", _choice("pool", "numba"))),
     "pinned_limit": _Option("EMMPOOL_PINNED_LIMIT", _one("pinned_limit", _positive_size)),
     "segments": _Option("EMMPOOL_SEGMENTS", _one("segments", _choice("fixed", "growable"))),
+    "growable_free_limit": _Option("EMMPOOL_GROWABLE_FREE_LIMIT",
+                                   _one("growable_free_limit", parse_size)),
     "torch_allocator": _Option("EMMPOOL_TORCH_ALLOCATOR",
                                _one("torch_allocator", parse_torch_allocator)),
 }
@@ -419,6 +424,7 @@ def configure(**options) -> Config:
                 maximum_fraction=cfg.maximum_pool_fraction or 0.0,
                 pinned_limit=cfg.pinned_limit or 0,  # the core's "a quarter of RAM"
                 segments=cfg.segments,
+                growable_free_limit=cfg.growable_free_limit,
             )
         except RuntimeError as e:  # std::logic_error: a pool exists
             raise RuntimeError(str(e)) from None
@@ -493,6 +499,7 @@ def _in_force(problems: list[_Problem] | None = None) -> tuple[Config, dict[str,
         "maximum_pool_fraction": o["maximum_fraction"] or None,
         "pinned_limit": o["pinned_limit"] or None,
         "segments": o["segments"],
+        "growable_free_limit": o["growable_free_limit"],
     }
     sources.update(dict.fromkeys(core, _BEFORE_CONFIGURATION))
     return Config(**{**asdict(cfg), **core}), sources

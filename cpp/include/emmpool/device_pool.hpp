@@ -323,8 +323,9 @@ class device_pool : private detail::pool_lifecycle {
   block* grow(std::size_t rounded, bool exact, bool growable, alloc_tag tag);
   // The driver's segment, on the books; null if the driver is out of memory.
   block* make_segment(std::size_t size, bool small, alloc_tag tag);
-  // At a new peak (growing by `need`): large segments only, and few pages (growable_space).
-  std::size_t release_free_segments(bool at_peak = false, std::size_t need = 0);
+  // Wholly free fixed segments and pages back to the driver; at a new peak, large segments
+  // only, and (`pages`) the free pages beyond the limit (growable_space::unmap_for_peak).
+  std::size_t release_free_segments(bool at_peak = false, bool pages = true);
   void release_segment(segment* seg);
 
   // ---- frees (device_pool.cpp)

@@ -124,9 +124,10 @@ class driver {
   virtual void host_unregister(int device, void* ptr) = 0;
 
   // --- virtual memory management (growable segments, detail/growable_segment.hpp) ------------
-  // Address space is reserved once; physical memory is created and mapped into it page by
-  // page, and unmapped page by page. The defaults say "unsupported": a driver that does not
-  // override them gives the pool fixed segments only.
+  // Address space is reserved once; physical memory is created in pages, mapped into it and
+  // unmapped page by page, and a page may be mapped elsewhere again before it is released. The
+  // defaults say "unsupported": a driver that does not override them gives the pool fixed
+  // segments only.
 
   /// @brief The page size of physical allocations on the device (cuMemGetAllocationGranularity,
   /// recommended), or 0 where virtual memory management is unsupported: a device without
@@ -137,14 +138,28 @@ class driver {
   [[nodiscard]] virtual device_ptr reserve_address(int device, std::size_t bytes);
   /// @brief cuMemAddressFree of a whole reservation, which must hold no mapping any more.
   virtual void free_address(int device, device_ptr base, std::size_t bytes);
-  /// @brief cuMemCreate of `bytes` of the device's memory, cuMemMap at `at` (page aligned,
-  /// inside a reservation, not mapped) and cuMemSetAccess read/write for the device; all or
-  /// nothing. @return the physical handle, for unmap_physical. @throws out_of_memory, cuda_error
-  [[nodiscard]] virtual physical_handle map_physical(int device, device_ptr at, std::size_t bytes);
-  /// @brief cuMemUnmap of exactly what one map_physical mapped, then cuMemRelease of its
-  /// handle. The caller guarantees no work that may still touch the range (the reuse rule's
-  /// fence completed): unmapping memory a kernel uses is a crash. @throws cuda_error
-  virtual void unmap_physical(int device, device_ptr at, std::size_t bytes, physical_handle h);
+  /// @brief cuMemCreate of `bytes` (a multiple of the page size) of the device's memory,
+  /// exportable to another process as a POSIX file descriptor where the driver allows it
+  /// (export_physical). @throws out_of_memory, cuda_error
+  [[nodiscard]] virtual physical_handle create_physical(int device, std::size_t bytes);
+  /// @brief cuMemRelease: the memory goes back once no mapping of it is left (here or in a
+  /// process that imported it). @throws cuda_error
+  virtual void release_physical(int device, physical_handle h);
+  /// @brief cuMemMap of all of `h` at `at` (page aligned, inside a reservation, not mapped)
+  /// and cuMemSetAccess read/write for the device and its peers; all or nothing.
+  /// @throws cuda_error
+  virtual void map_physical(int device, device_ptr at, std::size_t bytes, physical_handle h);
+  /// @brief cuMemUnmap of exactly what one map_physical mapped; the handle stays, to be mapped
+  /// again or released. The caller guarantees no work that may still touch the range (the
+  /// reuse rule's fence completed): unmapping memory a kernel uses is a crash. @throws cuda_error
+  virtual void unmap_physical(int device, device_ptr at, std::size_t bytes);
+  /// @brief cuMemExportToShareableHandle as a POSIX file descriptor, which the caller owns
+  /// (and closes); another process imports it (import_physical) after receiving it over a Unix
+  /// socket. @throws cuda_error where `h` was made without that handle type
+  [[nodiscard]] virtual int export_physical(int device, physical_handle h);
+  /// @brief cuMemImportFromShareableHandle of a descriptor another process exported (still the
+  /// caller's to close): a handle to map and, when done, release. @throws cuda_error
+  [[nodiscard]] virtual physical_handle import_physical(int device, int fd);
 };
 
 /// @brief The process-wide CUDA driver implementation. Loading is deferred to its first call;

@@ -72,7 +72,7 @@ class host_driver final : public driver {
   /// CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (the pool falls back to fixed
   /// segments). On by default, with 2 MiB pages.
   void set_vmm_supported(bool on);
-  /// @brief The next n calls to map_physical() fail with out_of_memory (cuMemCreate).
+  /// @brief The next n calls to create_physical() fail with out_of_memory (cuMemCreate).
   void fail_next_maps(int n);
   /// @brief The next n calls to unmap_physical() fail with a cuda_error.
   void fail_next_unmaps(int n);
@@ -88,11 +88,14 @@ class host_driver final : public driver {
     std::uint64_t device_syncs;
     std::uint64_t stream_id_queries;
     std::uint64_t dead_stream_uses;  ///< must stay 0: see the file comment
-    // Virtual memory management. Physical pages count against the device's capacity as
-    // segments do; bytes_mapped is not part of bytes_reserved.
-    std::uint64_t maps, unmaps;
-    std::size_t bytes_mapped;        ///< physical pages mapped, all devices
+    // Virtual memory management. Physical memory counts against the device's capacity as
+    // segments do, from its creation until its last handle is released and its last mapping
+    // unmapped; bytes_physical is not part of bytes_reserved.
+    std::uint64_t maps, unmaps, creates, releases, exports, imports;
+    std::size_t bytes_physical;      ///< physical memory alive, all devices
+    std::size_t bytes_mapped;        ///< physical memory mapped, all devices
     std::size_t live_mappings;
+    std::size_t live_handles;        ///< created or imported, not released
     std::size_t live_reservations;
     std::size_t bytes_address_reserved;
   };
@@ -122,24 +125,36 @@ class host_driver final : public driver {
   void host_deallocate(int device, void* ptr) override;
   void host_register(int device, void* ptr, std::size_t bytes, unsigned flags) override;
   void host_unregister(int device, void* ptr) override;
-  // VMM, modelled as CUDA checks it: reservations are page aligned; a mapping must lie inside
-  // one reservation, page aligned, over no other mapping; an unmap must name exactly one
-  // mapping and its handle; a reservation is freed whole and only once it holds no mapping.
+  // VMM, modelled as CUDA checks it: reservations are page aligned; a mapping maps all of one
+  // live handle, inside one reservation, page aligned, over no other mapping; an unmap names
+  // exactly one mapping; a reservation is freed whole and only once it holds no mapping; the
+  // memory lives while a handle to it (created, or imported from an exported descriptor) or a
+  // mapping of it does. Export gives a real descriptor (a memfd naming the memory), which
+  // import reads back: within one host_driver, as the model has no memory across processes.
   [[nodiscard]] std::size_t vmm_page_size(int device) override;
   [[nodiscard]] device_ptr reserve_address(int device, std::size_t bytes) override;
   void free_address(int device, device_ptr base, std::size_t bytes) override;
-  [[nodiscard]] physical_handle map_physical(int device, device_ptr at, std::size_t bytes) override;
-  void unmap_physical(int device, device_ptr at, std::size_t bytes, physical_handle h) override;
+  [[nodiscard]] physical_handle create_physical(int device, std::size_t bytes) override;
+  void release_physical(int device, physical_handle h) override;
+  void map_physical(int device, device_ptr at, std::size_t bytes, physical_handle h) override;
+  void unmap_physical(int device, device_ptr at, std::size_t bytes) override;
+  [[nodiscard]] int export_physical(int device, physical_handle h) override;
+  [[nodiscard]] physical_handle import_physical(int device, int fd) override;
 
  private:
   struct reservation {
     int device;
     std::size_t bytes;
   };
+  struct memory {
+    int device;
+    std::size_t bytes;
+    std::size_t holders;  // live handles and mappings
+  };
   struct mapping {
     int device;
     std::size_t bytes;
-    physical_handle handle;
+    std::uint64_t memory;
   };
   struct segment {
     int device;
@@ -149,6 +164,7 @@ class host_driver final : public driver {
   void check_device(int device) const;
   void wait_for_work(std::unique_lock<std::mutex>& lock);  // sync_wait_, the lock let go
   std::uint64_t live_stream_id(stream_handle stream, char const* call);  // mutex_ held
+  void drop_holder(std::uint64_t memory);  // mutex_ held: the memory goes with its last
 
   mutable std::mutex mutex_;
   int devices_;
@@ -158,7 +174,10 @@ class host_driver final : public driver {
   std::map<device_ptr, segment> segments_;
   std::map<device_ptr, reservation> reservations_;
   std::map<device_ptr, mapping> mappings_;
+  std::map<std::uint64_t, memory> memories_;
+  std::map<physical_handle, std::uint64_t> handles_;  // live handle -> its memory
   physical_handle next_handle_ = 1;
+  std::uint64_t next_memory_ = 1;
   bool vmm_supported_ = true;
   int fail_maps_ = 0;
   int fail_unmaps_ = 0;

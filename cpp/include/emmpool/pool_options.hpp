@@ -42,10 +42,12 @@ struct pool_options {
   std::size_t growable_room{20u << 20};  ///< growth maps up to this much of the free block
                                          ///< it carves (room for the next requests); 0: only
                                          ///< the pages the request needs
-  bool growable_hysteresis{true};       ///< at a new peak, unmap only the wholly free pages
-                                        ///< that keep reserved at the peak, not all of them
-                                        ///< (detail/growable_space.hpp); trim, the cap and
-                                        ///< the out-of-memory ladder unmap all of them
+  /// Mapped bytes that free blocks of the growable segment keep when the pool grows past its
+  /// peak of reserved memory; beyond, their pages go back first (the largest free blocks',
+  /// from the top down: detail/growable_space.hpp). Freed pages otherwise stay mapped and are
+  /// reused, as PyTorch's expandable segments keep theirs. trim(), the cap and the
+  /// out-of-memory ladder unmap every wholly free page.
+  std::size_t growable_free_limit{std::size_t{64} << 20};
 
   /// @brief Check that the options are consistent (the device's own limits aside).
   /// @throws std::invalid_argument saying which is not

@@ -43,8 +43,11 @@ struct pool_stats {
                                      ///< that may be gone (reuse_rule.hpp)
   std::uint64_t out_of_memory{};     ///< times the whole ladder failed (a request retried
                                      ///< after an out-of-memory callback counts each time)
-  std::uint64_t page_maps{};         ///< growable segments: pages mapped (cuMemCreate + cuMemMap)
-  std::uint64_t page_unmaps{};       ///< growable segments: pages unmapped and released
+  std::uint64_t page_maps{};         ///< growable segments: pages mapped (cuMemMap)
+  std::uint64_t page_unmaps{};       ///< growable segments: pages unmapped (cuMemUnmap)
+  std::uint64_t page_creates{};      ///< growable segments: pages made (cuMemCreate); a map
+                                     ///< without one moved a page freed elsewhere
+  std::uint64_t page_releases{};     ///< growable segments: pages released (cuMemRelease)
   std::array<std::size_t, alloc_tag_count> bytes_in_use_by_tag{};
   std::array<std::uint64_t, alloc_tag_count> allocations_by_tag{};
 

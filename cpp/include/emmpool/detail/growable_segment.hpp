@@ -13,7 +13,12 @@
  * Pending blocks (and their pages) are never unmapped.
  *
  * One physical allocation per page (as PyTorch's expandable segments), so that any page can
- * go back on its own. Which pages go back when: detail/growable_space.hpp. Internal to device_pool; not thread-safe (the pool's mutex).
+ * go back on its own, or move: a page unmapped from a free block may be kept ("spare") and
+ * mapped again under another block, which costs a cuMemUnmap and a cuMemMap where a new page
+ * would cost a cuMemCreate too (and its release a cuMemRelease). Spare pages are memory the
+ * pool holds. Which pages go back or move when: detail/growable_space.hpp. Pages are created
+ * exportable where the driver allows (IPC: export). Internal to device_pool; not thread-safe
+ * (the pool's mutex).
  */
 #pragma once
 
@@ -37,34 +42,52 @@ class growable_pages {
   [[nodiscard]] device_ptr base() const noexcept { return base_; }
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
   [[nodiscard]] std::size_t page_size() const noexcept { return page_; }
-  /// Bytes physically mapped: what the pool counts as reserved.
+  /// Bytes physically mapped.
   [[nodiscard]] std::size_t mapped_bytes() const noexcept { return mapped_pages_ * page_; }
+  /// Bytes of spare pages: held, not mapped.
+  [[nodiscard]] std::size_t spare_bytes() const noexcept { return spare_.size() * page_; }
+  /// Memory held: mapped and spare pages (what the pool counts as reserved).
+  [[nodiscard]] std::size_t held_bytes() const noexcept { return mapped_bytes() + spare_bytes(); }
 
   /// Bytes of unmapped pages overlapping [ptr, ptr + bytes).
   [[nodiscard]] std::size_t unmapped_in(device_ptr ptr, std::size_t bytes) const noexcept;
   /// Mapped bytes inside [ptr, ptr + bytes) (a page partly inside counts its part).
   [[nodiscard]] std::size_t mapped_overlap(device_ptr ptr, std::size_t bytes) const noexcept;
-  /// Map every unmapped page overlapping [ptr, ptr + bytes); all or nothing: on failure the
-  /// pages this call mapped are unmapped again. @return bytes newly mapped
+  /// What map() did: bytes mapped, and of them bytes of new pages (the rest were spare).
+  struct mapped_result {
+    std::size_t mapped{};
+    std::size_t created{};
+  };
+  /// Map every unmapped page overlapping [ptr, ptr + bytes), spare pages first; all or
+  /// nothing: on failure the pages this call mapped are unmapped again (and kept spare).
   /// @throws out_of_memory, cuda_error
-  std::size_t map(device_ptr ptr, std::size_t bytes);
+  mapped_result map(device_ptr ptr, std::size_t bytes);
   /// Unmap the mapped pages lying wholly inside [ptr, ptr + bytes), the highest first, at
-  /// most `limit` bytes of them. @return bytes unmapped
-  /// @throws cuda_error (pages unmapped before the failure stay unmapped; mapped_bytes() says)
-  std::size_t unmap_inside(device_ptr ptr, std::size_t bytes, std::size_t limit);
-  /// Unmap every page and free the reservation. @throws cuda_error (consistent as above)
+  /// most `limit` bytes of them; kept spare, or released. @return bytes unmapped
+  /// @throws cuda_error (pages unmapped before the failure stay unmapped: the counts say)
+  std::size_t unmap_inside(device_ptr ptr, std::size_t bytes, std::size_t limit, bool keep);
+  /// Release spare pages, at most `limit` bytes. @return bytes released
+  std::size_t release_spares(std::size_t limit);
+  /// Unmap and release every page and free the reservation. @throws cuda_error (consistent
+  /// as above)
   void release();
 
-  /// Counters for statistics and tests.
+  /// The physical handle of the mapped page holding `ptr` (export), 0 if it is not mapped.
+  [[nodiscard]] physical_handle handle_at(device_ptr ptr) const noexcept;
+
+  /// Counters for statistics and tests: driver calls, and pages made and released.
   [[nodiscard]] std::uint64_t maps() const noexcept { return maps_; }
   [[nodiscard]] std::uint64_t unmaps() const noexcept { return unmaps_; }
+  [[nodiscard]] std::uint64_t creates() const noexcept { return creates_; }
+  [[nodiscard]] std::uint64_t releases() const noexcept { return releases_; }
 
  private:
   [[nodiscard]] bool mapped(std::size_t page) const noexcept
   {
     return page < mapped_.size() && mapped_[page];
   }
-  void unmap_page(std::size_t page);
+  void unmap_page(std::size_t page, bool keep);  // kept spare, or released
+  [[nodiscard]] physical_handle take_page();     // a spare, else a new one
 
   driver* driver_;
   int device_;
@@ -75,8 +98,11 @@ class growable_pages {
   std::vector<physical_handle> handles_;
   std::vector<bool> mapped_;
   std::size_t mapped_pages_{};
+  std::vector<physical_handle> spare_;  // held, unmapped, newest last
   std::uint64_t maps_{};
   std::uint64_t unmaps_{};
+  std::uint64_t creates_{};
+  std::uint64_t releases_{};
 };
 
 }  // namespace emmpool::detail

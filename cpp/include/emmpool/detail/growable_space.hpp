@@ -9,14 +9,16 @@
  * pages are already mapped; missing pages are mapped, with up to growable_room of the block
  * beyond the request (room for the next requests of that size).
  *
- * Giving pages back, and its hysteresis: a map that would pass the pool's peak reserved first
- * unmaps wholly free pages, but only as many as keep reserved at the peak (the largest free
- * blocks' first, from the top down); the peak grows only where free pages do not cover the
- * request, as when every free page went back (options' growable_hysteresis false, the first
- * version), which unmapped and mapped again, step after step, what a loop whose shapes change
- * every step needs next (PyTorch training on an H100: 32.8 ms/step, 15.8 with fixed segments).
- * A map that would pass the cap, trim, the out-of-memory ladder and reset unmap every wholly
- * free page. Not thread-safe: the pool's mutex.
+ * Giving pages back, or moving them: freed pages stay mapped and serve later requests (a free
+ * block whose pages are mapped is preferred to a tighter fit that needs new ones), as
+ * PyTorch's expandable segments keep theirs. When a request needs pages none of the free
+ * blocks can lend in place, the free pages beyond options' growable_free_limit move under it
+ * (the largest free blocks', from the top down, so that the mapped part of the address space
+ * shrinks from its end): a cuMemUnmap and a cuMemMap each, no cuMemCreate or cuMemRelease, and
+ * no new memory. New pages are made only for what the free pages within the limit, kept for
+ * later requests, do not cover. A map that would pass the cap, trim, the out-of-memory ladder
+ * and reset give every wholly free page back; so does a fixed segment's growth past the peak,
+ * beyond the limit. Not thread-safe: the pool's mutex.
  */
 #pragma once
 
@@ -67,10 +69,11 @@ class growable_space {
   /// The best fit (or a mapped candidate) of at least `rounded` bytes; nothing if none fits, or
   /// if its pages would need mapping and !may_map.
   [[nodiscard]] claim claim_best_fit(std::size_t rounded, alloc_tag tag, bool may_map);
-  /// What must go back to the driver before the claim's pages are mapped: 0 (nothing),
-  /// c.need (the mapping makes a new peak: the pool gives back its wholly free large fixed
-  /// segments, then unmap_for_peak), or all_free (the cap: everything wholly free).
-  [[nodiscard]] std::size_t room_for(claim const& c) const noexcept;
+  /// Before the claim's pages are mapped: the free pages beyond the limit move under it (kept
+  /// spare for finish()), as many as it and its room need, if `may_move` (no capture and no
+  /// deferred cleanup: a move unmaps). @return bytes of new pages it still needs (the pool
+  /// makes room for them first: device_pool::take_growable)
+  std::size_t prepare(claim const& c, bool may_move);
   /// The claimed block, its pages mapped, split to the request; null (the block back on the
   /// free list) at the cap or out of memory.
   block* finish(claim const& c);
@@ -80,12 +83,12 @@ class growable_space {
   /// (then fixed segments only, from now on). `segments`: the pool's, by base.
   bool ensure_segment(std::size_t rounded, segment_map& segments);
 
-  /// Unmap wholly free pages, at most `limit` bytes, the largest free blocks' first.
-  /// @return bytes unmapped
-  std::size_t unmap_free(std::size_t limit);
-  /// About to map `need` bytes (or grow a fixed segment by it) past the peak: unmap what keeps
-  /// reserved at the peak (hysteresis), or every wholly free page (without). @return bytes
-  std::size_t unmap_for_peak(std::size_t need);
+  /// Unmap wholly free pages, at most `limit` bytes, the largest free blocks' first: kept
+  /// spare (`keep`), or released with every spare page (all_free). @return bytes released
+  std::size_t unmap_free(std::size_t limit, bool keep);
+  /// A fixed segment grows past the peak: the free pages beyond the limit go back first.
+  /// @return bytes released
+  std::size_t unmap_for_peak();
   static constexpr std::size_t all_free = ~std::size_t{0};
   /// The segment goes with a reset(): released if `segments` holds it wholly free (then
   /// erased there), else its pages stay mapped (retired with its live blocks).
@@ -98,22 +101,26 @@ class growable_space {
 
   /// The segment's free blocks (address space): a block of it comes back here (coalesce).
   [[nodiscard]] free_lists& free_list() noexcept { return free_; }
-  /// Mapped bytes inside free blocks (stats' bytes_free).
-  [[nodiscard]] std::size_t free_mapped_bytes() const;
-  /// Bytes mapped (what the segment counts in reserved).
-  [[nodiscard]] std::size_t mapped_bytes() const noexcept
+  /// Memory held and free: mapped bytes inside free blocks, and spare pages (stats'
+  /// bytes_free).
+  [[nodiscard]] std::size_t free_bytes() const;
+  /// Memory held: mapped and spare pages (what the segment counts in reserved).
+  [[nodiscard]] std::size_t held_bytes() const noexcept
   {
-    return pages_ ? pages_->mapped_bytes() : 0;
+    return pages_ ? pages_->held_bytes() : 0;
   }
 
  private:
-  bool map_for(claim const& c);  // after room_for
+  bool map_for(claim const& c);  // after prepare
+  [[nodiscard]] std::size_t room_of(claim const& c) const noexcept;  // what its map may cover
+  [[nodiscard]] std::size_t free_mapped_bytes() const;  // mapped bytes inside free blocks
+  std::size_t release_spares(std::size_t bytes);       // @return bytes released
   [[nodiscard]] bool fits(std::size_t n) const noexcept
   {
     return cap_->fits(stats_->bytes_reserved, n);
   }
-  void count_mapped(device_ptr at, std::size_t n, std::uint8_t tag);
-  void count_unmapped(std::size_t n);
+  void count_mapped(device_ptr at, growable_pages::mapped_result r, std::uint8_t tag);
+  std::size_t count_released(std::size_t held_before);  // reserved shrinks by what went
 
   driver* driver_;
   int device_;
@@ -126,7 +133,7 @@ class growable_space {
   std::size_t small_request_{};
   std::size_t reserve_{};         // options' growable_reserve (0: the device's memory)
   std::size_t room_{};
-  bool hysteresis_{};
+  std::size_t free_limit_{};      // options' growable_free_limit
   std::unique_ptr<growable_pages> pages_;  // the segment's pages
   segment* seg_{};
   std::vector<std::unique_ptr<growable_pages>> retired_;  // left mapped by a reset
