@@ -73,6 +73,7 @@ def test_growth_past_the_peak_reuses_pages_and_blocks_stay_usable():
         pool.deallocate(p)
 
 
+@pytest.mark.ipc
 def test_block_of_a_growable_segment_refuses_ipc_clearly():
     pool = growable_pool()
     c = pool.allocate(4 * MiB, tag=CUPY_TAG)
@@ -105,6 +106,7 @@ def test_hysteresis_maps_fewer_pages_per_step_on_the_cuda_driver():
     assert on["ms_per_step"] <= off["ms_per_step"] * 1.10, (on, off)
 
 
+@pytest.mark.ipc
 @pytest.mark.parametrize("scenario", ["IPC_PRODUCER", "IPC_SAME_SEGMENT_OPEN_TOGETHER",
                                       "IPC_FOREIGN", "ALLOC_SIZES"])
 def test_numba_ipc_and_allocations_with_growable_segments(scenario, monkeypatch, numba_package):

@@ -12,6 +12,7 @@ from tests.test_gpu_numba import check, run
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.cupy,
     pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs CuPy"),
 ]
 

@@ -14,6 +14,7 @@ from tests.test_gpu_numba import check, run
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.rmm,
     pytest.mark.skipif(importlib.util.find_spec("rmm") is None, reason="needs RMM (rmm-cu13)"),
 ]
 

@@ -20,6 +20,8 @@ import pytest
 
 from tests.processes import run_python
 
+pytestmark = pytest.mark.torch
+
 
 def _unavailable() -> str | None:
     """Why these tests cannot run here (they need PyTorch and a GPU, not Numba: not the `gpu`
@@ -130,6 +132,7 @@ def test_torch_compile(extension_builds):
     assert r == {"default": True, "max-autotune-no-cudagraphs": True}, r
 
 
+@pytest.mark.ipc
 @pytest.mark.parametrize("child", ["extension", "native"])
 def test_cross_process_tensor_sharing(child, extension_builds):
     r, raised, out = scenario("ipc", "extension", child, env={"EMMPOOL_SEGMENTS": "fixed"})
@@ -138,6 +141,7 @@ def test_cross_process_tensor_sharing(child, extension_builds):
     assert r["written_back"], r
 
 
+@pytest.mark.ipc
 def test_cross_process_sharing_of_a_growable_block_raises_emmpool_error(extension_builds):
     """README: under EMMPOOL_SEGMENTS=growable a tensor above 1 MiB lives in VMM-mapped pages,
     which have no cuIpcGetMemHandle handle: sharing it raises emmpool's error, naming the way
@@ -149,6 +153,7 @@ def test_cross_process_sharing_of_a_growable_block_raises_emmpool_error(extensio
     assert raised is None and r["child_sum"] == r["expected"], out
 
 
+@pytest.mark.ipc
 def test_cross_process_pluggable_raises_pytorchs_error():
     _, raised, out = scenario("ipc", "pluggable")
     assert raised is not None and "does not yet support shareipchandle" in raised.lower(), out  # PyTorch spells it shareIPcHandle

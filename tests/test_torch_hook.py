@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.torch
+
 C_ENTRIES = textwrap.dedent(
     """
     import ctypes
