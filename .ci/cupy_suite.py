@@ -54,7 +54,7 @@ PLUGIN = textwrap.dedent(
     _done = [0]
 
     def pytest_configure(config):
-        if os.environ.get("EMMPOOL_CUPY_SUITE") == "emmpool":
+        if os.environ.get("EMMCI_CUPY_SUITE") == "emmpool":
             import emmpool
             emmpool.use_for_cupy()
             _report()
@@ -69,7 +69,7 @@ PLUGIN = textwrap.dedent(
         _report()
 
     def _report():
-        if os.environ.get("EMMPOOL_CUPY_SUITE") != "emmpool":
+        if os.environ.get("EMMCI_CUPY_SUITE") != "emmpool":
             return
         import cupy, emmpool
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
@@ -82,7 +82,7 @@ PLUGIN = textwrap.dedent(
             "dormant_fences": sum(s["dormant_fences"] for s in stats.values()),
             "same_stream_reuses": sum(s["same_stream_reuses"] for s in stats.values()),
         }
-        path = os.path.join(os.environ["EMMPOOL_CUPY_SUITE_OUT"], f"emmpool-worker-{worker}.json")
+        path = os.path.join(os.environ["EMMCI_CUPY_SUITE_OUT"], f"emmpool-worker-{worker}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(record, f)
         os.replace(path + ".tmp", path)
@@ -211,7 +211,7 @@ def main() -> int:
     cache = plugin_dir / "kernel-cache"
     per_run_jobs = max(1, args.jobs // len(runs))
     for run, how in runs.items():
-        env = dict(os.environ, EMMPOOL_CUPY_SUITE=how, EMMPOOL_CUPY_SUITE_OUT=str(out),
+        env = dict(os.environ, EMMCI_CUPY_SUITE=how, EMMCI_CUPY_SUITE_OUT=str(out),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(plugin_dir), os.environ.get("PYTHONPATH")])),
                    CUPY_CACHE_DIR=str(cache))
         cmd = [sys.executable, "-m", "pytest", "-p", "emmpool_cupy_suite_plugin",

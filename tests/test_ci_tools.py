@@ -39,7 +39,7 @@ time.sleep(600)
 
 
 def test_a_scenario_that_hangs_is_stopped_with_every_threads_stack(monkeypatch):
-    monkeypatch.delenv("EMMPOOL_TEST_HANG_AFTER", raising=False)
+    monkeypatch.delenv("EMMCI_TEST_HANG_AFTER", raising=False)
     p = run_python(["-c", HANGS], timeout=2)
     assert p.returncode == HUNG and hung(p), (p.returncode, p.stderr)
     assert 'File "<string>", line 6 in <module>' in p.stderr, p.stderr  # the main thread
@@ -48,7 +48,7 @@ def test_a_scenario_that_hangs_is_stopped_with_every_threads_stack(monkeypatch):
 
 
 def test_hang_after_caps_the_timeout(monkeypatch):
-    monkeypatch.setenv("EMMPOOL_TEST_HANG_AFTER", "1")
+    monkeypatch.setenv("EMMCI_TEST_HANG_AFTER", "1")
     p = run_python(["-c", "import time; time.sleep(600)"], timeout=300)
     assert p.returncode == HUNG and "stopped after 1 s" in p.stderr, p.stderr
     p = run_python(["-c", "print('done')"], timeout=300)

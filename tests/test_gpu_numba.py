@@ -26,7 +26,7 @@ def run(code: str, *args: str, mode: str = "pool", manager: str | None = "emmpoo
     from emmpool import _numba_packages
 
     package = package or _numba_packages.NUMBA_CUDA
-    env = dict(os.environ, EMMPOOL_MODE=mode, EMMPOOL_TEST_CUDA=package.cuda)
+    env = dict(os.environ, EMMPOOL_MODE=mode, EMMCI_TEST_CUDA=package.cuda)
     env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
     if manager:
         env["NUMBA_CUDA_MEMORY_MANAGER"] = manager
