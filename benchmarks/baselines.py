@@ -3,8 +3,8 @@ both in one run: a GPU host's speed drifts between runs more than the changes me
 
     EMMCI_BENCH_BASELINES="before=/tmp/base-before main=/tmp/base-main"
 
-Each NAME=DIR is an emmpool installed with ``pip install --target DIR`` (.ci/gpu builds them from
-the source trees under .baseline/). A benchmark adds a configuration ``emmpool@NAME`` whose
+Each NAME=DIR is an emmpool installed with ``pip install --target DIR`` (.ci/gpu.py builds them
+from the source trees under .baseline/). A benchmark adds a configuration ``emmpool@NAME`` whose
 child process finds DIR first on PYTHONPATH; :func:`check_imported` makes that child fail
 rather than time the wrong build.
 """

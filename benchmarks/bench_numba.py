@@ -875,7 +875,7 @@ def _merge_paired(rounds):
 
 def _deadline(args):
     """When the results must be written, in time.time() seconds, or None: --time-limit from
-    now, else EMMCI_BENCH_DEADLINE (.ci/gpu sets it from the step's timeout), whichever is
+    now, else EMMCI_BENCH_DEADLINE (.ci/gpu.py sets it from the step's timeout), whichever is
     sooner. A run cut off by a timeout would leave nothing; one that stops at its deadline
     keeps the rounds it finished."""
     limits = []

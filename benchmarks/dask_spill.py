@@ -52,7 +52,7 @@ result is still held: a worker that lets go of spilled data reads it back to dev
 
 Each setup runs in a child process of its own (an allocator is fixed per process), which this
 process kills with its workers at ``--setup-timeout`` or at the run's deadline
-(``--time-limit``, or EMMCI_BENCH_DEADLINE, which .ci/gpu sets); a setup that would start
+(``--time-limit``, or EMMCI_BENCH_DEADLINE, which .ci/gpu.py sets); a setup that would start
 too close to the deadline is reported skipped. An unreported warm-up (``none``, a small job)
 takes the run's cold caches first (``--no-warmup`` skips it). Writes DIR/dask_spill.md (also
 printed) and DIR/dask_spill.json, and each setup's log under DIR/dask_spill-logs/. Exit status

@@ -3,8 +3,8 @@ driver's virtual memory management behind the seam (cuMemAddressReserve, cuMemCr
 cuMemSetAccess, cuMemUnmap), memory that kernels and copies really use, the fragmentation
 replay on the CUDA driver, and Numba's IPC with EMMPOOL_SEGMENTS=growable.
 
-`.ci/gpu` runs these in every GPU run; EMMPOOL_SEGMENTS=growable on the whole pytest step runs
-every other GPU test (Numba's, CuPy's, PyTorch's) in the new mode as well."""
+`.ci/gpu.py` runs these in every GPU run; `EMMPOOL_SEGMENTS=growable python3 .ci/gpu.py --only
+pytest` runs every other GPU test (Numba's, CuPy's, PyTorch's) in that mode as well."""
 
 from __future__ import annotations
 
