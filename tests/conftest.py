@@ -77,7 +77,8 @@ def installed_or_skip(name: str):
     return package
 
 
-@pytest.fixture(params=["numba-cuda", "numba-cuda-mlir"])
+@pytest.fixture(params=["numba-cuda",
+                        pytest.param("numba-cuda-mlir", marks=pytest.mark.numba_mlir)])
 def numba_package(request):
     """Each package that provides Numba's CUDA target, where installed."""
     return installed_or_skip(request.param)
