@@ -241,3 +241,107 @@ def test_outdir_of_something_else_is_refused(tmp_path):
     p = run_runner(str(tmp_path))
     assert p.returncode == 2 and "refusing to clear it" in p.stderr
     assert (tmp_path / "data.csv").exists()
+
+
+# ---- the CUDA 12 site's preload ----------------------------------------------------------------
+def test_the_cuda_12_site_loads_its_libraries_first_and_runs_the_sitecustomize_it_shadows(tmp_path):
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps (Linux)")
+    import ctypes
+
+    # zlib stands in for cudart: what is checked is that a process has the site's copy mapped
+    # from its start, before anything asked for it.
+    try:
+        ctypes.CDLL("libz.so.1")
+    except OSError:
+        pytest.skip("no libz.so.1 here to stand in for a CUDA library")
+    maps = Path("/proc/self/maps").read_text().split()
+    zlib = next(word for word in maps if os.path.basename(word).startswith("libz.so"))
+    site, other = tmp_path / "site-cu12", tmp_path / "other"
+    lib = site / "nvidia/cuda_runtime/lib/libcudart.so.12"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(Path(zlib).read_bytes())
+    (site / "sitecustomize.py").write_text((CI / "cu12_sitecustomize.py").read_text())
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("print('shadowed sitecustomize ran')\n")
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{other}")
+    p = subprocess.run([sys.executable, "-c", "print(open('/proc/self/maps').read())"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert str(lib) in p.stdout  # mapped at startup, from the site
+    assert p.stdout.startswith("shadowed sitecustomize ran\n")
+    assert p.stderr == ""  # the libraries not carried (NVRTC, ...) are left alone, silently
+
+
+# ---- the suite steps, over stand-ins for the suites ------------------------------------------
+# A stand-in for `python`: numba.runtests and pytest print what they would (one test of each
+# outcome the comparison reads); anything else runs for real.
+FAKE_PYTHON = r"""
+import os, sys
+args = sys.argv[1:]
+plugin = os.environ.get("NUMBA_CUDA_MEMORY_MANAGER") == "emmpool.plugin"
+if args[:2] == ["-m", "numba.runtests"]:
+    print("test_a (numba.cuda.tests.cudapy.test_x.TestX.test_a) ... ok")
+    print("test_b (numba.cuda.tests.cudapy.test_x.TestX.test_b) ... " + ("FAIL" if plugin and
+          os.environ.get("EMMPOOL_MODE") == "passthrough" else "ok"))
+    print("\n" + "-" * 70 + "\nRan 2 tests in 0.100s\n\nOK")
+elif args[:2] == ["-m", "pytest"]:
+    print("=" * 20 + " test session starts " + "=" * 20)
+    print("created: 2/2 workers")
+    print("[gw0] [ 50%] PASSED tests/test_y.py::test_c")
+    print("[gw1] [100%] PASSED tests/test_y.py::test_d")
+    print("=" * 20 + " 2 passed in 0.50s " + "=" * 20)
+elif args and args[0].endswith("numba_mlir_check.py"):
+    print("OK")
+else:
+    os.execv(sys.executable, [sys.executable, *args])
+"""
+
+
+def stand_in_runner(gpu, tmp_path, argv):
+    fake = tmp_path / "fake_python.py"
+    fake.write_text(FAKE_PYTHON)
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    runner = gpu.Runner(gpu.parse_args(argv + [str(out)]), out, dry=False)
+    runner.summary.write_text("step rc secs note\n")
+    runner.python = lambda *args: [sys.executable, str(fake), *args]
+    return runner, out
+
+
+def test_numba_suite_runs_each_phase_and_compares_each_mode(gpu, tmp_path):
+    runner, out = stand_in_runner(gpu, tmp_path, ["--numba-modes", "pool,passthrough",
+                                                  "--suite-jobs", "2"])
+    step = next(s for s in gpu.STEPS if s.name == "numba-suite")
+    assert runner.step_numba_suite(step) == 1  # passthrough: test_b regressed
+    summary = runner.summary.read_text()
+    for run in ("default-serial", "pool-serial", "default-targeted", "passthrough-targeted",
+                "default-parallel", "pool-parallel"):
+        assert f"suite-{run} " in summary
+        assert "Ran 2 tests in 0.100s; OK" in summary
+        log = (out / "logs" / f"suite-{run}.txt").read_text()
+        assert log.startswith(f"[.ci/gpu] {run}: ") and f"[.ci/gpu] {run}: rc=0 after " in log
+    assert "RESULT: PASS" in (out / "compare-pool.txt").read_text()
+    verdict = (out / "compare-passthrough.txt").read_text()
+    assert "RESULT: FAIL: 1 unexpected regression" in verdict
+    assert "numba.cuda.tests.cudapy.test_x.TestX.test_b: ok -> FAIL" in verdict
+    assert "-m 2 -v numba.cuda.tests" in (out / "logs/suite-pool-parallel.txt").read_text()
+    assert "EMMPOOL_MODE=passthrough" in (out / "logs/suite-passthrough-targeted.txt").read_text()
+
+
+def test_mlir_checks_each_manager_then_compares_its_two_runs(gpu, tmp_path, monkeypatch):
+    suite = tmp_path / "suite"
+    (suite / "tests").mkdir(parents=True)
+    (suite / "pyproject.toml").write_text("")
+    tarball = tmp_path / "numba-cuda-mlir-tests-0.6.0.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(suite, arcname=".")
+    runner, out = stand_in_runner(gpu, tmp_path, ["--mlir-jobs", "2"])
+    monkeypatch.setattr(runner, "mlir_tarball", lambda: tarball)
+    step = next(s for s in gpu.STEPS if s.name == "mlir")
+    assert runner.step_mlir(step) == 0
+    assert (out / "logs/mlir/manager-check.txt").read_text().count("OK") == 2
+    assert "RESULT: PASS" in (out / "compare-mlir-pool.txt").read_text()
+    summary = runner.summary.read_text()
+    assert "compare-mlir" in summary and "\nmlir " in summary
+    assert "-n 2 --dist loadscope" in (out / "logs/mlir/mlir-pool.txt").read_text()
