@@ -4,7 +4,8 @@
     python3 .ci/cu12_check.py [--site DIR]
 
 Imports cuda.bindings (it must be 12.x) and asks each CUDA library the stack uses for its
-version: cudart, NVRTC, NVVM (compiling a kernel to PTX through Numba) and nvJitLink. Then it
+version: cudart, NVRTC, NVVM (the release that compiled a kernel to PTX through Numba) and
+nvJitLink. Then it
 reads which files of those libraries this process loaded (/proc/self/maps) and says, for each,
 whether it came from DIR (the CUDA 12 site the run carried, default /tmp/site-cu12) or from the
 host: a library not carried is found where cuda-pathfinder finds it, a CUDA 13 host's own
@@ -50,19 +51,20 @@ def versions() -> dict[str, str]:
         out["NVRTC"] = f"? ({type(e).__name__}: {e})"
     try:
         from numba import cuda
-        from numba.cuda.cudadrv.nvvm import NVVM
 
         def inc(a):
             i = cuda.grid(1)
             if i < a.size:
                 a[i] += 1
 
-        ptx, _ = cuda.compile_ptx(inc, "float64[:]")
+        # A compute capability of its own: no device is asked (and both CUDA 12 and 13 have it)
+        ptx, _ = cuda.compile_ptx(inc, "void(float64[:])", cc=(7, 5))
+        release = re.search(r"^// Cuda compilation tools, release (\S+?),", ptx, re.M)
         ptx_version = re.search(r"^\.version (\S+)", ptx, re.M)
-        out["NVVM"] = ".".join(map(str, NVVM().get_version()))
+        out["NVVM"] = release[1] if release else "?"
         out["PTX"] = ptx_version[1] if ptx_version else "?"
     except Exception as e:  # noqa: BLE001
-        out["NVVM"] = f"? ({type(e).__name__}: {e})"
+        out["NVVM"] = f"? ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     try:
         from cuda.bindings import nvjitlink
 

@@ -69,8 +69,9 @@ TARGETED_TESTS = ("numba.cuda.tests.cudapy.test_ipc", "numba.cuda.tests.cudadrv.
 # compute-sanitizer sees each allocation only in passthrough mode; it supports neither CUDA IPC
 # nor a fork after CUDA was used.
 SANITIZER_MARKERS = "gpu and passthrough and not ipc and not fork"
-# Under --cuda 12: emmpool's cuda.core path (and RMM's, where rmm-cu12 travels), and the parts of
-# CuPy's suite that need no CUDA library beyond NVRTC (no cuBLAS, cuSOLVER, ...).
+# Under --cuda 12: emmpool's cuda.core path (and RMM's, where rmm-cu12 travels: rmm-cu13 would
+# not import over cuda-bindings 12), and the parts of CuPy's suite that need no CUDA library
+# beyond NVRTC (no cuBLAS, cuSOLVER, ...).
 CU12_PYTEST_PATHS = ("tests/test_gpu_cuda_core.py", "tests/test_gpu_rmm.py")
 CU12_CUPY_SUBSET = ("tests/cupy_tests/creation_tests", "tests/cupy_tests/manipulation_tests",
                     "tests/cupy_tests/indexing_tests", "tests/cupy_tests/cuda_tests/test_stream.py")
@@ -546,6 +547,16 @@ class Runner:
                                timeout=120, cwd=self.work, env=self.env)
             why = (p.stderr.strip().splitlines() or ["?"])[-1]
             return None if p.returncode == 0 else f"no GPU: {why}"
+        if need == "cupy" and self.args.cuda == "12":
+            # The host's cupy-cuda13x imports too, and would run on CUDA 13: not this run's
+            site = os.path.realpath(self.args.site + "-cu12") + os.sep
+            code = (f"import cupy, os, sys; f = os.path.realpath(cupy.__file__); sys.exit(None "
+                    f"if f.startswith({site!r}) else f'the CUDA 12 site has no cupy-cuda12x "
+                    f"(bash .ci/gpu-wheels cu12-cupy): cupy is {{f}}')")
+            p = subprocess.run(self.python("-c", code), capture_output=True, text=True,
+                               timeout=300, cwd=self.work, env=self.env)
+            return None if p.returncode == 0 else \
+                (p.stderr.strip().splitlines() or ["?"])[-1][:200]
         if need in MODULES:
             p = subprocess.run(self.python("-c", f"import {MODULES[need]}"), capture_output=True,
                                text=True, timeout=300, cwd=self.work, env=self.env)
@@ -809,8 +820,10 @@ class Runner:
         if not seconds:
             return "-"
         t, log = time.monotonic(), self.logs / "pytest.txt"
-        paths = self.args.pytest_paths or (CU12_PYTEST_PATHS if self.args.cuda == "12"
-                                           else ("tests",))
+        paths = self.args.pytest_paths or ("tests",)
+        if self.args.cuda == "12" and not self.args.pytest_paths:
+            rmm = any((REPO / ".whl/cu12").glob("rmm_cu12-*"))
+            paths = [p for p in CU12_PYTEST_PATHS if rmm or "rmm" not in p]
         cwd = self.work / "pytest"
         if not self.dry:
             cwd.mkdir(exist_ok=True)
