@@ -80,12 +80,12 @@ def make_run(outdir: Path, loose: dict[str, str], logs: dict[str, str]):
 
 
 def test_results_are_copied_under_fixed_names_without_earlier_builds(results, tmp_path, capsys):
-    env = "date: 2026-01-02T03:04:05Z\nGPU 0: NVIDIA H200 (UUID: GPU-x)\n" \
+    env = "date: 1999-01-02T03:04:05Z\nGPU 0: NVIDIA H200 (UUID: GPU-x)\n" \
           "NVIDIA H200, 580.1, 143771 MiB, 0 MiB\nnumba-cuda           0.30.4\n"
     make_run(tmp_path / "out",
              {"summary.txt": "step rc secs note\nbaseline-before 0 40\n",
               "bench_numba.md": BENCH_MD, "compare-pool.txt": "RESULT: PASS\n",
-              "H200-2026-01-02-cupy-suite.txt": "REGRESSIONS: 0\n"},
+              "H200-1999-01-02-cupy-suite.txt": "REGRESSIONS: 0\n"},
              {"env.txt": env, "baseline-before.txt": ""})
     dest = tmp_path / "results"
     assert results.main([str(tmp_path / "out"), "--results", str(dest)]) == 0
@@ -95,7 +95,7 @@ def test_results_are_copied_under_fixed_names_without_earlier_builds(results, tm
         "emmpool@beforehand", "")
     assert (dest / "H200/numba-suite.txt").read_text().startswith(
         "# NVIDIA H200 (1 GPU), driver 580.1, numba-cuda 0.30.4; .ci/gpu.py run of "
-        "2026-01-02T03:04:05Z\nRESULT: PASS")
+        "1999-01-02T03:04:05Z\nRESULT: PASS")
     assert "row(s) of earlier builds (before) left out" in capsys.readouterr().out
 
 
