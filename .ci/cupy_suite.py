@@ -39,6 +39,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -181,6 +182,15 @@ def run_both(args, root: Path, out: Path) -> dict:
         procs[run] = (subprocess.Popen(cmd, cwd=root, env=env, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True),
                       log, time.monotonic())
+    def stop(signum, frame):  # stopped from outside: the runs go too (sessions of their own)
+        for p, _, _ in procs.values():
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
     status = {}
     for run, (p, log, t0) in procs.items():
         rc = wait_or_stop(p, args.timeout - (time.monotonic() - t0))

@@ -32,6 +32,7 @@ EMMCI_BENCH_BASELINES (earlier builds to time beside this one: benchmarks/baseli
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import datetime
 import glob
@@ -311,6 +312,21 @@ def parse_part(text: str | None) -> tuple[int, int] | None:
 
 
 # ---- processes -------------------------------------------------------------------------------
+_RUNNING: set = set()  # the Jobs not finished yet
+
+
+def stop_all(signum=None, frame=None) -> None:
+    """Kill every running Job's process group: each runs in a session of its own, which would
+    outlive the runner stopped from outside (a call's time limit, Ctrl-C) and hold the GPU."""
+    for job in list(_RUNNING):
+        try:
+            os.killpg(job.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if signum is not None:
+        sys.exit(128 + signum)
+
+
 class Job:
     """A command in a process group of its own, its output into a log, stopped at its timeout
     (SIGTERM, then SIGKILL after `grace` seconds): exit status 124, or 137 when it had to be
@@ -333,6 +349,7 @@ class Job:
         self.proc = subprocess.Popen(self.argv, cwd=self.cwd, env=self.env, stdout=self.log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
+        _RUNNING.add(self)
         return self
 
     def _say(self, text: str) -> None:
@@ -368,6 +385,7 @@ class Job:
         return 137
 
     def _finish(self, rc: int) -> None:
+        _RUNNING.discard(self)
         self.rc = rc
         self.seconds = round(time.monotonic() - self.t0)
         if self.name:
@@ -1351,6 +1369,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python3 .ci/gpu.py: {e}", file=sys.stderr)
         return 2
     if not args.dry_run:
+        atexit.register(stop_all)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, stop_all)
         outdir.mkdir(parents=True, exist_ok=True)
         for entry in outdir.iterdir():  # an earlier run's (resolve_outdir checked)
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()

@@ -187,6 +187,16 @@ def test_a_command_past_its_timeout_is_stopped_and_says_so(gpu, tmp_path):
     assert lines[-1].endswith("s (timeout)")  # what compare_numba.py reads (rc=124)
 
 
+def test_a_runner_stopped_from_outside_takes_its_running_commands_with_it(gpu, tmp_path):
+    job = gpu.Job([sys.executable, "-c", "import time; time.sleep(60)"], log=tmp_path / "x.txt",
+                  timeout=120, cwd=tmp_path, env=dict(os.environ)).start()
+    assert job in gpu._RUNNING
+    gpu.stop_all()  # what the runner's exit and signal handlers call
+    assert job.proc.wait(timeout=10) == -9
+    job.poll()
+    assert job not in gpu._RUNNING
+
+
 # ---- whole runs here, without a GPU ----------------------------------------------------------
 def run_runner(*argv, env=None):
     return subprocess.run([sys.executable, str(CI / "gpu.py"), *argv], capture_output=True,
@@ -304,6 +314,9 @@ def stand_in_runner(gpu, tmp_path, argv):
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
     runner = gpu.Runner(gpu.parse_args(argv + [str(out)]), out, dry=False)
+    runner.work.rmdir()  # its own temporary folder, made empty: the test's instead
+    runner.work = tmp_path / "work"
+    runner.work.mkdir()
     runner.summary.write_text("step rc secs note\n")
     runner.python = lambda *args: [sys.executable, str(fake), *args]
     return runner, out
