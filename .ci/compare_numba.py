@@ -597,7 +597,7 @@ FAILED (errors=1)
 """
 
 # pytest -v with pytest-xdist (pytest 9.2, xdist 3.8), as numba-cuda-mlir's suite is run by
-# .ci/gpu-numba-mlir: the default manager, complete; the plugin, complete; the plugin, cut off.
+# .ci/gpu.py (step mlir): the default manager, complete; the plugin, complete; the plugin, cut off.
 _MLIR_HA = "tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::"
 _SAMPLE_PYTEST_BASE = """\
 ============================= test session starts ==============================
@@ -682,7 +682,7 @@ tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::test_host_allo
 tests/test_array.py::test_param[a b] 
 [gw1] [ 22%] PASSED tests/test_array.py::test_param[a b] 
 tests/test_array.py::test_param[x::y] 
-[.ci/gpu-numba-mlir] pool: rc=124 after 300s (timeout)
+[.ci/gpu] mlir pool: rc=124 after 300s (timeout)
 """
 
 

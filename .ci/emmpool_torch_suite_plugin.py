@@ -1,10 +1,10 @@
 """The pytest plugin of .ci/torch_suite.py, loaded with -p in every pytest(-xdist) process of both
 runs (PYTHONPATH names this folder; no conftest.py is involved).
 
-With EMMPOOL_TORCH_SUITE=emmpool it calls ``emmpool.use_for_torch()`` at configure time: before
+With EMMCI_TORCH_SUITE=emmpool it calls ``emmpool.use_for_torch()`` at configure time: before
 pytest imports test_cuda.py (which asks ``torch.cuda.get_allocator_backend()`` at import) and
 before any CUDA allocation. In both runs each process that runs tests writes
-``$EMMPOOL_TORCH_SUITE_OUT/<run>-<phase>-<worker>.json``: the allocator PyTorch reports
+``$EMMCI_TORCH_SUITE_OUT/<run>-<phase>-<worker>.json``: the allocator PyTorch reports
 (``torch.cuda.memory.get_allocator_backend()``: "native" for PyTorch's own, "emmpool" for
 emmpool's extension, "pluggable" for its fallback), how emmpool was installed, and how many
 allocations PyTorch made through emmpool. Written at configure time, after every test and at
@@ -20,7 +20,7 @@ _state = {"tests": 0, "how": None, "active": False}
 
 
 def _run() -> str:
-    return os.environ.get("EMMPOOL_TORCH_SUITE", "")
+    return os.environ.get("EMMCI_TORCH_SUITE", "")
 
 
 def pytest_configure(config):
@@ -58,7 +58,7 @@ def _report():
         backend = f"? ({type(e).__name__}: {e})"
     record = {
         "run": _run(),
-        "phase": os.environ.get("EMMPOOL_TORCH_SUITE_PHASE", "all"),
+        "phase": os.environ.get("EMMCI_TORCH_SUITE_PHASE", "all"),
         "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
         "tests": _state["tests"],
         "how": _state["how"],
@@ -71,7 +71,7 @@ def _report():
         record["torch_allocations"] = sum(
             s["by_library"]["torch"]["allocations"] for s in emmpool.stats().values())
     name = f"{record['run']}-{record['phase']}-{record['worker']}.json"
-    path = os.path.join(os.environ["EMMPOOL_TORCH_SUITE_OUT"], name)
+    path = os.path.join(os.environ["EMMCI_TORCH_SUITE_OUT"], name)
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
     os.replace(path + ".tmp", path)

@@ -73,7 +73,7 @@ def phases(jobs: int, xdist: bool) -> list[tuple[str, list[str]]]:
 def run_env(run: str, out: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    env.update(EMMPOOL_TORCH_SUITE=run, EMMPOOL_TORCH_SUITE_OUT=str(out),
+    env.update(EMMCI_TORCH_SUITE=run, EMMCI_TORCH_SUITE_OUT=str(out),
                PYTORCH_TESTING_DEVICE_ONLY_FOR="cuda", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
     return env
@@ -89,7 +89,7 @@ def run_suite(run: str, root: Path, out: Path, args, extra: list[str], seconds: 
                    "-p", "no:randomly", "-v", *phase_args, *extra, "-k", args.k, args.file]
             log.write(f"## {phase}: {shlex.join(cmd)}\n")
             log.flush()
-            env = dict(run_env(run, out), EMMPOOL_TORCH_SUITE_PHASE=phase)
+            env = dict(run_env(run, out), EMMCI_TORCH_SUITE_PHASE=phase)
             p = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
             rc = wait_or_stop(p, seconds - (time.monotonic() - t0))

@@ -1,10 +1,10 @@
 """Earlier builds of emmpool timed in the same run as this one ("no slower than before" needs
 both in one run: a GPU host's speed drifts between runs more than the changes measured).
 
-    EMMPOOL_BENCH_BASELINES="before=/tmp/base-before main=/tmp/base-main"
+    EMMCI_BENCH_BASELINES="before=/tmp/base-before main=/tmp/base-main"
 
-Each NAME=DIR is an emmpool installed with ``pip install --target DIR`` (.ci/gpu builds them from
-the source trees under .baseline/). A benchmark adds a configuration ``emmpool@NAME`` whose
+Each NAME=DIR is an emmpool installed with ``pip install --target DIR`` (.ci/gpu.py builds them
+from the source trees under .baseline/). A benchmark adds a configuration ``emmpool@NAME`` whose
 child process finds DIR first on PYTHONPATH; :func:`check_imported` makes that child fail
 rather than time the wrong build.
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import os
 
-VARIABLE = "EMMPOOL_BENCH_BASELINES"
-_EXPECT = "EMMPOOL_BENCH_EXPECT_DIR"
+VARIABLE = "EMMCI_BENCH_BASELINES"
+_EXPECT = "EMMCI_BENCH_EXPECT_DIR"
 
 
 def baselines() -> list[tuple[str, str]]:
-    """(name, directory) for each entry of EMMPOOL_BENCH_BASELINES, in order."""
+    """(name, directory) for each entry of EMMCI_BENCH_BASELINES, in order."""
     out = []
     for item in os.environ.get(VARIABLE, "").split():
         name, sep, path = item.partition("=")

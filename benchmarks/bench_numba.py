@@ -737,7 +737,7 @@ def _markdown(report):
 
     if report.get("rounds_asked", report["rounds"]) > report["rounds"]:
         note(f"- stopped after {report['rounds']} of {report['rounds_asked']} rounds: the next "
-             "would have passed the time limit (--time-limit, EMMPOOL_BENCH_DEADLINE)")
+             "would have passed the time limit (--time-limit, EMMCI_BENCH_DEADLINE)")
 
     for name in managers:
         r = managers.get(name)
@@ -875,14 +875,14 @@ def _merge_paired(rounds):
 
 def _deadline(args):
     """When the results must be written, in time.time() seconds, or None: --time-limit from
-    now, else EMMPOOL_BENCH_DEADLINE (.ci/gpu sets it from the step's timeout), whichever is
+    now, else EMMCI_BENCH_DEADLINE (.ci/gpu.py sets it from the step's timeout), whichever is
     sooner. A run cut off by a timeout would leave nothing; one that stops at its deadline
     keeps the rounds it finished."""
     limits = []
     if args.time_limit is not None:
         limits.append(time.time() + args.time_limit)
-    if os.environ.get("EMMPOOL_BENCH_DEADLINE"):
-        limits.append(float(os.environ["EMMPOOL_BENCH_DEADLINE"]))
+    if os.environ.get("EMMCI_BENCH_DEADLINE"):
+        limits.append(float(os.environ["EMMCI_BENCH_DEADLINE"]))
     return min(limits, default=None)
 
 
@@ -895,7 +895,7 @@ def parent_main(args):
     sys.path.insert(0, HERE)
     import baselines
 
-    # Earlier builds (EMMPOOL_BENCH_BASELINES), timed in every round like emmpool itself.
+    # Earlier builds (EMMCI_BENCH_BASELINES), timed in every round like emmpool itself.
     earlier = [(f"emmpool@{name}", {"EMMPOOL_MODE": "pool", **baselines.child_env(path)})
                for name, path in baselines.baselines()]
     ALL_ROUNDS.update(name for name, _ in earlier)
@@ -1030,7 +1030,7 @@ def main(argv=None):
                         "(default 4)")
     p.add_argument("--managers", nargs="+", metavar="NAME",
                    help="run only these managers (emmpool@NAME: an earlier build named in "
-                        "EMMPOOL_BENCH_BASELINES, see baselines.py)")
+                        "EMMCI_BENCH_BASELINES, see baselines.py)")
     p.add_argument("--pairing", choices=("in-process", "process"), default="in-process",
                    help="in-process (default): each round is one process in which emmpool is "
                         "installed and the other managers swapped in block by block, and the "

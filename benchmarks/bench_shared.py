@@ -10,7 +10,7 @@ One child process per configuration (an allocator is fixed at a library's first 
   CuPy, the size itself for PyTorch; nothing touches the memory of an ``empty``), i.e. what
   CuPy's CFunctionAllocator and PyTorch's CUDAPluggableAllocator cost by themselves;
 - ``emmpool``: ``emmpool.use_for_cupy()`` / ``use_for_torch()``;
-- ``emmpool@NAME``: an earlier build of emmpool (``EMMPOOL_BENCH_BASELINES``, baselines.py);
+- ``emmpool@NAME``: an earlier build of emmpool (``EMMCI_BENCH_BASELINES``, baselines.py);
 - ``emmpool-direct`` (CuPy): the same C functions without the hook's C wrapper (the size rounded to 512 bytes, and the null check where CuPy needs it).
 
 Reports, per configuration and size, the median ns per empty()+del over timed blocks (the best
@@ -127,7 +127,7 @@ def main() -> None:
     # over the minute lands on every configuration alike; each cell is the best round.
     rounds: dict = {}
     earlier = {f"emmpool@{name}": baselines.child_env(path)
-               for name, path in baselines.baselines()}  # EMMPOOL_BENCH_BASELINES
+               for name, path in baselines.baselines()}  # EMMCI_BENCH_BASELINES
     for rnd in range(args.rounds):
         order = ",".join(str(n) for n in SIZES[rnd % len(SIZES):] + SIZES[:rnd % len(SIZES)])
         for lib, allocs in CONFIGS.items():

@@ -13,7 +13,7 @@ answered from emmpool's pool, which holds PyTorch's memory alone here) plus, for
 emmpool.stats()'s own peak.
 
 Configurations: ``native``; ``emmpool`` (emmpool.use_for_torch(), the allocator extension);
-``emmpool@NAME`` for each earlier build in EMMPOOL_BENCH_BASELINES (baselines.py: the same
+``emmpool@NAME`` for each earlier build in EMMCI_BENCH_BASELINES (baselines.py: the same
 extension, built from that tree); with ``--pluggable`` also ``emmpool-pluggable`` (PyTorch's
 CUDAPluggableAllocator over emmpool, the fallback). cuDNN: deterministic algorithms, benchmark mode off by default (``--cudnn-benchmark``
 turns it on: the pluggable allocator then fails, see README).
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         trace_and_replay(args, [m for m in args.models.split(",") if m])
         return
     earlier = {f"emmpool@{name}": baselines.child_env(path)
-               for name, path in baselines.baselines()}  # EMMPOOL_BENCH_BASELINES
+               for name, path in baselines.baselines()}  # EMMCI_BENCH_BASELINES
     configs = (["native"] + (["native-expandable"] if args.expandable else []) + ["emmpool"] +
                list(earlier) +
                (["emmpool-pluggable"] if args.pluggable else []))

@@ -58,7 +58,7 @@ def pin_near_gpu(count: int = 4, device: int = 0) -> list[int]:
 if __name__ == "__main__":
     # `python3 benchmarks/cpus.py N`: the CPUs pin_near_gpu(N) would choose, comma-separated
     # (empty if unknown), for `taskset -c` in front of a benchmark that is not Python
-    # (bench_core in .ci/gpu).
+    # (bench_core in .ci/gpu.py).
     import sys
 
     print(",".join(map(str, pin_near_gpu(int(sys.argv[1]) if len(sys.argv) > 1 else 1))))

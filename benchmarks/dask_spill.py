@@ -52,7 +52,7 @@ result is still held: a worker that lets go of spilled data reads it back to dev
 
 Each setup runs in a child process of its own (an allocator is fixed per process), which this
 process kills with its workers at ``--setup-timeout`` or at the run's deadline
-(``--time-limit``, or EMMPOOL_BENCH_DEADLINE, which .ci/gpu sets); a setup that would start
+(``--time-limit``, or EMMCI_BENCH_DEADLINE, which .ci/gpu.py sets); a setup that would start
 too close to the deadline is reported skipped. An unreported warm-up (``none``, a small job)
 takes the run's cold caches first (``--no-warmup`` skips it). Writes DIR/dask_spill.md (also
 printed) and DIR/dask_spill.json, and each setup's log under DIR/dask_spill-logs/. Exit status
@@ -636,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-setup-time", type=float, default=35.0,
                    help="a setup with less time than this before the deadline is skipped [35]")
     p.add_argument("--time-limit", type=float,
-                   help="seconds the whole run may take [EMMPOOL_BENCH_DEADLINE, else none]")
+                   help="seconds the whole run may take [EMMCI_BENCH_DEADLINE, else none]")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the unreported warm-up (none, a small job)")
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
@@ -655,8 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = None
     if args.time_limit is not None:
         deadline = start + args.time_limit
-    elif os.environ.get("EMMPOOL_BENCH_DEADLINE"):
-        deadline = float(os.environ["EMMPOOL_BENCH_DEADLINE"])
+    elif os.environ.get("EMMCI_BENCH_DEADLINE"):
+        deadline = float(os.environ["EMMCI_BENCH_DEADLINE"])
     (args.out / "dask_spill-logs").mkdir(parents=True, exist_ok=True)
     # CUDA numbers GPUs fastest first, NVML by PCI bus: one order for both (the children and
     # their workers inherit it), so that CUDA_VISIBLE_DEVICES and NVML's indices agree.

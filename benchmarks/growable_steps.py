@@ -15,7 +15,7 @@ say what each costs there.
     python benchmarks/growable_steps.py [--steps 200] [--seed 1] [--out FILE.json|DIR] [--cuda]
 
 --cuda: the same over the CUDA driver on device 0 (no kernels: fences complete at once), with
-milliseconds per step: what each page map/unmap costs there. With --out DIR (as .ci/gpu runs
+milliseconds per step: what each page map/unmap costs there. With --out DIR (as .ci/gpu.py runs
 benchmarks) it writes DIR/growable_steps.json and .md, over the CUDA driver where a GPU with
 virtual memory management is usable, else the host driver.
 """

@@ -185,7 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Numba's cache, emmpool's PyTorch extension)")
     p.add_argument("--time-limit", type=float,
                    help="seconds the run may take: no round or probe starts that would end "
-                        "past it [EMMPOOL_BENCH_DEADLINE, else none]")
+                        "past it [EMMCI_BENCH_DEADLINE, else none]")
     p.add_argument("--child-timeout", type=float, default=240.0,
                    help="seconds a timing child or probe may take [240]")
     p.add_argument("--quick", action="store_true",
@@ -643,7 +643,7 @@ def _stop(signum, frame):
 
 class Deadline:
     def __init__(self, limit: float | None):
-        env = os.environ.get("EMMPOOL_BENCH_DEADLINE")
+        env = os.environ.get("EMMCI_BENCH_DEADLINE")
         self.at = (time.time() + limit if limit is not None
                    else float(env) if env else None)
 

@@ -1,7 +1,7 @@
 """Scenarios the GPU tests run in fresh interpreters (the memory manager must be chosen before
 Numba creates a context, so each scenario gets its own process). Each prints 'OK' on success.
 
-Each takes Numba's CUDA target from the package EMMPOOL_TEST_CUDA names (``numba.cuda``, the
+Each takes Numba's CUDA target from the package EMMCI_TEST_CUDA names (``numba.cuda``, the
 default, or ``numba_cuda_mlir.cuda``; tests.test_gpu_numba.run sets it), and reaches the
 driver module as ``cuda.cudadrv.driver``, which both packages provide."""
 
@@ -11,7 +11,7 @@ import sys
 
 IMPORT_CUDA = (
     "import importlib, os\n"
-    "cuda = importlib.import_module(os.environ.get('EMMPOOL_TEST_CUDA', 'numba.cuda'))\n"
+    "cuda = importlib.import_module(os.environ.get('EMMCI_TEST_CUDA', 'numba.cuda'))\n"
 )
 
 ALLOC_SIZES = IMPORT_CUDA + r"""

@@ -1,6 +1,6 @@
 """A deliberately unsafe Numba plugin: it reuses a freed block at once, whatever work may still
 use it. Only for showing that tests/test_gpu_numba.py's cross-stream test can fail. For the
-package the scenario uses (EMMPOOL_TEST_CUDA, as in tests/gpu_scripts.py)."""
+package the scenario uses (EMMCI_TEST_CUDA, as in tests/gpu_scripts.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import importlib
 import os
 import weakref
 
-_cuda = importlib.import_module(os.environ.get("EMMPOOL_TEST_CUDA", "numba.cuda"))
+_cuda = importlib.import_module(os.environ.get("EMMCI_TEST_CUDA", "numba.cuda"))
 _emm = _cuda.cudadrv.driver
 MemoryInfo, MemoryPointer, driver = _emm.MemoryInfo, _emm.MemoryPointer, _emm.driver
 

@@ -7,7 +7,7 @@ Python stack before it dies, and that comes back as the result's stderr with ret
 HUNG (the callers' checks of the exit code and output then fail and show it); hung() tells such
 a stop from a child's own abort.
 
-EMMPOOL_TEST_HANG_AFTER=<seconds> caps every such timeout: to find a hang fast on a GPU host
+EMMCI_TEST_HANG_AFTER=<seconds> caps every such timeout: to find a hang fast on a GPU host
 whose time is short.
 """
 
@@ -32,7 +32,7 @@ def run_python(args, *, timeout: float, env=None, cwd=None) -> subprocess.Comple
     """subprocess.run([python, *args], capture_output=True, text=True) with faulthandler on,
     whose child, past `timeout` seconds, dumps its threads' stacks and is stopped (returncode
     HUNG, or -SIGKILL if it did not die of that; a line saying so ends its stderr)."""
-    timeout = min(timeout, float(os.environ.get("EMMPOOL_TEST_HANG_AFTER", timeout)))
+    timeout = min(timeout, float(os.environ.get("EMMCI_TEST_HANG_AFTER", timeout)))
     argv = [sys.executable, "-X", "faulthandler", *args]
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=env, cwd=cwd) as p:

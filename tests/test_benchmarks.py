@@ -58,7 +58,7 @@ def run_parent(bench_numba, tmp_path, *args):
 
 
 def test_rounds_stop_at_the_time_limit_and_keep_what_ran(bench_numba, monkeypatch, tmp_path):
-    monkeypatch.delenv("EMMPOOL_BENCH_DEADLINE", raising=False)
+    monkeypatch.delenv("EMMCI_BENCH_DEADLINE", raising=False)
     ran = fake_children(bench_numba, monkeypatch, 0.2)
     # A round takes 0.4 s: two fit in 1.0 s, a third would end at 1.2 s.
     report = run_parent(bench_numba, tmp_path, "--rounds", "5", "--time-limit", "1.0")
@@ -72,14 +72,14 @@ def test_rounds_stop_at_the_time_limit_and_keep_what_ran(bench_numba, monkeypatc
 
 def test_the_deadline_from_the_environment_and_at_least_one_round(bench_numba, monkeypatch,
                                                                   tmp_path):
-    monkeypatch.setenv("EMMPOOL_BENCH_DEADLINE", str(time.time() - 1))  # already passed
+    monkeypatch.setenv("EMMCI_BENCH_DEADLINE", str(time.time() - 1))  # already passed
     ran = fake_children(bench_numba, monkeypatch, 0.0)
     report = run_parent(bench_numba, tmp_path, "--rounds", "3")
     assert ran == ["nothing", "emmpool"] and report["rounds"] == 1
 
 
 def test_without_a_limit_every_round_runs(bench_numba, monkeypatch, tmp_path):
-    monkeypatch.delenv("EMMPOOL_BENCH_DEADLINE", raising=False)
+    monkeypatch.delenv("EMMCI_BENCH_DEADLINE", raising=False)
     ran = fake_children(bench_numba, monkeypatch, 0.0)
     report = run_parent(bench_numba, tmp_path, "--rounds", "3")
     assert ran == ["nothing", "emmpool"] * 3 and report["rounds"] == 3
@@ -113,7 +113,7 @@ def test_pool_counters_are_per_timed_op_and_noted(bench_numba, monkeypatch, tmp_
         return {"manager": name, "gpu": "fake GPU", "versions": {}, "checks": {},
                 "cases": cases, "wall_s": 0.0}
 
-    monkeypatch.delenv("EMMPOOL_BENCH_DEADLINE", raising=False)
+    monkeypatch.delenv("EMMCI_BENCH_DEADLINE", raising=False)
     monkeypatch.setattr(bench_numba, "_run_child", run_child)
     run_parent(bench_numba, tmp_path, "--rounds", "1")
     md = (tmp_path / "bench_numba_process.md").read_text()
@@ -168,7 +168,7 @@ def test_paired_rounds_quote_the_median_ratio_within_processes(bench_numba, monk
     # Round figures of the floor and emmpool drift together (the host's speed), the ratio
     # within each process does not: the quoted ratio is the median of the rounds' ratios, not
     # the ratio of the medians. A later emmpool build gets its own child, with the floor.
-    monkeypatch.delenv("EMMPOOL_BENCH_DEADLINE", raising=False)
+    monkeypatch.delenv("EMMCI_BENCH_DEADLINE", raising=False)
     calls = []
     speeds = iter([1.0, 1.6, 1.0, 1.6, 1.0])
 
@@ -287,7 +287,7 @@ def fake_setups(dask_spill, monkeypatch, outcomes):
     monkeypatch.setattr(dask_spill, "_used", lambda nvml: {0: 0, 1: 0})
     monkeypatch.setattr(dask_spill, "JobPeakSampler", Sampler)
     monkeypatch.setattr(dask_spill, "_run_child", run_child)
-    monkeypatch.delenv("EMMPOOL_BENCH_DEADLINE", raising=False)
+    monkeypatch.delenv("EMMCI_BENCH_DEADLINE", raising=False)
     return ran
 
 
@@ -797,7 +797,7 @@ def fake_mixed_children(mixed, monkeypatch, fits, failing=()):
                         Launcher(uuid))
     monkeypatch.setattr(mixed.cpus, "pin_near_gpu", lambda n, device=0: [])
     monkeypatch.setattr(mixed, "importable", lambda module: True)  # as on a GPU host
-    monkeypatch.delenv("EMMPOOL_BENCH_DEADLINE", raising=False)
+    monkeypatch.delenv("EMMCI_BENCH_DEADLINE", raising=False)
     return calls
 
 

@@ -1,9 +1,10 @@
 """The GPU host's tools, checked here where they can be without a GPU: .ci/compare_numba.py,
-which turns the Numba test-suite runs of .ci/gpu and .ci/gpu-numba-mlir into a verdict, over
+which turns the Numba and numba-cuda-mlir test-suite runs of .ci/gpu.py into a verdict, over
 samples of both log formats it reads (numba.runtests and pytest, with and without xdist);
 .ci/torch_suite.py (and the pytest -v parsing it shares with .ci/cupy_suite.py), which turns two
-runs of PyTorch's test_cuda.py into a verdict, over sample logs and plugin records; and
-tests.processes, which makes a GPU scenario that hangs say where."""
+runs of PyTorch's test_cuda.py into a verdict, over sample logs and plugin records; CuPy's suite
+split into parts and merged again; and tests.processes, which makes a GPU scenario that hangs
+say where. (.ci/gpu.py itself: tests/test_gpu_runner.py.)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,7 +42,7 @@ time.sleep(600)
 
 
 def test_a_scenario_that_hangs_is_stopped_with_every_threads_stack(monkeypatch):
-    monkeypatch.delenv("EMMPOOL_TEST_HANG_AFTER", raising=False)
+    monkeypatch.delenv("EMMCI_TEST_HANG_AFTER", raising=False)
     p = run_python(["-c", HANGS], timeout=2)
     assert p.returncode == HUNG and hung(p), (p.returncode, p.stderr)
     assert 'File "<string>", line 6 in <module>' in p.stderr, p.stderr  # the main thread
@@ -49,7 +51,7 @@ def test_a_scenario_that_hangs_is_stopped_with_every_threads_stack(monkeypatch):
 
 
 def test_hang_after_caps_the_timeout(monkeypatch):
-    monkeypatch.setenv("EMMPOOL_TEST_HANG_AFTER", "1")
+    monkeypatch.setenv("EMMCI_TEST_HANG_AFTER", "1")
     p = run_python(["-c", "import time; time.sleep(600)"], timeout=300)
     assert p.returncode == HUNG and "stopped after 1 s" in p.stderr, p.stderr
     p = run_python(["-c", "print('done')"], timeout=300)
@@ -186,3 +188,67 @@ def test_torch_suite_says_why_a_run_ran_nothing(tmp_path):
         "could not collect test_cuda.py: ModuleNotFoundError: No module named 'psutil'",
         "pytest INTERNALERROR: RuntimeError: emmpool's PyTorch extension did not build: no nvcc",
     ]
+
+
+# ---- CuPy's suite in parts -------------------------------------------------------------------
+def test_every_test_is_in_exactly_one_part_whatever_the_number_of_parts():
+    plugin = load_ci_module("emmpool_cupy_suite_plugin")
+    ids = [f"tests/cupy_tests/core_tests/test_x{i % 7}.py::TestX::test_{i}" for i in range(4000)]
+    for parts in (1, 2, 3, 4, 7):
+        sizes = [sum(plugin.in_part(i, k, parts) for i in ids) for k in range(1, parts + 1)]
+        assert sum(sizes) == len(ids)  # each in one part, none in two
+        assert min(sizes) > 0.8 * len(ids) / parts  # and the parts about even
+    assert [plugin.in_part(ids[5], k, 4) for k in range(1, 5)].count(True) == 1
+
+
+def write_part(folder: Path, part, label, pool_log: str, emmpool_log: str, status=None,
+               allocations=10):
+    folder.mkdir(parents=True)
+    (folder / "cupy-part.json").write_text(json.dumps({
+        "part": list(part), "label": label, "tag": "v14.2.0", "subset": ["tests/cupy_tests"],
+        "status": status or {"cupy-pool": [0, 100], "emmpool": [0, 110]}}))
+    (folder / "cupy-cupy-pool.log").write_text(pool_log)
+    (folder / "cupy-emmpool.log").write_text(emmpool_log)
+    (folder / "emmpool-worker-gw0.json").write_text(json.dumps({
+        "worker": "gw0", "tests": 2, "allocator": "emmpool", "cupy_allocations": allocations,
+        "dormant_fences": 0, "same_stream_reuses": 5}))
+
+
+def test_parts_merge_by_test_name_and_say_which_ran_and_how_far(tmp_path):
+    cupy_suite = load_ci_module("cupy_suite")
+    one = "[gw0] [ 50%] PASSED tests/a.py::test_1\n[gw0] [100%] PASSED tests/a.py::test_2\n"
+    two = "[gw0] [ 50%] PASSED tests/b.py::test_3\n[gw0] [100%] FAILED tests/b.py::test_4\n"
+    write_part(tmp_path / "p1", (1, 3), "NVIDIA-H200-1999-01-01", one, one)
+    write_part(tmp_path / "p2", (2, 3), "NVIDIA-H200-1999-01-02", two,
+               two.replace("PASSED tests/b.py::test_3", "FAILED tests/b.py::test_3"),
+               status={"cupy-pool": [0, 100], "emmpool": ["timeout (-15)", 300]})
+    label, text, ok = cupy_suite.merge([tmp_path / "p2", tmp_path / "p1"])
+    assert not ok
+    assert label == "NVIDIA-H200-1999-01-01-to-1999-01-02"
+    assert "parts run: 2 of 3; MISSING: 3/3; CUT OFF by the timeout: 2/3" in text
+    assert "cupy-pool  over the parts: 4 tests, failed 1, passed 3" in text
+    assert "REGRESSIONS (pass with CuPy's pool, not with emmpool): 1\n" \
+           "  tests/b.py::test_3: failed" in text
+    assert "CuPy allocations through emmpool: 20" in text
+    with pytest.raises(ValueError, match="part 1/3 is given twice"):
+        cupy_suite.merge([tmp_path / "p1", tmp_path / "p1"])
+
+
+def test_a_complete_set_of_parts_read_from_runner_outdirs_holds(tmp_path):
+    cupy_suite = load_ci_module("cupy_suite")
+    outdirs = []
+    for k in (1, 2):
+        staging = tmp_path / f"staging{k}"
+        log = f"[gw0] [100%] PASSED tests/a.py::test_{k}\n"
+        write_part(staging / "logs" / "cupy-suite", (k, 2), "NVIDIA-H100-1999-01-01", log, log)
+        outdir = tmp_path / f"out{k}"
+        outdir.mkdir()
+        with tarfile.open(outdir / "logs.tar.gz", "w:gz") as tar:
+            tar.add(staging, arcname=".")
+        outdirs.append(outdir)
+    assert cupy_suite.main(["--merge", *map(str, outdirs), "--out", str(tmp_path / "m")]) == 0
+    text = (tmp_path / "m" / "NVIDIA-H100-1999-01-01-cupy-suite.txt").read_text()
+    assert "parts run: 2 of 2; each ran to its end with both allocators" in text
+    assert "REGRESSIONS (pass with CuPy's pool, not with emmpool): 0" in text
+    with pytest.raises(SystemExit):  # argparse's error: the folder holds no run
+        cupy_suite.main(["--merge", str(tmp_path)])

@@ -27,6 +27,8 @@ from emmpool import _config, _core  # noqa: E402
 from emmpool.dask import EmmPool  # noqa: E402
 from tests.processes import run_python  # noqa: E402
 
+pytestmark = pytest.mark.dask
+
 # Every wait is bounded: a cluster that cannot start or answer fails the test in seconds.
 TIMEOUTS = {
     "distributed.comm.timeouts.connect": "30s",

@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import needs, require
 from tests.processes import run_python
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.dask]
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -40,6 +40,7 @@ def run_job(tmp_path, code: str, *, gpus: int, timeout: float):
     return done.stdout
 
 
+@pytest.mark.multi_gpu
 def test_readme_dask_example_on_two_gpus(tmp_path):
     stdout = run_job(tmp_path, readme_dask_example(), gpus=2, timeout=300)
     lines = stdout.splitlines()

@@ -3,8 +3,8 @@ driver's virtual memory management behind the seam (cuMemAddressReserve, cuMemCr
 cuMemSetAccess, cuMemUnmap), memory that kernels and copies really use, the fragmentation
 replay on the CUDA driver, and Numba's IPC with EMMPOOL_SEGMENTS=growable.
 
-`.ci/gpu` runs these in every GPU run; EMMPOOL_SEGMENTS=growable on the whole pytest step runs
-every other GPU test (Numba's, CuPy's, PyTorch's) in the new mode as well."""
+`.ci/gpu.py` runs these in every GPU run; `EMMPOOL_SEGMENTS=growable python3 .ci/gpu.py --only
+pytest` runs every other GPU test (Numba's, CuPy's, PyTorch's) in that mode as well."""
 
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ def test_growth_past_the_peak_reuses_pages_and_blocks_stay_usable():
         pool.deallocate(p)
 
 
+@pytest.mark.ipc
 def test_block_of_a_growable_segment_refuses_ipc_clearly():
     pool = growable_pool()
     c = pool.allocate(4 * MiB, tag=CUPY_TAG)
@@ -106,6 +107,7 @@ def test_pages_move_rather_than_come_and_go_on_the_cuda_driver():
     assert moved["peak_reserved_mib"] < kept["peak_reserved_mib"], (moved, kept)
 
 
+@pytest.mark.ipc
 @pytest.mark.parametrize("scenario", ["IPC_PRODUCER", "IPC_SAME_SEGMENT_OPEN_TOGETHER",
                                       "IPC_FOREIGN", "ALLOC_SIZES"])
 def test_numba_ipc_and_allocations_with_growable_segments(scenario, monkeypatch, numba_package):

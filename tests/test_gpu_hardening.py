@@ -248,6 +248,7 @@ def test_out_of_memory_cases_leave_the_pool_usable(mode):
     check(run(OUT_OF_MEMORY_CASES, mode=mode))
 
 
+@pytest.mark.fork
 @pytest.mark.parametrize("mode", MODES)
 def test_fork_after_use_child_refuses_parent_intact(mode):
     p = run(FORK, mode=mode)
@@ -257,6 +258,8 @@ def test_fork_after_use_child_refuses_parent_intact(mode):
 
 
 @requires("cupy", "torch")
+@pytest.mark.cupy
+@pytest.mark.torch
 @pytest.mark.parametrize("mode", MODES)
 def test_exit_with_live_arrays_of_three_libraries(mode):
     check(run(EXIT_SHARED, mode=mode, manager=None))

@@ -13,7 +13,7 @@ from tests.conftest import needs
 from tests import gpu_scripts
 from tests.test_gpu_numba import check, run
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 
 
 @functools.cache
@@ -171,6 +171,7 @@ def test_arrays_on_every_device_come_from_that_devices_pool(mode):
 
 
 @needs_two
+@pytest.mark.ipc
 @pytest.mark.parametrize("mode", ["pool", "passthrough"])
 def test_ipc_between_devices_as_with_numbas_own_manager(mode):
     """Every way of opening a handle across devices that works with Numba's default manager

@@ -26,7 +26,7 @@ def run(code: str, *args: str, mode: str = "pool", manager: str | None = "emmpoo
     from emmpool import _numba_packages
 
     package = package or _numba_packages.NUMBA_CUDA
-    env = dict(os.environ, EMMPOOL_MODE=mode, EMMPOOL_TEST_CUDA=package.cuda)
+    env = dict(os.environ, EMMPOOL_MODE=mode, EMMCI_TEST_CUDA=package.cuda)
     env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
     if manager:
         env["NUMBA_CUDA_MEMORY_MANAGER"] = manager
@@ -57,16 +57,19 @@ def test_allocations_of_many_sizes_and_memory_info(mode, numba_package):
     check(run(gpu_scripts.ALLOC_SIZES, mode=mode, package=numba_package))
 
 
+@pytest.mark.ipc
 @pytest.mark.parametrize("mode", ["pool", "passthrough"])
 def test_ipc_of_slices_and_blocks_inside_a_segment(mode, numba_package):
     check(run(gpu_scripts.IPC_PRODUCER, mode=mode, package=numba_package))
 
 
+@pytest.mark.ipc
 @pytest.mark.parametrize("mode", ["pool", "passthrough"])
 def test_ipc_two_arrays_of_one_segment_open_at_once(mode, numba_package):
     check(run(gpu_scripts.IPC_SAME_SEGMENT_OPEN_TOGETHER, mode=mode, package=numba_package))
 
 
+@pytest.mark.ipc
 @pytest.mark.parametrize("mode", ["pool", "passthrough"])
 def test_ipc_of_memory_the_pool_did_not_allocate(mode, numba_package):
     check(run(gpu_scripts.IPC_FOREIGN, mode=mode, package=numba_package))
@@ -90,6 +93,7 @@ def test_out_of_memory_is_numbas_error_and_pool_recovers(numba_package):
     check(run(gpu_scripts.OUT_OF_MEMORY, package=numba_package))
 
 
+@pytest.mark.passthrough
 def test_passthrough_gives_each_allocation_its_segment(numba_package):
     check(run(gpu_scripts.PASSTHROUGH_ONE_SEGMENT_EACH, mode="passthrough", package=numba_package))
 

@@ -12,6 +12,7 @@ from tests.test_gpu_numba import check, run
 pytestmark = [
     pytest.mark.gpu,
     requires("cupy"),
+    pytest.mark.cupy,
 ]
 
 SPILL = r"""

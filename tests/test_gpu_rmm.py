@@ -14,6 +14,7 @@ from tests.test_gpu_numba import check, run
 pytestmark = [
     pytest.mark.gpu,
     requires("rmm"),
+    pytest.mark.rmm,
 ]
 
 # RMM with its own pool (as RAPIDS sets it up), Numba through emmpool; arrays of each are used

@@ -7,7 +7,7 @@ import pytest
 from tests.conftest import requires
 from tests.test_gpu_numba import check, run
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.cupy]
 
 needs_cupy_torch = requires("cupy", "torch")
 
@@ -169,6 +169,7 @@ def test_cupy_memory_follows_cupys_current_stream():
 
 
 @needs_cupy_torch
+@pytest.mark.torch
 def test_three_libraries_in_turn_fit_only_with_one_shared_pool():
     shared = run(THREE_PHASES, "shared", manager=None)
     check(shared)
@@ -179,5 +180,6 @@ def test_three_libraries_in_turn_fit_only_with_one_shared_pool():
 
 
 @needs_cupy_torch
+@pytest.mark.torch
 def test_arrays_of_each_library_used_by_the_others():
     check(run(INTERLEAVED, manager=None))

@@ -174,12 +174,15 @@ print("OK")
 
 
 @needs_cupy
+@pytest.mark.cupy
 @pytest.mark.parametrize("mode", ["pool", "passthrough"])
 def test_cupy_stream_dies_before_its_array(mode):
     check(run(ISSUE_PATTERN, mode=mode, manager=None))
 
 
 @needs_cupy_torch
+@pytest.mark.cupy
+@pytest.mark.torch
 @pytest.mark.parametrize("mode", ["pool", "passthrough"])
 def test_thousand_dropped_cupy_streams_with_numba_and_torch(mode):
     p = run(THOUSAND_STREAMS, mode=mode, manager=None)
@@ -188,6 +191,8 @@ def test_thousand_dropped_cupy_streams_with_numba_and_torch(mode):
 
 
 @needs_cupy_torch
+@pytest.mark.cupy
+@pytest.mark.torch
 @pytest.mark.parametrize("mode", ["pool", "passthrough"])
 def test_torch_external_stream_dies_before_its_tensor(mode):
     check(run(TORCH_EXTERNAL_STREAM, mode=mode, manager=None))

@@ -21,6 +21,8 @@ import pytest
 from tests.conftest import needs, needs_module, require
 from tests.processes import run_python
 
+pytestmark = pytest.mark.torch
+
 
 def _unavailable() -> str | None:
     """Why these tests cannot run here (they need PyTorch and a GPU, not Numba: not the `gpu`
@@ -132,6 +134,7 @@ def test_torch_compile(extension_builds):
     assert r == {"default": True, "max-autotune-no-cudagraphs": True}, r
 
 
+@pytest.mark.ipc
 @pytest.mark.parametrize("child", ["extension", "native"])
 def test_cross_process_tensor_sharing(child, extension_builds):
     r, raised, out = scenario("ipc", "extension", child, env={"EMMPOOL_SEGMENTS": "fixed"})
@@ -140,17 +143,19 @@ def test_cross_process_tensor_sharing(child, extension_builds):
     assert r["written_back"], r
 
 
+@pytest.mark.ipc
 def test_cross_process_sharing_of_a_growable_block_raises_emmpool_error(extension_builds):
     """README: under EMMPOOL_SEGMENTS=growable a tensor above 1 MiB lives in VMM-mapped pages,
     which have no cuIpcGetMemHandle handle: sharing it raises emmpool's error, naming the way
     out; small tensors (fixed segments) still share."""
-    env = {"EMMPOOL_SEGMENTS": "growable", "EMMPOOL_TEST_IPC_ELEMENTS": str(1 << 20)}  # 4 MiB
+    env = {"EMMPOOL_SEGMENTS": "growable", "EMMCI_TEST_IPC_ELEMENTS": str(1 << 20)}  # 4 MiB
     _, raised, out = scenario("ipc", "extension", env=env)
     assert raised is not None and "EMMPOOL_SEGMENTS=fixed" in raised, out
     r, raised, out = scenario("ipc", "extension", env={"EMMPOOL_SEGMENTS": "growable"})
     assert raised is None and r["child_sum"] == r["expected"], out
 
 
+@pytest.mark.ipc
 def test_cross_process_pluggable_raises_pytorchs_error():
     _, raised, out = scenario("ipc", "pluggable")
     assert raised is not None and "does not yet support shareipchandle" in raised.lower(), out  # PyTorch spells it shareIPcHandle
@@ -168,7 +173,7 @@ def test_memory_fraction_caps_the_pool(extension_builds):
 
 @pytest.mark.parametrize("asserts", ["fast", "slow_path_asserts"])
 def test_torch_compile_reduce_overhead_matches_eager(asserts, extension_builds):
-    env = {"EMMPOOL_TEST_SLOW_ASSERTS": "1" if asserts != "fast" else "0"}
+    env = {"EMMCI_TEST_SLOW_ASSERTS": "1" if asserts != "fast" else "0"}
     r, raised, out = scenario("reduce_overhead", "extension", env=env, timeout=900)
     assert raised is None, out
     assert r == {k: True for k in ("transformer_inference", "cnn_inference",

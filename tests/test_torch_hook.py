@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import needs, requires
 
+pytestmark = pytest.mark.torch
+
 C_ENTRIES = textwrap.dedent(
     """
     import ctypes as c

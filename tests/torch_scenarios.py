@@ -212,8 +212,8 @@ def ipc(torch, allocator):
     queue, done = ctx.Queue(), ctx.Queue()
     # a tensor in the middle of a segment: the handle's offset matters
     pad = torch.zeros(1000, device="cuda")  # noqa: F841
-    # EMMPOOL_TEST_IPC_ELEMENTS: a tensor above 1 MiB lands in a growable segment, if enabled
-    n = int(os.environ.get("EMMPOOL_TEST_IPC_ELEMENTS", "1024"))
+    # EMMCI_TEST_IPC_ELEMENTS: a tensor above 1 MiB lands in a growable segment, if enabled
+    n = int(os.environ.get("EMMCI_TEST_IPC_ELEMENTS", "1024"))
     t = torch.arange(n, dtype=torch.float32, device="cuda")
     torch.cuda.synchronize()
     child_allocator = sys.argv[3] if len(sys.argv) > 3 else allocator
@@ -284,7 +284,7 @@ def reduce_overhead(torch, allocator):
     cudagraph trees' own pool checks on (checkPoolLiveAllocations, snapshots)."""
     import torch._inductor.config as cfg
 
-    cfg.triton.slow_path_cudagraph_asserts = os.environ.get("EMMPOOL_TEST_SLOW_ASSERTS") == "1"
+    cfg.triton.slow_path_cudagraph_asserts = os.environ.get("EMMCI_TEST_SLOW_ASSERTS") == "1"
     out = {}
 
     def models():

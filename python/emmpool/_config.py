@@ -234,21 +234,11 @@ _CONFIGURE = "configure()"
 
 # ---- variables that are not emmpool's options ------------------------------------------------
 _PREFIX = "EMMPOOL_"
-# The variables emmpool itself reads.
-VARIABLES = tuple(sorted({o.variable for o in _OPTIONS.values()}))
-# The project's own tools (tests, benchmarks, CI scripts, the build) read EMMPOOL_* variables
-# too, and their processes import emmpool with them set: those are not misspellings. Whole
-# prefixes are left to the tools, so that a new knob of theirs needs no change here.
-_TOOL_PREFIXES = (
-    "EMMPOOL_TEST_", "EMMPOOL_BENCH", "EMMPOOL_GPU_", "EMMPOOL_CI_", "EMMPOOL_CPP_",
-    "EMMPOOL_BUILD_", "EMMPOOL_PYTEST_", "EMMPOOL_SUITE_", "EMMPOOL_SERIAL_", "EMMPOOL_MLIR_",
-    "EMMPOOL_CUPY_SUITE", "EMMPOOL_TORCH_SUITE", "EMMPOOL_SANITIZE", "EMMPOOL_COMPARE_",
-    "EMMPOOL_TORCH_BENCH_",
-)
-_TOOL_VARIABLES = frozenset({
-    "EMMPOOL_CUDA_HEADERS", "EMMPOOL_CUDA_INCLUDE_DIR", "EMMPOOL_WARNINGS_AS_ERRORS",
-    "EMMPOOL_FULL_MODES", "EMMPOOL_NUMBA_MODES", "EMMPOOL_TARGETED_TESTS", "EMMPOOL_STRESS_OPS",
-})
+# Read by emmpool's build (pyproject.toml), not at run time: a shell that keeps it exported
+# imports emmpool with it set.
+_BUILD_HEADERS = "EMMPOOL_CUDA_HEADERS"
+# Every EMMPOOL_* variable there is: the repository's own tools use EMMCI_* for theirs.
+VARIABLES = tuple(sorted({o.variable for o in _OPTIONS.values()} | {_BUILD_HEADERS}))
 
 
 class UnknownVariableWarning(UserWarning):
@@ -256,16 +246,12 @@ class UnknownVariableWarning(UserWarning):
     no effect."""
 
 
-def _is_known(name: str) -> bool:
-    return name in VARIABLES or name in _TOOL_VARIABLES or name.startswith(_TOOL_PREFIXES)
-
-
 def unknown_variables() -> list[str]:
     """For each ``EMMPOOL_*`` variable set (not empty) that emmpool does not read: a sentence
     saying so, naming the nearest variable it does read."""
     messages = []
     for name in sorted(os.environ):
-        if not name.startswith(_PREFIX) or _is_known(name) or not os.environ[name].strip():
+        if not name.startswith(_PREFIX) or name in VARIABLES or not os.environ[name].strip():
             continue
         import difflib  # here: only where a variable is unknown
 
