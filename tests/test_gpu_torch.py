@@ -135,24 +135,30 @@ def test_torch_compile(extension_builds):
 
 
 @pytest.mark.ipc
+@pytest.mark.parametrize("segments", ["fixed", "growable"])
 @pytest.mark.parametrize("child", ["extension", "native"])
-def test_cross_process_tensor_sharing(child, extension_builds):
-    r, raised, out = scenario("ipc", "extension", child, env={"EMMPOOL_SEGMENTS": "fixed"})
-    assert raised is None, out
-    assert r["child_sum"] == r["expected"] and r["child_exit"] == 0, r
-    assert r["written_back"], r
+def test_cross_process_tensor_sharing(child, segments, extension_builds):
+    """torch.multiprocessing to a child on emmpool or on PyTorch's own allocator: a small tensor
+    (a fixed segment's legacy handle) and a 4 MiB one (under growable segments, its pages in
+    PyTorch's expandable-segment format, which PyTorch itself opens)."""
+    for elements in (1024, 1 << 20):
+        env = {"EMMPOOL_SEGMENTS": segments, "EMMCI_TEST_IPC_ELEMENTS": str(elements)}
+        r, raised, out = scenario("ipc", "extension", child, env=env)
+        assert raised is None, out
+        assert r["child_sum"] == r["expected"] and r["child_exit"] == 0, r
+        assert r["written_back"], r
 
 
 @pytest.mark.ipc
-def test_cross_process_sharing_of_a_growable_block_raises_emmpool_error(extension_builds):
-    """README: under EMMPOOL_SEGMENTS=growable a tensor above 1 MiB lives in VMM-mapped pages,
-    which have no cuIpcGetMemHandle handle: sharing it raises emmpool's error, naming the way
-    out; small tensors (fixed segments) still share."""
-    env = {"EMMPOOL_SEGMENTS": "growable", "EMMCI_TEST_IPC_ELEMENTS": str(1 << 20)}  # 4 MiB
-    _, raised, out = scenario("ipc", "extension", env=env)
-    assert raised is not None and "EMMPOOL_SEGMENTS=fixed" in raised, out
-    r, raised, out = scenario("ipc", "extension", env={"EMMPOOL_SEGMENTS": "growable"})
-    assert raised is None and r["child_sum"] == r["expected"], out
+def test_a_tensor_from_pytorchs_expandable_segments_opens_on_emmpool(extension_builds):
+    """The other way: a process on PyTorch's allocator with expandable segments sends a 4 MiB
+    tensor (pages, pidfd_getfd) to a child on emmpool."""
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+           "EMMCI_TEST_IPC_ELEMENTS": str(1 << 20)}
+    r, raised, out = scenario("ipc", "native", "extension", env=env)
+    assert raised is None, out
+    assert r["child_sum"] == r["expected"] and r["child_exit"] == 0, r
+    assert r["written_back"], r
 
 
 @pytest.mark.ipc

@@ -44,6 +44,8 @@ C_ENTRIES = textwrap.dedent(
                     ("kind", c.c_uint8), ("library", c.c_uint8), ("reserved_", c.c_uint8 * 5)]
     class Id(c.Structure):
         _fields_ = [("first", c.c_uint64), ("second", c.c_uint64)]
+    class Pages(c.Structure):
+        _fields_ = [(n, c.c_uint64) for n in "first_page page_size offset block_size pages".split()]
     class Totals(c.Structure):
         _fields_ = [("cached_bytes", c.c_uint64), ("cached_blocks", c.c_uint64),
                     ("foreign_bytes", c.c_uint64)]
@@ -78,7 +80,12 @@ C_ENTRIES = textwrap.dedent(
     p_device = fn("emmpool_private_device_of", c.c_int, c.c_void_p)
     p_live = fn("emmpool_private_live_blocks", c.c_long, Id, c.POINTER(c.c_uint64), c.c_size_t)
     p_totals = fn("emmpool_private_totals_of", None, c.c_int, c.POINTER(Totals))
-    assert abi() == 4
+    share_pages = fn("emmpool_ipc_share_pages", c.c_int, c.c_void_p, c.c_int,
+                     c.POINTER(Pages), c.POINTER(c.c_int32), c.c_size_t, E)
+    open_pages = fn("emmpool_ipc_open_pages", c.c_void_p, c.c_int, c.POINTER(c.c_int32),
+                    c.c_size_t, c.c_uint64, E)
+    close = fn("emmpool_ipc_close", None, c.c_void_p)
+    assert abi() == 5
 
     def snapshot():
         v = Stats()
@@ -97,7 +104,11 @@ C_ENTRIES = textwrap.dedent(
     # the segment made for it, as a memory history reads it
     got = (Event * 8)()
     n = events(0, got, 8)
-    assert n == 1 and got[0].action == 0 and got[0].library == 3 and got[0].size >= 3 * MiB
+    # pages of the growable segment mapped for it and its room (a fixed segment's would be
+    # action 0, made)
+    mapped = [got[i] for i in range(n)]
+    assert mapped and all(e.action == 2 and e.kind == 2 and e.library == 3 for e in mapped)
+    assert mapped[0].address == p and sum(e.size for e in mapped) >= 3 * MiB
     assert events(0, got, 8) == 0  # taken
     # the cap (512 MiB): refused with the reason, kind 0 = out of memory
     q = allocate(1 << 30, 0, s, c.byref(why))
@@ -107,10 +118,21 @@ C_ENTRIES = textwrap.dedent(
     other = host.create_stream()
     assert record(p, 0, other, c.byref(why)) == 0, why.message
     assert record(p + 256, 0, other, c.byref(why)) == -1 and why.message
-    # IPC: the segment's handle and the block's offset
+    # IPC: a growable block shares its pages (a fixed one its segment's handle, below)
+    pages, fds = Pages(), (c.c_int32 * 4)()
+    assert share_pages(p + 4096, 0, c.byref(pages), fds, 4, c.byref(why)) == 0, why.message
+    assert pages.first_page == p and pages.offset == 4096 and pages.pages == 2, pages.pages
+    base = open_pages(0, fds, 2, pages.page_size, c.byref(why))
+    assert base and base != p, why.message
+    close(base)
     handle, offset = c.create_string_buffer(64), c.c_size_t(99)
-    assert ipc(p, 0, handle, c.byref(offset), c.byref(why)) == 0, why.message
-    assert offset.value == 0
+    assert ipc(p, 0, handle, c.byref(offset), c.byref(why)) == -1
+    assert b"no legacy IPC handle" in why.message, why.message
+    small = allocate(4096, 0, s, c.byref(why))  # a small segment: fixed
+    assert share_pages(small, 0, c.byref(pages), fds, 4, c.byref(why)) == 1
+    assert ipc(small + 256, 0, handle, c.byref(offset), c.byref(why)) == 0, why.message
+    assert offset.value == small + 256 - (small & ~((2 << 20) - 1)), offset.value
+    free(small, 0, 0, s)
     assert ipc(12345, 0, handle, c.byref(offset), c.byref(why)) == -1
     assert b"not a block" in why.message
     # the layout: every block of every segment; p is torch's, on stream s, in a large segment
@@ -119,9 +141,12 @@ C_ENTRIES = textwrap.dedent(
     assert layout(0, rows, n) == n >= 1
     mine = [r for r in rows if r.ptr == p]
     assert len(mine) == 1 and mine[0].size == 3 * MiB and mine[0].stream == s
-    assert mine[0].state == 1 and mine[0].kind == 1
+    assert mine[0].state == 1 and mine[0].kind == 2  # the growable segment
     assert name(mine[0].library) == b"torch" and name(99) is None
-    assert sum(r.size for r in rows) == snapshot().bytes_reserved  # they tile what is reserved
+    segments = {}
+    for r in rows:  # the blocks of a segment tile it
+        segments.setdefault((r.segment, r.segment_size), []).append(r.size)
+    assert all(sum(sizes) == size for (_, size), sizes in segments.items()), segments
     # the cap: lowered below what is in use is refused with the reason; else it holds
     assert maximum(0) == 512 * MiB
     assert set_max(0, MiB, c.byref(why)) == -1 and b"in use" in why.message, why.message
@@ -166,7 +191,7 @@ C_ENTRIES = textwrap.dedent(
     host.complete_all_events()
     trim(0)
     n = events(0, got, 8)
-    assert n >= 1 and all(got[i].action == 1 for i in range(n))  # released, each
+    assert n >= 1 and all(got[i].action in (1, 3) for i in range(n))  # released or unmapped
     watch(0)
     print("OK")
     """

@@ -17,6 +17,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+
 #include <memory>
 #include <optional>
 #include <string>
@@ -365,6 +367,19 @@ PYBIND11_MODULE(_core, m)
       },
       py::arg("ptr"))
     .def(
+      "share_pages",
+      [](device_pool& p, device_ptr ptr) -> py::object {
+        auto const shared = caller_lock::without_caller_lock([&] { return p.share_pages(ptr); });
+        if (!shared) { return py::none(); }
+        py::tuple fds(shared->fds.size());
+        for (std::size_t i = 0; i < shared->fds.size(); ++i) { fds[i] = shared->fds[i]; }
+        return py::make_tuple(shared->first_page, shared->page_size, shared->offset,
+                              shared->block_size, fds);
+      },
+      py::arg("ptr"),
+      "(first page, page size, offset of ptr, block bytes from ptr on, the pool's descriptor "
+      "per page) of the growable block holding ptr, else None (see device_pool.hpp).")
+    .def(
       "live_extent",
       [](device_pool& p, device_ptr ptr) -> py::object {
         auto const extent = caller_lock::without_caller_lock([&] { return p.live_extent(ptr); });
@@ -508,7 +523,7 @@ PYBIND11_MODULE(_core, m)
     },
     py::kw_only(), py::arg("mode") = "pool", py::arg("initial_size") = 0,
     py::arg("maximum_size") = 0, py::arg("maximum_fraction") = 0.0, py::arg("pinned_limit") = 0,
-    py::arg("segments") = "fixed", py::arg("growable_free_limit") = py::none(),
+    py::arg("segments") = "growable", py::arg("growable_free_limit") = py::none(),
     "Set the options of the process-wide pools; only before the first one exists.");
   m.def(
     "set_tracing",
@@ -564,6 +579,36 @@ PYBIND11_MODULE(_core, m)
     py::arg("host_driver"),
     "For tests without a GPU: the process-wide pools (and so the CuPy and PyTorch entry "
     "points) use this HostDriver. Only before the first pool exists.");
+  m.def(
+    "ipc_open_pages",
+    [](int device, std::vector<int> const& fds, std::size_t page_size) {
+      return caller_lock::without_caller_lock(
+        [&] { return pool_registry::instance().imports().open_pages(device, fds, page_size); });
+    },
+    py::arg("device"), py::arg("fds"), py::arg("page_size"),
+    "Map pages another process shared (descriptors of this process) on a device: their base.");
+  m.def(
+    "ipc_open_handle",
+    [](int device, py::bytes handle) {
+      auto const text = std::string{handle};
+      ipc_bytes h{};
+      if (text.size() != h.size()) {
+        throw std::invalid_argument{"a CUDA IPC handle has 64 bytes, not " +
+                                    std::to_string(text.size())};
+      }
+      std::memcpy(h.data(), text.data(), h.size());
+      return caller_lock::without_caller_lock(
+        [&] { return pool_registry::instance().imports().open_handle(device, h); });
+    },
+    py::arg("device"), py::arg("handle"),
+    "Map another process's legacy CUDA IPC handle on a device: its base.");
+  m.def(
+    "ipc_close",
+    [](device_ptr base) {
+      caller_lock::without_caller_lock([&] { pool_registry::instance().imports().close(base); });
+    },
+    py::arg("base"), "Unmap an import (ipc_open_pages, ipc_open_handle), the device synchronized.");
+  m.def("ipc_open_count", [] { return pool_registry::instance().imports().open_count(); });
   m.def("device_count", [] { return cuda_driver().device_count(); });
   m.def("current_device", [] { return cuda_driver().current_device(); });
   m.def(

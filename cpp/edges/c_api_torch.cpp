@@ -279,6 +279,51 @@ EMMPOOL_C_API long emmpool_torch_layout(int device, emmpool_layout_row* out, std
   });
 }
 
+EMMPOOL_C_API int emmpool_ipc_share_pages(void* ptr, int device, emmpool_shared_pages* out,
+                                           std::int32_t* fds, std::size_t n, emmpool_error* error)
+{
+  return without_caller_lock([&]() noexcept {
+    try {
+      auto const shared =
+        registry().pool(device).share_pages(reinterpret_cast<device_ptr>(ptr));
+      if (!shared) { return 1; }
+      *out = emmpool_shared_pages{shared->first_page, shared->page_size, shared->offset,
+                                  shared->block_size, shared->fds.size()};
+      for (std::size_t i = 0; i < shared->fds.size() && i < n && fds != nullptr; ++i) {
+        fds[i] = shared->fds[i];
+      }
+      return 0;
+    } catch (...) {
+      report(error);
+    }
+    return -1;
+  });
+}
+
+EMMPOOL_C_API void* emmpool_ipc_open_pages(int device, std::int32_t const* fds, std::size_t n,
+                                           std::uint64_t page_size, emmpool_error* error)
+{
+  return without_caller_lock([&]() noexcept -> void* {
+    try {
+      std::vector<int> const list(fds, fds + n);
+      return reinterpret_cast<void*>(registry().imports().open_pages(device, list, page_size));
+    } catch (...) {
+      report(error);
+    }
+    return nullptr;
+  });
+}
+
+EMMPOOL_C_API void emmpool_ipc_close(void* base)
+{
+  without_caller_lock([&]() noexcept {
+    try {
+      registry().imports().close(reinterpret_cast<device_ptr>(base));
+    } catch (...) {
+    }
+  });
+}
+
 EMMPOOL_C_API void emmpool_torch_watch_segments(int on)
 {
   without_caller_lock([&]() noexcept {

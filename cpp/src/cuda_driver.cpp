@@ -165,6 +165,24 @@ class cuda_driver_impl final : public driver {
     return out;
   }
 
+  [[nodiscard]] device_ptr ipc_open(int device, ipc_bytes const& handle) override
+  {
+    scoped_context ctx{*this, device};
+    CUipcMemHandle h{};
+    std::memcpy(h.reserved, handle.data(), handle.size());
+    CUdeviceptr p{};
+    check(api_.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+          "cuIpcOpenMemHandle", EMMPOOL_WHERE);
+    return static_cast<device_ptr>(p);
+  }
+
+  void ipc_close(int device, device_ptr ptr) override
+  {
+    scoped_context ctx{*this, device};
+    check(api_.cuIpcCloseMemHandle(static_cast<CUdeviceptr>(ptr)), "cuIpcCloseMemHandle",
+          EMMPOOL_WHERE);
+  }
+
   [[nodiscard]] memory_info memory_info_of(int device) override
   {
     scoped_context ctx{*this, device};

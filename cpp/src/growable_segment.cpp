@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include <unistd.h>
+
 namespace emmpool {
 
 // The seam's defaults: no virtual memory management (fixed segments only).
@@ -132,13 +134,24 @@ void growable_pages::unmap_page(std::size_t p, bool keep)
   if (!keep) { (void)release_spares(page_); }
 }
 
+void growable_pages::release_page(physical_handle h)
+{
+  driver_->release_physical(device_, h);  // throws: the caller keeps the page
+  if (auto it = fds_.find(h); it != fds_.end()) {
+    // Another process that imported the page holds its own reference: closing ours takes
+    // nothing from it.
+    ::close(it->second);
+    fds_.erase(it);
+  }
+  ++releases_;
+}
+
 std::size_t growable_pages::release_spares(std::size_t limit)
 {
   std::size_t n = 0;
   while (!spare_.empty() && n + page_ <= limit) {
-    driver_->release_physical(device_, spare_.back());  // throws: the page stays spare
+    release_page(spare_.back());  // throws: the page stays spare
     spare_.pop_back();
-    ++releases_;
     n += page_;
   }
   return n;
@@ -159,11 +172,15 @@ std::size_t growable_pages::unmap_inside(device_ptr ptr, std::size_t bytes, std:
   return n;
 }
 
-physical_handle growable_pages::handle_at(device_ptr ptr) const noexcept
+int growable_pages::export_page(device_ptr ptr)
 {
-  if (ptr < base_) { return 0; }
-  std::size_t const p = (ptr - base_) / page_;
-  return mapped(p) ? handles_[p] : 0;
+  std::size_t const p = ptr >= base_ ? (ptr - base_) / page_ : mapped_.size();
+  if (!mapped(p)) { throw pool_error{"emmpool: no mapped page at that address to share"}; }
+  auto const h = handles_[p];
+  if (auto it = fds_.find(h); it != fds_.end()) { return it->second; }
+  int const fd = driver_->export_physical(device_, h);
+  fds_.emplace(h, fd);
+  return fd;
 }
 
 void growable_pages::release()

@@ -249,9 +249,19 @@ std::size_t growable_space::free_mapped_bytes() const
 
 void growable_space::throw_no_ipc()
 {
-  throw pool_error{"emmpool: no IPC handle for a block of a growable segment (cuIpcGetMemHandle "
-                   "cannot export memory mapped with cuMemMap). Numba's allocations never come "
-                   "from one; for other libraries use EMMPOOL_SEGMENTS=fixed"};
+  throw pool_error{"emmpool: no legacy IPC handle for a block of a growable segment "
+                   "(cuIpcGetMemHandle cannot export memory mapped with cuMemMap): share it with "
+                   "emmpool.ipc.export() (or PyTorch's torch.multiprocessing), or use "
+                   "EMMPOOL_SEGMENTS=fixed. Numba's allocations never come from one"};
+}
+
+shared_pages growable_space::share(block const& blk, device_ptr ptr)
+{
+  auto const first = blk.ptr / page_ * page_;
+  shared_pages out{first, page_, static_cast<std::size_t>(ptr - first),
+                   static_cast<std::size_t>(blk.ptr + blk.size - ptr), {}};
+  for (auto p = first; p < blk.ptr + blk.size; p += page_) { out.fds.push_back(pages_->export_page(p)); }
+  return out;
 }
 
 void growable_space::count_mapped(device_ptr at, growable_pages::mapped_result r,

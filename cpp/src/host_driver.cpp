@@ -355,6 +355,29 @@ ipc_bytes host_driver::ipc_handle(int device, device_ptr segment_base)
   return h;
 }
 
+device_ptr host_driver::ipc_open(int device, ipc_bytes const& handle)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+  device_ptr base{};
+  std::uint64_t id{};
+  std::memcpy(&base, handle.data(), sizeof base);
+  std::memcpy(&id, handle.data() + sizeof base, sizeof id);
+  auto it = segments_.find(base);
+  if (it == segments_.end() || it->second.id != id) {
+    throw cuda_error{"cuIpcOpenMemHandle", invalid_value_code, "CUDA_ERROR_INVALID_VALUE",
+                     EMMPOOL_WHERE};
+  }
+  ++counters_.imports;
+  return base;
+}
+
+void host_driver::ipc_close(int device, device_ptr)
+{
+  std::lock_guard lock{mutex_};
+  check_device(device);
+}
+
 memory_info host_driver::memory_info_of(int device)
 {
   std::lock_guard lock{mutex_};

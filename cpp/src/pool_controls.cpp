@@ -187,6 +187,17 @@ std::optional<ipc_info> device_pool::ipc_handle(device_ptr ptr)
   return index_.ipc(ptr, *driver_, device_);
 }
 
+std::optional<shared_pages> device_pool::share_pages(device_ptr ptr)
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { detail::throw_forked(); }
+  auto* const seg = index_.holding_live(ptr);
+  if (seg == nullptr || !growable_.holds(seg)) { return std::nullopt; }
+  auto const* blk = index_.block_at(*seg, ptr);
+  if (blk == nullptr || blk->state != detail::block_state::allocated) { return std::nullopt; }
+  return growable_.share(*blk, ptr);
+}
+
 std::vector<layout_block> device_pool::layout() const
 {
   std::lock_guard lock{mutex_};

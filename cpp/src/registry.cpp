@@ -116,8 +116,19 @@ private_pools& pool_registry::privates()
   std::lock_guard lock{mutex_};
   if (auto* p = privates_.load(std::memory_order_acquire)) { return *p; }
   // Never destroyed, as the pools (see the header).
-  auto* made = new private_pools{*driver_, [this](int device) -> device_pool& { return pool(device); }};
+  auto* made =
+    new private_pools{*driver_, [this](int device) -> device_pool& { return pool(device); }};
   privates_.store(made, std::memory_order_release);
+  return *made;
+}
+
+ipc_imports& pool_registry::imports()
+{
+  if (auto* p = imports_.load(std::memory_order_acquire)) { return *p; }
+  std::lock_guard lock{mutex_};
+  if (auto* p = imports_.load(std::memory_order_acquire)) { return *p; }
+  auto* made = new ipc_imports{*driver_};  // never destroyed, as the pools
+  imports_.store(made, std::memory_order_release);
   return *made;
 }
 

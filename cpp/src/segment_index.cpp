@@ -12,6 +12,16 @@ segment* segment_index::holding_live(device_ptr ptr) const
   return ptr < seg->base + seg->size && seg->live_blocks != 0 ? seg : nullptr;
 }
 
+block const* segment_index::block_at(segment const& seg, device_ptr ptr) noexcept
+{
+  // Walk the segment's blocks in address order (a rare ask; a small segment holds at most a
+  // few thousand blocks).
+  for (auto const* b = seg.first; b != nullptr && b->ptr <= ptr; b = b->next) {
+    if (ptr < b->ptr + b->size) { return b; }
+  }
+  return nullptr;
+}
+
 std::optional<std::pair<device_ptr, std::size_t>> segment_index::live_extent(device_ptr ptr) const
 {
   if (auto const* blk = live_.get(ptr)) {  // the array's start: the usual ask
@@ -19,15 +29,9 @@ std::optional<std::pair<device_ptr, std::size_t>> segment_index::live_extent(dev
   }
   auto const* seg = holding_live(ptr);
   if (seg == nullptr) { return std::nullopt; }
-  // A view inside an array: walk the segment's blocks in address order (a rare ask; a small
-  // segment holds at most a few thousand blocks).
-  for (auto const* b = seg->first; b != nullptr && b->ptr <= ptr; b = b->next) {
-    if (ptr < b->ptr + b->size) {
-      if (b->state != block_state::allocated) { return std::nullopt; }
-      return std::pair{b->ptr, b->size};
-    }
-  }
-  return std::nullopt;
+  auto const* b = block_at(*seg, ptr);  // a view inside an array
+  if (b == nullptr || b->state != block_state::allocated) { return std::nullopt; }
+  return std::pair{b->ptr, b->size};
 }
 
 std::optional<ipc_info> segment_index::ipc(device_ptr ptr, driver& drv, int device) const

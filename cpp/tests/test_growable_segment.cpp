@@ -8,6 +8,7 @@
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
+#include <emmpool/ipc_imports.hpp>
 
 #include <cstdio>
 #include <map>
@@ -421,10 +422,48 @@ TEST(growable_numba_blocks_stay_fixed_for_ipc)
   REQUIRE(info.has_value());
   CHECK_EQ(info->segment_size, 20 * MiB);  // a fixed segment, cuIpcGetMemHandle-able
   auto const c = f->allocate(3 * MiB, legacy_stream, alloc_tag::cupy);
-  CHECK_THROWS((void)f->ipc_handle(c), pool_error);
+  CHECK_THROWS((void)f->ipc_handle(c), pool_error);  // no legacy handle: share_pages()
   CHECK_THROWS((void)f->ipc_handle(c + 1024), pool_error);
   auto const small = f->allocate(4096, legacy_stream, alloc_tag::cupy);  // small segments: fixed
   CHECK(f->ipc_handle(small).has_value());
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_blocks_share_their_pages_and_an_import_outlives_nothing_of_the_sender)
+{
+  fixture f;
+  auto const c = f->allocate(5 * MiB, legacy_stream, alloc_tag::cupy);  // pages 0, 1, 2
+  CHECK(!f->share_pages(f->allocate(3 * MiB, legacy_stream, alloc_tag::numba)));  // fixed
+  auto const shared = f->share_pages(c + MiB);
+  REQUIRE(shared.has_value());
+  CHECK_EQ(shared->first_page, c);
+  CHECK_EQ(shared->page_size, page);
+  CHECK_EQ(shared->offset, MiB);
+  CHECK_EQ(shared->block_size, 4 * MiB);
+  REQUIRE(shared->fds.size() == 3u);
+  auto const again = f->share_pages(c);  // a page is exported once: the same descriptors
+  REQUIRE(again.has_value());
+  CHECK(again->fds == shared->fds);
+  CHECK_EQ(f.drv.stats().exports, 3u);
+  // Another process (here, the same driver) maps them into addresses of its own.
+  ipc_imports imports{f.drv};
+  auto const base = imports.open_pages(0, shared->fds, shared->page_size);
+  CHECK(base != c);
+  CHECK(f.drv.accessible(0, base, 6 * MiB));
+  CHECK_EQ(imports.open_count(), 1u);
+  // The sender frees and gives its pages back: its books are as if nothing was shared; the
+  // import keeps the memory alive until it is closed.
+  auto const physical = f.drv.stats().bytes_physical;
+  f->deallocate(c);
+  (void)f->trim();
+  CHECK(f.drv.accessible(0, base, 6 * MiB));
+  CHECK_EQ(f.drv.stats().bytes_physical, physical);  // still the importer's
+  auto const syncs = f.drv.stats().device_syncs;
+  imports.close(base);
+  CHECK(f.drv.stats().device_syncs > syncs);  // work issued to it finished first
+  CHECK_EQ(f.drv.stats().bytes_physical, physical - 6 * MiB);
+  CHECK_EQ(imports.open_count(), 0u);
+  CHECK_THROWS(imports.close(base), pool_error);
   CHECK_EQ(consistency(f), "");
 }
 

@@ -16,8 +16,8 @@
 // The allocation path: the C entry point, with no lock or map of our own. A block's device rides
 // in the low bits of the DataPtr's context (blocks are 256-byte aligned), so the deleter needs
 // no lookup either. Beside it, each in its own file: the C entry points (entry_points.hpp),
-// private pools (private_pools.hpp), the memory history (history.hpp) and snapshots
-// (snapshot.hpp). One translation unit: the build cache is keyed by these sources and the C
+// private pools (private_pools.hpp), the memory history (history.hpp), snapshots
+// (snapshot.hpp) and tensors across processes (ipc.hpp). One translation unit: the build cache is keyed by these sources and the C
 // header (emmpool._torch).
 //
 // emmpool's _core is never linked: its entry points are looked up with dlsym in the library
@@ -39,6 +39,7 @@
 
 #include "entry_points.hpp"
 #include "history.hpp"
+#include "ipc.hpp"
 #include "private_pools.hpp"
 #include "snapshot.hpp"
 
@@ -57,58 +58,6 @@
 #include <vector>
 
 namespace {
-
-// Handles opened from other processes (torch.multiprocessing), each opened once per process as
-// CUDA requires, and closed when the last tensor over it dies.
-class ipc_opened {
- public:
-  std::shared_ptr<void> open(std::string const& handle)
-  {
-    cudaIpcMemHandle_t h{};
-    char const* bytes = handle.data();
-    if (handle.size() == CUDA_IPC_HANDLE_SIZE) {
-      // the raw form, which emmpool sends and every PyTorch accepts
-    } else {
-      // PyTorch's versioned form: [version][type][payload]; 'c' is a cudaMalloc'd block
-      TORCH_CHECK(handle.size() >= 2, "emmpool: ill-formed CUDA IPC handle");
-      TORCH_CHECK(handle[1] == 'c',
-                  "emmpool: this CUDA tensor was shared from an expandable segment (PyTorch's "
-                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the sending process); "
-                  "emmpool opens only cudaMalloc-style handles: turn expandable segments off in "
-                  "the sender, or leave PyTorch's allocator in this process");
-      TORCH_CHECK(handle.size() == 2 + CUDA_IPC_HANDLE_SIZE, "emmpool: ill-formed CUDA IPC handle");
-      bytes += 2;
-    }
-    std::memcpy(&h, bytes, CUDA_IPC_HANDLE_SIZE);
-    std::lock_guard<std::mutex> lock{mutex_};
-    auto it = opened_.find(handle);
-    if (it != opened_.end()) {
-      if (auto sp = it->second.lock()) { return sp; }
-    }
-    c10::DeviceIndex device = 0;
-    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
-    void* p = nullptr;
-    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
-    std::shared_ptr<void> sp(p, [this, handle, device](void* q) {
-      {
-        std::lock_guard<std::mutex> lock{mutex_};
-        auto it = opened_.find(handle);
-        if (it != opened_.end() && it->second.expired()) { opened_.erase(it); }
-      }
-      try {  // a shared_ptr's deleter: never throw (CUDAGuard may, at exit)
-        c10::cuda::CUDAGuard guard{device};
-        C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(q));
-      } catch (...) {
-      }
-    });
-    opened_[handle] = sp;
-    return sp;
-  }
-
- private:
-  std::mutex mutex_;
-  std::unordered_map<std::string, std::weak_ptr<void>> opened_;
-};
 
 // While a private pool is being allocated to, a capture may be under way on this thread: the
 // calls into emmpool (whose growth calls cuMemAlloc) run in relaxed capture mode, as PyTorch's
@@ -352,19 +301,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     }
   }
 
-  cca::ShareableHandle shareIpcHandle(void* ptr) override
-  {
-    c10::DeviceIndex device = 0;
-    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
-    unsigned char handle[CUDA_IPC_HANDLE_SIZE];
-    std::size_t offset = 0;
-    emmpool_error error{};
-    if (api.emmpool_torch_ipc_handle(ptr, device, handle, &offset, &error) != 0) {
-      raise(std::string{"emmpool: cannot share this CUDA tensor: "} + error.message);
-    }
-    return {static_cast<std::ptrdiff_t>(offset),
-            std::string(reinterpret_cast<char const*>(handle), CUDA_IPC_HANDLE_SIZE)};
-  }
+  cca::ShareableHandle shareIpcHandle(void* ptr) override { return share_block(ptr); }
 
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override { return ipc_.open(handle); }
 

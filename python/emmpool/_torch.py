@@ -37,7 +37,7 @@ SOURCE = EXTENSION / "allocator.cpp"
 INCLUDE = EXTENSION / "include"  # emmpool/torch_api.h: the C interface it shares with _core
 # What SOURCE includes: part of the build cache's key with it.
 HEADERS = (*(EXTENSION / f"{part}.hpp"
-             for part in ("entry_points", "private_pools", "history", "snapshot")),
+             for part in ("entry_points", "private_pools", "history", "snapshot", "ipc")),
            INCLUDE / "emmpool" / "torch_api.h")
 CHOICES = _config.TORCH_ALLOCATORS
 # After PyTorch's own flags. No -std: PyTorch passes the standard its headers need (C++17 up to

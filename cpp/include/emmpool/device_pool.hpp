@@ -191,6 +191,13 @@ class device_pool : private detail::pool_lifecycle {
   /// VMM memory; Numba's blocks never live there)
   [[nodiscard]] std::optional<ipc_info> ipc_handle(device_ptr ptr);
 
+  /// @brief For a live block of the growable segment holding ptr (which may point inside it):
+  /// the pages under it, as another process maps them (their file descriptors: see
+  /// shared_pages); std::nullopt if no live growable block holds ptr (a fixed block's is
+  /// ipc_handle()'s). The block's pages stay while it is live, exported or not.
+  /// @throws cuda_error where the driver cannot export them
+  [[nodiscard]] std::optional<shared_pages> share_pages(device_ptr ptr);
+
   /// @brief Every block of every segment, in address order (a memory snapshot). A growable
   /// segment counts only its mapped pages in reserved; its free blocks are reported whole.
   [[nodiscard]] std::vector<layout_block> layout() const;

@@ -113,6 +113,11 @@ class driver {
 
   /// @brief cuIpcGetMemHandle of a segment base.
   [[nodiscard]] virtual ipc_bytes ipc_handle(int device, device_ptr segment_base) = 0;
+  /// @brief cuIpcOpenMemHandle (lazily enabling peer access) of another process's handle: the
+  /// memory, mapped here until ipc_close. @throws cuda_error
+  [[nodiscard]] virtual device_ptr ipc_open(int device, ipc_bytes const& handle) = 0;
+  /// @brief cuIpcCloseMemHandle of what ipc_open() returned.
+  virtual void ipc_close(int device, device_ptr ptr) = 0;
   /// @brief cuMemGetInfo of the device.
   [[nodiscard]] virtual memory_info memory_info_of(int device) = 0;
 

@@ -120,6 +120,9 @@ class host_driver final : public driver {
   [[nodiscard]] std::uint64_t stream_id(int device, stream_handle stream) override;
   void release_context(int device) override;
   [[nodiscard]] ipc_bytes ipc_handle(int device, device_ptr segment_base) override;
+  /// The model's processes are one: a handle opens the segment it names, while it is live.
+  [[nodiscard]] device_ptr ipc_open(int device, ipc_bytes const& handle) override;
+  void ipc_close(int device, device_ptr ptr) override;
   [[nodiscard]] memory_info memory_info_of(int device) override;
   [[nodiscard]] void* host_allocate(int device, std::size_t bytes, unsigned flags) override;
   void host_deallocate(int device, void* ptr) override;

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace emmpool {
 
@@ -38,6 +39,18 @@ struct ipc_info {
   device_ptr segment_base;
   std::size_t segment_size;
   std::size_t offset;          ///< block address - segment base
+};
+
+/// @brief The pages under a block of the growable segment, for another process to map
+/// (device_pool::share_pages): one file descriptor per page, in address order. The descriptors
+/// are the pool's, valid while the pages are (a page's goes when the page goes back to the
+/// driver): duplicate them to send them, never close them.
+struct shared_pages {
+  device_ptr first_page;   ///< the address of the first page
+  std::size_t page_size;
+  std::size_t offset;      ///< the shared address - first_page
+  std::size_t block_size;  ///< the block's bytes from the shared address on
+  std::vector<int> fds;
 };
 
 /// @brief A change of the memory a pool holds from the driver, for a memory history

@@ -10,6 +10,7 @@
 
 #include <emmpool/device_pool.hpp>
 #include <emmpool/host_pool.hpp>
+#include <emmpool/ipc_imports.hpp>
 #include <emmpool/private_pools.hpp>
 
 #include <array>
@@ -63,6 +64,8 @@ class pool_registry {
 
   /// @brief PyTorch's private pools, over these device pools (made on first use).
   private_pools& privates();
+  /// @brief Memory other processes share with this one, mapped here (made on first use).
+  ipc_imports& imports();
 
   /// @brief Pools created so far.
   [[nodiscard]] std::vector<device_pool*> pools() const;
@@ -75,7 +78,12 @@ class pool_registry {
   void use_driver(driver& drv);
 
  private:
-  explicit pool_registry(driver& drv) : driver_{&drv} {}
+  // The process-wide pools grow in pages mapped on demand unless configured otherwise
+  // (pool_options keeps fixed segments as the default of a pool made on its own).
+  explicit pool_registry(driver& drv) : driver_{&drv}
+  {
+    options_.segments = segment_kind::growable;
+  }
   device_pool& create(int device);
   host_pool& create_pinned(int device);
 
@@ -86,6 +94,7 @@ class pool_registry {
   std::array<std::atomic<device_pool*>, max_devices> pools_{};
   std::array<std::atomic<host_pool*>, max_devices> pinned_{};
   std::atomic<private_pools*> privates_{};
+  std::atomic<ipc_imports*> imports_{};
 };
 
 }  // namespace emmpool

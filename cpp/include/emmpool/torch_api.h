@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define EMMPOOL_TORCH_ABI_VERSION 4
+#define EMMPOOL_TORCH_ABI_VERSION 5
 
 /* ---- kinds -------------------------------------------------------------------------------- */
 
@@ -136,6 +136,16 @@ typedef struct emmpool_private_block {
   uint8_t reserved_[2];
 } emmpool_private_block;
 
+/* The pages under a block of the growable segment, shared with another process
+ * (emmpool_ipc_share_pages): their descriptors are the pool's, valid while the block is live. */
+typedef struct emmpool_shared_pages {
+  uint64_t first_page;
+  uint64_t page_size;
+  uint64_t offset;      /* the shared address - first_page */
+  uint64_t block_size;  /* the block's bytes from the shared address on */
+  uint64_t pages;       /* how many descriptors there are */
+} emmpool_shared_pages;
+
 typedef struct emmpool_private_totals {
   uint64_t cached_bytes;  /* free blocks the pools keep: emmpool's allocations, PyTorch's cache */
   uint64_t cached_blocks;
@@ -176,6 +186,18 @@ size_t emmpool_torch_maximum(int device);
 int emmpool_torch_reserve_outside(int device, long long delta, emmpool_error* error);
 /* The blocks of the device's pool (a memory snapshot); -1 if it has no pool. */
 long emmpool_torch_layout(int device, emmpool_layout_row* out, size_t n);
+/* The pages under the growable block holding ptr: 0 done (at most n descriptors in `fds`,
+ * out->pages says how many there are); 1 ptr is no growable block (a fixed block's handle is
+ * emmpool_torch_ipc_handle's); -1 failed. */
+int emmpool_ipc_share_pages(void* ptr, int device, emmpool_shared_pages* out, int32_t* fds,
+                            size_t n, emmpool_error* error);
+/* Map pages another process shared (descriptors of this process, the caller's to close),
+ * `page_size` bytes each, on `device`: their base, NULL on failure. */
+void* emmpool_ipc_open_pages(int device, const int32_t* fds, size_t n, uint64_t page_size,
+                             emmpool_error* error);
+/* Unmap what emmpool_ipc_open_pages returned, after a device synchronization. */
+void emmpool_ipc_close(void* base);
+
 /* Record segment events in every pool, present and future (on != 0), or stop. */
 void emmpool_torch_watch_segments(int on);
 /* Take the device's oldest segment events, at most n; -1 if it has no pool. */

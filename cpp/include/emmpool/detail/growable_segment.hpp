@@ -25,6 +25,7 @@
 #include <emmpool/driver.hpp>
 
 #include <cstddef>
+#include <unordered_map>
 #include <vector>
 
 namespace emmpool::detail {
@@ -72,8 +73,10 @@ class growable_pages {
   /// as above)
   void release();
 
-  /// The physical handle of the mapped page holding `ptr` (export), 0 if it is not mapped.
-  [[nodiscard]] physical_handle handle_at(device_ptr ptr) const noexcept;
+  /// A file descriptor for the mapped page holding `ptr`, exported once per page and kept
+  /// until the page is released (IPC: another process maps it). @throws pool_error if the
+  /// page is not mapped, cuda_error where the driver cannot export it
+  [[nodiscard]] int export_page(device_ptr ptr);
 
   /// Counters for statistics and tests: driver calls, and pages made and released.
   [[nodiscard]] std::uint64_t maps() const noexcept { return maps_; }
@@ -88,6 +91,7 @@ class growable_pages {
   }
   void unmap_page(std::size_t page, bool keep);  // kept spare, or released
   [[nodiscard]] physical_handle take_page();     // a spare, else a new one
+  void release_page(physical_handle h);          // to the driver, its descriptor closed
 
   driver* driver_;
   int device_;
@@ -99,6 +103,7 @@ class growable_pages {
   std::vector<bool> mapped_;
   std::size_t mapped_pages_{};
   std::vector<physical_handle> spare_;  // held, unmapped, newest last
+  std::unordered_map<physical_handle, int> fds_;  // exported pages' descriptors
   std::uint64_t maps_{};
   std::uint64_t unmaps_{};
   std::uint64_t creates_{};

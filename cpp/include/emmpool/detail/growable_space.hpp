@@ -96,8 +96,14 @@ class growable_space {
   /// The pool goes: unmap and free the reservation.
   void release_at_teardown() noexcept;
 
-  /// @throws pool_error: a block of a growable segment has no IPC handle.
+  /// @throws pool_error: a block of a growable segment has no legacy IPC handle.
   [[noreturn]] static void throw_no_ipc();
+  /// The pages under live block `blk` of the segment, from `ptr` (inside it) on, as another
+  /// process maps them (device_pool::share_pages). @throws cuda_error where the driver cannot
+  /// export them (pages made without a shareable handle type)
+  [[nodiscard]] shared_pages share(block const& blk, device_ptr ptr);
+  /// Whether `seg` is this space's segment.
+  [[nodiscard]] bool holds(segment const* seg) const noexcept { return seg != nullptr && seg == seg_; }
 
   /// The segment's free blocks (address space): a block of it comes back here (coalesce).
   [[nodiscard]] free_lists& free_list() noexcept { return free_; }

@@ -44,6 +44,9 @@ class segment_index {
   /// @brief The segment holding ptr, if a block in it is live (allocated or pending); else null.
   [[nodiscard]] segment* holding_live(device_ptr ptr) const;
 
+  /// @brief The block of `seg` holding ptr, whatever its state; null if none does.
+  [[nodiscard]] static block const* block_at(segment const& seg, device_ptr ptr) noexcept;
+
   /// @brief The live block holding ptr (which may point inside it), as {address, size}.
   [[nodiscard]] std::optional<std::pair<device_ptr, std::size_t>> live_extent(device_ptr ptr) const;
 

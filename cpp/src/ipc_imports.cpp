@@ -1,0 +1,86 @@
+#include <emmpool/error.hpp>
+#include <emmpool/ipc_imports.hpp>
+
+#include <string>
+
+namespace emmpool {
+
+device_ptr ipc_imports::open_pages(int device, std::vector<int> const& fds, std::size_t page_size)
+{
+  EMMPOOL_EXPECTS(!fds.empty() && page_size > 0, "an import needs pages");
+  auto const base = driver_->reserve_address(device, fds.size() * page_size);
+  opened o{device, true, page_size, {}};
+  std::size_t mapped = 0;
+  try {
+    for (auto fd : fds) {
+      o.handles.push_back(driver_->import_physical(device, fd));
+      driver_->map_physical(device, base + mapped * page_size, page_size, o.handles.back());
+      ++mapped;
+    }
+  } catch (...) {
+    // As if never opened: what was mapped goes, every handle is released, the range freed.
+    try {
+      for (std::size_t i = 0; i < mapped; ++i) {
+        driver_->unmap_physical(device, base + i * page_size, page_size);
+      }
+      for (auto h : o.handles) { driver_->release_physical(device, h); }
+      driver_->free_address(device, base, fds.size() * page_size);
+    } catch (...) {
+    }
+    throw;
+  }
+  std::lock_guard lock{mutex_};
+  open_.emplace(base, std::move(o));
+  return base;
+}
+
+device_ptr ipc_imports::open_handle(int device, ipc_bytes const& handle)
+{
+  auto const base = driver_->ipc_open(device, handle);
+  std::lock_guard lock{mutex_};
+  open_.emplace(base, opened{device, false, 0, {}});
+  return base;
+}
+
+void ipc_imports::close(device_ptr base)
+{
+  opened o;
+  {
+    std::lock_guard lock{mutex_};
+    auto it = open_.find(base);
+    if (it == open_.end()) {
+      throw pool_error{"emmpool: address " + std::to_string(base) +
+                       " is not memory imported from another process (closed twice?)"};
+    }
+    o = std::move(it->second);
+    open_.erase(it);
+  }
+  // Work issued here may still read or write it, on any stream.
+  driver_->synchronize_device(o.device);
+  unmap(base, o);
+}
+
+void ipc_imports::unmap(device_ptr base, opened const& o) noexcept
+{
+  try {
+    if (!o.pages) {
+      driver_->ipc_close(o.device, base);
+      return;
+    }
+    for (std::size_t i = 0; i < o.handles.size(); ++i) {
+      driver_->unmap_physical(o.device, base + i * o.page_size, o.page_size);
+      driver_->release_physical(o.device, o.handles[i]);
+    }
+    driver_->free_address(o.device, base, o.handles.size() * o.page_size);
+  } catch (...) {
+    // A context already gone took the mappings with it.
+  }
+}
+
+std::size_t ipc_imports::open_count() const
+{
+  std::lock_guard lock{mutex_};
+  return open_.size();
+}
+
+}  // namespace emmpool
