@@ -26,7 +26,8 @@ suite and tests/test_gpu_cuda_core.py under it.
 
 Environment variables the runner sets for what it runs (EMMCI_*, never EMMPOOL_*, which are
 emmpool's own): EMMCI_BENCH_DEADLINE (a benchmark stops between rounds before its timeout),
-EMMCI_BENCH_BASELINES (earlier builds to time beside this one: benchmarks/baselines.py).
+EMMCI_BENCH_BASELINES (earlier builds to time beside this one: benchmarks/baselines.py),
+EMMCI_TEST_REPORT_AT_ONCE (pytest writes each failure as it happens: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -845,11 +846,12 @@ class Runner:
         cwd = self.work / "pytest"
         if not self.dry:
             cwd.mkdir(exist_ok=True)
-        # --durations: a run cut short by its timeout still says, for the next, where time went
+        # --durations and each failure as it happens (tests/conftest.py): a run cut short by
+        # its timeout still says what failed, and where time went
         rc = self.sh(self.python("-m", "pytest", "-ra", "-p", "no:cacheprovider",
                                  "--durations=20", "--rootdir", str(REPO),
                                  *self.args.pytest_args, *(str(REPO / p) for p in paths)),
-                     log, seconds, cwd=cwd)
+                     log, seconds, cwd=cwd, env=dict(self.env, EMMCI_TEST_REPORT_AT_ONCE="1"))
         if not self.dry:
             self.record(step.name, rc, time.monotonic() - t, pytest_line(log))
         return rc

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import sys
 import types
 from pathlib import Path
@@ -106,6 +107,17 @@ def pytest_runtest_setup(item):
         reason = gpu_unavailable_reason()
         if reason:
             pytest.skip(reason)
+
+
+def pytest_runtest_logreport(report):
+    """With EMMCI_TEST_REPORT_AT_ONCE set (the GPU runner sets it), each failure's report is
+    written as it happens, not only in the final summary: a run its time limit cuts short
+    still says what failed, and why."""
+    if report.failed and os.environ.get("EMMCI_TEST_REPORT_AT_ONCE"):
+        text = report.longreprtext[-6000:]
+        sys.stdout.write(f"\n==== FAILED AT ONCE {report.nodeid} ({report.when})\n{text}\n"
+                         f"==== END {report.nodeid}\n")
+        sys.stdout.flush()
 
 
 def benchmark_module(name: str):
