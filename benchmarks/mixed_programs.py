@@ -36,7 +36,8 @@ Setups, each installed before any library's first CUDA allocation:
   (``cupy.cuda.memory.PythonFunctionAllocator`` over ``torch.cuda.caching_allocator_alloc`` /
   ``caching_allocator_delete``, as pytorch-pfn-extras' ``use_torch_mempool_in_cupy``); Numba and
   RMM keep their own (no standard bridge puts Numba on PyTorch's pool);
-- ``emmpool`` (EMMPOOL_SEGMENTS=fixed) and ``emmpool-growable`` (EMMPOOL_SEGMENTS=growable):
+- ``emmpool`` (EMMPOOL_SEGMENTS=growable, the default) and ``emmpool-fixed``
+  (EMMPOOL_SEGMENTS=fixed):
   ``emmpool.use_for_numba()``, ``use_for_cupy()``, ``use_for_torch()`` and
   ``rmm.mr.set_current_device_resource(emmpool.rmm_resource())``, for the libraries used.
 
@@ -97,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -911,8 +913,6 @@ def versions() -> dict:
 
 def run(args) -> dict:
     """Every phase; the run's document (what the JSON holds)."""
-    import importlib.util
-
     t_run = time.perf_counter()
     deadline = Deadline(args.time_limit)
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
