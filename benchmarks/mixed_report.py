@@ -75,6 +75,8 @@ def summarize_timing(timing: dict, source: str | None = None) -> dict:
     out["rounds_agree"] = all(_rel_diff(r.get("checks"), out["checks"]) <= CHECK_TOLERANCE
                               for r in ok[1:])
     out["serves"] = ok[0].get("serves")
+    if ok[-1].get("pool_work"):
+        out["pool_work"] = ok[-1]["pool_work"]
     if "expandable" in ok[0]:
         out["expandable"] = ok[0]["expandable"]
     first = next((r for r in ok if r.get("memory", {}).get("timeline")), None)
@@ -356,6 +358,11 @@ def markdown(doc: dict, pictures: dict) -> str:
                       f"every bridge's; its largest scale in B ≥ {GOAL_CAPACITY}× theirs (the "
                       f"larger); time per step ≤ {GOAL_TIME}× the fastest setup's:", "",
                       *goal_lines]
+        work_lines = [f"- {setup}: " + ", ".join(f"{v:.3g} {k}" for k, v in w.items() if v)
+                      for setup, w in ((s, r.get("pool_work")) for s, r in rows.items()) if w]
+        if work_lines:
+            lines += ["", "emmpool's driver work and waits per timed step (its last round; "
+                      "zero counts left out):", "", *work_lines]
         if program in pictures:
             lines += ["", f"![GPU memory over time, {program}]({pictures[program]})"]
         elif pictures.get("_why"):

@@ -687,6 +687,22 @@ def fill_device(budget: int) -> dict:
 # One job
 
 
+# emmpool's counters of driver work (and waits), per timed step in the report: what a setup's
+# time goes to (page maps and moves of growable segments, segments made and freed, waits).
+POOL_WORK = ("page_maps", "page_unmaps", "page_creates", "page_releases", "segment_allocations",
+             "segment_releases", "fence_waits", "dormant_fences")
+
+
+def pool_work(setup: str) -> dict | None:
+    """emmpool's counters of device 0's pool now, in an emmpool setup; else None."""
+    if not setup.startswith("emmpool"):
+        return None
+    import emmpool
+
+    stats = emmpool.stats(0)
+    return {k: stats[k] for k in POOL_WORK}
+
+
 def run_job(job: dict) -> dict:
     """Run one job in this (fresh) process and return its figures. job: program, setup, kind
     ('timing', 'probe' or 'warmup'), scale, warmup_cycles, cycles, budget (bytes left to the
@@ -711,12 +727,14 @@ def run_job(job: dict) -> dict:
         runner = globals()[PROGRAMS[program].factory](env, job["scale"])
         out["marks"]["built"] = time.time()
         cupy_peak = 0
+        work_before = None
         checks, cycle_s, step_s = [], [], []
         step = 0
         warm = job.get("warmup_cycles", 0)
         for cycle in range(warm + job.get("cycles", 1)):
             if cycle == warm:
                 out["marks"]["timed"] = time.time()
+                work_before = pool_work(setup)
             t_cycle = time.perf_counter()
             for _ in range(STEPS_PER_CYCLE):
                 t_step = time.perf_counter()
@@ -730,6 +748,9 @@ def run_job(job: dict) -> dict:
                 cycle_s.append(time.perf_counter() - t_cycle)
         out["marks"]["done"] = time.time()
         out.update(checks=checks, cycle_s=cycle_s, step_s=step_s, steps=step)
+        if work_before is not None and step_s:
+            after = pool_work(setup)
+            out["pool_work"] = {k: (after[k] - v) / len(step_s) for k, v in work_before.items()}
         out["allocator"] = allocator_figures(setup, env, installed, cupy_peak)
         if setup == "separate-expandable":
             out["expandable"] = expandable_in_force(env.torch)

@@ -56,6 +56,7 @@ py::dict stats_dict(pool_stats const& s)
   d["fence_queries"]       = s.fence_queries;
   d["same_stream_reuses"]  = s.same_stream_reuses;
   d["dormant_fences"]      = s.dormant_fences;
+  d["fence_waits"]         = s.fence_waits;
   d["out_of_memory"]       = s.out_of_memory;
   d["page_maps"]           = s.page_maps;
   d["page_unmaps"]         = s.page_unmaps;

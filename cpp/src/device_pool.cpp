@@ -153,6 +153,7 @@ device_pool::block* device_pool::grow_for(request const& r)
 device_pool::block* device_pool::wait_and_retake(request const& r)
 {
   if (!lanes_.fences().has_waiting() || !capture_.may_fence()) { return nullptr; }
+  ++stats_.fence_waits;
   drain();
   return options_.mode == pool_mode::pool ? take_free(r, true)
                                           : grow(r.rounded, true, false, r.tag);

@@ -649,7 +649,9 @@ TEST(maximum_size_cap)
   // Usable after: free one (pending, incomplete), the ladder waits for it, releases its
   // segment and grows a small one within the cap.
   f->deallocate(a);
+  CHECK_EQ(f->stats().fence_waits, 0u);
   auto const s = f->allocate(256);
+  CHECK_EQ(f->stats().fence_waits, 1u);
   CHECK_EQ(f->stats().bytes_reserved, 14 * MiB);
   CHECK(f->stats().peak_bytes_reserved <= 24 * MiB);
   f->deallocate(s);

@@ -41,6 +41,8 @@ struct pool_stats {
   std::uint64_t same_stream_reuses{};  ///< blocks handed out again in stream order, unfenced
   std::uint64_t dormant_fences{};    ///< device synchronizations that fenced frees of streams
                                      ///< that may be gone (reuse_rule.hpp)
+  std::uint64_t fence_waits{};       ///< allocations that waited for every pending free (each
+                                     ///< pending fence synchronized: the ladder's step 4)
   std::uint64_t out_of_memory{};     ///< times the whole ladder failed (a request retried
                                      ///< after an out-of-memory callback counts each time)
   std::uint64_t page_maps{};         ///< growable segments: pages mapped (cuMemMap)
