@@ -163,7 +163,7 @@ def goals(table: dict) -> list:
     sep_caps = [(rows[s].get("capacity") or {}).get("largest") for s in work.SEPARATE
                 if s in rows]
     sep_caps = [c for c in sep_caps if c]
-    for setup in ("emmpool", "emmpool-fixed"):
+    for setup in ("emmpool", "emmpool-growable"):
         row = rows.get(setup)
         if row is None or row.get("not_run"):
             continue

@@ -30,7 +30,7 @@ FACTORS = (0.6, 1.0, 0.35, 0.8)
 STEPS_PER_CYCLE = len(FACTORS)
 
 SETUPS = ("separate", "separate-expandable", "rmm-pool", "rmm-async", "torch-under-cupy",
-          "emmpool", "emmpool-fixed")
+          "emmpool", "emmpool-growable")
 BRIDGES = ("rmm-pool", "rmm-async", "torch-under-cupy")
 SEPARATE = ("separate", "separate-expandable")
 
@@ -119,9 +119,9 @@ def setup_environment(setup: str) -> dict:
     if setup == "separate-expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     elif setup == "emmpool":
-        env["EMMPOOL_SEGMENTS"] = "growable"
-    elif setup == "emmpool-fixed":
         env["EMMPOOL_SEGMENTS"] = "fixed"
+    elif setup == "emmpool-growable":
+        env["EMMPOOL_SEGMENTS"] = "growable"
     return env
 
 
@@ -564,7 +564,7 @@ def install(setup: str, env, rmm_initial_pool: int) -> dict:
         keep["allocator"] = allocator
         serves = {lib: "its own" for lib in libs}
         serves["cupy"] = "PyTorch's caching allocator (PythonFunctionAllocator)"
-    elif setup in ("emmpool", "emmpool-fixed"):
+    elif setup in ("emmpool", "emmpool-growable"):
         import emmpool
 
         if "numba" in libs:

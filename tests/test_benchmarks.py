@@ -586,8 +586,8 @@ def test_mixed_setups_not_run_and_environments(mixed):
     assert work.not_run_reason("cupy_torch", "rmm-async", no_rmm) == "rmm is not installed here"
     assert work.not_run_reason("cupy_torch", "emmpool", no_rmm) is None
     assert work.setup_environment("emmpool") == {"PYTORCH_CUDA_ALLOC_CONF": None,
-                                                 "EMMPOOL_SEGMENTS": "growable"}
-    assert work.setup_environment("emmpool-fixed")["EMMPOOL_SEGMENTS"] == "fixed"
+                                                 "EMMPOOL_SEGMENTS": "fixed"}
+    assert work.setup_environment("emmpool-growable")["EMMPOOL_SEGMENTS"] == "growable"
     assert work.setup_environment("separate-expandable")["PYTORCH_CUDA_ALLOC_CONF"] == \
         "expandable_segments:True"
     assert work.setup_environment("separate") == {"PYTORCH_CUDA_ALLOC_CONF": None,
@@ -624,7 +624,7 @@ def synthetic_doc(gpu="synthetic GPU (test data)", budget=8 * GiB, run="run A"):
         "rmm-async": (2.9, 11.0, {"rmm async": int(2.5 * GiB)}, 40),
         "torch-under-cupy": (3.0, 13.0, {"torch+cupy": int(2.6 * GiB)}, 38),
         "emmpool": (2.5, 10.1, {"emmpool": 2 * GiB}, 44),
-        "emmpool-fixed": (2.95, 10.3, {"emmpool": int(1.9 * GiB)}, 40),
+        "emmpool-growable": (2.95, 10.3, {"emmpool": int(1.9 * GiB)}, 40),
     }
     setups = {}
     for setup, (peak, ms, allocator, largest) in table.items():
@@ -676,7 +676,7 @@ def test_mixed_tables_ratios_and_goals_from_a_synthetic_document(mixed, report, 
             "0.86× rmm-async's (≤ 1) ✓; 0.83× torch-under-cupy's (≤ 1) ✓; largest scale in B "
             "1.33× the separate pools' (≥ 1.25) ✓; time per step 1.010× the fastest setup's, "
             "median round (≤ 1.02) ✓") in md
-    growable = next(line for line in md.splitlines() if line.startswith("- emmpool-fixed"))
+    growable = next(line for line in md.splitlines() if line.startswith("- emmpool-growable"))
     assert "peak 0.84× the separate pools' (≤ 0.8) ✗" in growable
     assert "1.02× rmm-async's (≤ 1) ✗" in growable
     assert "largest scale in B 1.21× the separate pools' (≥ 1.25) ✗" in growable
@@ -901,7 +901,7 @@ def test_mixed_zygote_forks_fresh_children_with_their_setup(mixed, tmp_path):
     launcher = mixed.ForkLauncher("GPU-test-uuid", tmp_path, ready_timeout=300)
     try:
         assert launcher.info["fork_unsafe"] is None and len(launcher.info["threads"]) == 1
-        job = {"program": "cupy_torch", "setup": "emmpool", "kind": "probe",
+        job = {"program": "cupy_torch", "setup": "emmpool-growable", "kind": "probe",
                "scale": 1, "cycles": 1, "warmup_cycles": 0, "budget": 1 << 30}
         started = []
         result = launcher.run(job, 120, started.append)

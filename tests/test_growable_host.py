@@ -101,11 +101,11 @@ def clean_config(monkeypatch):
 
 
 def test_config_reads_emmpool_segments(clean_config, monkeypatch):
-    assert _config.config().segments == "growable"  # the default
-    monkeypatch.setenv("EMMPOOL_SEGMENTS", "fixed")
-    assert _config.config().segments == "fixed"
+    assert _config.config().segments == "fixed"  # the default
+    monkeypatch.setenv("EMMPOOL_SEGMENTS", "growable")
+    assert _config.config().segments == "growable"
     line = {s.option: s for s in _config.report()}["segments"]
-    assert line.value.startswith("fixed") and line.source == "EMMPOOL_SEGMENTS='fixed'"
+    assert line.value.startswith("growable") and line.source == "EMMPOOL_SEGMENTS='growable'"
     monkeypatch.setenv("EMMPOOL_SEGMENTS", "elastic")
     with pytest.raises(ValueError, match="EMMPOOL_SEGMENTS"):
         _config.check_environment()
@@ -120,9 +120,9 @@ def test_config_reads_emmpool_segments(clean_config, monkeypatch):
 
 def test_emmpool_host_replay_follows_the_variable(clean_config, monkeypatch):
     ops = [("alloc", 0, 3 * MiB), ("alloc", 1, 3 * MiB), ("free", 0, 0)]
-    assert replay.run(ops, "emmpool-host")["segments"] == "growable"
-    monkeypatch.setenv("EMMPOOL_SEGMENTS", "fixed")
     assert replay.run(ops, "emmpool-host")["segments"] == "fixed"
+    monkeypatch.setenv("EMMPOOL_SEGMENTS", "growable")
+    assert replay.run(ops, "emmpool-host")["segments"] == "growable"
 
 
 def test_cli_info_reports_segments():

@@ -64,7 +64,7 @@ class Config:
     log: str = ""  # level of the "emmpool" logger; "": left to the application
     pinned: str = "pool"  # Numba's pinned/mapped host memory: "pool" (emmpool's) or "numba"
     pinned_limit: int | None = None  # bytes the pinned cache may hold; None: RAM / 4
-    segments: str = "growable"  # "growable" (pages mapped on demand; not Numba's) or "fixed"
+    segments: str = "fixed"  # "fixed" or "growable" (VMM pages mapped on demand; not Numba's)
     # Bytes of free pages the growable segment keeps mapped for later requests; beyond, free
     # pages move under the requests that lack pages (the core's pool_options says more).
     growable_free_limit: int = 64 << 20
@@ -222,7 +222,7 @@ _OPTIONS = {
     "log": _Option("EMMPOOL_LOG", _one("log", _choice(*_LOG_LEVELS))),
     "pinned": _Option("EMMPOOL_PINNED", _one("pinned", _choice("pool", "numba"))),
     "pinned_limit": _Option("EMMPOOL_PINNED_LIMIT", _one("pinned_limit", _positive_size)),
-    "segments": _Option("EMMPOOL_SEGMENTS", _one("segments", _choice("growable", "fixed"))),
+    "segments": _Option("EMMPOOL_SEGMENTS", _one("segments", _choice("fixed", "growable"))),
     "growable_free_limit": _Option("EMMPOOL_GROWABLE_FREE_LIMIT",
                                    _one("growable_free_limit", parse_size)),
     "torch_allocator": _Option("EMMPOOL_TORCH_ALLOCATOR",

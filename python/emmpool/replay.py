@@ -207,7 +207,7 @@ def _torch(ops) -> dict:
 
 
 BACKENDS: dict[str, Callable[[list], dict]] = {
-    # emmpool-host and emmpool: the segments EMMPOOL_SEGMENTS asks for (default growable); the
+    # emmpool-host and emmpool: the segments EMMPOOL_SEGMENTS asks for (default fixed); the
     # -fixed and -growable backends name theirs, for a comparison in one run.
     "emmpool-host": _emmpool_host,
     "emmpool-host-fixed": lambda ops: _emmpool_host(ops, "fixed"),

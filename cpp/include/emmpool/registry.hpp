@@ -78,12 +78,7 @@ class pool_registry {
   void use_driver(driver& drv);
 
  private:
-  // The process-wide pools grow in pages mapped on demand unless configured otherwise
-  // (pool_options keeps fixed segments as the default of a pool made on its own).
-  explicit pool_registry(driver& drv) : driver_{&drv}
-  {
-    options_.segments = segment_kind::growable;
-  }
+  explicit pool_registry(driver& drv) : driver_{&drv} {}
   device_pool& create(int device);
   host_pool& create_pinned(int device);
 
