@@ -358,7 +358,8 @@ def markdown(doc: dict, pictures: dict) -> str:
                       f"every bridge's; its largest scale in B ≥ {GOAL_CAPACITY}× theirs (the "
                       f"larger); time per step ≤ {GOAL_TIME}× the fastest setup's:", "",
                       *goal_lines]
-        work_lines = [f"- {setup}: " + ", ".join(f"{v:.3g} {k}" for k, v in w.items() if v)
+        work_lines = [f"- {setup}: " + (", ".join(f"{v:.3g} {k}" for k, v in w.items() if v)
+                                        or "none")
                       for setup, w in ((s, r.get("pool_work")) for s, r in rows.items()) if w]
         if work_lines:
             lines += ["", "emmpool's driver work and waits per timed step (its last round; "

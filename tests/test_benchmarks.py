@@ -633,6 +633,8 @@ def synthetic_doc(gpu="synthetic GPU (test data)", budget=8 * GiB, run="run A"):
                   for r, f in enumerate((1.0, 1.2, 0.9))]
         if setup == "emmpool":
             rounds[-1]["pool_work"] = {"page_maps": 2.5, "page_unmaps": 0.0, "fence_waits": 0.25}
+        if setup == "emmpool-growable":
+            rounds[-1]["pool_work"] = {"page_maps": 0.0}
         setups[setup] = {
             "timing": {"scale": 16, "run": run, "rounds": rounds},
             "capacity": {"largest": largest, "smallest_failing": largest + 1,
@@ -681,7 +683,7 @@ def test_mixed_tables_ratios_and_goals_from_a_synthetic_document(mixed, report, 
     assert "1.02× rmm-async's (≤ 1) ✗" in growable
     assert "largest scale in B 1.21× the separate pools' (≥ 1.25) ✗" in growable
     assert "![GPU memory over time, cupy_torch](mixed_programs_cupy_torch.png)" in md
-    assert "\n- emmpool: 2.5 page_maps, 0.25 fence_waits\n" in md
+    assert "\n- emmpool: 2.5 page_maps, 0.25 fence_waits\n- emmpool-growable: none\n" in md
     assert "| setup | CuPy | PyTorch | Numba | RMM |" in md
     assert "| emmpool | its own | its own |  |  |" in md
     assert report.failed(doc) == ["cupy_torch torch-under-cupy: check differs",

@@ -112,3 +112,11 @@ def test_committed_results_hold_no_rows_of_earlier_builds():
                 if label != "NAME":
                     found.append(f"{path.relative_to(root)}: emmpool@{label}")
     assert not found, found
+
+
+def test_mixed_programs_outputs_keep_their_names(results):
+    for name in ("mixed_programs.md", "mixed_programs.json", "mixed_programs_rapids.png",
+                 "mixed_programs_cupy_torch.png"):
+        assert results.target_name(name) == name
+    for name in ("mixed_programs.txt", "mixed_programs_rapids.json", "mixed_programs_a b.png"):
+        assert results.target_name(name) is None
