@@ -69,8 +69,9 @@ bool growable_space::map_for(claim const& c)
 {
   auto const ptr     = c.blk->ptr;
   auto const rounded = c.rounded;
-  // room_for() was given back first (by the pool): what the pages need now fits, or never
-  // will. Spare pages are held already: only new ones count against the cap.
+  // prepare() said how many new pages this takes, and the pool gave wholly free memory back
+  // first where they would pass the cap: they fit now, or never will. Spare pages are held
+  // already: only new ones count against the cap.
   auto const new_pages = [&](std::size_t bytes) {
     auto const need  = pages_->unmapped_in(ptr, bytes);
     auto const spare = pages_->spare_bytes();

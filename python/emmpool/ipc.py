@@ -2,9 +2,9 @@
 
 A block of a fixed segment has a legacy CUDA IPC handle (``cuIpcGetMemHandle`` of its segment,
 and its offset there): what Numba's ``get_ipc_handle`` and CuPy's ``ipcGetMemHandle`` use, and
-what Numba's blocks always have. A block of the growable segment (CuPy's, PyTorch's, RMM's and
-cuda.core's blocks by default) lies on pages mapped with ``cuMemMap``, which that call cannot
-export: its pages are shared instead, one file descriptor each
+what Numba's blocks always have. A block of the growable segment (under ``EMMPOOL_SEGMENTS=growable``,
+CuPy's, PyTorch's, RMM's and cuda.core's blocks above 1 MiB) lies on pages mapped with
+``cuMemMap``, which that call cannot export: its pages are shared instead, one file descriptor each
 (``cuMemExportToShareableHandle``), and the receiver maps them into addresses of its own.
 
 :func:`export` makes an :class:`IpcHandle` of either kind. It pickles: send it through
