@@ -228,9 +228,13 @@ def test_cupy_allocator_chosen_before_is_reported():
 
 def test_rmm_is_put_on_the_pool_unless_another_resource_was_chosen(monkeypatch, fake_rmm):
     """EmmPool(rmm=True): RMM's default resource is replaced by emmpool's; one that dask-cuda
-    (or anyone) set is reported, not replaced; without RMM, nothing happens."""
+    (or anyone) set is reported, not replaced; without RMM, nothing happens. Only the worker's
+    device: another's resource is neither checked nor replaced."""
+    other = fake_rmm.mr.PoolMemoryResource()
+    fake_rmm.mr.set_per_device_resource(1, other)
     emmpool.dask._for_rmm("worker w")
     assert fake_rmm.mr.get_per_device_resource(0) is emmpool.rmm_resource(0)
+    assert fake_rmm.mr.get_per_device_resource(1) is other
     fake_rmm.mr.set_per_device_resource(0, fake_rmm.mr.PoolMemoryResource())
     with pytest.raises(RuntimeError, match=r"worker w: RMM's resource for device 0 is "
                                            r"\S*PoolMemoryResource already.*rmm=False"):

@@ -108,7 +108,7 @@ device_pool::block* device_pool::take_growable(std::size_t rounded, alloc_tag ta
     growable_.give_back(claim);  // a failed cuMemFree or cuMemUnmap: the block is not lost
     throw;
   }
-  return growable_.finish(claim);
+  return growable_.finish(claim, capture_.may_give_back());
 }
 
 detail::block_kind device_pool::kind_of(std::size_t rounded, bool growable) const noexcept

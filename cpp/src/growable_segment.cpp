@@ -88,36 +88,23 @@ growable_pages::mapped_result growable_pages::map(device_ptr ptr, std::size_t by
     mapped_.resize(last + 1, false);
     handles_.resize(last + 1, 0);
   }
-  std::vector<std::size_t> done;
   mapped_result r;
-  try {
-    for (std::size_t p = first; p <= last; ++p) {
-      if (mapped_[p]) { continue; }
-      bool const spare = !spare_.empty();
-      auto const h     = take_page();
-      try {
-        driver_->map_physical(device_, base_ + p * page_, page_, h);
-      } catch (...) {
-        spare_.push_back(h);  // held still: a later call maps or releases it
-        throw;
-      }
-      handles_[p] = h;
-      mapped_[p]  = true;
-      ++mapped_pages_;
-      ++maps_;
-      r.mapped += page_;
-      if (!spare) { r.created += page_; }
-      done.push_back(p);
+  for (std::size_t p = first; p <= last; ++p) {
+    if (mapped_[p]) { continue; }
+    bool const spare = !spare_.empty();
+    auto const h     = take_page();
+    try {
+      driver_->map_physical(device_, base_ + p * page_, page_, h);
+    } catch (...) {
+      spare_.push_back(h);  // held still: a later call maps or releases it
+      throw;
     }
-  } catch (...) {
-    for (auto p : done) {
-      try {
-        unmap_page(p, true);
-      } catch (...) {
-        // Stays mapped, and counted: a later trim tries again.
-      }
-    }
-    throw;
+    handles_[p] = h;
+    mapped_[p]  = true;
+    ++mapped_pages_;
+    ++maps_;
+    r.mapped += page_;
+    if (!spare) { r.created += page_; }
   }
   return r;
 }

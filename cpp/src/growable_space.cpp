@@ -56,16 +56,23 @@ std::size_t growable_space::prepare(claim const& c, bool may_move)
   auto const spare = pages_->spare_bytes();
   return c.need > spare ? c.need - spare : 0;
 }
-block* growable_space::finish(claim const& c)
+block* growable_space::finish(claim const& c, bool may_release)
 {
-  if (c.need != 0 && !map_for(c)) {
+  bool mapped = true;
+  try {
+    mapped = c.need == 0 || map_for(c, may_release);
+  } catch (...) {
+    free_.insert(c.blk);  // a failed cuMemMap (not out of memory): the block is not lost
+    throw;
+  }
+  if (!mapped) {
     free_.insert(c.blk);
     return nullptr;
   }
   return free_.split(c.blk, c.rounded, block_alignment);
 }
 
-bool growable_space::map_for(claim const& c)
+bool growable_space::map_for(claim const& c, bool may_release)
 {
   auto const ptr     = c.blk->ptr;
   auto const rounded = c.rounded;
@@ -79,7 +86,7 @@ bool growable_space::map_for(claim const& c)
   };
   if (!fits(new_pages(rounded))) { return false; }
   try {
-    count_mapped(ptr, pages_->map(ptr, rounded), c.tag);
+    map_counted(ptr, rounded, ptr, c.tag);
   } catch (out_of_memory const&) {
     return false;  // the ladder goes on: wait for frees, give pages back, try again
   }
@@ -89,13 +96,14 @@ bool growable_space::map_for(claim const& c)
   std::size_t const room = room_of(c);
   if (room > rounded && fits(new_pages(room))) {
     try {
-      count_mapped(ptr + rounded, pages_->map(ptr, room), c.tag);
+      map_counted(ptr, room, ptr + rounded, c.tag);
     } catch (cuda_error const&) {
     } catch (out_of_memory const&) {
     }
   }
-  // What prepare() moved for this map and it did not take: not held past its need.
-  (void)release_spares(pages_->spare_bytes());
+  // What prepare() moved for this map and it did not take: not held past its need (a later
+  // map takes it first where it may not go back now).
+  if (may_release) { (void)release_spares(pages_->spare_bytes()); }
   stats_->peak_bytes_reserved = std::max(stats_->peak_bytes_reserved, stats_->bytes_reserved);
   return true;
 }
@@ -265,16 +273,33 @@ shared_pages growable_space::share(block const& blk, device_ptr ptr)
   return out;
 }
 
-void growable_space::count_mapped(device_ptr at, growable_pages::mapped_result r,
-                                  std::uint8_t tag)
+void growable_space::map_counted(device_ptr ptr, std::size_t bytes, device_ptr at,
+                                 std::uint8_t tag)
 {
-  stats_->bytes_reserved += r.created;
-  stats_->page_maps += r.mapped / page_;
-  stats_->page_creates += r.created / page_;
-  if (r.mapped != 0) {
-    log_->record(segment_event::kind::mapped, segment_type::growable, tag, at / page_ * page_,
-                 r.mapped);
+  // Counted from what the pages hold before and after, failure included: a map that fails
+  // part way keeps what it mapped and made (growable_pages::map), and reserved must say so.
+  auto const held_before   = pages_->held_bytes();
+  auto const mapped_before = pages_->mapped_bytes();
+  auto const count         = [&] {
+    auto const mapped = pages_->mapped_bytes() - mapped_before;
+    stats_->bytes_reserved += pages_->held_bytes() - held_before;
+    stats_->peak_bytes_reserved = std::max(stats_->peak_bytes_reserved, stats_->bytes_reserved);
+    stats_->page_maps += mapped / page_;
+    if (mapped != 0) {
+      log_->record(segment_event::kind::mapped, segment_type::growable, tag, at / page_ * page_,
+                   mapped);
+    }
+  };
+  auto const creates_before = pages_->creates();
+  try {
+    (void)pages_->map(ptr, bytes);
+  } catch (...) {
+    count();
+    stats_->page_creates += pages_->creates() - creates_before;
+    throw;
   }
+  count();
+  stats_->page_creates += pages_->creates() - creates_before;
 }
 
 std::size_t growable_space::count_released(std::size_t held_before)

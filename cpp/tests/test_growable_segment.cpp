@@ -393,6 +393,54 @@ TEST(growable_failed_maps_and_unmaps_keep_the_pool_consistent)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(growable_a_map_that_fails_part_way_is_counted)
+{
+  // Room for two pages: a 5 MiB block makes and maps two, the third cuMemCreate finds the
+  // device full. What was made stays (mapped, under the free block) and is counted, so the
+  // pool's reserved bytes stay the driver's, and the pool serves once there is room.
+  fixture f;
+  f.drv.set_capacity(0, 2 * page);
+  f.drv.fail_next_allocations(1000);  // no fixed segment either
+  CHECK_THROWS(f->allocate(5 * MiB), out_of_memory);
+  CHECK_EQ(consistency(f), "");
+  CHECK(f->stats().bytes_reserved <= 2 * page);
+  f.drv.set_capacity(0, 64 * MiB);
+  auto const a = f->allocate(5 * MiB);
+  CHECK(f.drv.accessible(0, a, 5 * MiB));
+  CHECK_EQ(consistency(f), "");
+  f->deallocate(a);
+  (void)f->trim();
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(f.drv.stats().bytes_physical, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_nothing_is_unmapped_or_released_during_a_capture)
+{
+  // cuMemUnmap synchronizes and a capture forbids it: during one, a map that fails part way
+  // (the device full after two more pages) keeps what it mapped, and nothing goes back.
+  auto o                = growable_options();
+  o.growable_free_limit = 0;  // outside a capture, every free page would move
+  fixture f{o};
+  f.drv.fail_next_allocations(1000);  // no fixed segment
+  auto const a = f->allocate(8 * MiB);
+  f->deallocate(a);
+  f->synchronize();
+  f.drv.set_capacity(0, f.drv.stats().bytes_physical + 2 * page);
+  auto const before = f.drv.stats();
+  f->capture_begin();
+  CHECK_THROWS(f->allocate(40 * MiB), out_of_memory);
+  auto const during = f.drv.stats();
+  CHECK_EQ(during.creates, before.creates + 2);
+  CHECK_EQ(during.unmaps, before.unmaps);
+  CHECK_EQ(during.releases, before.releases);
+  CHECK_EQ(consistency(f), "");
+  f->capture_end();
+  (void)f->trim();
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(growable_falls_back_to_fixed_segments_without_vmm)
 {
   fixture f{growable_options(), false};  // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED 0

@@ -38,7 +38,7 @@ except ImportError as e:
         "(dask-cuda on top for LocalCUDACluster)"
     ) from e
 
-from . import AllocatorConflictError, _args, _config, config, configure
+from . import AllocatorConflictError, _args, _config, _core, config, configure
 from . import set_out_of_memory_callback, use_for_cupy, use_for_numba, use_for_rmm, use_for_torch
 from . import stats as _pool_stats
 from ._args import format_bytes
@@ -217,7 +217,9 @@ def _for_rmm(where: str) -> None:
         import rmm.mr  # noqa: F401
     except ImportError:
         return  # distributed then makes Numba's arrays, which emmpool serves
-    _for("rmm", use_for_rmm, where)
+    # The worker's device only (dask-cuda gives each worker one, first in CUDA_VISIBLE_DEVICES):
+    # another device's RMM resource is not this worker's to check or to replace.
+    _for("rmm", lambda: use_for_rmm([_core.current_device()]), where)
 
 
 _INSTALL = {

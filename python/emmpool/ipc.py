@@ -50,7 +50,7 @@ class IpcHandle:
         self._page_size = page_size
         self._fds = tuple(fds)    # a growable block's pages: descriptors of this process
         self._array = array
-        self._owns_fds = False    # received: the descriptors are this handle's to close
+        self._owns_fds = False    # the descriptors are this handle's to close (its copies)
 
     @property
     def kind(self) -> str:
@@ -82,8 +82,26 @@ class IpcHandle:
                 f"{self.device} ({self.kind})>")
 
 
+def _dup_all(fds) -> tuple:
+    copies: list = []
+    try:
+        for fd in fds:
+            copies.append(os.dup(fd))
+    except BaseException:
+        _close_fds(copies)
+        raise
+    return tuple(copies)
+
+
 def _rebuild(device, ptr, nbytes, offset, handle, page_size, shared, array) -> IpcHandle:
-    fds = tuple(s.detach() for s in shared)  # descriptors of this process now
+    detached: list = []
+    try:
+        for s in shared:
+            detached.append(s.detach())  # descriptors of this process now
+    except BaseException:
+        _close_fds(detached)  # none left open if the sender could not hand over them all
+        raise
+    fds = tuple(detached)
     h = IpcHandle(device, ptr, nbytes, offset, handle=handle, page_size=page_size, fds=fds,
                   array=array)
     if fds:
@@ -158,8 +176,14 @@ def export(obj, nbytes: int | None = None, device: int | None = None) -> IpcHand
     shared = pool.share_pages(ptr)
     if shared is not None:
         first, page_size, offset, left, fds = shared
-        return IpcHandle(pool.device, ptr, nbytes, offset, page_size=page_size, fds=fds,
-                         array=array)
+        # The handle's own copies: the pool closes its descriptors when a page goes back to the
+        # driver, which may come before the handle is pickled (a Queue pickles in a thread).
+        fds = _dup_all(fds)
+        h = IpcHandle(pool.device, ptr, nbytes, offset, page_size=page_size, fds=fds,
+                      array=array)
+        h._owns_fds = True
+        weakref.finalize(h, _close_fds, fds)
+        return h
     handle, base, segment_size, offset = pool.ipc_handle(ptr)
     return IpcHandle(pool.device, ptr, nbytes, offset, handle=handle, array=array)
 
@@ -171,6 +195,9 @@ def _array_bytes(cai: dict) -> int:
     shape, strides = tuple(cai["shape"]), cai.get("strides")
     if any(n == 0 for n in shape):
         return 0
+    if strides and any(s < 0 for s in strides):
+        raise ValueError("an array with negative strides (its memory lies before its first "
+                         "element): export a contiguous copy, or the address with nbytes")
     if not strides:
         n = itemsize
         for extent in shape:

@@ -59,8 +59,11 @@ class growable_pages {
     std::size_t mapped{};
     std::size_t created{};
   };
-  /// Map every unmapped page overlapping [ptr, ptr + bytes), spare pages first; all or
-  /// nothing: on failure the pages this call mapped are unmapped again (and kept spare).
+  /// Map every unmapped page overlapping [ptr, ptr + bytes), spare pages first. On failure
+  /// the pages this call mapped stay mapped (under a block that is free again, where mapped
+  /// pages are allowed; undoing them would call cuMemUnmap, which a capture forbids) and a
+  /// page made but not mapped stays spare: the caller counts what changed from held_bytes()
+  /// and mapped_bytes(), not from a result it does not get.
   /// @throws out_of_memory, cuda_error
   mapped_result map(device_ptr ptr, std::size_t bytes);
   /// Unmap the mapped pages lying wholly inside [ptr, ptr + bytes), the highest first, at

@@ -75,8 +75,9 @@ class growable_space {
   /// makes room for them first: device_pool::take_growable)
   std::size_t prepare(claim const& c, bool may_move);
   /// The claimed block, its pages mapped, split to the request; null (the block back on the
-  /// free list) at the cap or out of memory.
-  block* finish(claim const& c);
+  /// free list) at the cap or out of memory. Spare pages it did not take go back to the
+  /// driver if `may_release` (as may_move: no capture, no deferred cleanup), else stay spare.
+  block* finish(claim const& c, bool may_release);
   /// The claimed block back on the free list, unused.
   void give_back(claim const& c) { free_.insert(c.blk); }
   /// Make the segment, if there is none yet: false where the driver refuses a reservation
@@ -117,7 +118,7 @@ class growable_space {
   }
 
  private:
-  bool map_for(claim const& c);  // after prepare
+  bool map_for(claim const& c, bool may_release);  // after prepare
   [[nodiscard]] std::size_t room_of(claim const& c) const noexcept;  // what its map may cover
   [[nodiscard]] std::size_t free_mapped_bytes() const;  // mapped bytes inside free blocks
   std::size_t release_spares(std::size_t bytes);       // @return bytes released
@@ -125,7 +126,9 @@ class growable_space {
   {
     return cap_->fits(stats_->bytes_reserved, n);
   }
-  void count_mapped(device_ptr at, growable_pages::mapped_result r, std::uint8_t tag);
+  /// Map [ptr, ptr + bytes) and count it (reserved, maps, creations, a segment event at `at`),
+  /// whether it succeeds or fails part way.
+  void map_counted(device_ptr ptr, std::size_t bytes, device_ptr at, std::uint8_t tag);
   std::size_t count_released(std::size_t held_before);  // reserved shrinks by what went
 
   driver* driver_;
