@@ -166,7 +166,12 @@ int growable_pages::export_page(device_ptr ptr)
   auto const h = handles_[p];
   if (auto it = fds_.find(h); it != fds_.end()) { return it->second; }
   int const fd = driver_->export_physical(device_, h);
-  fds_.emplace(h, fd);
+  try {
+    fds_.emplace(h, fd);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
   return fd;
 }
 

@@ -369,13 +369,28 @@ device_ptr host_driver::ipc_open(int device, ipc_bytes const& handle)
                      EMMPOOL_WHERE};
   }
   ++counters_.imports;
+  ++ipc_opens_[base];  // as CUDA: the same base again, each open to be closed
   return base;
 }
 
-void host_driver::ipc_close(int device, device_ptr)
+void host_driver::ipc_close(int device, device_ptr ptr)
 {
   std::lock_guard lock{mutex_};
   check_device(device);
+  auto it = ipc_opens_.find(ptr);
+  if (it == ipc_opens_.end()) {
+    throw cuda_error{"cuIpcCloseMemHandle", invalid_value_code, "CUDA_ERROR_INVALID_VALUE",
+                     EMMPOOL_WHERE};
+  }
+  if (--it->second == 0) { ipc_opens_.erase(it); }
+}
+
+std::size_t host_driver::ipc_opens() const
+{
+  std::lock_guard lock{mutex_};
+  std::size_t n = 0;
+  for (auto const& [base, count] : ipc_opens_) { n += count; }
+  return n;
 }
 
 memory_info host_driver::memory_info_of(int device)

@@ -1,6 +1,7 @@
 #include <emmpool/error.hpp>
 #include <emmpool/ipc_imports.hpp>
 
+#include <limits>
 #include <string>
 
 namespace emmpool {
@@ -8,6 +9,9 @@ namespace emmpool {
 device_ptr ipc_imports::open_pages(int device, std::vector<int> const& fds, std::size_t page_size)
 {
   EMMPOOL_EXPECTS(!fds.empty() && page_size > 0, "an import needs pages");
+  // The page count and size come from another process (PyTorch's header): checked, not trusted.
+  EMMPOOL_EXPECTS(fds.size() <= std::numeric_limits<std::size_t>::max() / page_size,
+                  "an import's pages pass the address space");
   auto const base = driver_->reserve_address(device, fds.size() * page_size);
   opened o{device, true, page_size, {}};
   std::size_t mapped = 0;
@@ -38,25 +42,41 @@ device_ptr ipc_imports::open_handle(int device, ipc_bytes const& handle)
 {
   auto const base = driver_->ipc_open(device, handle);
   std::lock_guard lock{mutex_};
-  open_.emplace(base, opened{device, false, 0, {}});
+  auto const [it, fresh] = open_.try_emplace(base, opened{device, false, 0, {}});
+  if (!fresh) { ++it->second.opens; }
   return base;
 }
 
 void ipc_imports::close(device_ptr base)
 {
-  opened o;
-  {
-    std::lock_guard lock{mutex_};
+  auto const find = [&] {
     auto it = open_.find(base);
     if (it == open_.end()) {
       throw pool_error{"emmpool: address " + std::to_string(base) +
                        " is not memory imported from another process (closed twice?)"};
     }
-    o = std::move(it->second);
-    open_.erase(it);
+    return it;
+  };
+  int device = 0;
+  {
+    std::lock_guard lock{mutex_};
+    device = find()->second.device;
   }
-  // Work issued here may still read or write it, on any stream.
-  driver_->synchronize_device(o.device);
+  // Work issued here may still read or write it, on any stream. If this throws, the import
+  // stays open, for a later close.
+  driver_->synchronize_device(device);
+  opened o;
+  {
+    std::lock_guard lock{mutex_};
+    auto it = find();
+    if (it->second.opens > 1) {
+      --it->second.opens;
+      o = opened{it->second.device, false, 0, {}};  // one of its opens closed
+    } else {
+      o = std::move(it->second);
+      open_.erase(it);
+    }
+  }
   unmap(base, o);
 }
 

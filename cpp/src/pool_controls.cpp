@@ -140,6 +140,10 @@ void device_pool::reset()
 {
   std::lock_guard lock{mutex_};
   if (forked_) { return; }
+  if (capture_.capturing()) {
+    throw pool_error{"emmpool: cannot reset device " + std::to_string(device_) +
+                     "'s pool while a CUDA graph is captured on it (end the capture first)"};
+  }
   settle_held_for_capture();
   lanes_.drain_or_abandon(released_);
   settle_released();

@@ -274,14 +274,23 @@ void private_pools::give_back(std::vector<private_block> blocks)
     deferred_.clear();
   }
   std::vector<int> synced;
-  for (auto const& b : blocks) {
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    auto const& b = blocks[i];
     if (std::find(synced.begin(), synced.end(), b.device) == synced.end()) {
       synced.push_back(b.device);
       try {
         driver_->synchronize_device(b.device);
       } catch (...) {
         // Called from destructors (a graph's reset, a tensor's deleter): never throw. A
-        // failed synchronization means a dead context, whose work is gone too.
+        // capture that began since the check above refuses the synchronization: a replay may
+        // still use these blocks, so they wait for the next give_back. Otherwise a failed
+        // synchronization means a dead context, whose work is gone too.
+        std::lock_guard lock{mutex_};
+        if (active()) {
+          deferred_.insert(deferred_.end(), blocks.begin() + static_cast<std::ptrdiff_t>(i),
+                           blocks.end());
+          return;
+        }
       }
     }
     if (b.foreign) {

@@ -441,6 +441,34 @@ TEST(growable_nothing_is_unmapped_or_released_during_a_capture)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(a_legacy_handle_opened_twice_is_closed_twice)
+{
+  // Two blocks of one fixed segment export the same handle; the driver maps it once and
+  // counts the opens: each close undoes one, the last unmaps.
+  fixture f{pool_options{}};
+  auto const a = f->allocate(3 * MiB);
+  auto const b = f->allocate(3 * MiB);
+  auto const ha = f->ipc_handle(a);
+  auto const hb = f->ipc_handle(b);
+  REQUIRE(ha.has_value() && hb.has_value());
+  CHECK(ha->handle == hb->handle);
+  ipc_imports imports{f.drv};
+  auto const base_a = imports.open_handle(0, ha->handle);
+  auto const base_b = imports.open_handle(0, hb->handle);
+  CHECK_EQ(base_a, base_b);
+  CHECK_EQ(imports.open_count(), 1u);
+  CHECK_EQ(f.drv.ipc_opens(), 2u);
+  imports.close(base_a);
+  CHECK_EQ(imports.open_count(), 1u);  // b's open still maps it
+  CHECK_EQ(f.drv.ipc_opens(), 1u);
+  imports.close(base_b);
+  CHECK_EQ(imports.open_count(), 0u);
+  CHECK_EQ(f.drv.ipc_opens(), 0u);
+  CHECK_THROWS(imports.close(base_a), pool_error);
+  f->deallocate(a);
+  f->deallocate(b);
+}
+
 TEST(growable_falls_back_to_fixed_segments_without_vmm)
 {
   fixture f{growable_options(), false};  // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED 0

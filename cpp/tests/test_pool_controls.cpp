@@ -115,6 +115,25 @@ TEST(captures_nest_and_an_unmatched_end_is_refused)
   CHECK_EQ(f->trim(), big);
 }
 
+TEST(reset_during_a_capture_is_refused_and_changes_nothing)
+{
+  // With a record_stream free held for the capture's end, a reset would have to fence it now
+  // (and wait for every pending free): refused, the pool as it was, and usable after the end.
+  fixture f;
+  auto const p = f->allocate(big);
+  f->capture_begin();
+  f->record_stream(p, stream_b);
+  f->deallocate(p);
+  auto const before = forbidden::of(f.drv);
+  CHECK_THROWS(f->reset(), pool_error);
+  CHECK(forbidden::of(f.drv) == before);
+  CHECK(f->capturing());
+  f->capture_end();
+  f->reset();
+  CHECK_EQ(f->stats().bytes_in_use, 0u);
+  CHECK_EQ(f.drv.stats().bytes_reserved, 0u);
+}
+
 TEST(out_of_memory_during_a_capture_waits_for_nothing)
 {
   pool_options o;

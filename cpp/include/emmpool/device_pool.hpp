@@ -15,7 +15,7 @@
  *   detail/free_list.hpp       best fit, split and coalesce of the blocks free now
  *   detail/growable_space.hpp  the growable segment and its pages
  *   detail/segment_index.hpp   segments and live blocks by address, and the questions asked of
- *                              them (owns, live_extent, ipc_handle, layout)
+ *                              them (owns, live_extent, ipc, layout)
  *   detail/pool_cap.hpp        the cap, and what another allocator reserves against it
  *   pool_options.hpp           how big a segment to make (segment_size: the growth policy)
  *   detail/capture_mode.hpp    deferred cleanup and CUDA graph captures: what may not be done
@@ -218,6 +218,8 @@ class device_pool : private detail::pool_lifecycle {
   /// @brief The context is about to be reset: wait for pending frees, release everything free,
   /// retire segments that still hold live blocks (never reused, freed when empty, and only if
   /// the driver still knows them), and drop cached events.
+  /// @throws pool_error while a CUDA graph is captured on the device (capture_begin() without
+  /// its capture_end()): waiting for frees would synchronize inside the capture
   void reset();
 
   /// @brief While deferred (calls nest), nothing is returned to the driver; blocks still flow
@@ -339,8 +341,8 @@ class device_pool : private detail::pool_lifecycle {
   // The live block at ptr that `owner` may free; throws pool_error saying why not.
   [[nodiscard]] detail::live_map::iterator live_block_of(device_ptr ptr, block_owner owner);
   void off_books(detail::live_map::iterator it, stream_ref key);  // a freed block: stats, trace
-  // Off the books: to its lane or the fences. Out of line: inlined into every free, the key
-  // stayed in memory, and the pair paid a stalled reload.
+  // Off the books: to its lane or the fences. Out of line: inlined into every free, it keeps
+  // the key in memory, and the allocate + free pair pays a stalled reload.
   [[gnu::noinline]] void settle_freed(block* blk, stream_ref key);
   void absorb_free_neighbours(block* blk);  // off the free lists, for a merge to take them
   void settle_released();                   // released_: into the free lists

@@ -123,6 +123,8 @@ class host_driver final : public driver {
   /// The model's processes are one: a handle opens the segment it names, while it is live.
   [[nodiscard]] device_ptr ipc_open(int device, ipc_bytes const& handle) override;
   void ipc_close(int device, device_ptr ptr) override;
+  /// @brief Legacy IPC handles opened and not closed yet (each open counts, as CUDA's do).
+  [[nodiscard]] std::size_t ipc_opens() const;
   [[nodiscard]] memory_info memory_info_of(int device) override;
   [[nodiscard]] void* host_allocate(int device, std::size_t bytes, unsigned flags) override;
   void host_deallocate(int device, void* ptr) override;
@@ -183,6 +185,7 @@ class host_driver final : public driver {
   std::uint64_t next_memory_ = 1;
   bool vmm_supported_ = true;
   int fail_maps_ = 0;
+  std::map<device_ptr, std::size_t> ipc_opens_;  // legacy IPC opens by base
   int fail_unmaps_ = 0;
   int fail_reservations_ = 0;
   std::unordered_map<event_handle, bool> events_;  // event -> completed

@@ -48,6 +48,8 @@ class ipc_imports {
     bool pages;                             // else a legacy handle
     std::size_t page_size;
     std::vector<physical_handle> handles;   // the pages, in address order
+    std::size_t opens{1};                   // a legacy handle opened again maps to the same
+                                            // base (the driver counts opens): each close one
   };
   void unmap(device_ptr base, opened const& o) noexcept;  // best effort: the import goes
 
