@@ -93,7 +93,8 @@ def run(elements: int, segments: str, die: bool = False, tmp_path=None) -> list[
 
 @pytest.mark.parametrize("segments", ["growable", "fixed"])
 def test_cupy_arrays_both_ways(segments, tmp_path):
-    # 4 MiB: a growable block (its pages) by default, a large fixed segment's block otherwise
+    # 4 MiB: a growable block (its pages) under segments=growable, a large fixed segment's
+    # block otherwise
     kinds = run(1 << 20, segments, tmp_path=tmp_path)
     expected = "pages" if segments == "growable" else "handle"
     assert kinds == [expected, expected], kinds

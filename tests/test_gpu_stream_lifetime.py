@@ -2,9 +2,9 @@
 
 Programs that are correct with CuPy's and PyTorch's own pools must be correct with emmpool:
 CuPy destroys a Stream when its Python object dies, often before the arrays made on it are
-freed, and torch.cuda.ExternalStream can outlive its stream. emmpool used to record a fence on
-such a handle later (cuEventRecord on a destroyed stream: SIGSEGV). See reuse_policy.hpp,
-"stream lifetime". The CPU tests (test_stream_lifetime.py) prove the same over the host driver,
+freed, and torch.cuda.ExternalStream can outlive its stream. A fence recorded on such a handle
+later would be cuEventRecord on a destroyed stream (SIGSEGV); emmpool records none. See
+reuse_rule.hpp, "stream lifetime". The CPU tests (test_stream_lifetime.py) prove the same over the host driver,
 which fails on any use of a dead stream.
 """
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 needs_cupy = requires("cupy")
 needs_cupy_torch = requires("cupy", "torch")
 
-# The pattern from the report, as written: the Stream dies first, then the array; later
+# CuPy's usual pattern: the Stream dies first, then the array; later
 # allocations miss the free lists (where the pool fences what was freed).
 ISSUE_PATTERN = r"""
 import gc, cupy, emmpool

@@ -2,7 +2,7 @@
 
 CuPy destroys a stream when its Python object dies, often before the arrays made on it are
 freed; torch.cuda.ExternalStream and RMM streams can dangle too. emmpool must never pass such a
-stream's handle to CUDA again (reuse_policy.hpp, "stream lifetime"). The host driver
+stream's handle to CUDA again (reuse_rule.hpp, "stream lifetime"). The host driver
 raises, and counts in ``dead_stream_uses``, on any use of a destroyed stream's handle, and gives
 a destroyed stream's handle to the next stream it creates, as CUDA may: every test here fails on
 the first touch of a dead stream, and checks that no freed block comes back early.

@@ -428,7 +428,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   // swap or runs after it.
   bool initialized() override { return true; }
 
-  // An allocation is about to raise OutOfMemoryError (_torch_entry_points.hpp: fail()).
+  // An allocation is about to raise OutOfMemoryError (entry_points.hpp: fail()).
   void out_of_memory(int device, std::size_t size)
   {
     std::size_t free = 0, total = 0;

@@ -62,8 +62,8 @@ entry_points api;
 
 // Messages are made with std::string and std::to_string, never with TORCH_CHECK's several
 // arguments: those go through an ostringstream, and with a PyTorch whose extensions link
-// libstdc++ statically, formatting a number there crashed (seen with torch 2.11 on the GPU host:
-// SIGSEGV in codecvt under ostream::_M_insert<double>).
+// libstdc++ statically (torch 2.11's wheels), formatting a number there crashes (SIGSEGV in
+// codecvt under ostream::_M_insert<double>).
 [[noreturn]] void raise(std::string const& message) { TORCH_CHECK(false, message); }
 
 void load_entry_points(std::string const& core_path)

@@ -17,8 +17,8 @@ inline constexpr std::size_t segment_granularity = std::size_t{2} << 20;
 enum class pool_mode : std::uint8_t { pool, passthrough };
 
 /// How pool mode gets memory for requests above small_request. `growable`: one address
-/// reservation whose pages are mapped on demand and unmapped when wholly free
-/// (detail/growable_space.hpp), where the device supports virtual memory management (fixed
+/// reservation whose pages are mapped on demand, freed pages kept mapped up to
+/// growable_free_limit (detail/growable_space.hpp), where the device supports virtual memory management (fixed
 /// elsewhere). Numba's blocks stay on fixed segments either way: Numba's IPC
 /// (cuIpcGetMemHandle) cannot export VMM memory.
 enum class segment_kind : std::uint8_t { fixed, growable };
@@ -42,11 +42,11 @@ struct pool_options {
   std::size_t growable_room{20u << 20};  ///< growth maps up to this much of the free block
                                          ///< it carves (room for the next requests); 0: only
                                          ///< the pages the request needs
-  /// Mapped bytes that free blocks of the growable segment keep when the pool grows past its
-  /// peak of reserved memory; beyond, their pages go back first (the largest free blocks',
-  /// from the top down: detail/growable_space.hpp). Freed pages otherwise stay mapped and are
-  /// reused, as PyTorch's expandable segments keep theirs. trim(), the cap and the
-  /// out-of-memory ladder unmap every wholly free page.
+  /// Mapped bytes that free blocks of the growable segment keep. Beyond, a request that lacks
+  /// pages moves free pages under its block first (the largest free blocks', from the top
+  /// down: detail/growable_space.hpp), and a fixed segment's new peak releases them. Freed
+  /// pages otherwise stay mapped and are reused, as PyTorch's expandable segments keep theirs.
+  /// trim(), the cap and the out-of-memory ladder unmap every wholly free page.
   std::size_t growable_free_limit{std::size_t{64} << 20};
 
   /// @brief Check that the options are consistent (the device's own limits aside).
