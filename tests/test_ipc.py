@@ -47,6 +47,16 @@ def test_a_growable_block_shares_its_pages_and_the_receiver_maps_them():
         mem.close()  # once: a second close does nothing
         assert emmpool.ipc.export(p).nbytes == 5 * MiB  # to the block's end
         assert host.stats()["exports"] == exported  # each page is exported once
+        # The handle holds copies of the pool's descriptors: freeing the block and trimming
+        # (the pool closes its own) leaves the handle's open, to be pickled later.
+        pool_fds = set(pool.share_pages(p)[4])
+        late = emmpool.ipc.export(p)
+        assert not pool_fds & set(late._fds)
+        pool.deallocate(p)
+        pool.trim()
+        import os
+        for fd in late._fds:
+            os.fstat(fd)  # still open
         """
     )
 
@@ -111,6 +121,15 @@ def test_what_is_not_emmpools_is_refused_saying_why():
             assert "device address" in str(e), e
         else:
             raise AssertionError("a str was taken for an address")
+        class Reversed:  # an array viewed backwards: its memory lies before its first element
+            __cuda_array_interface__ = {"data": (p + 1024, False), "shape": (256,),
+                                        "typestr": "<f4", "strides": (-4,), "version": 3}
+        try:
+            emmpool.ipc.export(Reversed())
+        except ValueError as e:
+            assert "negative strides" in str(e), e
+        else:
+            raise AssertionError("an array with negative strides was exported")
         pool.deallocate(p)
         try:
             emmpool.ipc.export(p)
