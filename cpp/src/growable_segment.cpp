@@ -79,7 +79,7 @@ physical_handle growable_pages::take_page()
   return h;
 }
 
-growable_pages::mapped_result growable_pages::map(device_ptr ptr, std::size_t bytes)
+void growable_pages::map(device_ptr ptr, std::size_t bytes)
 {
   std::size_t const first = (ptr - base_) / page_;
   std::size_t const last  = (ptr - base_ + bytes - 1) / page_;
@@ -88,11 +88,9 @@ growable_pages::mapped_result growable_pages::map(device_ptr ptr, std::size_t by
     mapped_.resize(last + 1, false);
     handles_.resize(last + 1, 0);
   }
-  mapped_result r;
   for (std::size_t p = first; p <= last; ++p) {
     if (mapped_[p]) { continue; }
-    bool const spare = !spare_.empty();
-    auto const h     = take_page();
+    auto const h = take_page();
     try {
       driver_->map_physical(device_, base_ + p * page_, page_, h);
     } catch (...) {
@@ -103,10 +101,7 @@ growable_pages::mapped_result growable_pages::map(device_ptr ptr, std::size_t by
     mapped_[p]  = true;
     ++mapped_pages_;
     ++maps_;
-    r.mapped += page_;
-    if (!spare) { r.created += page_; }
   }
-  return r;
 }
 
 void growable_pages::unmap_page(std::size_t p, bool keep)

@@ -104,7 +104,6 @@ bool growable_space::map_for(claim const& c, bool may_release)
   // What prepare() moved for this map and it did not take: not held past its need (a later
   // map takes it first where it may not go back now).
   if (may_release) { (void)release_spares(pages_->spare_bytes()); }
-  stats_->peak_bytes_reserved = std::max(stats_->peak_bytes_reserved, stats_->bytes_reserved);
   return true;
 }
 
@@ -278,28 +277,27 @@ void growable_space::map_counted(device_ptr ptr, std::size_t bytes, device_ptr a
 {
   // Counted from what the pages hold before and after, failure included: a map that fails
   // part way keeps what it mapped and made (growable_pages::map), and reserved must say so.
-  auto const held_before   = pages_->held_bytes();
-  auto const mapped_before = pages_->mapped_bytes();
-  auto const count         = [&] {
+  auto const held_before    = pages_->held_bytes();
+  auto const mapped_before  = pages_->mapped_bytes();
+  auto const creates_before = pages_->creates();
+  auto const count          = [&] {
     auto const mapped = pages_->mapped_bytes() - mapped_before;
     stats_->bytes_reserved += pages_->held_bytes() - held_before;
     stats_->peak_bytes_reserved = std::max(stats_->peak_bytes_reserved, stats_->bytes_reserved);
     stats_->page_maps += mapped / page_;
+    stats_->page_creates += pages_->creates() - creates_before;
     if (mapped != 0) {
       log_->record(segment_event::kind::mapped, segment_type::growable, tag, at / page_ * page_,
                    mapped);
     }
   };
-  auto const creates_before = pages_->creates();
   try {
-    (void)pages_->map(ptr, bytes);
+    pages_->map(ptr, bytes);
   } catch (...) {
     count();
-    stats_->page_creates += pages_->creates() - creates_before;
     throw;
   }
   count();
-  stats_->page_creates += pages_->creates() - creates_before;
 }
 
 std::size_t growable_space::count_released(std::size_t held_before)

@@ -54,18 +54,13 @@ class growable_pages {
   [[nodiscard]] std::size_t unmapped_in(device_ptr ptr, std::size_t bytes) const noexcept;
   /// Mapped bytes inside [ptr, ptr + bytes) (a page partly inside counts its part).
   [[nodiscard]] std::size_t mapped_overlap(device_ptr ptr, std::size_t bytes) const noexcept;
-  /// What map() did: bytes mapped, and of them bytes of new pages (the rest were spare).
-  struct mapped_result {
-    std::size_t mapped{};
-    std::size_t created{};
-  };
   /// Map every unmapped page overlapping [ptr, ptr + bytes), spare pages first. On failure
   /// the pages this call mapped stay mapped (under a block that is free again, where mapped
   /// pages are allowed; undoing them would call cuMemUnmap, which a capture forbids) and a
-  /// page made but not mapped stays spare: the caller counts what changed from held_bytes()
-  /// and mapped_bytes(), not from a result it does not get.
+  /// page made but not mapped stays spare: either way the caller counts what changed from
+  /// held_bytes(), mapped_bytes() and creates().
   /// @throws out_of_memory, cuda_error
-  mapped_result map(device_ptr ptr, std::size_t bytes);
+  void map(device_ptr ptr, std::size_t bytes);
   /// Unmap the mapped pages lying wholly inside [ptr, ptr + bytes), the highest first, at
   /// most `limit` bytes of them; kept spare, or released. @return bytes unmapped
   /// @throws cuda_error (pages unmapped before the failure stay unmapped: the counts say)
