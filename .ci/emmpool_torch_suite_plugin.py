@@ -16,7 +16,26 @@ from __future__ import annotations
 import json
 import os
 
-_state = {"tests": 0, "how": None, "active": False}
+_state = {"tests": 0, "how": None, "active": False, "filled": []}
+
+
+def _fill_names_the_test_file_imports():
+    """Define, as PyTorch's own test_cuda.py of the installed release does, the module-level
+    names that a newer test_cuda.py imports from ``torch.testing._internal.common_utils`` and the
+    installed release does not have yet; the same in both runs, recorded in the reports.
+
+    ``TEST_CUDAMALLOCASYNC``: whether the allocator in force is PyTorch's cudaMallocAsync one
+    (test_cuda.py defined it itself before it moved to common_utils). Asked after emmpool is
+    installed, as the test file's import asks it: an emmpool run is not cudaMallocAsync.
+    """
+    import torch
+    from torch.testing._internal import common_utils
+
+    if not hasattr(common_utils, "TEST_CUDAMALLOCASYNC"):
+        common_utils.TEST_CUDAMALLOCASYNC = bool(
+            torch.cuda.is_available()
+            and torch.cuda.get_allocator_backend() == "cudaMallocAsync")
+        _state["filled"].append("TEST_CUDAMALLOCASYNC")
 
 
 def _run() -> str:
@@ -35,6 +54,7 @@ def pytest_configure(config):
         import emmpool
 
         _state["how"] = emmpool.use_for_torch().how
+    _fill_names_the_test_file_imports()
     _report()
 
 
@@ -64,6 +84,7 @@ def _report():
         "how": _state["how"],
         "backend": backend,
         "torch_allocations": 0,
+        "filled": _state["filled"],
     }
     if _state["how"] is not None:
         import emmpool

@@ -213,6 +213,12 @@ def report(args, root: Path, out: Path, status: dict, why_not: str | None,
         f"{'; '.join(hows) or '-'}; PyTorch allocations through emmpool: "
         f"{sum(r['torch_allocations'] for r in records['emmpool'])}",
         f"emmpool really installed: {'yes' if emmpool_ok else 'NO'}",
+    ]
+    filled = sorted({n for run in RUNS for r in records[run] for n in r.get("filled", [])})
+    if filled:
+        lines.append("names test_cuda.py imports that this PyTorch's common_utils lacks, defined "
+                     f"in both runs as PyTorch's own test file defined them: {', '.join(filled)}")
+    lines += [
         "",
     ]
     comparison, regressions = compare(results["native"], results["emmpool"], RUNS["native"],

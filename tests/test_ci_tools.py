@@ -116,19 +116,22 @@ def test_pytest_verbose_logs_parse_with_and_without_xdist(tmp_path):
     }
 
 
-def write_torch_run(out: Path, run: str, log: str, backend: str, allocations: int = 0):
+def write_torch_run(out: Path, run: str, log: str, backend: str, allocations: int = 0,
+                    filled: tuple = ()):
     (out / f"torch-{run}.log").write_text(log)
     record = {"run": run, "phase": "all", "worker": "gw0", "tests": 9, "backend": backend,
-              "how": "extension" if run == "emmpool" else None, "torch_allocations": allocations}
+              "how": "extension" if run == "emmpool" else None, "torch_allocations": allocations,
+              "filled": list(filled)}
     (out / f"{run}-all-gw0.json").write_text(json.dumps(record))
 
 
-def torch_report(tmp_path, native: str, emmpool: str, backend="emmpool", allocations=100):
+def torch_report(tmp_path, native: str, emmpool: str, backend="emmpool", allocations=100,
+                 filled=()):
     torch_suite = load_ci_module("torch_suite")
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    write_torch_run(out, "native", native, "native")
-    write_torch_run(out, "emmpool", emmpool, backend, allocations)
+    write_torch_run(out, "native", native, "native", filled=filled)
+    write_torch_run(out, "emmpool", emmpool, backend, allocations, filled=filled)
     args = SimpleNamespace(timeout=600, jobs=1, concurrent=False, xdist=True, k="memory")
     status = {"native": (1, 100), "emmpool": ("timeout (-15)", 200)}
     info = {"torch": "2.11.0+cu130", "gpus": ["NVIDIA H100 80GB HBM3"]}
@@ -171,6 +174,15 @@ def test_torch_suite_passes_only_where_emmpool_really_served_pytorch(tmp_path):
     assert not ok and "emmpool really installed: NO" in text
     text, ok = torch_report(tmp_path, same, "")  # the emmpool run ran nothing
     assert not ok
+
+
+def test_torch_suite_says_which_names_it_defined_for_a_newer_test_file(tmp_path):
+    same = NATIVE.replace("FAILED", "PASSED")
+    text, ok = torch_report(tmp_path, same, same)
+    assert ok and "lacks" not in text
+    text, ok = torch_report(tmp_path, same, same, filled=("TEST_CUDAMALLOCASYNC",))
+    assert ok and "common_utils lacks, defined in both runs as PyTorch's own test file defined " \
+                  "them: TEST_CUDAMALLOCASYNC" in text
 
 
 def test_torch_suite_says_why_a_run_ran_nothing(tmp_path):
