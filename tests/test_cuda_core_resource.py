@@ -1,11 +1,12 @@
 """emmpool.cuda_core without a GPU: the resource over the host driver.
 
-cuda.core's Buffer needs a CUDA context to record its deallocation stream, so here the
-resource's Buffer is a recording stand-in (``RecordedBuffer``); everything else is real: the
-process-wide pools over a HostDriver, streams as cuda.core passes them (objects with
-``__cuda_stream__``), and cuda.core's own base classes. Each test runs in a fresh interpreter
-(the process-wide pools take their driver once). On a GPU, tests/test_gpu_cuda_core.py runs
-the real thing."""
+cuda.core's Buffer needs a CUDA context to record a default stream (0, 1, 2) as its
+deallocation stream, and takes cuda.core's own streams only, so most tests here give the
+resource a recording stand-in (``RecordedBuffer``) and streams as objects with
+``__cuda_stream__``; the last ones take cuda.core's own Buffer and Stream, over streams of the
+host driver. Everything else is real: the process-wide pools over a HostDriver, and cuda.core's
+own base classes. Each test runs in a fresh interpreter (the process-wide pools take their
+driver once). On a GPU, tests/test_gpu_cuda_core.py runs the real thing."""
 
 from __future__ import annotations
 
@@ -297,5 +298,160 @@ def test_use_for_cuda_core_keeps_another_resource_unless_asked_to_replace_it():
         assert type(Device(0).memory_resource).__name__ == "DeviceMemoryResource"
         assert emmpool.use_for_cuda_core([0, 1], replace=True) == done
         assert Device(1).memory_resource is done.allocators[1]
+        """
+    )
+
+
+# cuda.core's own Buffer and Stream: a Buffer made over a stream other than a default-stream
+# token (0, 1, 2) needs no CUDA context, so these run the resource's C allocate and deallocate
+# (methods_for) as cuda.core calls them, Buffer.close() and garbage collection included.
+REAL = """
+from cuda.core import Buffer, Stream
+cuda_core.Buffer = Buffer
+real = lambda: Stream.from_handle(host.create_stream())
+"""
+
+
+def run_real(body: str):
+    run(REAL + textwrap.dedent(body))
+
+
+def test_cuda_cores_own_buffer_and_stream_go_through_the_c_methods():
+    run_real(
+        """
+        mr = cuda_core.resource(0)
+        builtin = type(len)
+        assert type(mr.allocate) is builtin and type(mr.deallocate) is builtin
+        s = real()
+        b = mr.allocate(1000, stream=s)
+        assert type(b) is Buffer and b.size == 1000 and b.memory_resource is mr
+        assert b.handle % 256 == 0 and in_use("cuda_core") == 1024
+        ptr = b.handle
+        queries = host.stats()["stream_id_queries"]
+        b.close()  # cuda.core calls deallocate(ptr, size, stream=<the allocation's Stream>)
+        assert host.stats()["stream_id_queries"] == queries
+        assert emmpool.stats(0)["bytes_in_use"] == 0
+        assert mr.allocate(1000, stream=s).handle == ptr  # the same stream, at once
+        assert emmpool.stats(0)["same_stream_reuses"] == 1
+        assert emmpool.stats(0)["bytes_in_use"] == 0  # that Buffer, dropped: cuda.core freed it
+
+        other = real()
+        b = mr.allocate(1 << 20, stream=s)
+        ptr = b.handle
+        b.close(other)  # in other's order: fenced for s
+        assert mr.allocate(1 << 20, stream=s).handle != ptr
+        host.complete_all_events()
+        assert ptr in {mr.allocate(1 << 20, stream=other).handle for _ in range(3)}
+
+        b = mr.allocate(4096, stream=s)
+        ptr = b.handle
+        b.close()
+        for stream in (s, None):
+            try:
+                mr.deallocate(ptr, 4096, stream=stream)  # a second free of the block
+            except emmpool.PoolError as e:
+                assert "not a live allocation" in str(e), e
+            else:
+                raise AssertionError("double free")
+        """
+    )
+
+
+def test_the_c_methods_leave_every_other_call_to_the_python_ones():
+    run_real(
+        """
+        import numpy as np
+        mr = cuda_core.resource(0)
+        s = real()
+        sizes = [(-1, ValueError), (1.5, TypeError), ("8", TypeError), (1 << 70, Exception)]
+        for size, err in sizes:
+            try:
+                mr.allocate(size, stream=s)
+            except err as e:
+                assert err is Exception or "size" in str(e) or "negative" in str(e), e
+            else:
+                raise AssertionError(size)
+        z = mr.allocate(0, stream=s)
+        assert z.size == 0 and z.handle == 0 and emmpool.stats(0)["allocations"] == 0
+        z.close()
+        kept = mr.allocate(np.int64(512), stream=s)
+        assert kept.size == 512
+        for bad in (0, "s", object()):
+            try:
+                mr.allocate(8, stream=bad)
+            except TypeError as e:
+                assert "stream must be" in str(e), e
+            else:
+                raise AssertionError(bad)
+        try:
+            mr.allocate(8, s)  # stream is keyword-only
+        except TypeError:
+            pass
+        else:
+            raise AssertionError("positional stream")
+        cuda_core.Buffer = RecordedBuffer  # a bare address to free by hand
+        b = mr.allocate(300, stream=s)
+        cuda_core.Buffer = Buffer
+        # a NumPy address, a stream that is an object with __cuda_stream__
+        mr.deallocate(np.uint64(b.ptr), 300, stream=S(host.create_stream()))
+        assert emmpool.stats(0)["bytes_in_use"] == 512  # `kept` alone
+
+        class Mine(cuda_core.EmmPoolMemoryResource):  # a subclass's own methods are kept
+            def allocate(self, size, *, stream=None):
+                return ("mine", size)
+        mine = Mine(0)
+        assert mine.allocate(8, stream=s) == ("mine", 8) and "allocate" not in vars(mine)
+        """
+    )
+
+
+def test_the_c_allocate_raises_as_the_method_and_gives_back_what_it_cannot_hand_out():
+    run_real(
+        """
+        from cuda.core._utils.cuda_utils import CUDAError
+        emmpool.configure(maximum_pool_size=64 << 20)
+        mr = cuda_core.resource(0)
+        s = real()
+        keep = mr.allocate(48 << 20, stream=s)
+        try:
+            mr.allocate(32 << 20, stream=s)
+        except CUDAError as e:
+            assert isinstance(e, MemoryError) and isinstance(e, emmpool.OutOfMemoryError)
+            assert type(e) is cuda_core.OutOfMemoryError
+            msg = str(e)
+            assert msg.startswith("CUDA_ERROR_OUT_OF_MEMORY") and "32.00 MiB" in msg, msg
+            assert isinstance(e.__context__, _core.OutOfMemoryError) and e.__suppress_context__
+        else:
+            raise AssertionError("no error")
+        keep.close()
+
+        cuda_core.Buffer = RecordedBuffer  # Buffer as the module has it at each call
+        RecordedBuffer.fail = True
+        try:
+            mr.allocate(1 << 20, stream=s)
+        except RuntimeError as e:
+            assert str(e) == "no context"
+        else:
+            raise AssertionError("no error")
+        RecordedBuffer.fail = False
+        assert emmpool.stats(0)["bytes_in_use"] == 0  # the block went back
+        b = mr.allocate(1 << 20, stream=s)
+        assert type(b) is RecordedBuffer and b.stream is s
+        """
+    )
+
+
+def test_a_resource_dropped_is_collected_with_its_c_methods():
+    run(
+        """
+        import gc
+        gc.collect()
+        def count():
+            return sum(type(o) is cuda_core.EmmPoolMemoryResource for o in gc.get_objects())
+        before = count()
+        for _ in range(100):
+            cuda_core.EmmPoolMemoryResource(0)
+        gc.collect()
+        assert count() == before, (count(), before)
         """
     )

@@ -1,5 +1,7 @@
-// pybind11 glue for emmpool._core. Glue only: no pool logic lives here. The Numba plugin's hot
-// pair is plain CPython, in numba_entry_points.cpp.
+// pybind11 glue for emmpool._core. Glue only: no pool logic lives here. The hot pairs of the
+// Numba plugin and of the cuda.core memory resource are plain CPython, in numba_entry_points.cpp
+// and cuda_core_entry_points.cpp.
+#include "cuda_core_entry_points.hpp"
 #include "numba_entry_points.hpp"
 #include "out_of_memory_callback.hpp"
 
@@ -631,6 +633,7 @@ PYBIND11_MODULE(_core, m)
   m.def("_raise_for_test", &raise_for_test, py::arg("kind"));
 
   emmpool::bindings::add_numba_entry_points(m.ptr());
+  emmpool::bindings::add_cuda_core_entry_points(m.ptr());
   emmpool::bindings::add_out_of_memory_callback(m);
   // The entry points' caller lock (caller_lock.hpp) is the GIL: CuPy calls them holding it.
   emmpool::caller_lock::install({&emmpool::python::let_go_of_gil, &emmpool::python::take_gil_back});

@@ -78,7 +78,9 @@ class EmmPoolMemoryResource(MemoryResource):
     ("cuda_core"; the Numba plugin's is "numba").
     """
 
-    __slots__ = ("_device", "_pool", "_tag", "_allocate", "_free", "_graphs", "_lock")
+    # __dict__: where __init__ puts the C allocate and deallocate, which take precedence over
+    # the methods of the class.
+    __slots__ = ("_device", "_pool", "_tag", "_allocate", "_free", "_graphs", "_lock", "__dict__")
 
     def __init__(self, device: int = 0, *, library: str = "cuda_core") -> None:
         if type(device) is not int:
@@ -90,10 +92,23 @@ class EmmPoolMemoryResource(MemoryResource):
         self._device = device
         self._pool = pool
         self._tag = _core.LIBRARIES.index(library)
-        self._allocate = pool.allocate
-        self._free = pool.deallocate_tagged
+        # The pool's allocate(size, stream) and deallocate(ptr, stream) under this tag, in plain
+        # C (cpp/bindings/cuda_core_entry_points.cpp): a pybind11 call costs several times more.
+        calls = _core.ResourceCalls(pool, self._tag)
+        self._allocate = calls.allocate
+        self._free = calls.deallocate
         self._graphs = None  # cuda.core's GraphMemoryResource, made on first need
         self._lock = threading.Lock()
+        cls = type(self)
+        if cls.allocate is _ALLOCATE and cls.deallocate is _DEALLOCATE:
+            # cuda.core calls both for every Buffer. From now on the instance's own, in C, do
+            # what the methods below do for an int size or address and a stream that is None or
+            # exactly Stream, with no Python frame; any other call goes on to those methods,
+            # which a subclass may override (then they are kept, and no C ones are made). Each
+            # holds the resource: a cycle, which the garbage collector frees.
+            self.allocate, self.deallocate = calls.methods_for(
+                self, _ALLOCATE.__get__(self), _DEALLOCATE.__get__(self), Stream, globals(),
+                _as_error)
 
     # -- the MemoryResource interface ----------------------------------------------------
     def allocate(self, size: int, *, stream: Stream | GraphBuilder | None = None) -> Buffer:
@@ -116,14 +131,14 @@ class EmmPoolMemoryResource(MemoryResource):
                 raise ValueError(f"cannot allocate a negative number of bytes ({size})")
             return Buffer.from_handle(0, 0, self, stream=stream)
         try:
-            ptr = self._allocate(size, handle, self._tag)
+            ptr = self._allocate(size, handle)
         except _core.OutOfMemoryError as e:
-            # The cause kept: an out-of-memory callback's own error, if one raised.
-            raise OutOfMemoryError(f"CUDA_ERROR_OUT_OF_MEMORY: {e}") from e.__cause__
+            error = _as_error(e)
+            raise error from error.__cause__
         try:
             return Buffer.from_handle(ptr, size, self, stream=stream)
         except BaseException:
-            self._free(ptr, _ALLOCATION, self._tag)
+            self._free(ptr, _ALLOCATION)
             raise
 
     def deallocate(self, ptr, size: int, *, stream: Stream | GraphBuilder | None = None) -> None:
@@ -140,15 +155,15 @@ class EmmPoolMemoryResource(MemoryResource):
             handle = _ALLOCATION
         else:
             handle = _stream_handle(stream)
-        self._free(ptr, handle, self._tag)
+        self._free(ptr, handle)
 
     @property
     def device_id(self) -> int:
         return self._device
 
-    @property
-    def is_device_accessible(self) -> bool:
-        return True
+    # A class attribute, not a property: cuda.core reads it for every Buffer it makes (whether
+    # to record the Buffer's deallocation stream), and a property costs a Python call there.
+    is_device_accessible: bool = True
 
     @property
     def is_host_accessible(self) -> bool:
@@ -180,6 +195,22 @@ class EmmPoolMemoryResource(MemoryResource):
 
                 self._graphs = GraphMemoryResource(self._device)
             return self._graphs
+
+
+_ALLOCATE = EmmPoolMemoryResource.allocate
+_DEALLOCATE = EmmPoolMemoryResource.deallocate
+
+
+def _as_error(error: BaseException) -> BaseException:
+    """What an allocation raises for the pool's ``error``: the pool's out-of-memory error as
+    :class:`OutOfMemoryError`, its cause kept (an out-of-memory callback's own error, if one
+    raised); any other error as it is."""
+    if not isinstance(error, _core.OutOfMemoryError):
+        return error
+    new = OutOfMemoryError(f"CUDA_ERROR_OUT_OF_MEMORY: {error}")
+    new.__cause__ = error.__cause__
+    new.__context__ = error
+    return new
 
 
 def _stream_handle(stream) -> int:
