@@ -21,6 +21,14 @@ PRELUDE = textwrap.dedent(
     emmpool.configure(segments="growable")
     pool = _core.pool(0)
     CUPY, NUMBA = 2, 1
+
+    def _is_open(fd):
+        import os
+        try:
+            os.fstat(fd)
+            return True
+        except OSError:
+            return False
     """
 )
 
@@ -57,6 +65,28 @@ def test_a_growable_block_shares_its_pages_and_the_receiver_maps_them():
         import os
         for fd in late._fds:
             os.fstat(fd)  # still open
+        # Closing the handle closes them: nothing of this process holds the pages any more.
+        late.close()
+        for fd in late._fds:
+            try:
+                os.fstat(fd)
+            except OSError:
+                pass
+            else:
+                raise AssertionError(f"descriptor {fd} still open after close()")
+        late.close()  # twice: nothing
+        assert "closed" in repr(late)
+        for use in (late.open, lambda: pickle.dumps(late)):
+            try:
+                use()
+            except ValueError as e:
+                assert "is closed" in str(e), e
+            else:
+                raise AssertionError("a closed handle was opened or sent")
+        q = pool.allocate(3 * MiB, _core.LEGACY_STREAM, CUPY)
+        with emmpool.ipc.export(q) as h:
+            fds = h._fds
+        assert h._closed and all(not _is_open(fd) for fd in fds)
         """
     )
 

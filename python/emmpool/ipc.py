@@ -21,7 +21,9 @@ authentication key). In the receiver, :meth:`IpcHandle.open` maps the memory and
     queue.put(emmpool.ipc.export(x))               y = cupy.asarray(mem)   # x's memory
 
 The sender keeps the block alive until every receiver has closed what it opened (as with CUDA's
-own IPC). Closing an import synchronizes the receiver's device first: work issued to the memory
+own IPC). A handle of pages holds their memory itself, through its descriptors, for as long as it
+lives: :meth:`IpcHandle.close` (or dropping it) once the receivers have opened it lets the driver
+have that memory back after the pool gives the pages back. Closing an import synchronizes the receiver's device first: work issued to the memory
 there must not outlive its mapping. PyTorch's tensors need none of this: torch.multiprocessing
 shares them through emmpool's PyTorch extension, in PyTorch's own format.
 """
@@ -50,7 +52,31 @@ class IpcHandle:
         self._page_size = page_size
         self._fds = tuple(fds)    # a growable block's pages: descriptors of this process
         self._array = array
-        self._owns_fds = False    # the descriptors are this handle's to close (its copies)
+        self._closed = False
+        self._release = None      # closes the descriptors, this handle's own copies
+
+    def _own_fds(self) -> None:
+        self._release = weakref.finalize(self, _close_fds, self._fds)
+
+    def close(self) -> None:
+        """Close the handle's descriptors: while open they keep a growable block's pages
+        allocated in the driver, whatever the pool does with them. Call it once the receivers
+        have opened what was sent (a ``multiprocessing.Queue`` pickles in a thread of its own:
+        after ``put`` returns, the handle may not have been sent yet). A closed handle can be
+        neither opened nor sent; closing twice does nothing."""
+        self._closed = True
+        if self._release is not None:
+            self._release()
+
+    def __enter__(self) -> IpcHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self!r} is closed")
 
     @property
     def kind(self) -> str:
@@ -60,7 +86,9 @@ class IpcHandle:
     def open(self) -> IpcMemory:
         """Map the shared memory in this process (not the sending one): an :class:`IpcMemory`,
         to close when done (or let it be collected). Raises ``emmpool.CudaError`` where the
-        driver refuses (the sending process gone, or its memory freed)."""
+        driver refuses (the sending process gone, or its memory freed), ``ValueError`` for a
+        closed handle."""
+        self._check_open()
         if self._fds:
             base = _core.ipc_open_pages(self.device, list(self._fds), self._page_size)
         else:
@@ -68,6 +96,7 @@ class IpcHandle:
         return IpcMemory(base, base + self._offset, self.nbytes, self.device, self._array)
 
     def __reduce__(self):
+        self._check_open()
         if not self._fds:
             return (_rebuild, (self.device, self.ptr, self.nbytes, self._offset, self._handle,
                                0, (), self._array))
@@ -79,7 +108,7 @@ class IpcHandle:
 
     def __repr__(self) -> str:
         return (f"<emmpool.ipc.IpcHandle of {self.nbytes} bytes at {self.ptr:#x} on device "
-                f"{self.device} ({self.kind})>")
+                f"{self.device} ({self.kind}{', closed' if self._closed else ''})>")
 
 
 def _dup_all(fds) -> tuple:
@@ -105,8 +134,7 @@ def _rebuild(device, ptr, nbytes, offset, handle, page_size, shared, array) -> I
     h = IpcHandle(device, ptr, nbytes, offset, handle=handle, page_size=page_size, fds=fds,
                   array=array)
     if fds:
-        h._owns_fds = True
-        weakref.finalize(h, _close_fds, fds)
+        h._own_fds()
     return h
 
 
@@ -181,8 +209,7 @@ def export(obj, nbytes: int | None = None, device: int | None = None) -> IpcHand
         fds = _dup_all(fds)
         h = IpcHandle(pool.device, ptr, nbytes, offset, page_size=page_size, fds=fds,
                       array=array)
-        h._owns_fds = True
-        weakref.finalize(h, _close_fds, fds)
+        h._own_fds()
         return h
     handle, base, segment_size, offset = pool.ipc_handle(ptr)
     return IpcHandle(pool.device, ptr, nbytes, offset, handle=handle, array=array)
