@@ -183,8 +183,13 @@ def test_use_for_torch_returns_how_it_serves_pytorch(fake_torch):
     assert emmpool.use_for_torch() == done and len(fake_torch.state.changes) == 1
 
 
-def test_use_for_torch_follows_the_configuration(fake_torch):
-    emmpool.configure(torch_allocator="pluggable")
+def test_use_for_torch_follows_the_configuration(fake_torch, monkeypatch):
+    # From the environment, as configure(torch_allocator=...) would set it; configure() itself
+    # is refused here on a GPU host, where an earlier test of this process made a pool.
+    from emmpool import _config
+
+    monkeypatch.setattr(_config, "_applied", None)
+    monkeypatch.setenv("EMMPOOL_TORCH_ALLOCATOR", "pluggable")
     assert emmpool.use_for_torch().how == "pluggable"
     with pytest.raises(ValueError, match="allocator='fast': expected 'auto' or 'extension' or "
                                          "'pluggable'"):
