@@ -99,6 +99,18 @@ def test_results_are_copied_under_fixed_names_without_earlier_builds(results, tm
     assert "row(s) of earlier builds (before) left out" in capsys.readouterr().out
 
 
+def test_a_cuda12_run_has_results_of_its_own(results, tmp_path):
+    env = "date: 1999-01-02T03:04:05Z\nGPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-x)\n"
+    stack = "CUDA 12 stack: cuda-bindings 12.9.10; cudart 12.9 (carried)"
+    make_run(tmp_path / "out", {"compare-pool.txt": "RESULT: PASS\n"},
+             {"env.txt": env, "cuda12.txt": f"numba-cuda 0.30.4\n{stack}\n"})
+    dest = tmp_path / "results"
+    assert results.main([str(tmp_path / "out"), "--results", str(dest)]) == 0
+    text = (dest / "H100-cuda12/numba-suite.txt").read_text()
+    assert text.splitlines()[1:] == [f"# {stack}", "RESULT: PASS"], text
+    assert not (dest / "H100").exists()
+
+
 def test_committed_results_hold_no_rows_of_earlier_builds():
     root = CI.parent / "benchmarks" / "results"
     if not root.is_dir():
