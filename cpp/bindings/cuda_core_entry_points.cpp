@@ -16,6 +16,7 @@
 
 #include "caller_lock.hpp"
 #include "pool_calls.hpp"
+#include "pool_object.hpp"
 #include "python_errors.hpp"
 
 #include <emmpool/device_pool.hpp>
@@ -324,20 +325,8 @@ PyObject* resource_calls_new(PyTypeObject*, PyObject* args, PyObject* kwargs)
     PyErr_Format(PyExc_ValueError, "tag must be an index of LIBRARIES, not %d", tag);
     return nullptr;
   }
-  device_pool* pool = nullptr;
-  try {
-    if (py::isinstance<device_pool>(py::handle(pool_object))) {
-      pool = py::handle(pool_object).cast<device_pool*>();
-    }
-  } catch (...) {
-    set_error_from_current_exception();
-    return nullptr;
-  }
-  if (pool == nullptr) {
-    PyErr_Format(PyExc_TypeError, "ResourceCalls needs a DevicePool, not %s",
-                 Py_TYPE(pool_object)->tp_name);
-    return nullptr;
-  }
+  device_pool* const pool = device_pool_of(pool_object, "ResourceCalls");
+  if (pool == nullptr) { return nullptr; }
   auto* r = PyObject_New(resource_calls_object, resource_calls_type);
   if (r == nullptr) { return nullptr; }
   Py_INCREF(pool_object);

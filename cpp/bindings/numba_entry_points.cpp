@@ -17,6 +17,7 @@
 
 #include "caller_lock.hpp"
 #include "pool_calls.hpp"
+#include "pool_object.hpp"
 #include "python_errors.hpp"
 
 #include <emmpool/device_pool.hpp>
@@ -253,20 +254,8 @@ PyObject* entry_points_new(PyTypeObject*, PyObject* args, PyObject* kwargs)
       0) {
     return nullptr;
   }
-  device_pool* pool = nullptr;
-  try {
-    if (py::isinstance<device_pool>(py::handle(pool_object))) {
-      pool = py::handle(pool_object).cast<device_pool*>();
-    }
-  } catch (...) {
-    set_error_from_current_exception();
-    return nullptr;
-  }
-  if (pool == nullptr) {
-    PyErr_Format(PyExc_TypeError, "NumbaEntryPoints needs a DevicePool, not %s",
-                 Py_TYPE(pool_object)->tp_name);
-    return nullptr;
-  }
+  device_pool* const pool = device_pool_of(pool_object, "NumbaEntryPoints");
+  if (pool == nullptr) { return nullptr; }
   auto* e = PyObject_New(entry_points_object, entry_points_type);
   if (e == nullptr) { return nullptr; }
   Py_INCREF(pool_object);
