@@ -253,9 +253,10 @@ def _measure_paired(runs, switch, sync, knobs, counters=None):
             out[name]["block_ratios"] = ratios
             out[name]["ratio_to_floor"] = statistics.median(ratios)
         if name in counters:
-            after, total = counters[name](), ops[name] * len(m)
-            out[name]["pool_per_op"] = {k: (after[k] - before[name][k]) / total
-                                        for k in before[name]}
+            import pool_counters
+
+            out[name]["pool_per_op"] = pool_counters.per_op(before[name], counters[name](),
+                                                            ops[name] * len(m))
     return out
 
 
@@ -267,20 +268,10 @@ POOL_COUNTERS = ("batches_closed", "fence_queries", "segment_allocations", "segm
 
 def _pool_counters(name):
     """A function returning the emmpool pool's counters for _measure, or None (other managers)."""
-    if not name.startswith("emmpool"):
-        return None
-    try:
-        import emmpool
+    sys.path.insert(0, HERE)
+    import pool_counters
 
-        have = set(emmpool.stats(0))
-    except Exception:  # noqa: BLE001 - counters are extra information, never a failure
-        return None
-
-    def counters():
-        s = emmpool.stats(0)
-        return {k: s[k] for k in POOL_COUNTERS if k in have}
-
-    return counters
+    return pool_counters.reader(name, POOL_COUNTERS)
 
 
 def _raw_device_array(n, dtype):

@@ -22,6 +22,8 @@ import sys
 import time
 import traceback
 
+import pool_counters
+
 SEED = 7
 # Batch sizes over one cycle of steps, as fractions of the scale's full batch: the sizes shift
 # both ways (a smaller batch after the largest, then a larger one again), as variable-size
@@ -693,16 +695,6 @@ POOL_WORK = ("page_maps", "page_unmaps", "page_creates", "page_releases", "segme
              "segment_releases", "fence_waits", "dormant_fences")
 
 
-def pool_work(setup: str) -> dict | None:
-    """emmpool's counters of device 0's pool now, in an emmpool setup; else None."""
-    if not setup.startswith("emmpool"):
-        return None
-    import emmpool
-
-    stats = emmpool.stats(0)
-    return {k: stats[k] for k in POOL_WORK}
-
-
 def run_job(job: dict) -> dict:
     """Run one job in this (fresh) process and return its figures. job: program, setup, kind
     ('timing', 'probe' or 'warmup'), scale, warmup_cycles, cycles, budget (bytes left to the
@@ -734,7 +726,8 @@ def run_job(job: dict) -> dict:
         for cycle in range(warm + job.get("cycles", 1)):
             if cycle == warm:
                 out["marks"]["timed"] = time.time()
-                work_before = pool_work(setup)
+                pool_work = pool_counters.reader(setup, POOL_WORK)
+                work_before = pool_work() if pool_work is not None else None
             t_cycle = time.perf_counter()
             for _ in range(STEPS_PER_CYCLE):
                 t_step = time.perf_counter()
@@ -749,8 +742,7 @@ def run_job(job: dict) -> dict:
         out["marks"]["done"] = time.time()
         out.update(checks=checks, cycle_s=cycle_s, step_s=step_s, steps=step)
         if work_before is not None and step_s:
-            after = pool_work(setup)
-            out["pool_work"] = {k: (after[k] - v) / len(step_s) for k, v in work_before.items()}
+            out["pool_work"] = pool_counters.per_op(work_before, pool_work(), len(step_s))
         out["allocator"] = allocator_figures(setup, env, installed, cupy_peak)
         if setup == "separate-expandable":
             out["expandable"] = expandable_in_force(env.torch)

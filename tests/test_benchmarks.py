@@ -121,6 +121,21 @@ def test_pool_counters_are_per_timed_op_and_noted(bench_numba, monkeypatch, tmp_
     assert "churn: 0.25 batches_closed;" in md and "alloc_axpy: none" in md
 
 
+def test_pool_counters_are_emmpools_alone_and_per_op(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import emmpool
+    import pool_counters
+
+    assert pool_counters.reader("rmm-async", ("fence_waits",)) is None
+    counts = {"fence_waits": 3, "segments": 1}
+    monkeypatch.setattr(emmpool, "stats", lambda device: dict(counts))
+    read = pool_counters.reader("emmpool-growable", ("fence_waits", "page_maps"))
+    before = read()
+    assert before == {"fence_waits": 3}  # a counter this build lacks is skipped
+    counts["fence_waits"] = 11
+    assert pool_counters.per_op(before, read(), 4) == {"fence_waits": 2.0}
+
+
 def test_paired_blocks_take_turns_and_ratios_are_block_by_block(bench_numba, monkeypatch):
     # Three managers, the floor first: blocks in the order A B C, C B A, ... with the manager
     # switched in before each, and each ratio the block's time over the floor's block of the
