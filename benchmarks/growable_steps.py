@@ -1,7 +1,9 @@
 """Page maps, unmaps and creations per step of a PyTorch-like training loop over the host driver
 (no GPU), or over the CUDA driver with --cuda: emmpool's growable segments under several limits
 on the free pages they keep (growable_free_limit: 0 moves every free page a request needs, the
-default keeps some, a large one keeps all), fixed segments for reference.
+default keeps some, a large one keeps all), and at the default limit with pages larger than the
+driver's 2 MiB (growable_page_size: fewer driver calls, coarser returns); fixed segments for
+reference.
 
 The loop: parameters and optimizer state held throughout; per step a batch shape drawn anew
 (sequence length and batch size change every step, as in torch_training.py), activations
@@ -34,12 +36,15 @@ MiB = 1 << 20
 DEFAULT_LIMIT = _core.DevicePool(_core.HostDriver(devices=1), 0).options["growable_free_limit"]
 # growable_free_limit values compared: every free page moved; the default; all of them kept
 LIMITS = [0, None, 1 << 40]
+# growable_page_size values compared at the default limit, beyond the driver's own 2 MiB
+PAGE_SIZES = [8 * MiB, 20 * MiB]
 
 
 def run(segments: str, free_limit: int | None, steps: int, seed: int, warm: int = 10,
-        cuda: bool = False) -> dict:
+        cuda: bool = False, page_size: int = 0) -> dict:
     drv = None if cuda else _core.HostDriver(devices=1, capacity=1 << 40)
-    pool = _core.DevicePool(drv, 0, segments=segments, growable_free_limit=free_limit)
+    pool = _core.DevicePool(drv, 0, segments=segments, growable_free_limit=free_limit,
+                            growable_page_size=page_size)
     complete = (lambda: None) if cuda else drv.complete_all_events
     rng = random.Random(seed)
     layers = 24
@@ -87,6 +92,7 @@ def run(segments: str, free_limit: int | None, steps: int, seed: int, warm: int 
         "segments": segments,
         "free_limit_mib": (pool.options["growable_free_limit"] / MiB
                            if segments == "growable" else None),
+        "page_mib": (max(page_size, 2 * MiB) / MiB if segments == "growable" else None),
         "steps": steps,
         "page_maps_per_step": (s["page_maps"] - maps0) / steps,
         "page_unmaps_per_step": (s["page_unmaps"] - unmaps0) / steps,
@@ -114,17 +120,20 @@ def main() -> None:
             a.cuda = False
     rows = [run("fixed", None, a.steps, a.seed, cuda=a.cuda)]
     rows += [run("growable", limit, a.steps, a.seed, cuda=a.cuda) for limit in LIMITS]
+    rows += [run("growable", None, a.steps, a.seed, cuda=a.cuda, page_size=size)
+             for size in PAGE_SIZES]
     where = "the CUDA driver" if a.cuda else "the host driver"
     lines = [f"PyTorch-like training loop over {where}: {a.steps} steps, seed {a.seed}", "",
-             "| segments | free pages kept (MiB) | page maps / step | page unmaps / step "
-             "| pages made / step | peak in use (MiB) | peak reserved (MiB) | reserved / in use "
-             "| ms / step |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| segments | free pages kept (MiB) | page (MiB) | page maps / step "
+             "| page unmaps / step | pages made / step | peak in use (MiB) | peak reserved (MiB) "
+             "| reserved / in use | ms / step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         limit = "-" if r["free_limit_mib"] is None else f"{r['free_limit_mib']:.0f}"
         if r["segments"] == "growable" and r["free_limit_mib"] == DEFAULT_LIMIT / MiB:
             limit += " (default)"
-        lines.append(f"| {r['segments']} | {limit} | {r['page_maps_per_step']:.1f} | "
+        page = "-" if r.get("page_mib") is None else f"{r['page_mib']:.0f}"
+        lines.append(f"| {r['segments']} | {limit} | {page} | {r['page_maps_per_step']:.1f} | "
                      f"{r['page_unmaps_per_step']:.1f} | {r['page_creates_per_step']:.1f} | "
                      f"{r['peak_in_use_mib']:.0f} | {r['peak_reserved_mib']:.0f} | "
                      f"{r['reserved_over_live']:.3f} | {r['ms_per_step']:.2f} |")

@@ -150,3 +150,27 @@ def test_pages_move_rather_than_come_and_go_on_a_torch_like_loop():
     assert moved["peak_reserved_mib"] < kept["peak_reserved_mib"], (moved, kept)
     limit = _core.DevicePool(_core.HostDriver(devices=1), 0).options["growable_free_limit"]
     assert limit == 64 << 20
+
+def test_larger_pages_make_fewer_driver_maps_on_the_same_loop():
+    """growable_page_size: the same loop with 8 MiB pages maps a fraction of the pages that 2
+    MiB ones take (each one driver call), the configuration carries it, and it rounds up to the
+    driver's granularity."""
+    bench = benchmark_module("growable_steps")
+    small = bench.run("growable", None, steps=60, seed=1)
+    large = bench.run("growable", None, steps=60, seed=1, page_size=8 << 20)
+    assert large["page_mib"] == 8 and small["page_mib"] == 2
+    assert large["page_maps_per_step"] * 2 < small["page_maps_per_step"], (large, small)
+    pool = _core.DevicePool(_core.HostDriver(devices=1), 0, segments="growable",
+                            growable_page_size=3 << 20, growable_room=0)
+    pool.allocate(3 << 19)  # 1.5 MiB: a growable block (a small one would take a fixed segment)
+    assert pool.stats()["bytes_reserved"] == 4 << 20  # 3 MiB rounds up to two 2 MiB granules
+    assert pool.options["growable_page_size"] == 3 << 20
+
+
+def test_the_page_size_comes_from_the_environment(monkeypatch):
+    monkeypatch.setattr(_config, "_applied", None)
+    monkeypatch.setenv("EMMPOOL_GROWABLE_PAGE_SIZE", "20MiB")
+    assert _config.config().growable_page_size == 20 << 20
+    monkeypatch.setenv("EMMPOOL_GROWABLE_PAGE_SIZE", "big")
+    with pytest.raises(ValueError, match="EMMPOOL_GROWABLE_PAGE_SIZE"):
+        _config.config()

@@ -126,6 +126,7 @@ py::dict options_dict(pool_options const& o)
   d["large_segment"]    = o.large_segment;
   d["segments"]         = o.segments == segment_kind::growable ? "growable" : "fixed";
   d["growable_free_limit"] = o.growable_free_limit;
+  d["growable_page_size"]  = o.growable_page_size;
   return d;
 }
 
@@ -314,13 +315,15 @@ PYBIND11_MODULE(_core, m)
                      std::size_t small_request, std::size_t small_segment,
                      std::size_t large_segment, std::string const& segments,
                      std::optional<std::size_t> growable_room,
-                     std::optional<std::size_t> growable_free_limit) {
+                     std::optional<std::size_t> growable_free_limit,
+                     std::size_t growable_page_size) {
            driver& d = drv != nullptr ? static_cast<driver&>(*drv) : cuda_driver();
            auto o    = make_options(mode, initial_size, maximum_size, maximum_fraction,
                                     small_request, small_segment, large_segment);
            o.segments = parse_segments(segments);
            if (growable_room) { o.growable_room = *growable_room; }
            if (growable_free_limit) { o.growable_free_limit = *growable_free_limit; }
+           o.growable_page_size = growable_page_size;
            return new device_pool{d, device, o};
          }),
          py::arg("driver"), py::arg("device") = 0, py::kw_only(), py::arg("mode") = "pool",
@@ -329,7 +332,8 @@ PYBIND11_MODULE(_core, m)
          py::arg("small_segment") = pool_options{}.small_segment,
          py::arg("large_segment") = pool_options{}.large_segment, py::arg("segments") = "fixed",
          py::arg("growable_room") = py::none(),
-         py::arg("growable_free_limit") = py::none(), py::keep_alive<1, 2>())
+         py::arg("growable_free_limit") = py::none(), py::arg("growable_page_size") = 0,
+         py::keep_alive<1, 2>())
     // Every call that takes a pool's mutex lets go of the GIL first: a thread holding that
     // mutex may be waiting for GPU work queued behind a host callback that needs the GIL. The
     // hot pair first tries without letting go (pool_calls.hpp).
@@ -513,7 +517,7 @@ PYBIND11_MODULE(_core, m)
     "configure",
     [](std::string const& mode, std::size_t initial_size, std::size_t maximum_size,
        double maximum_fraction, std::size_t pinned_limit, std::string const& segments,
-       std::optional<std::size_t> growable_free_limit) {
+       std::optional<std::size_t> growable_free_limit, std::size_t growable_page_size) {
       pool_options o = pool_registry::instance().options();
       o.mode             = parse_mode(mode);
       o.segments         = parse_segments(segments);
@@ -522,11 +526,13 @@ PYBIND11_MODULE(_core, m)
       o.maximum_fraction = maximum_fraction;
       o.growable_free_limit =
         growable_free_limit.value_or(pool_options{}.growable_free_limit);
+      o.growable_page_size = growable_page_size;
       pool_registry::instance().configure(o, pinned_limit);
     },
     py::kw_only(), py::arg("mode") = "pool", py::arg("initial_size") = 0,
     py::arg("maximum_size") = 0, py::arg("maximum_fraction") = 0.0, py::arg("pinned_limit") = 0,
     py::arg("segments") = "growable", py::arg("growable_free_limit") = py::none(),
+    py::arg("growable_page_size") = 0,
     "Set the options of the process-wide pools; only before the first one exists.");
   m.def(
     "set_tracing",

@@ -21,6 +21,7 @@ void growable_space::configure(pool_options const& o) noexcept
   } catch (...) {
     page_ = 0;
   }
+  if (page_ != 0 && o.growable_page_size > page_) { page_ = round_up(o.growable_page_size, page_); }
 }
 
 growable_space::claim growable_space::claim_best_fit(std::size_t rounded, alloc_tag tag,

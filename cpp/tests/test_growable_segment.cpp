@@ -96,6 +96,30 @@ TEST(growable_growth_maps_room_for_the_next_requests)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(growable_pages_of_a_larger_size_are_one_driver_map_each)
+{
+  auto o               = growable_options();
+  o.growable_page_size = 7 * MiB;  // rounded up to a multiple of the granularity: 8 MiB
+  fixture f{o};
+  auto const a = f->allocate(3 * MiB);  // [0, 3) MiB: page 0 = [0, 8)
+  CHECK_EQ(f->stats().bytes_reserved, 8 * MiB);
+  CHECK_EQ(f->stats().page_maps, 1u);
+  auto const b = f->allocate(6 * MiB);  // [3, 9): pages 0 and 1
+  CHECK_EQ(b, a + 3 * MiB);
+  CHECK_EQ(f->stats().bytes_reserved, 16 * MiB);
+  CHECK_EQ(f->stats().page_maps, 2u);
+  CHECK_EQ(f.drv.stats().live_mappings, 2u);
+  CHECK(f.drv.accessible(0, a, 9 * MiB));
+  f->deallocate(a);
+  f->trim();  // page 0 still holds part of b
+  CHECK_EQ(f->stats().bytes_reserved, 16 * MiB);
+  f->deallocate(b);
+  f->trim();
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(f.drv.stats().live_mappings, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(growable_trim_unmaps_only_wholly_free_pages)
 {
   fixture f;

@@ -68,6 +68,10 @@ class Config:
     # Bytes of free pages the growable segment keeps mapped for later requests; beyond, free
     # pages move under the requests that lack pages (the core's pool_options says more).
     growable_free_limit: int = 64 << 20
+    # What one page of the growable segment is (one cuMemCreate + cuMemMap): 0, the driver's
+    # granularity (2 MiB); a larger size, rounded up to a multiple of it, makes fewer driver
+    # calls and gives pages back more coarsely.
+    growable_page_size: int = 0
     torch_allocator: str = "auto"  # what use_for_torch() installs: one of TORCH_ALLOCATORS
 
 
@@ -225,6 +229,8 @@ _OPTIONS = {
     "segments": _Option("EMMPOOL_SEGMENTS", _one("segments", _choice("fixed", "growable"))),
     "growable_free_limit": _Option("EMMPOOL_GROWABLE_FREE_LIMIT",
                                    _one("growable_free_limit", parse_size)),
+    "growable_page_size": _Option("EMMPOOL_GROWABLE_PAGE_SIZE",
+                                  _one("growable_page_size", parse_size)),
     "torch_allocator": _Option("EMMPOOL_TORCH_ALLOCATOR",
                                _one("torch_allocator", parse_torch_allocator)),
 }
@@ -411,6 +417,7 @@ def configure(**options) -> Config:
                 pinned_limit=cfg.pinned_limit or 0,  # the core's "a quarter of RAM"
                 segments=cfg.segments,
                 growable_free_limit=cfg.growable_free_limit,
+                growable_page_size=cfg.growable_page_size,
             )
         except RuntimeError as e:  # std::logic_error: a pool exists
             raise RuntimeError(str(e)) from None
@@ -486,6 +493,7 @@ def _in_force(problems: list[_Problem] | None = None) -> tuple[Config, dict[str,
         "pinned_limit": o["pinned_limit"] or None,
         "segments": o["segments"],
         "growable_free_limit": o["growable_free_limit"],
+        "growable_page_size": o["growable_page_size"],
     }
     sources.update(dict.fromkeys(core, _BEFORE_CONFIGURATION))
     return Config(**{**asdict(cfg), **core}), sources
@@ -547,6 +555,9 @@ def diagnose() -> tuple[list[Setting], list[str]]:
                      "growable": "growable (pages mapped on demand where the device supports "
                                  "virtual memory management; Numba's blocks on fixed segments)",
                      }[cfg.segments],
+        "growable_free_limit": format_bytes(cfg.growable_free_limit, exact=True),
+        "growable_page_size": format_bytes(cfg.growable_page_size, exact=True)
+        if cfg.growable_page_size else "the driver's granularity (2 MiB)",
         "torch_allocator": _TORCH_WORDS[cfg.torch_allocator],
     }
     # What use_for_torch() installed in this process, if it ran, is what serves PyTorch.

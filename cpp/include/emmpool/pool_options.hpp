@@ -48,6 +48,11 @@ struct pool_options {
   /// pages otherwise stay mapped and are reused, as PyTorch's expandable segments keep theirs.
   /// trim(), the cap and the out-of-memory ladder unmap every wholly free page.
   std::size_t growable_free_limit{std::size_t{64} << 20};
+  /// The growable segment's page: what one cuMemCreate + cuMemMap serves (each a driver call
+  /// that costs tens of microseconds). 0: the driver's granularity (2 MiB); else rounded up to
+  /// a multiple of it. Larger pages mean fewer driver calls per growth and coarser returns: a
+  /// page goes back only once no live block lies on it.
+  std::size_t growable_page_size{0};
 
   /// @brief Check that the options are consistent (the device's own limits aside).
   /// @throws std::invalid_argument saying which is not
