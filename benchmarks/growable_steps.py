@@ -92,7 +92,9 @@ def run(segments: str, free_limit: int | None, steps: int, seed: int, warm: int 
         "segments": segments,
         "free_limit_mib": (pool.options["growable_free_limit"] / MiB
                            if segments == "growable" else None),
-        "page_mib": (max(page_size, 2 * MiB) / MiB if segments == "growable" else None),
+        # the page the pool maps: the request rounded up to the driver's 2 MiB granularity
+        "page_mib": (-(-max(page_size, 2 * MiB) // (2 * MiB)) * 2 if segments == "growable"
+                     else None),
         "steps": steps,
         "page_maps_per_step": (s["page_maps"] - maps0) / steps,
         "page_unmaps_per_step": (s["page_unmaps"] - unmaps0) / steps,

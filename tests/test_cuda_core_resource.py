@@ -353,6 +353,23 @@ def test_cuda_cores_own_buffer_and_stream_go_through_the_c_methods():
                 assert "not a live allocation" in str(e), e
             else:
                 raise AssertionError("double free")
+
+        # No Python frame of the resource's methods on this path; one where it falls back.
+        import sys
+        methods = {cuda_core.EmmPoolMemoryResource.allocate.__code__,
+                   cuda_core.EmmPoolMemoryResource.deallocate.__code__}
+        frames = []
+        def profile(frame, event, arg):
+            if event == "call" and frame.f_code in methods:
+                frames.append(frame.f_code.co_name)
+        sys.setprofile(profile)
+        mr.allocate(1000, stream=s).close()
+        sys.setprofile(None)
+        assert frames == [], frames
+        sys.setprofile(profile)
+        mr.allocate(0, stream=s).close()  # zero bytes: the Python method's
+        sys.setprofile(None)
+        assert frames == ["allocate"], frames
         """
     )
 

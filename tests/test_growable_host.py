@@ -165,6 +165,9 @@ def test_larger_pages_make_fewer_driver_maps_on_the_same_loop():
     pool.allocate(3 << 19)  # 1.5 MiB: a growable block (a small one would take a fixed segment)
     assert pool.stats()["bytes_reserved"] == 4 << 20  # 3 MiB rounds up to two 2 MiB granules
     assert pool.options["growable_page_size"] == 3 << 20
+    with pytest.raises(ValueError, match="growable_page_size must be at most 1 GiB"):
+        _core.DevicePool(_core.HostDriver(devices=1), 0, segments="growable",
+                         growable_page_size=(1 << 30) + 1)
 
 
 def test_the_page_size_comes_from_the_environment(monkeypatch):

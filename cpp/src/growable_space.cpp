@@ -166,7 +166,7 @@ std::size_t growable_space::unmap_free(std::size_t limit, bool keep)
         done += n;
         if (n != 0) {  // the block's highest pages go first
           log_->record(segment_event::kind::unmapped, segment_type::growable, 0,
-                       (b->ptr + b->size) / page_ * page_ - n, n);
+                       page_start(b->ptr + b->size) - n, n);
         }
         return done + page_ <= excess;
       });
@@ -266,11 +266,17 @@ void growable_space::throw_no_ipc()
 
 shared_pages growable_space::share(block const& blk, device_ptr ptr)
 {
-  auto const first = blk.ptr / page_ * page_;
+  auto const first = page_start(blk.ptr);
   shared_pages out{first, page_, static_cast<std::size_t>(ptr - first),
                    static_cast<std::size_t>(blk.ptr + blk.size - ptr), {}};
   for (auto p = first; p < blk.ptr + blk.size; p += page_) { out.fds.push_back(pages_->export_page(p)); }
   return out;
+}
+
+device_ptr growable_space::page_start(device_ptr ptr) const noexcept
+{
+  auto const base = pages_->base();
+  return base + (ptr - base) / page_ * page_;
 }
 
 void growable_space::map_counted(device_ptr ptr, std::size_t bytes, device_ptr at,
@@ -288,7 +294,7 @@ void growable_space::map_counted(device_ptr ptr, std::size_t bytes, device_ptr a
     stats_->page_maps += mapped / page_;
     stats_->page_creates += pages_->creates() - creates_before;
     if (mapped != 0) {
-      log_->record(segment_event::kind::mapped, segment_type::growable, tag, at / page_ * page_,
+      log_->record(segment_event::kind::mapped, segment_type::growable, tag, page_start(at),
                    mapped);
     }
   };

@@ -13,6 +13,8 @@ void pool_options::check() const
                   "small_segment must be a multiple of 256 and at least small_request");
   EMMPOOL_EXPECTS(large_segment % block_alignment == 0 && large_segment > small_request,
                   "large_segment must be a multiple of 256 larger than small_request");
+  EMMPOOL_EXPECTS(growable_page_size <= max_growable_page_size,
+                  "growable_page_size must be at most 1 GiB");
 }
 
 }  // namespace emmpool

@@ -47,6 +47,7 @@ pool_registry& pool_registry::instance()
 
 void pool_registry::configure(pool_options options, std::size_t pinned_limit)
 {
+  options.check();  // refused now, not at the first pool
   std::lock_guard lock{mutex_};
   if (!existing<device_pool>(pools_).empty() || !existing<host_pool>(pinned_).empty()) {
     throw std::logic_error{

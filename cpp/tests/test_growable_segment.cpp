@@ -529,6 +529,33 @@ TEST(growable_numba_blocks_stay_fixed_for_ipc)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(growable_pages_not_aligned_to_their_size_share_from_the_reservations_base)
+{
+  auto o               = growable_options();
+  o.growable_page_size = 20 * MiB;  // no power of two: the base is not a multiple of it
+  fixture f{o};
+  auto const a = f->allocate(5 * MiB, legacy_stream, alloc_tag::cupy);  // page 0: [0, 20)
+  auto const b = f->allocate(5 * MiB, legacy_stream, alloc_tag::cupy);  // [5, 10): page 0
+  CHECK_EQ(b, a + 5 * MiB);
+  CHECK(a % (20 * MiB) != 0);
+  auto const shared = f->share_pages(b + MiB);
+  REQUIRE(shared.has_value());
+  CHECK_EQ(shared->first_page, a);
+  CHECK_EQ(shared->page_size, 20 * MiB);
+  CHECK_EQ(shared->offset, 6 * MiB);
+  CHECK_EQ(shared->block_size, 4 * MiB);
+  CHECK_EQ(shared->fds.size(), 1u);
+  auto const first = f->share_pages(a);
+  REQUIRE(first.has_value());
+  CHECK_EQ(first->offset, 0u);
+  CHECK(first->fds == shared->fds);
+  ipc_imports imports{f.drv};
+  auto const base = imports.open_pages(0, shared->fds, shared->page_size);
+  CHECK(f.drv.accessible(0, base, 20 * MiB));
+  imports.close(base);
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(growable_blocks_share_their_pages_and_an_import_outlives_nothing_of_the_sender)
 {
   fixture f;

@@ -11,6 +11,9 @@ namespace emmpool {
 
 /// Every block's size and address are a multiple of this (device_pool::alignment).
 inline constexpr std::size_t block_alignment = 256;
+/// The largest growable page one may ask for (pool_options::growable_page_size).
+inline constexpr std::size_t max_growable_page_size = std::size_t{1} << 30;
+
 /// The driver's own allocation granularity: a fixed segment's size is a multiple of it.
 inline constexpr std::size_t segment_granularity = std::size_t{2} << 20;
 

@@ -129,6 +129,9 @@ class growable_space {
   /// Map [ptr, ptr + bytes) and count it (reserved, maps, creations, a segment event at `at`),
   /// whether it succeeds or fails part way.
   void map_counted(device_ptr ptr, std::size_t bytes, device_ptr at, std::uint8_t tag);
+  /// The start of the page holding `ptr`: pages count from the reservation's base, which the
+  /// driver aligns to its granularity only (a 20 MiB page is no power of two).
+  [[nodiscard]] device_ptr page_start(device_ptr ptr) const noexcept;
   std::size_t count_released(std::size_t held_before);  // reserved shrinks by what went
 
   driver* driver_;
