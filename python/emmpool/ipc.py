@@ -21,16 +21,18 @@ authentication key). In the receiver, :meth:`IpcHandle.open` maps the memory and
     queue.put(emmpool.ipc.export(x))               y = cupy.asarray(mem)   # x's memory
 
 The sender keeps the block alive until every receiver has closed what it opened (as with CUDA's
-own IPC). A handle of pages holds their memory itself, through its descriptors, for as long as it
-lives: :meth:`IpcHandle.close` (or dropping it) once the receivers have opened it lets the driver
-have that memory back after the pool gives the pages back. Closing an import synchronizes the receiver's device first: work issued to the memory
-there must not outlive its mapping. PyTorch's tensors need none of this: torch.multiprocessing
+own IPC). A handle of pages holds their memory itself, through its descriptors, for as long as
+it lives: :meth:`IpcHandle.close` (or dropping it) once the receivers have opened it lets the
+driver have that memory back after the pool gives the pages back. Closing an import
+synchronizes the receiver's device first: work issued to the memory there must not outlive its
+mapping. PyTorch's tensors need none of this: torch.multiprocessing
 shares them through emmpool's PyTorch extension, in PyTorch's own format.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from multiprocessing import reduction
 
@@ -54,6 +56,9 @@ class IpcHandle:
         self._array = array
         self._closed = False
         self._release = None      # closes the descriptors, this handle's own copies
+        # close() waits for a pickling under way (a Queue's feeder thread), which must not
+        # duplicate a descriptor closed, or its number reused, in between.
+        self._lock = threading.Lock()
 
     def _own_fds(self) -> None:
         self._release = weakref.finalize(self, _close_fds, self._fds)
@@ -64,9 +69,10 @@ class IpcHandle:
         have opened what was sent (a ``multiprocessing.Queue`` pickles in a thread of its own:
         after ``put`` returns, the handle may not have been sent yet). A closed handle can be
         neither opened nor sent; closing twice does nothing."""
-        self._closed = True
-        if self._release is not None:
-            self._release()
+        with self._lock:
+            self._closed = True
+            if self._release is not None:
+                self._release()
 
     def __enter__(self) -> IpcHandle:
         return self
@@ -88,21 +94,23 @@ class IpcHandle:
         to close when done (or let it be collected). Raises ``emmpool.CudaError`` where the
         driver refuses (the sending process gone, or its memory freed), ``ValueError`` for a
         closed handle."""
-        self._check_open()
-        if self._fds:
-            base = _core.ipc_open_pages(self.device, list(self._fds), self._page_size)
-        else:
-            base = _core.ipc_open_handle(self.device, self._handle)
+        with self._lock:  # the descriptors stay open while they are mapped
+            self._check_open()
+            if self._fds:
+                base = _core.ipc_open_pages(self.device, list(self._fds), self._page_size)
+            else:
+                base = _core.ipc_open_handle(self.device, self._handle)
         return IpcMemory(base, base + self._offset, self.nbytes, self.device, self._array)
 
     def __reduce__(self):
-        self._check_open()
+        with self._lock:
+            self._check_open()
+            # Each descriptor as multiprocessing sends one: duplicated, handed over by this
+            # process's resource sharer, detached in the receiver.
+            shared = tuple(reduction.DupFd(fd) for fd in self._fds)
         if not self._fds:
             return (_rebuild, (self.device, self.ptr, self.nbytes, self._offset, self._handle,
                                0, (), self._array))
-        # Each descriptor as multiprocessing sends one: duplicated, handed over by this
-        # process's resource sharer, detached in the receiver.
-        shared = tuple(reduction.DupFd(fd) for fd in self._fds)
         return (_rebuild, (self.device, self.ptr, self.nbytes, self._offset, b"",
                            self._page_size, shared, self._array))
 
