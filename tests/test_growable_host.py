@@ -174,6 +174,7 @@ def test_the_page_size_comes_from_the_environment(monkeypatch):
     monkeypatch.setattr(_config, "_applied", None)
     monkeypatch.setenv("EMMPOOL_GROWABLE_PAGE_SIZE", "20MiB")
     assert _config.config().growable_page_size == 20 << 20
-    monkeypatch.setenv("EMMPOOL_GROWABLE_PAGE_SIZE", "big")
-    with pytest.raises(ValueError, match="EMMPOOL_GROWABLE_PAGE_SIZE"):
-        _config.config()
+    for bad in ("big", "2GiB"):
+        monkeypatch.setenv("EMMPOOL_GROWABLE_PAGE_SIZE", bad)
+        with pytest.raises(ValueError, match="EMMPOOL_GROWABLE_PAGE_SIZE"):
+            _config.config()

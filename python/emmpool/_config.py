@@ -156,6 +156,14 @@ def _positive_size(value: int | str | None, name: str) -> int | None:
     return size
 
 
+def _page_size(value: int | str, name: str) -> int:
+    size = parse_size(value, name)
+    if size > 1 << 30:
+        raise ValueError(f"{name}={value!r}: a growable page may be at most 1 GiB (0: the "
+                         f"driver's 2 MiB)")
+    return size
+
+
 def _choice(*accepted: str) -> Callable[[str, str], str]:
     def parse(value: str, name: str) -> str:
         text = value.strip().lower() if isinstance(value, str) else None
@@ -230,7 +238,7 @@ _OPTIONS = {
     "growable_free_limit": _Option("EMMPOOL_GROWABLE_FREE_LIMIT",
                                    _one("growable_free_limit", parse_size)),
     "growable_page_size": _Option("EMMPOOL_GROWABLE_PAGE_SIZE",
-                                  _one("growable_page_size", parse_size)),
+                                  _one("growable_page_size", _page_size)),
     "torch_allocator": _Option("EMMPOOL_TORCH_ALLOCATOR",
                                _one("torch_allocator", parse_torch_allocator)),
 }
