@@ -50,6 +50,35 @@ void resource_calls_dealloc(PyObject* self)
   Py_DECREF(type);
 }
 
+// The pool's allocate and free under the resource's tag, through pool_calls (the GIL rules of
+// DevicePool.allocate / .deallocate): false with the Python error set where the pool raised.
+bool allocate_tagged(resource_calls_object const& r, std::size_t size, stream_handle stream,
+                     device_ptr* out)
+{
+  try {
+    *out = pool_calls::allocate(*r.pool, size, stream, r.tag);
+    return true;
+  }
+  EMMPOOL_LET_THREAD_END
+  catch (...) {
+    set_error_from_current_exception();
+    return false;
+  }
+}
+
+bool free_tagged(resource_calls_object const& r, device_ptr ptr, stream_handle stream)
+{
+  try {
+    pool_calls::deallocate(*r.pool, ptr, stream, block_owner::of_library(r.tag));
+    return true;
+  }
+  EMMPOOL_LET_THREAD_END
+  catch (...) {
+    set_error_from_current_exception();
+    return false;
+  }
+}
+
 // allocate(size, stream) -> address, as DevicePool.allocate(size, stream, tag).
 PyObject* resource_calls_allocate(PyObject* self, PyObject* const* args, Py_ssize_t nargs)
 {
@@ -63,14 +92,8 @@ PyObject* resource_calls_allocate(PyObject* self, PyObject* const* args, Py_ssiz
   if (stream == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
     return nullptr;
   }
-  auto* r = reinterpret_cast<resource_calls_object*>(self);
   device_ptr ptr{};
-  try {
-    ptr = pool_calls::allocate(*r->pool, size, stream, r->tag);
-  }
-  EMMPOOL_LET_THREAD_END
-  catch (...) {
-    set_error_from_current_exception();
+  if (!allocate_tagged(*reinterpret_cast<resource_calls_object*>(self), size, stream, &ptr)) {
     return nullptr;
   }
   return PyLong_FromUnsignedLongLong(ptr);
@@ -89,13 +112,7 @@ PyObject* resource_calls_deallocate(PyObject* self, PyObject* const* args, Py_ss
   if (stream == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
     return nullptr;
   }
-  auto* r = reinterpret_cast<resource_calls_object*>(self);
-  try {
-    pool_calls::deallocate(*r->pool, ptr, stream, block_owner::of_library(r->tag));
-  }
-  EMMPOOL_LET_THREAD_END
-  catch (...) {
-    set_error_from_current_exception();
+  if (!free_tagged(*reinterpret_cast<resource_calls_object*>(self), ptr, stream)) {
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -195,12 +212,7 @@ PyObject* resource_allocate(PyObject* state, PyObject* const* args, Py_ssize_t n
 
   auto* r = reinterpret_cast<resource_calls_object*>(PyTuple_GET_ITEM(state, rslot_calls));
   device_ptr ptr{};
-  try {
-    ptr = pool_calls::allocate(*r->pool, size, handle, r->tag);
-  }
-  EMMPOOL_LET_THREAD_END
-  catch (...) {
-    set_error_from_current_exception();
+  if (!allocate_tagged(*r, size, handle, &ptr)) {
     raise_as(PyTuple_GET_ITEM(state, rslot_as_error));
     return nullptr;
   }
@@ -226,12 +238,7 @@ PyObject* resource_allocate(PyObject* state, PyObject* const* args, Py_ssize_t n
     // No Buffer owns the block: give it back now (fenced by the allocation's stream), keeping
     // the error being raised.
     PyObject* error = take_raised();
-    try {
-      pool_calls::deallocate(*r->pool, ptr, allocation_stream, block_owner::of_library(r->tag));
-    }
-    EMMPOOL_LET_THREAD_END
-    catch (...) {
-    }
+    if (!free_tagged(*r, ptr, allocation_stream)) { PyErr_Clear(); }  // the first error goes on
     raise_again(error);
   }
   return buffer;
@@ -259,14 +266,7 @@ PyObject* resource_deallocate(PyObject* state, PyObject* const* args, Py_ssize_t
   if (got < 0) { return nullptr; }
   if (got == 0) { return to_fallback(state, args, nargs, kwnames); }
   auto* r = reinterpret_cast<resource_calls_object*>(PyTuple_GET_ITEM(state, rslot_calls));
-  try {
-    pool_calls::deallocate(*r->pool, ptr, handle, block_owner::of_library(r->tag));
-  }
-  EMMPOOL_LET_THREAD_END
-  catch (...) {
-    set_error_from_current_exception();
-    return nullptr;
-  }
+  if (!free_tagged(*r, ptr, handle)) { return nullptr; }
   Py_RETURN_NONE;
 }
 

@@ -508,6 +508,7 @@ PYBIND11_MODULE(_core, m)
       d["driver_frees"]       = s.driver_frees;
       return d;
     });
+  m.attr("MAX_GROWABLE_PAGE_SIZE") = max_growable_page_size;
   m.attr("HOST_PORTABLE")      = static_cast<unsigned>(host_portable);
   m.attr("HOST_MAPPED")        = static_cast<unsigned>(host_mapped);
   m.attr("HOST_WRITECOMBINED") = static_cast<unsigned>(host_writecombined);

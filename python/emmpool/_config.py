@@ -158,9 +158,9 @@ def _positive_size(value: int | str | None, name: str) -> int | None:
 
 def _page_size(value: int | str, name: str) -> int:
     size = parse_size(value, name)
-    if size > 1 << 30:
-        raise ValueError(f"{name}={value!r}: a growable page may be at most 1 GiB (0: the "
-                         f"driver's 2 MiB)")
+    if size > _core.MAX_GROWABLE_PAGE_SIZE:
+        raise ValueError(f"{name}={value!r}: a growable page may be at most "
+                         f"{format_bytes(_core.MAX_GROWABLE_PAGE_SIZE)} (0: the driver's 2 MiB)")
     return size
 
 
