@@ -11,7 +11,8 @@ log-uniform in [256 B, 64 MiB]. Every backend replays the same trace; the result
 
 Backends (each skipped, with the reason, where it cannot run):
   emmpool-host  emmpool's DevicePool over HostDriver (events complete at once: an idle GPU).
-                Runs without a GPU. Segments as EMMPOOL_SEGMENTS says (default fixed).
+                Runs without a GPU. Segments as EMMPOOL_SEGMENTS says (default fixed), growable
+                pages as EMMPOOL_GROWABLE_PAGE_SIZE and EMMPOOL_GROWABLE_FREE_LIMIT say.
   emmpool       emmpool's DevicePool over the CUDA driver; reserved = peak_bytes_reserved
                 (growable segments: bytes of pages mapped). Segments as EMMPOOL_SEGMENTS says.
   emmpool-host-fixed, emmpool-host-growable, emmpool-fixed, emmpool-growable: the same with

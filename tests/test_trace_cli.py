@@ -54,7 +54,7 @@ def test_trace_csv_round_trip_and_replay(tmp_path):
     peak = 0
     live = 0
     sizes = {}
-    for op, key, size in ops:  # the peak of live bytes, computed independently
+    for op, key, size, *_ in ops:  # the peak of live bytes, computed independently
         if op == "alloc":
             sizes[key] = size
             live += size
@@ -206,5 +206,17 @@ def test_from_records_keeps_named_streams_and_marks():
                rec(2, 0, "alloc", 20, 6, 0, "torch"),
                rec(3, 0, "sync", 0, 0, 0, ""),
                rec(4, 0, "free", 20, 6, 0, "torch")]
-    assert replay.from_records(records) == [("alloc", 0, 5), ("alloc", 1, 6, 0), ("sync", 0, 0),
-                                            ("free", 1, 0)]
+    numba, torch = trace.LIBRARIES.index("numba"), trace.LIBRARIES.index("torch")
+    assert replay.from_records(records) == [("alloc", 0, 5, None, numba), ("alloc", 1, 6, 0, torch),
+                                            ("sync", 0, 0), ("free", 1, 0)]
+
+
+def test_replay_serves_each_library_as_the_run_did():
+    """A Numba block of a recorded trace stays on a fixed segment under growable segments, as
+    in the run (Numba's IPC needs legacy memory); another library's goes to the growable one."""
+    size = 3 * MiB
+    numba = trace.LIBRARIES.index("numba")
+    tagged = replay.run([("alloc", 0, size, None, numba)], "emmpool-host-growable")
+    assert (tagged["segment_allocations"], tagged["page_maps"]) == (1, 0)
+    plain = replay.run([("alloc", 0, size)], "emmpool-host-growable")
+    assert plain["page_maps"] > 0

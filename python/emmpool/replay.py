@@ -2,8 +2,10 @@
 
 A trace is a list of operations ("alloc", id, size) / ("free", id, 0); an allocation that
 named a stream (CuPy's, PyTorch's) is ("alloc", id, size, stream), freed in that stream's
-order as its library frees it; ("sync", 0, 0) marks where the program synchronized the device
-(emmpool.trace.mark_synchronize). `from_records` builds one from a recorded CSV
+order as its library frees it; one whose library the trace names is ("alloc", id, size,
+stream or None, tag), tag its index in emmpool.trace.LIBRARIES, so that emmpool serves it as
+it served that library (Numba's blocks: fixed segments); ("sync", 0, 0) marks where the
+program synchronized the device (emmpool.trace.mark_synchronize). `from_records` builds one from a recorded CSV
 (emmpool.trace), `from_slots` from a synthetic churn. For each backend the replay reports peak
 live bytes (the sum of requested sizes), peak reserved bytes (what the allocator held from the
 driver) and their ratio, and the replay's wall time.
@@ -24,7 +26,16 @@ from . import _core
 
 __all__ = ["Skip", "BACKENDS", "from_records", "from_slots", "run"]
 
-Op = tuple  # ("alloc", id, size[, stream]) | ("free", id, 0) | ("sync", 0, 0)
+Op = tuple  # ("alloc", id, size[, stream[, tag]]) | ("free", id, 0) | ("sync", 0, 0)
+
+_TAGS = {name: tag for tag, name in enumerate(_core.LIBRARIES)}
+
+
+def _alloc_op(key: int, size: int, stream: int | None, tag: int) -> Op:
+    """An allocation, its stream and tag left out where they are the defaults."""
+    if tag:
+        return ("alloc", key, size, stream, tag)
+    return ("alloc", key, size) if stream is None else ("alloc", key, size, stream)
 
 
 class Skip(Exception):
@@ -35,7 +46,7 @@ def from_records(records: Iterable, device: int | None = None) -> list[Op]:
     """Operations from trace records (emmpool.trace.TraceRecord); frees of pointers the trace
     never saw allocated are dropped. Only one device's records if `device` is given.
     Allocations on a named stream keep it (the trace's handle); legacy-stream ones (Numba's:
-    no stream named) do not."""
+    no stream named) do not. Each keeps its library's tag."""
     ops, live, next_id = [], {}, 0
     for r in records:
         if device is not None and r.device != device:
@@ -45,9 +56,8 @@ def from_records(records: Iterable, device: int | None = None) -> list[Op]:
             ops.append(("sync", 0, 0))
         elif r.op == "alloc":
             live[key] = next_id
-            named = r.stream != _core.LEGACY_STREAM
-            ops.append(("alloc", next_id, r.size, r.stream) if named else
-                       ("alloc", next_id, r.size))
+            stream = r.stream if r.stream != _core.LEGACY_STREAM else None
+            ops.append(_alloc_op(next_id, r.size, stream, _TAGS.get(r.library, 0)))
             next_id += 1
         elif key in live:
             ops.append(("free", live.pop(key), 0))
@@ -71,15 +81,16 @@ def from_slots(fill: Sequence[int], slots: Sequence[int], sizes: Sequence[int]) 
 
 def _drive(ops, alloc: Callable, free: Callable, reserved_now: Callable | None = None,
            sync: Callable | None = None) -> dict:
-    """alloc(size, stream) (stream: the trace's handle, None for no stream named) -> handle;
-    free(handle); sync() at the trace's synchronizations."""
+    """alloc(size, stream, tag) (stream: the trace's handle, None for no stream named; tag: the
+    library's) -> handle; free(handle); sync() at the trace's synchronizations."""
     handles, sizes = {}, {}
     live = peak_live = peak_sampled = 0
     t0 = time.perf_counter()
     for op in ops:
         kind, key, size = op[:3]
         if kind == "alloc":
-            handles[key] = alloc(size, op[3] if len(op) > 3 else None)
+            stream = op[3] if len(op) > 3 else None
+            handles[key] = alloc(size, stream, op[4] if len(op) > 4 else 0)
             sizes[key] = size
             live += size
             peak_live = max(peak_live, live)
@@ -119,14 +130,19 @@ class _StreamMap:
 
 
 def _emmpool(ops, driver, segments="fixed", sync: Callable | None = None) -> dict:
-    pool = _core.DevicePool(driver, 0, mode="pool", segments=segments)
+    from . import _config
+
+    cfg = _config.config()  # EMMPOOL_GROWABLE_*, as the process-wide pools would get them
+    pool = _core.DevicePool(driver, 0, mode="pool", segments=segments,
+                            growable_free_limit=cfg.growable_free_limit,
+                            growable_page_size=cfg.growable_page_size)
     if segments == "growable" and not pool.growable:
         raise Skip("the device does not support virtual memory management (growable segments)")
     stream_of = _StreamMap(driver.create_stream if driver is not None else None)
     named = set()  # blocks allocated on a named stream: freed in its order, as torch and CuPy do
 
-    def alloc(size, handle):
-        ptr = pool.allocate(size, stream_of(handle))
+    def alloc(size, handle, tag):
+        ptr = pool.allocate(size, stream_of(handle), tag)
         if handle is not None:
             named.add(ptr)
         return ptr
@@ -142,7 +158,8 @@ def _emmpool(ops, driver, segments="fixed", sync: Callable | None = None) -> dic
     st = pool.stats()
     r.update(peak_reserved=st["peak_bytes_reserved"], segment_allocations=st["segment_allocations"],
              segment_releases=st["segment_releases"], page_maps=st["page_maps"],
-             page_unmaps=st["page_unmaps"], segments=segments)
+             page_unmaps=st["page_unmaps"], page_creates=st["page_creates"],
+             page_releases=st["page_releases"], segments=segments)
     pool.synchronize()
     pool.trim()
     return r
@@ -184,7 +201,7 @@ def _cupy(ops) -> dict:
     pool = cupy.cuda.MemoryPool()
     # MemoryPointer objects: dropping the last reference returns the block to the pool. All on
     # the current stream.
-    r = _drive(ops, lambda n, _s: pool.malloc(n), lambda h: None, pool.total_bytes)
+    r = _drive(ops, lambda n, _s, _t: pool.malloc(n), lambda h: None, pool.total_bytes)
     pool.free_all_blocks()
     return r
 
@@ -199,7 +216,7 @@ def _torch(ops) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     stream = torch.cuda.current_stream()  # every stream of the trace: a one-stream replay
-    r = _drive(ops, lambda n, _s: torch.cuda.caching_allocator_alloc(n, 0, stream),
+    r = _drive(ops, lambda n, _s, _t: torch.cuda.caching_allocator_alloc(n, 0, stream),
                torch.cuda.caching_allocator_delete)
     r["peak_reserved"] = torch.cuda.max_memory_reserved()
     torch.cuda.empty_cache()
