@@ -204,7 +204,7 @@ def test_info_exit_status_is_that_of_the_settings(fresh_config, monkeypatch):
     assert status == 0 and "error:" not in out
     assert re.search(r"^  torch_allocator +auto \(", out, re.M), out
     assert out.count("from default") == 11, out  # every option (maximum_pool_fraction: none)
-    assert re.search(r"^  growable_page_size +the driver's granularity \(2 MiB\)", out, re.M)
+    assert re.search(r"^  growable_page_size +20 MiB", out, re.M)
     monkeypatch.setenv("EMMPOOL_TORCH_ALLOCATOR", "Pluggable")
     status, out = report()
     assert status == 0 and "from EMMPOOL_TORCH_ALLOCATOR='Pluggable'" in out

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from emmpool import _core, replay
+from emmpool import _config, _core, replay
 from tests import gpu_scripts
 from tests.conftest import benchmark_module, needs, require
 from tests.test_gpu_numba import check, run
@@ -25,6 +25,7 @@ NUMBA_TAG, CUPY_TAG = 1, 2
 
 def growable_pool(**options):
     options.setdefault("growable_room", 0)
+    options.setdefault("growable_page_size", 0)  # the driver's 2 MiB pages: the tests count them
     pool = _core.DevicePool(None, 0, segments="growable", **options)
     if not pool.growable:
         pytest.skip(needs("a GPU with virtual memory management", "device 0 does not "
@@ -87,9 +88,13 @@ def test_block_of_a_growable_segment_refuses_ipc_clearly():
     pool.deallocate(n)
 
 
-def test_replay_on_the_cuda_driver_is_at_most_1_10():
+def test_replay_on_the_cuda_driver_is_at_most_1_10_with_2_mib_pages(monkeypatch):
     require("numpy")
     ops = replay.from_slots(*benchmark_module("replay").make_trace())
+    # The replay's pool takes the environment's page size: not that of pools made before.
+    monkeypatch.setattr(_config, "_applied", None)
+    monkeypatch.setattr(_core, "pools", lambda: [])
+    monkeypatch.setenv("EMMPOOL_GROWABLE_PAGE_SIZE", "2MiB")
     r = replay.run(ops, "emmpool-growable")
     assert r["ratio"] <= 1.10, r
 

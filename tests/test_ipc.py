@@ -18,7 +18,7 @@ PRELUDE = textwrap.dedent(
     MiB = 1 << 20
     host = _core.HostDriver(devices=1, capacity=1 << 30)
     _core._use_driver_for_all_pools(host)
-    emmpool.configure(segments="growable")
+    emmpool.configure(segments="growable", growable_page_size="2MiB")  # pages counted below
     pool = _core.pool(0)
     CUPY, NUMBA = 2, 1
 

@@ -23,7 +23,7 @@ C_ENTRIES = textwrap.dedent(
 
     host = _core.HostDriver(devices=1, capacity=1 << 30)
     _core._use_driver_for_all_pools(host)
-    emmpool.configure(maximum_pool_size="512MiB", segments="growable")
+    emmpool.configure(maximum_pool_size="512MiB", segments="growable", growable_page_size="2MiB")
     lib = c.CDLL(_core.__file__)
 
     # emmpool/torch_api.h, read a second time: a layout that drifts from the header's shows.

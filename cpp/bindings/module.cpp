@@ -332,8 +332,8 @@ PYBIND11_MODULE(_core, m)
          py::arg("small_segment") = pool_options{}.small_segment,
          py::arg("large_segment") = pool_options{}.large_segment, py::arg("segments") = "fixed",
          py::arg("growable_room") = py::none(),
-         py::arg("growable_free_limit") = py::none(), py::arg("growable_page_size") = 0,
-         py::keep_alive<1, 2>())
+         py::arg("growable_free_limit") = py::none(),
+         py::arg("growable_page_size") = default_growable_page_size, py::keep_alive<1, 2>())
     // Every call that takes a pool's mutex lets go of the GIL first: a thread holding that
     // mutex may be waiting for GPU work queued behind a host callback that needs the GIL. The
     // hot pair first tries without letting go (pool_calls.hpp).
@@ -508,7 +508,8 @@ PYBIND11_MODULE(_core, m)
       d["driver_frees"]       = s.driver_frees;
       return d;
     });
-  m.attr("MAX_GROWABLE_PAGE_SIZE") = max_growable_page_size;
+  m.attr("MAX_GROWABLE_PAGE_SIZE")     = max_growable_page_size;
+  m.attr("DEFAULT_GROWABLE_PAGE_SIZE") = default_growable_page_size;
   m.attr("HOST_PORTABLE")      = static_cast<unsigned>(host_portable);
   m.attr("HOST_MAPPED")        = static_cast<unsigned>(host_mapped);
   m.attr("HOST_WRITECOMBINED") = static_cast<unsigned>(host_writecombined);
@@ -533,7 +534,7 @@ PYBIND11_MODULE(_core, m)
     py::kw_only(), py::arg("mode") = "pool", py::arg("initial_size") = 0,
     py::arg("maximum_size") = 0, py::arg("maximum_fraction") = 0.0, py::arg("pinned_limit") = 0,
     py::arg("segments") = "growable", py::arg("growable_free_limit") = py::none(),
-    py::arg("growable_page_size") = 0,
+    py::arg("growable_page_size") = default_growable_page_size,
     "Set the options of the process-wide pools; only before the first one exists.");
   m.def(
     "set_tracing",

@@ -92,17 +92,15 @@ device_pool::block* device_pool::take_growable(std::size_t rounded, alloc_tag ta
 {
   // The growable segment's best fit, off its free list; its missing pages moved from free
   // blocks beyond the limit; for what new pages it still needs, wholly free memory goes back
-  // to the driver first if they would pass the cap (everything) or the peak (large fixed
-  // segments, as before growing one); then its pages are mapped (detail/growable_space.hpp).
+  // to the driver first if they would pass the cap; then its pages are mapped
+  // (detail/growable_space.hpp). A new peak alone gives no fixed segment back: those are
+  // Numba's (and small requests'), which would make them again at their next request, and
+  // each side's cache would evict the other's every step of a program that mixes them.
   auto const claim = growable_.claim_best_fit(rounded, tag, may_map);
   if (claim.blk == nullptr) { return nullptr; }
   try {
     if (auto const fresh = growable_.prepare(claim, capture_.may_give_back())) {
-      if (!cap_.fits(stats_.bytes_reserved, fresh)) {
-        release_free_segments();
-      } else if (stats_.bytes_reserved + fresh > stats_.peak_bytes_reserved) {
-        release_free_segments(true, false);  // its pages moved already: fixed ones only
-      }
+      if (!cap_.fits(stats_.bytes_reserved, fresh)) { release_free_segments(); }
     }
   } catch (...) {
     growable_.give_back(claim);  // a failed cuMemFree or cuMemUnmap: the block is not lost

@@ -144,14 +144,6 @@ bool growable_space::ensure_segment(std::size_t rounded, segment_map& segments)
   return true;
 }
 
-std::size_t growable_space::unmap_for_peak()
-{
-  if (pages_ == nullptr) { return 0; }
-  auto const kept = free_mapped_bytes();
-  if (kept <= free_limit_) { return 0; }
-  return unmap_free(round_up(kept - free_limit_, page_), false);
-}
-
 std::size_t growable_space::unmap_free(std::size_t limit, bool keep)
 {
   if (pages_ == nullptr) { return 0; }

@@ -91,7 +91,7 @@ void device_pool::release_segment(segment* seg)
   index_.segments().erase(seg->base);
 }
 
-std::size_t device_pool::release_free_segments(bool at_peak, bool pages)
+std::size_t device_pool::release_free_segments(bool at_peak)
 {
   if (!capture_.may_give_back() || forked_) { return 0; }
   std::vector<segment*> idle;
@@ -106,7 +106,6 @@ std::size_t device_pool::release_free_segments(bool at_peak, bool pages)
     released += seg->size;
     release_segment(seg);
   }
-  if (at_peak && pages) { released += growable_.unmap_for_peak(); }  // beyond the limit
   return released;
 }
 

@@ -32,6 +32,7 @@ pool_options growable_options(std::size_t cap = 0)
   o.segments     = segment_kind::growable;
   o.maximum_size = cap;
   o.growable_room = 0;  // map exactly the pages a block needs: the tests count them
+  o.growable_page_size = 0;  // the driver's 2 MiB: the tests count pages of that size
   return o;
 }
 
@@ -512,6 +513,37 @@ TEST(growable_falls_back_to_fixed_segments_without_vmm)
   pool_options fixed;  // the default
   fixture h{fixed};
   CHECK(!h->growable());
+}
+
+TEST(growable_and_fixed_memory_do_not_evict_each_other_at_a_new_peak)
+{
+  // Numba's blocks live on fixed segments, the other libraries' on the growable one. A new
+  // peak of one kind gives none of the other kind's free memory back: a program that mixes
+  // them would unmap and make the same memory again every step (cuMemFree, cuMemCreate).
+  auto o                = growable_options();
+  o.growable_free_limit = 0;  // every free page is beyond the limit
+  fixture f{o};
+  auto const n = f->allocate(30 * MiB, legacy_stream, alloc_tag::numba);
+  f->deallocate(n);
+  f->synchronize();  // a wholly free fixed segment of 30 MiB
+  auto const segments = f->stats().segment_allocations;
+  auto const c = f->allocate(8 * MiB, legacy_stream, alloc_tag::cupy);  // new pages: a new peak
+  CHECK_EQ(f->stats().segment_releases, 0u);
+  CHECK_EQ(f->allocate(30 * MiB, legacy_stream, alloc_tag::numba), n);  // its segment, kept
+  CHECK_EQ(f->stats().segment_allocations, segments + 1);  // the growable segment's only
+  f->deallocate(n);
+  f->deallocate(c);
+  f->synchronize();  // 8 MiB of free pages, 30 MiB of free fixed segment
+  auto const n2 = f->allocate(40 * MiB, legacy_stream, alloc_tag::numba);  // a fixed new peak
+  CHECK_EQ(f->stats().page_unmaps, 0u);        // the free pages stay mapped
+  CHECK_EQ(f->stats().segment_releases, 1u);   // the idle fixed segment goes, as without growable
+  CHECK_EQ(f->allocate(8 * MiB, legacy_stream, alloc_tag::cupy), c);  // no driver call
+  CHECK_EQ(f->stats().page_maps, 4u);
+  CHECK_EQ(consistency(f), "");
+  f->deallocate(n2);
+  f->deallocate(c);
+  (void)f->trim();  // pressure and trim still take both kinds
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
 }
 
 TEST(growable_numba_blocks_stay_fixed_for_ipc)

@@ -70,8 +70,8 @@ class Config:
     growable_free_limit: int = 64 << 20
     # What one page of the growable segment is (one cuMemCreate + cuMemMap): 0, the driver's
     # granularity (2 MiB); a larger size, rounded up to a multiple of it, makes fewer driver
-    # calls and gives pages back more coarsely.
-    growable_page_size: int = 0
+    # calls and gives pages back more coarsely. Default 20 MiB (the core's pool_options says why).
+    growable_page_size: int = _core.DEFAULT_GROWABLE_PAGE_SIZE
     torch_allocator: str = "auto"  # what use_for_torch() installs: one of TORCH_ALLOCATORS
 
 

@@ -332,9 +332,10 @@ class device_pool : private detail::pool_lifecycle {
   block* grow(std::size_t rounded, bool exact, bool growable, alloc_tag tag);
   // The driver's segment, on the books; null if the driver is out of memory.
   block* make_segment(std::size_t size, bool small, alloc_tag tag);
-  // Wholly free fixed segments and pages back to the driver; at a new peak, large segments
-  // only, and (`pages`) the free pages beyond the limit (growable_space::unmap_for_peak).
-  std::size_t release_free_segments(bool at_peak = false, bool pages = true);
+  // Wholly free fixed segments and pages back to the driver; at a fixed segment's new peak,
+  // large fixed segments only (the growable segment's free pages beyond its limit move under
+  // its own requests instead: detail/growable_space.hpp).
+  std::size_t release_free_segments(bool at_peak = false);
   void release_segment(segment* seg);
 
   // ---- frees (device_pool.cpp)

@@ -17,8 +17,10 @@
  * shrinks from its end): a cuMemUnmap and a cuMemMap each, no cuMemCreate or cuMemRelease, and
  * no new memory. New pages are made only for what the free pages within the limit, kept for
  * later requests, do not cover. A map that would pass the cap, trim, the out-of-memory ladder
- * and reset give every wholly free page back; so does a fixed segment's growth past the peak,
- * beyond the limit. Not thread-safe: the pool's mutex.
+ * and reset give every wholly free page back. A new peak of either kind of memory gives the
+ * other kind's back no more: the fixed segments serve Numba, the growable one the other
+ * libraries, and a program that mixes them would unmap and make the same memory again every
+ * step. Not thread-safe: the pool's mutex.
  */
 #pragma once
 
@@ -87,9 +89,6 @@ class growable_space {
   /// Unmap wholly free pages, at most `limit` bytes, the largest free blocks' first: kept
   /// spare (`keep`), or released with every spare page (all_free). @return bytes released
   std::size_t unmap_free(std::size_t limit, bool keep);
-  /// A fixed segment grows past the peak: the free pages beyond the limit go back first.
-  /// @return bytes released
-  std::size_t unmap_for_peak();
   static constexpr std::size_t all_free = ~std::size_t{0};
   /// The segment goes with a reset(): released if `segments` holds it wholly free (then
   /// erased there), else its pages stay mapped (retired with its live blocks).
