@@ -94,6 +94,7 @@ def test_replay_on_the_cuda_driver_is_at_most_1_10_with_2_mib_pages(monkeypatch)
     # The replay's pool takes the environment's page size: not that of pools made before.
     monkeypatch.setattr(_config, "_applied", None)
     monkeypatch.setattr(_core, "pools", lambda: [])
+    monkeypatch.setattr(_core, "pinned_pools", lambda: [])
     monkeypatch.setenv("EMMPOOL_GROWABLE_PAGE_SIZE", "2MiB")
     r = replay.run(ops, "emmpool-growable")
     assert r["ratio"] <= 1.10, r
