@@ -5,10 +5,10 @@ named a stream (CuPy's, PyTorch's) is ("alloc", id, size, stream), freed in that
 order as its library frees it; one whose library the trace names is ("alloc", id, size,
 stream or None, tag), tag its index in emmpool.trace.LIBRARIES, so that emmpool serves it as
 it served that library (Numba's blocks: fixed segments); ("sync", 0, 0) marks where the
-program synchronized the device (emmpool.trace.mark_synchronize). `from_records` builds one from a recorded CSV
-(emmpool.trace), `from_slots` from a synthetic churn. For each backend the replay reports peak
-live bytes (the sum of requested sizes), peak reserved bytes (what the allocator held from the
-driver) and their ratio, and the replay's wall time.
+program synchronized the device (emmpool.trace.mark_synchronize). `from_records` builds one
+from a recorded CSV (emmpool.trace), `from_slots` from a synthetic churn. For each backend the
+replay reports peak live bytes (the sum of requested sizes), peak reserved bytes (what the
+allocator held from the driver) and their ratio, and the replay's wall time.
 
 The replay runs no kernels, so on a GPU every fence emmpool records has completed by the time
 it asks: "emmpool" and "emmpool-host" replay an idle GPU. "emmpool-host-behind" replays the

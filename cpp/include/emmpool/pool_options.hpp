@@ -58,8 +58,8 @@ struct pool_options {
   /// a multiple of it. Larger pages mean fewer driver calls per growth and coarser returns: a
   /// page goes back only once no live block lies on it. 20 MiB, PyTorch's large segment: on
   /// programs that mix libraries, about no driver call per step after warm-up (2 MiB pages
-  /// move tens per step, each tens of microseconds), for about a tenth more memory than 2 MiB
-  /// on a churn of random sizes (benchmarks/replay.py).
+  /// move tens per step, each tens of microseconds), for 10-15% more memory than 2 MiB on a
+  /// churn of random sizes (benchmarks/replay.py).
   std::size_t growable_page_size{default_growable_page_size};
 
   /// @brief Check that the options are consistent (the device's own limits aside).
