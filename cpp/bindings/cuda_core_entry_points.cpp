@@ -79,6 +79,14 @@ bool free_tagged(resource_calls_object const& r, device_ptr ptr, stream_handle s
   }
 }
 
+// `o` as an unsigned 64-bit integer (an address, a stream handle): false with Python's
+// TypeError or OverflowError set.
+bool as_u64(PyObject* o, unsigned long long* out)
+{
+  *out = PyLong_AsUnsignedLongLong(o);
+  return *out != static_cast<unsigned long long>(-1) || PyErr_Occurred() == nullptr;
+}
+
 // allocate(size, stream) -> address, as DevicePool.allocate(size, stream, tag).
 PyObject* resource_calls_allocate(PyObject* self, PyObject* const* args, Py_ssize_t nargs)
 {
@@ -88,10 +96,8 @@ PyObject* resource_calls_allocate(PyObject* self, PyObject* const* args, Py_ssiz
   }
   std::size_t const size = PyLong_AsSize_t(args[0]);  // TypeError, or OverflowError if < 0
   if (size == static_cast<std::size_t>(-1) && PyErr_Occurred() != nullptr) { return nullptr; }
-  unsigned long long const stream = PyLong_AsUnsignedLongLong(args[1]);
-  if (stream == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
-    return nullptr;
-  }
+  unsigned long long stream = 0;
+  if (!as_u64(args[1], &stream)) { return nullptr; }
   device_ptr ptr{};
   if (!allocate_tagged(*reinterpret_cast<resource_calls_object*>(self), size, stream, &ptr)) {
     return nullptr;
@@ -106,12 +112,8 @@ PyObject* resource_calls_deallocate(PyObject* self, PyObject* const* args, Py_ss
     PyErr_Format(PyExc_TypeError, "deallocate(ptr, stream) takes 2 arguments (%zd given)", nargs);
     return nullptr;
   }
-  unsigned long long const ptr = PyLong_AsUnsignedLongLong(args[0]);
-  if (ptr == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) { return nullptr; }
-  unsigned long long const stream = PyLong_AsUnsignedLongLong(args[1]);
-  if (stream == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
-    return nullptr;
-  }
+  unsigned long long ptr = 0, stream = 0;
+  if (!as_u64(args[0], &ptr) || !as_u64(args[1], &stream)) { return nullptr; }
   if (!free_tagged(*reinterpret_cast<resource_calls_object*>(self), ptr, stream)) {
     return nullptr;
   }
@@ -170,8 +172,8 @@ int stream_handle_of(PyObject* stream, PyObject* stream_type, stream_handle none
   int handled = 0;
   if (PyTuple_CheckExact(info) && PyTuple_GET_SIZE(info) == 2 &&
       PyLong_CheckExact(PyTuple_GET_ITEM(info, 1))) {
-    unsigned long long const h = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(info, 1));
-    if (h == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
+    unsigned long long h = 0;
+    if (!as_u64(PyTuple_GET_ITEM(info, 1), &h)) {
       PyErr_Clear();  // negative, or past 64 bits: the Python method says what it says
     } else {
       *out    = h;
@@ -254,9 +256,9 @@ PyObject* resource_deallocate(PyObject* state, PyObject* const* args, Py_ssize_t
       !PyLong_CheckExact(args[0])) {
     return to_fallback(state, args, nargs, kwnames);
   }
-  unsigned long long const ptr = PyLong_AsUnsignedLongLong(args[0]);
-  if (ptr == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
-    PyErr_Clear();
+  unsigned long long ptr = 0;
+  if (!as_u64(args[0], &ptr)) {
+    PyErr_Clear();  // negative, or past 64 bits: the method's own answer or error
     return to_fallback(state, args, nargs, kwnames);
   }
   if (ptr == 0) { Py_RETURN_NONE; }  // a zero-byte Buffer
