@@ -176,8 +176,8 @@ def test_larger_pages_make_fewer_driver_maps_on_the_same_loop():
 
 def test_the_page_size_comes_from_the_environment(monkeypatch):
     monkeypatch.setattr(_config, "_applied", None)
-    monkeypatch.setenv("EMMPOOL_GROWABLE_PAGE_SIZE", "20MiB")
-    assert _config.config().growable_page_size == 20 << 20
+    monkeypatch.setenv("EMMPOOL_GROWABLE_PAGE_SIZE", "8MiB")  # not the default (20 MiB)
+    assert _config.config().growable_page_size == 8 << 20
     for bad in ("big", "2GiB"):
         monkeypatch.setenv("EMMPOOL_GROWABLE_PAGE_SIZE", bad)
         with pytest.raises(ValueError, match="EMMPOOL_GROWABLE_PAGE_SIZE"):
