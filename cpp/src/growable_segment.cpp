@@ -50,6 +50,27 @@ std::size_t growable_pages::unmapped_in(device_ptr ptr, std::size_t bytes) const
   return missing;
 }
 
+std::pair<device_ptr, std::size_t> growable_pages::fewest_unmapped(
+  device_ptr ptr, std::size_t bytes, std::size_t want) const noexcept
+{
+  std::pair<device_ptr, std::size_t> best{ptr, unmapped_in(ptr, want)};
+  std::size_t const hi = ptr - base_ + bytes;
+  std::size_t const k  = (want + page_ - 1) / page_;  // pages under a range at a page start
+  std::size_t q        = (ptr - base_) / page_ + 1;   // the first page start past ptr
+  // Past the highest page ever mapped nothing is: no later start lacks fewer. One count per
+  // page, sliding (a page enters the window, one leaves it).
+  if (best.second == 0 || q * page_ + want > hi || q >= mapped_.size()) { return best; }
+  std::size_t lacking = 0;
+  for (std::size_t p = q; p < q + k; ++p) { lacking += mapped(p) ? 0 : 1; }
+  for (;;) {
+    if (lacking * page_ < best.second) { best = {base_ + q * page_, lacking * page_}; }
+    if (best.second == 0 || (q + 1) * page_ + want > hi || q + 1 >= mapped_.size()) { break; }
+    lacking += (mapped(q + k) ? 0 : 1) - (mapped(q) ? 0 : 1);
+    ++q;
+  }
+  return best;
+}
+
 std::size_t growable_pages::mapped_overlap(device_ptr ptr, std::size_t bytes) const noexcept
 {
   if (bytes == 0) { return 0; }

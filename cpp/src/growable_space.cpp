@@ -2,6 +2,7 @@
 #include <emmpool/error.hpp>
 
 #include <algorithm>
+#include <tuple>
 
 namespace emmpool::detail {
 
@@ -33,10 +34,32 @@ growable_space::claim growable_space::claim_best_fit(std::size_t rounded, alloc_
   // without a driver call (and without unmapping others at a new peak).
   auto* blk = free_.find_large(
     rounded, [&](block const* b) { return pages_->unmapped_in(b->ptr, rounded) == 0; }, 8, &ready);
-  if (blk == nullptr || (!ready && !may_map)) { return {}; }  // mapping: allocate() only
+  if (blk == nullptr) { return {}; }
+  device_ptr at    = blk->ptr;
+  std::size_t need = 0;
+  if (!ready) {
+    // Its start lacks pages, but mapped ones may lie further in: the segment's unmapped end is
+    // one free block with what was freed below it, and a block freed between two live ones
+    // coalesces with its neighbours. The request goes where it lacks the fewest pages; placed
+    // at the start, those mapped pages would stay free beside new ones, out of reach of the
+    // moves (the claimed block is off the list).
+    std::tie(at, need) = pages_->fewest_unmapped(blk->ptr, blk->size, rounded);
+    if (need != 0 && !may_map) { return {}; }  // mapping: allocate() only
+  }
   free_.erase(blk);  // off the list: unmapping spares it
-  return {blk, rounded, ready ? 0 : pages_->unmapped_in(blk->ptr, rounded),
-          static_cast<std::uint8_t>(tag)};
+  if (at != blk->ptr) {
+    try {
+      (void)free_.split(blk, at - blk->ptr, 0);  // blk keeps the front, free again
+    } catch (...) {
+      free_.insert(blk);  // no record for the rest (bad_alloc)
+      throw;
+    }
+    auto* rest = blk->next;
+    free_.erase(rest);
+    free_.insert(blk);
+    blk = rest;
+  }
+  return {blk, rounded, need, static_cast<std::uint8_t>(tag)};
 }
 
 std::size_t growable_space::room_of(claim const& c) const noexcept
@@ -252,8 +275,8 @@ void growable_space::throw_no_ipc()
 {
   throw pool_error{"emmpool: no legacy IPC handle for a block of a growable segment "
                    "(cuIpcGetMemHandle cannot export memory mapped with cuMemMap): share it with "
-                   "emmpool.ipc.export() (or PyTorch's torch.multiprocessing), or use "
-                   "EMMPOOL_SEGMENTS=fixed. Numba's allocations never come from one"};
+                   "emmpool.ipc.export(), Numba's get_ipc_handle or PyTorch's "
+                   "torch.multiprocessing, or use EMMPOOL_SEGMENTS=fixed"};
 }
 
 shared_pages growable_space::share(block const& blk, device_ptr ptr)

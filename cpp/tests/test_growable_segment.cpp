@@ -184,6 +184,26 @@ TEST(growable_freed_pages_stay_mapped_and_serve_later_requests)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(growable_a_request_goes_where_its_free_block_has_pages)
+{
+  // The segment's unmapped end is one free block with what was freed below it: placed at that
+  // block's start, a request would map new pages beside free mapped ones.
+  fixture f;
+  auto const x = f->allocate(4 * MiB);
+  auto const y = f->allocate(4 * MiB);
+  f->deallocate(x);
+  f->synchronize();
+  (void)f->trim();  // x's pages go
+  f->deallocate(y);
+  f->synchronize();  // one free block from x on: unmapped, then y's pages, then unmapped
+  auto const maps = f->stats().page_maps;
+  CHECK_EQ(f->allocate(4 * MiB), y);  // no new page
+  CHECK_EQ(f->stats().page_maps, maps);
+  CHECK_EQ(f->allocate(4 * MiB), x);  // the front stayed free: the lowest that lacks the fewest
+  CHECK_EQ(f->stats().page_maps, maps + 2);
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(growable_new_peak_moves_free_pages_beyond_the_limit)
 {
   auto o                = growable_options();
@@ -359,14 +379,30 @@ TEST(growable_deferred_cleanup_unmaps_nothing)
 
 TEST(growable_reuse_waits_for_the_fence)
 {
+  // A freed block serves again only once its fence completed: found so by a later request, or
+  // waited for where new pages would pass the peak and the frees waiting could cover them.
   fixture f;
+  auto const big = f->allocate(8 * MiB);
+  f->deallocate(big);
+  f->synchronize();  // 8 MiB of free pages: the peak
   auto const a = f->allocate(4 * MiB);
-  f->deallocate(a);
-  auto const b = f->allocate(4 * MiB);  // miss: a is fenced but its event has not completed
-  CHECK_NE(a, b);
-  f.drv.complete_all_events();
-  auto const c = f->allocate(4 * MiB);  // miss: maintenance promotes a
+  CHECK_EQ(a, big);
+  f->deallocate(a);                     // fenced, its event not completed
+  auto const b = f->allocate(4 * MiB);  // on free pages: no wait, a stays pending
+  CHECK_EQ(b, big + 4 * MiB);
+  CHECK_EQ(f->stats().fence_waits, 0u);
+  auto const c = f->allocate(4 * MiB);  // new pages past the peak, a could cover them: wait
   CHECK_EQ(c, a);
+  CHECK_EQ(f->stats().fence_waits, 1u);
+  CHECK_EQ(f->stats().page_maps, 4u);  // big's pages only
+  CHECK_EQ(f->stats().peak_bytes_reserved, 8 * MiB);
+  f->deallocate(b);                     // 4 MiB waiting
+  auto const d = f->allocate(8 * MiB);  // 8 MiB past the peak, more than waits: new pages
+  CHECK_EQ(f->stats().fence_waits, 1u);
+  CHECK(d >= big + 8 * MiB);
+  f.drv.complete_all_events();
+  auto const e = f->allocate(4 * MiB);  // miss: maintenance promotes b
+  CHECK_EQ(e, b);
   CHECK_EQ(consistency(f), "");
 }
 
@@ -517,47 +553,48 @@ TEST(growable_falls_back_to_fixed_segments_without_vmm)
 
 TEST(growable_and_fixed_memory_do_not_evict_each_other_at_a_new_peak)
 {
-  // Numba's blocks live on fixed segments, the other libraries' on the growable one. A new
-  // peak of one kind gives none of the other kind's free memory back: a program that mixes
-  // them would unmap and make the same memory again every step (cuMemFree, cuMemCreate).
+  // Fixed segments hold small requests, the growable one the rest. A new peak of one kind
+  // gives none of the other kind's free memory back: a program that mixes them would unmap
+  // and make the same memory again every step (cuMemFree, cuMemCreate).
   auto o                = growable_options();
   o.growable_free_limit = 0;  // every free page is beyond the limit
   fixture f{o};
-  auto const n = f->allocate(30 * MiB, legacy_stream, alloc_tag::numba);
+  auto const n = f->allocate(MiB, legacy_stream, alloc_tag::numba);  // a small segment
   f->deallocate(n);
-  f->synchronize();  // a wholly free fixed segment of 30 MiB
-  auto const segments = f->stats().segment_allocations;
-  auto const c = f->allocate(8 * MiB, legacy_stream, alloc_tag::cupy);  // new pages: a new peak
+  f->synchronize();  // wholly free
+  auto const c = f->allocate(40 * MiB, legacy_stream, alloc_tag::cupy);  // new pages: a new peak
   CHECK_EQ(f->stats().segment_releases, 0u);
-  CHECK_EQ(f->allocate(30 * MiB, legacy_stream, alloc_tag::numba), n);  // its segment, kept
-  CHECK_EQ(f->stats().segment_allocations, segments + 1);  // the growable segment's only
-  f->deallocate(n);
+  CHECK_EQ(f->allocate(MiB, legacy_stream, alloc_tag::numba), n);  // its segment, kept
   f->deallocate(c);
-  f->synchronize();  // 8 MiB of free pages, 30 MiB of free fixed segment
-  auto const n2 = f->allocate(40 * MiB, legacy_stream, alloc_tag::numba);  // a fixed new peak
-  CHECK_EQ(f->stats().page_unmaps, 0u);        // the free pages stay mapped
-  CHECK_EQ(f->stats().segment_releases, 1u);   // the idle fixed segment goes, as without growable
-  CHECK_EQ(f->allocate(8 * MiB, legacy_stream, alloc_tag::cupy), c);  // no driver call
-  CHECK_EQ(f->stats().page_maps, 4u);
+  f->synchronize();  // 40 MiB of free pages
+  auto const segments = f->stats().segment_allocations;
+  auto const s2 = f->allocate(MiB, legacy_stream, alloc_tag::numba);  // fills n's segment
+  auto const s3 = f->allocate(MiB, legacy_stream, alloc_tag::numba);  // a second one, and
+  CHECK_EQ(f->stats().segment_allocations, segments + 1);
+  CHECK_EQ(f->stats().page_unmaps, 0u);  // the free pages stay mapped
+  CHECK_EQ(f->allocate(40 * MiB, legacy_stream, alloc_tag::cupy), c);  // no driver call
+  CHECK_EQ(f->stats().page_maps, 20u);
   CHECK_EQ(consistency(f), "");
-  f->deallocate(n2);
+  f->deallocate(n);
+  f->deallocate(s2);
+  f->deallocate(s3);
   f->deallocate(c);
   (void)f->trim();  // pressure and trim still take both kinds
   CHECK_EQ(f->stats().bytes_reserved, 0u);
 }
 
-TEST(growable_numba_blocks_stay_fixed_for_ipc)
+TEST(growable_blocks_of_every_library_share_pages_not_legacy_handles)
 {
   fixture f;
-  auto const n = f->allocate(3 * MiB, legacy_stream, alloc_tag::numba);
-  auto const info = f->ipc_handle(n);
-  REQUIRE(info.has_value());
-  CHECK_EQ(info->segment_size, 20 * MiB);  // a fixed segment, cuIpcGetMemHandle-able
-  auto const c = f->allocate(3 * MiB, legacy_stream, alloc_tag::cupy);
-  CHECK_THROWS((void)f->ipc_handle(c), pool_error);  // no legacy handle: share_pages()
-  CHECK_THROWS((void)f->ipc_handle(c + 1024), pool_error);
-  auto const small = f->allocate(4096, legacy_stream, alloc_tag::cupy);  // small segments: fixed
+  for (auto tag : {alloc_tag::numba, alloc_tag::cupy, alloc_tag::torch}) {
+    auto const b = f->allocate(3 * MiB, legacy_stream, tag);
+    CHECK_THROWS((void)f->ipc_handle(b), pool_error);  // no legacy handle: share_pages()
+    CHECK_THROWS((void)f->ipc_handle(b + 1024), pool_error);
+    CHECK(f->share_pages(b).has_value());
+  }
+  auto const small = f->allocate(4096, legacy_stream, alloc_tag::numba);  // small: fixed
   CHECK(f->ipc_handle(small).has_value());
+  CHECK(!f->share_pages(small).has_value());
   CHECK_EQ(consistency(f), "");
 }
 
@@ -592,7 +629,7 @@ TEST(growable_blocks_share_their_pages_and_an_import_outlives_nothing_of_the_sen
 {
   fixture f;
   auto const c = f->allocate(5 * MiB, legacy_stream, alloc_tag::cupy);  // pages 0, 1, 2
-  CHECK(!f->share_pages(f->allocate(3 * MiB, legacy_stream, alloc_tag::numba)));  // fixed
+  CHECK(!f->share_pages(f->allocate(4096, legacy_stream, alloc_tag::numba)));  // small: fixed
   auto const shared = f->share_pages(c + MiB);
   REQUIRE(shared.has_value());
   CHECK_EQ(shared->first_page, c);

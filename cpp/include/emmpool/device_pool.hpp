@@ -188,7 +188,7 @@ class device_pool : private detail::pool_lifecycle {
   /// std::nullopt if the pool did not allocate it. A segment is never released to the driver
   /// while a block in it is live, exported or not.
   /// @throws pool_error for a block of a growable segment (cuIpcGetMemHandle cannot export
-  /// VMM memory; Numba's blocks never live there)
+  /// VMM memory: share_pages() shares it)
   [[nodiscard]] std::optional<ipc_info> ipc_handle(device_ptr ptr);
 
   /// @brief For a live block of the growable segment holding ptr (which may point inside it):
@@ -202,8 +202,8 @@ class device_pool : private detail::pool_lifecycle {
   /// segment counts only its mapped pages in reserved; its free blocks are reported whole.
   [[nodiscard]] std::vector<layout_block> layout() const;
 
-  /// @brief Whether requests above small_request (other than Numba's) use a growable
-  /// segment: asked for in the options and supported by the driver and device.
+  /// @brief Whether requests above small_request use a growable segment: asked for in the
+  /// options and supported by the driver and device.
   [[nodiscard]] bool growable() const noexcept { return growable_.enabled(); }
 
   // ---- giving memory back, and when not to (pool_controls.cpp) -------------------------------

@@ -23,9 +23,9 @@ enum class pool_mode : std::uint8_t { pool, passthrough };
 
 /// How pool mode gets memory for requests above small_request. `growable`: one address
 /// reservation whose pages are mapped on demand, freed pages kept mapped up to
-/// growable_free_limit (detail/growable_space.hpp), where the device supports virtual memory management (fixed
-/// elsewhere). Numba's blocks stay on fixed segments either way: Numba's IPC
-/// (cuIpcGetMemHandle) cannot export VMM memory.
+/// growable_free_limit (detail/growable_space.hpp), where the device supports virtual memory
+/// management (fixed elsewhere). Its blocks have no legacy IPC handle (cuIpcGetMemHandle cannot
+/// export VMM memory): their pages are shared as file descriptors instead.
 enum class segment_kind : std::uint8_t { fixed, growable };
 
 /// @brief How a pool grows and what it keeps.
@@ -85,5 +85,16 @@ struct pool_options {
     return (rounded + segment_granularity - 1) / segment_granularity * segment_granularity;
   }
 };
+
+/// @brief What the process-wide pools (registry.hpp) get unless configured: growable segments
+/// where the device supports them, which hold less memory than fixed ones on programs that
+/// mix libraries and on shapes that churn (docs/limits.md). A pool_options of its own (a
+/// device_pool made directly) keeps fixed segments unless it asks.
+[[nodiscard]] inline pool_options process_pool_options() noexcept
+{
+  pool_options o;
+  o.segments = segment_kind::growable;
+  return o;
+}
 
 }  // namespace emmpool

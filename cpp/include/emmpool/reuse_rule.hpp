@@ -154,8 +154,8 @@ inline constexpr std::size_t spare_batches_kept = 16;
 }
 
 /// @brief Whether a block of kind `blk` may serve a request of kind `request`: its own kind;
-/// a growable request large fixed blocks too (never the other way: Numba's blocks stay off
-/// the growable segment, for IPC).
+/// a growable request large fixed blocks too (initial_pool_size's; never the other way: a
+/// large request is fixed only where the growable segment is off).
 [[nodiscard]] constexpr bool serves(detail::block_kind request, detail::block_kind blk) noexcept
 {
   return blk == request ||

@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace emmpool::detail {
@@ -52,6 +53,10 @@ class growable_pages {
 
   /// Bytes of unmapped pages overlapping [ptr, ptr + bytes).
   [[nodiscard]] std::size_t unmapped_in(device_ptr ptr, std::size_t bytes) const noexcept;
+  /// Where in [ptr, ptr + bytes) a range of `want` bytes lacks the fewest pages: at ptr or at
+  /// a page start, the lowest of the best; and the bytes of pages it lacks.
+  [[nodiscard]] std::pair<device_ptr, std::size_t> fewest_unmapped(
+    device_ptr ptr, std::size_t bytes, std::size_t want) const noexcept;
   /// Mapped bytes inside [ptr, ptr + bytes) (a page partly inside counts its part).
   [[nodiscard]] std::size_t mapped_overlap(device_ptr ptr, std::size_t bytes) const noexcept;
   /// Map every unmapped page overlapping [ptr, ptr + bytes), spare pages first. On failure

@@ -6,8 +6,10 @@
  * The segment is one address reservation (detail/growable_segment.hpp: its page map) whose
  * blocks live in a free_lists of its own (detail/free_list.hpp: its large set) and are split
  * and coalesced as any other. A request takes the best fit, or a slightly larger free block whose
- * pages are already mapped; missing pages are mapped, with up to growable_room of the block
- * beyond the request (room for the next requests of that size).
+ * pages are already mapped; placed inside it where it lacks the fewest pages (the segment's
+ * unmapped end is one free block with the freed memory below it); missing pages are mapped,
+ * with up to growable_room of the block beyond the request (room for the next requests of that
+ * size).
  *
  * Giving pages back, or moving them: freed pages stay mapped and serve later requests (a free
  * block whose pages are mapped is preferred to a tighter fit that needs new ones), as
@@ -18,9 +20,10 @@
  * no new memory. New pages are made only for what the free pages within the limit, kept for
  * later requests, do not cover. A map that would pass the cap, trim, the out-of-memory ladder
  * and reset give every wholly free page back. A new peak of either kind of memory gives the
- * other kind's back no more: the fixed segments serve Numba, the growable one the other
- * libraries, and a program that mixes them would unmap and make the same memory again every
- * step. Not thread-safe: the pool's mutex.
+ * other kind's back no more: the fixed segments serve small requests, the growable one the
+ * rest, and a program that mixes them would unmap and make the same memory again every step.
+ * Every library's blocks live here, Numba's too: none has a legacy IPC handle, all share their
+ * pages (share()). Not thread-safe: the pool's mutex.
  */
 #pragma once
 
@@ -55,9 +58,9 @@ class growable_space {
   void configure(pool_options const& o) noexcept;
   /// Whether requests above small_request may use the segment (supported and asked for).
   [[nodiscard]] bool enabled() const noexcept { return page_ != 0; }
-  [[nodiscard]] bool serves(std::size_t rounded, alloc_tag tag) const noexcept
+  [[nodiscard]] bool serves(std::size_t rounded) const noexcept
   {
-    return page_ != 0 && rounded > small_request_ && tag != alloc_tag::numba;
+    return page_ != 0 && rounded > small_request_;
   }
 
   /// A free block chosen for a request, off the free list (so that unmapping spares it) until
