@@ -87,7 +87,7 @@ def test_a_growable_block_shares_its_pages_and_the_receiver_maps_them():
 def test_a_fixed_block_shares_its_segments_legacy_handle():
     run(
         """
-        p = pool.allocate(3 * MiB, _core.LEGACY_STREAM, NUMBA)   # Numba's: fixed segments
+        p = pool.allocate(512 << 10, _core.LEGACY_STREAM, NUMBA)  # 1 MiB at most: fixed
         h = pickle.loads(pickle.dumps(emmpool.ipc.export(p + 256, nbytes=256)))
         assert h.kind == "handle", h
         mem = h.open()
@@ -162,3 +162,162 @@ def test_what_is_not_emmpools_is_refused_saying_why():
             raise AssertionError("a freed block was exported")
         """
     )
+
+
+# The Numba plugin's get_ipc_handle over the host driver, for each package: a fake context of
+# device 0 (what the plugin and the handle ask of one), the manager bound to the host pool.
+NUMBA_PRELUDE = textwrap.dedent(
+    """
+    import gc, importlib
+    import numpy as np
+    from emmpool import plugin
+    driver = importlib.import_module({driver!r})
+    devicearray = importlib.import_module({driver!r}.rsplit(".", 1)[0] + ".devicearray")
+    Manager = plugin.manager_for({package!r})
+
+    class Device:
+        id = 0
+        def get_device_identity(self):
+            return {{"pci_domain_id": 0, "pci_bus_id": 0x41, "pci_device_id": 0}}
+
+    class Context:
+        device = Device()
+        def __init__(self):
+            self.synchronized = 0
+        def memalloc(self, size):
+            return driver.MemoryPointer(self, pool.allocate(size, _core.LEGACY_STREAM, NUMBA),
+                                        size)
+        def synchronize(self):
+            self.synchronized += 1
+
+    ctx = Context()
+    manager = Manager(context=ctx)
+    manager._pool, manager._device = pool, 0   # bound as initialize() binds (no CUDA here)
+
+    def pointer(p, size):  # what Numba hands get_ipc_handle: a MemoryPointer, or a view of one
+        return driver.MemoryPointer(ctx, p, size)
+
+    def raises(call, error, words):
+        try:
+            call()
+        except error as e:
+            assert words in str(e), e
+        else:
+            raise AssertionError(f"no {{error.__name__}} ({{words}})")
+    """
+)
+
+
+def run_numba(package, body: str):
+    run(NUMBA_PRELUDE.format(driver=package.driver, package=package.name) + textwrap.dedent(body))
+
+
+def test_numbas_handle_of_a_fixed_block_is_its_segments_legacy_handle(numba_package):
+    run_numba(numba_package, """
+        p = pool.allocate(256 << 10, _core.LEGACY_STREAM, NUMBA)   # a small block: fixed
+        class CUipcMemHandle:  # cuda.bindings' needs a CUDA driver to have its bytes
+            reserved = None
+        driver.binding.CUipcMemHandle = CUipcMemHandle
+        h = manager.get_ipc_handle(pointer(p + 512, 1024))
+        assert type(h) is driver.IpcHandle, type(h)
+        handle_bytes, base, _, offset = pool.ipc_handle(p + 512)
+        assert bytes(h.handle.reserved) == handle_bytes and h.offset == offset == p + 512 - base
+        assert h.size == 1024 and h.source_info == ctx.device.get_device_identity()
+        # Memory the pool did not allocate: Numba's own handling, as before.
+        driver.GetIpcHandleMixin.get_ipc_handle = lambda self, memory: "numba's own"
+        assert manager.get_ipc_handle(pointer(12345 << 20, 64)) == "numba's own"
+        """)
+
+
+def test_numbas_handle_of_a_growable_block_carries_its_pages(numba_package):
+    run_numba(numba_package, """
+        p = pool.allocate(5 * MiB, _core.LEGACY_STREAM, CUPY)   # three 2 MiB pages
+        assert p % (2 * MiB) == 0
+        memory = pointer(p, 5 * MiB)
+        h = manager.get_ipc_handle(memory.view(2 * MiB + 4096, 2 * MiB + 4096 + 1000))
+        assert isinstance(h, driver.IpcHandle) and isinstance(h, Manager.PagesIpcHandle), h
+        # offset: from the block's first page, as Numba's is from its allocation's start
+        assert h.size == 1000 and h.offset == 2 * MiB + 4096, (h.size, h.offset)
+        assert h.shared.kind == "pages" and h.shared.nbytes == 1000
+        assert len(h.shared._fds) == 3  # the block's pages
+        assert h.source_info == ctx.device.get_device_identity() and h.base is not None
+        raises(lambda: h.handle, AttributeError, "no legacy CUDA IPC handle")
+        assert not hasattr(h, "handle")
+        raises(lambda: h.open(ctx), ValueError, "opening IpcHandle from original process")
+        h.close()  # never opened: nothing to do
+
+        received = pickle.loads(pickle.dumps(h))  # the descriptors, duplicated, sent, detached
+        assert type(received) is type(h) and received.base is None
+        assert (received.size, received.offset, received.source_info) == (1000, h.offset,
+                                                                           h.source_info)
+        assert received.shared._fds != h.shared._fds
+        received.close()  # not opened yet: nothing
+        got = received.open(ctx)
+        assert isinstance(got, driver.MemoryPointer) and got.size == 1000
+        ptr = int(got.device_pointer)
+        assert ptr % (2 * MiB) == 4096 and ptr != p + 2 * MiB + 4096
+        assert host.accessible(0, ptr - h.offset, 6 * MiB) and _core.ipc_open_count() == 1
+        raises(lambda: received.open(ctx), ValueError, "IpcHandle is already opened")
+        view = got.view(8, 16)  # a view holds the mapping as its base does
+        del got
+        gc.collect()
+        assert _core.ipc_open_count() == 1 and int(view.device_pointer) == ptr + 8
+        received.close()  # unmaps, whatever still points there
+        assert _core.ipc_open_count() == 0
+        received.close()  # twice: nothing
+        again = received.open(ctx)  # closed, it opens again, as Numba's does
+        assert _core.ipc_open_count() == 1
+        received.close()
+        assert _core.ipc_open_count() == 0
+
+        # What open returns keeps the mapping when the handle is dropped unclosed.
+        kept = pickle.loads(pickle.dumps(h)).open(ctx)
+        gc.collect()
+        assert _core.ipc_open_count() == 1
+        del kept
+        gc.collect()
+        assert _core.ipc_open_count() == 0
+
+        # open_array, and an IpcArrayHandle (devarr.get_ipc_handle()) as the receiver opens it.
+        f32 = np.dtype(np.float32)
+        whole = manager.get_ipc_handle(memory)
+        assert whole.size == 5 * MiB and whole.offset == 0 and len(whole.shared._fds) == 3
+        received = pickle.loads(pickle.dumps(whole))
+        arr = received.open_array(ctx, shape=(5 * MiB // 4,), dtype=f32)
+        data = arr.__cuda_array_interface__["data"][0]
+        assert data % (2 * MiB) == 0 and data != p and host.accessible(0, data, 5 * MiB)
+        received.close()
+        assert _core.ipc_open_count() == 0
+        devicearray.devices.get_context = lambda: ctx  # the receiver's current context
+        desc = dict(shape=(250,), strides=(4,), dtype=f32)
+        array_handle = devicearray.IpcArrayHandle(ipc_handle=h, array_desc=desc)  # h: a view
+        with pickle.loads(pickle.dumps(array_handle)) as arr:
+            assert arr.shape == (250,)
+            assert arr.__cuda_array_interface__["data"][0] % (2 * MiB) == 4096
+            assert _core.ipc_open_count() == 1
+        assert _core.ipc_open_count() == 0
+        """)
+
+
+def test_numbas_staged_open_of_pages_copies_them_then_unmaps(numba_package):
+    run_numba(numba_package, """
+        p = pool.allocate(3 * MiB, _core.LEGACY_STREAM, CUPY)
+        received = pickle.loads(pickle.dumps(manager.get_ipc_handle(pointer(p + 256, 2048))))
+        copies = []
+        def device_to_device(dst, src, size, stream=0):
+            src = driver.device_pointer(src)
+            copies.append((driver.device_pointer(dst), src, size, ctx.synchronized,
+                           host.accessible(0, src, size), _core.ipc_open_count()))
+        driver.device_to_device = device_to_device
+        copy = received.open_staged(ctx)
+        assert pool.owns(int(copy.device_pointer)) and copy.size == 2048  # this context's
+        [(dst, src, size, synchronized, mapped, opened)] = copies
+        assert dst == int(copy.device_pointer) and size == 2048 and synchronized == 0
+        assert mapped and opened == 1 and src % (2 * MiB) == (p + 256) % (2 * MiB)
+        assert ctx.synchronized == 1 and _core.ipc_open_count() == 0  # copied, then unmapped
+        raises(lambda: received.open_staged(ctx), ValueError, "IpcHandle is already opened")
+        received.close()  # nothing mapped: nothing to do
+        assert received.open_direct(ctx).size == 2048
+        received.close()
+        assert _core.ipc_open_count() == 0
+        """)

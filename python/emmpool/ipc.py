@@ -1,11 +1,11 @@
 """Share a block of emmpool's pool with another process, whatever segment holds it.
 
 A block of a fixed segment has a legacy CUDA IPC handle (``cuIpcGetMemHandle`` of its segment,
-and its offset there): what Numba's ``get_ipc_handle`` and CuPy's ``ipcGetMemHandle`` use, and
-what Numba's blocks always have. A block of the growable segment (under ``EMMPOOL_SEGMENTS=growable``,
-CuPy's, PyTorch's, RMM's and cuda.core's blocks above 1 MiB) lies on pages mapped with
-``cuMemMap``, which that call cannot export: its pages are shared instead, one file descriptor each
-(``cuMemExportToShareableHandle``), and the receiver maps them into addresses of its own.
+and its offset there): what Numba's ``get_ipc_handle`` and CuPy's ``ipcGetMemHandle`` use. A block
+of the growable segment (under ``EMMPOOL_SEGMENTS=growable``, blocks above 1 MiB) lies on pages
+mapped with ``cuMemMap``, which that call cannot export: its pages are shared instead, one file
+descriptor each (``cuMemExportToShareableHandle``), and the receiver maps them into addresses of
+its own. (The Numba plugin's ``get_ipc_handle`` wraps such a handle in Numba's ``IpcHandle``.)
 
 :func:`export` makes an :class:`IpcHandle` of either kind. It pickles: send it through
 ``multiprocessing`` (a ``Queue``, a ``Pipe``, a ``Pool``'s arguments) as any object. Descriptors
@@ -89,18 +89,20 @@ class IpcHandle:
         """``"pages"`` (a growable block's) or ``"handle"`` (a fixed segment's)."""
         return "pages" if self._fds else "handle"
 
-    def open(self) -> IpcMemory:
+    def open(self, device: int | None = None) -> IpcMemory:
         """Map the shared memory in this process (not the sending one): an :class:`IpcMemory`,
-        to close when done (or let it be collected). Raises ``emmpool.CudaError`` where the
-        driver refuses (the sending process gone, or its memory freed), ``ValueError`` for a
-        closed handle."""
+        to close when done (or let it be collected). ``device``: the sender's device as this
+        process numbers it, where that differs (``CUDA_VISIBLE_DEVICES``); by default the
+        sender's number. Raises ``emmpool.CudaError`` where the driver refuses (the sending
+        process gone, or its memory freed), ``ValueError`` for a closed handle."""
+        device = self.device if device is None else _args.device(device)
         with self._lock:  # the descriptors stay open while they are mapped
             self._check_open()
             if self._fds:
-                base = _core.ipc_open_pages(self.device, list(self._fds), self._page_size)
+                base = _core.ipc_open_pages(device, list(self._fds), self._page_size)
             else:
-                base = _core.ipc_open_handle(self.device, self._handle)
-        return IpcMemory(base, base + self._offset, self.nbytes, self.device, self._array)
+                base = _core.ipc_open_handle(device, self._handle)
+        return IpcMemory(base, base + self._offset, self.nbytes, device, self._array)
 
     def __reduce__(self):
         with self._lock:

@@ -38,6 +38,11 @@ plugin makes emmpool the memory resource of numba's cuda.core Device (emmpool.cu
 (``HostOnlyCUDAMemoryManager``) unless ``EMMPOOL_PINNED=pool``: then ``memhostalloc`` is served
 by emmpool's pinned-host cache and ``mempin`` goes through its C++ core (see host_pool.hpp).
 
+**IPC.** ``get_ipc_handle`` answers with the package's ``IpcHandle``: for a block of a fixed
+segment, the legacy handle of its segment and the block's offset there; for a block of the
+growable segment, which has no legacy handle, the class's ``PagesIpcHandle``, which carries the
+block's pages (:mod:`emmpool.ipc`) and is pickled, opened and closed as Numba's handle is.
+
 ``defer_cleanup``: while it is active, nothing is returned to the CUDA driver (no
 ``cuMemFree``, which would synchronize); freed device blocks still flow back into the pool
 once the work issued before their free has completed, and can be reused. Host allocations are
@@ -204,13 +209,29 @@ class _EmmPoolManager:
         return self._emm.MemoryInfo(free=free + self._pool.stats()["bytes_free"], total=total)
 
     def get_ipc_handle(self, memory):
-        """IPC handle of the pool segment holding ``memory``, with the block's offset in it.
+        """Numba's IPC handle of ``memory``, a block of the pool or a view into one.
 
-        Memory the pool did not allocate (e.g. a foreign array through the CUDA Array
-        Interface) gets Numba's own handling: the handle of its whole allocation.
+        A block of a fixed segment: the legacy handle of its segment (``cuIpcGetMemHandle``),
+        with the block's offset in it. A block of the growable segment, which that call cannot
+        export: a ``PagesIpcHandle`` (this class's attribute; see :class:`_PagesIpcHandle`),
+        which carries the block's pages instead. Memory the pool did not allocate (e.g. a
+        foreign array through the CUDA Array Interface) gets Numba's own handling: the handle
+        of its whole allocation.
         """
         self.initialize()
-        info = self._pool.ipc_handle(int(memory.handle))
+        ptr = int(memory.handle)
+        # Asked first: ipc_handle refuses a growable block.
+        pages = self._pool.share_pages(ptr)
+        if pages is not None:
+            from . import ipc
+
+            shared = ipc.export(ptr, nbytes=memory.size, device=self._device)
+            source_info = self.context.device.get_device_identity()
+            # offset: from the start of the block's first page, where what the receiver maps
+            # starts, as Numba's is from the start of the allocation it opens.
+            return self.PagesIpcHandle(memory, shared, memory.size, source_info,
+                                       offset=pages[2])
+        info = self._pool.ipc_handle(ptr)
         if info is None:
             return super().get_ipc_handle(memory)
         handle_bytes, base, _segment_size, offset = info
@@ -248,6 +269,117 @@ class _EmmPoolManager:
     @property
     def interface_version(self):
         return 1
+
+
+class _PagesIpcHandle:
+    """Numba's ``IpcHandle`` of a block of emmpool's growable segment.
+
+    The implementation of every package's ``PagesIpcHandle`` (an attribute of its manager
+    class): :func:`manager_for` derives it from this and the package's ``IpcHandle``.
+    ``cuIpcGetMemHandle`` cannot export memory mapped with ``cuMemMap``, so this handle
+    carries the block's pages instead (``shared``: an :class:`emmpool.ipc.IpcHandle`, one file
+    descriptor per page) and maps them where Numba's handle opens a legacy one. What Numba
+    does with a handle works unchanged: pickling it, ``open``, ``open_array``, ``close``, and
+    the ``IpcArrayHandle`` of ``devarr.get_ipc_handle()``. The descriptors cross processes as
+    ``multiprocessing`` passes them: the receiver must be a process of the sender's
+    ``multiprocessing`` family (see :mod:`emmpool.ipc`). Unpickling needs emmpool and the same
+    Numba package. While a handle lives, its descriptors keep the block's pages allocated in
+    the driver (``shared.close()`` lets them go sooner; the handle can then be neither sent
+    nor opened).
+
+    ``size`` is the memory's bytes, ``offset`` its place from the start of its block's first
+    page, where the receiver's mapping starts (Numba's: from the start of the allocation the
+    receiver opens). Views of one array keep their distance in both.
+
+    There is no legacy handle: reading ``handle`` raises AttributeError. Code that sends
+    ``handle.reserved`` itself and opens it with ``cuIpcOpenMemHandle`` (Numba's
+    ``cuda.open_ipc_array``) cannot reach this memory: send the handle object instead.
+    """
+
+    _emm = None  # the package's EMM names, set by manager_for
+    _package = ""
+
+    def __init__(self, base, shared, size, source_info=None, offset=0):
+        super().__init__(base, None, size, source_info, offset=offset)
+        self.shared = shared
+
+    @property
+    def handle(self):
+        raise AttributeError(
+            "this IpcHandle has no legacy CUDA IPC handle (cuIpcGetMemHandle): its memory lies "
+            "on emmpool's growable segment, shared as pages; send the handle object itself and "
+            "open it with .open(context)")
+
+    @handle.setter
+    def handle(self, value):
+        # Numba's __init__ sets it: to None, here.
+        if value is not None:
+            raise AttributeError("a PagesIpcHandle has no legacy CUDA IPC handle")
+
+    def _check_openable(self):
+        # Numba's checks, with Numba's words (its tests match them).
+        if self._impl is not None:
+            raise ValueError("IpcHandle is already opened")
+        if self.base is not None:
+            raise ValueError("opening IpcHandle from original process")
+
+    def _source_device(self, context) -> int:
+        """The exporting device, as this process numbers it (CUDA_VISIBLE_DEVICES may differ
+        from the sender's): its pages are mapped there, readable by its peers."""
+        if self.source_info is None:
+            return self.shared.device
+        if self.source_info == context.device.get_device_identity():
+            return context.device.id
+        return self._emm.driver.Device.from_identity(self.source_info).id
+
+    def open_direct(self, context):
+        """Map the pages in this process and return the package's ``MemoryPointer`` of the
+        memory. The pointer, its views and the arrays made of them keep the mapping for as
+        long as they live; :meth:`close` unmaps it at once."""
+        self._check_openable()
+        mapped = self.shared.open(self._source_device(context))
+        if not isinstance(context, weakref.ProxyTypes):
+            context = weakref.proxy(context)  # as Numba's pointers hold their context
+        # The mapping as the pointer's owner, as Numba wraps memory it did not allocate
+        # (from_cuda_array_interface): its views hold it too.
+        memory = self._emm.MemoryPointer(context, mapped.ptr, self.size, owner=mapped)
+        self._impl = mapped
+        return memory
+
+    def open_staged(self, context):
+        """A copy of the memory in memory of ``context``'s device, as Numba's staged open does
+        for a device that cannot reach the exporting one: the pages are mapped on the exporting
+        device only for the copy."""
+        self._sentry_source_info()
+        self._check_openable()
+        mapped = self.shared.open(self._source_device(context))
+        try:
+            copy = context.memalloc(self.size)
+            source = self._emm.MemoryPointer(context, mapped.ptr, self.size)
+            self._emm.driver.device_to_device(copy, source, self.size)
+            context.synchronize()  # the copy is done before the pages are unmapped
+        finally:
+            mapped.close()
+        # Closed already: close() has nothing left to unmap, as with Numba's staged open.
+        self._impl = mapped
+        return copy
+
+    def close(self):
+        """Unmap what :meth:`open` mapped (the device synchronized first): arrays opened from
+        it must not be used after. Does nothing if the handle is not open."""
+        if self._impl is not None:
+            self._impl.close()
+            self._impl = None
+
+    def __reduce__(self):
+        # The pages' descriptors travel as multiprocessing passes them (emmpool.ipc.IpcHandle);
+        # the receiver's class is its own package's, found by name.
+        return (_rebuild_pages_handle,
+                (self._package, self.shared, self.size, self.source_info, self.offset))
+
+
+def _rebuild_pages_handle(package, shared, size, source_info, offset):
+    return manager_for(package).PagesIpcHandle(None, shared, size, source_info, offset=offset)
 
 
 def _serve_cuda_core(numba_device) -> None:
@@ -310,7 +442,8 @@ _making = threading.Lock()
 
 def manager_for(package: str) -> type:
     """emmpool's memory manager class for ``package`` ("numba-cuda" or "numba-cuda-mlir"): a
-    subclass of that package's ``HostOnlyCUDAMemoryManager``, made on first use.
+    subclass of that package's ``HostOnlyCUDAMemoryManager``, made on first use, with its
+    ``PagesIpcHandle`` (a subclass of the package's ``IpcHandle``: see :class:`_PagesIpcHandle`).
 
     Raises ImportError saying what to install when the package is missing."""
     pkg = packages.by_name(package)
@@ -319,8 +452,13 @@ def manager_for(package: str) -> type:
         if cls is None:
             emm = packages.emm_api(pkg)
             name = _CLASS_NAMES[pkg.name]
-            body = {"__module__": __name__, "__qualname__": name, "_emm": emm,
-                    "_package": pkg.name, "__doc__": f"emmpool's EMM plugin for {pkg.name}."}
+            common = {"__module__": __name__, "_emm": emm, "_package": pkg.name}
+            pages_handle = types.new_class(
+                "PagesIpcHandle", (_PagesIpcHandle, emm.IpcHandle),
+                exec_body=lambda ns: ns.update(common, __qualname__=f"{name}.PagesIpcHandle",
+                                               __doc__=_PagesIpcHandle.__doc__))
+            body = {**common, "__qualname__": name, "PagesIpcHandle": pages_handle,
+                    "__doc__": f"emmpool's EMM plugin for {pkg.name}."}
             # new_class, not type(): the bases' metaclass (ABCMeta) makes the class.
             cls = types.new_class(
                 name, (_EmmPoolManager, emm.GetIpcHandleMixin, emm.HostOnlyCUDAMemoryManager),
