@@ -200,3 +200,19 @@ def fake_rmm(monkeypatch):
     monkeypatch.setattr(hooks, "_rmm_resources", {})
     monkeypatch.setattr(_installed, "_installed", {})
     return rmm
+
+
+@pytest.fixture
+def clean_config(monkeypatch):
+    """emmpool's options as a fresh process reads them: no EMMPOOL_* variable, nothing applied,
+    no pool yet (on a GPU machine earlier tests made the process-wide pools, whose options, not
+    the environment's, are then in force)."""
+    from emmpool import _config, _core
+
+    for name in list(os.environ):
+        if name.startswith("EMMPOOL_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(_config, "_applied", None)
+    monkeypatch.setattr(_config, "_applied_sources", {})
+    monkeypatch.setattr(_core, "pools", lambda: [])
+    monkeypatch.setattr(_core, "pinned_pools", lambda: [])

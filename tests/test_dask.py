@@ -328,6 +328,7 @@ SPILL_SCRIPT = textwrap.dedent(
     nothing = DeviceSpiller(types.SimpleNamespace(address="w", data={}))  # no device LRU
     assert not nothing(0, 1 << 20, {})
 
+    assert device_buffer["a"].nbytes == 16 * MiB          # on the device again: 60 MiB more
     EmmPool().setup(worker)                               # registered again without spill
     try:
         pool.allocate(60 * MiB)

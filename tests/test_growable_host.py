@@ -53,14 +53,16 @@ def test_falls_back_to_fixed_segments_without_vmm():
     assert drv.stats()["live_reservations"] == 0
 
 
-def test_numba_blocks_export_ipc_and_growable_blocks_refuse_clearly():
+def test_growable_blocks_of_every_library_refuse_legacy_ipc_clearly():
     _, pool = growable_pool()
-    n = pool.allocate(3 * MiB, tag=NUMBA_TAG)
-    handle, base, size, offset = pool.ipc_handle(n)
-    assert size == 20 * MiB and offset == n - base
-    c = pool.allocate(3 * MiB, tag=CUPY_TAG)
-    with pytest.raises(_core.PoolError, match="growable segment.*EMMPOOL_SEGMENTS=fixed"):
-        pool.ipc_handle(c)
+    for tag in (NUMBA_TAG, CUPY_TAG):
+        b = pool.allocate(3 * MiB, tag=tag)
+        with pytest.raises(_core.PoolError, match="growable segment.*EMMPOOL_SEGMENTS=fixed"):
+            pool.ipc_handle(b)
+        assert pool.share_pages(b) is not None
+    small = pool.allocate(MiB // 2, tag=NUMBA_TAG)  # small segments are fixed: legacy handles
+    handle, base, size, offset = pool.ipc_handle(small)
+    assert size == 2 * MiB and offset == small - base
 
 
 def test_out_of_memory_leaves_nothing_mapped_half_way():
@@ -91,25 +93,12 @@ def test_replay_figure_of_growable_segments(clean_config, monkeypatch):
     assert small["ratio"] < default["ratio"] < fixed["ratio"], (small, default, fixed)
 
 
-@pytest.fixture
-def clean_config(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("EMMPOOL_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setattr(_config, "_applied", None)
-    monkeypatch.setattr(_config, "_applied_sources", {})
-    # As before the first pool: on a GPU machine earlier tests made the process-wide pools,
-    # whose options (not the environment's) are then in force.
-    monkeypatch.setattr(_core, "pools", lambda: [])
-    monkeypatch.setattr(_core, "pinned_pools", lambda: [])
-
-
 def test_config_reads_emmpool_segments(clean_config, monkeypatch):
-    assert _config.config().segments == "fixed"  # the default
-    monkeypatch.setenv("EMMPOOL_SEGMENTS", "growable")
-    assert _config.config().segments == "growable"
+    assert _config.config().segments == "growable"  # the default
+    monkeypatch.setenv("EMMPOOL_SEGMENTS", "fixed")
+    assert _config.config().segments == "fixed"
     line = {s.option: s for s in _config.report()}["segments"]
-    assert line.value.startswith("growable") and line.source == "EMMPOOL_SEGMENTS='growable'"
+    assert line.value.startswith("fixed") and line.source == "EMMPOOL_SEGMENTS='fixed'"
     monkeypatch.setenv("EMMPOOL_SEGMENTS", "elastic")
     with pytest.raises(ValueError, match="EMMPOOL_SEGMENTS"):
         _config.check_environment()
@@ -124,9 +113,9 @@ def test_config_reads_emmpool_segments(clean_config, monkeypatch):
 
 def test_emmpool_host_replay_follows_the_variable(clean_config, monkeypatch):
     ops = [("alloc", 0, 3 * MiB), ("alloc", 1, 3 * MiB), ("free", 0, 0)]
+    assert replay.run(ops, "emmpool-host")["segments"] == "growable"  # the default
+    monkeypatch.setenv("EMMPOOL_SEGMENTS", "fixed")
     assert replay.run(ops, "emmpool-host")["segments"] == "fixed"
-    monkeypatch.setenv("EMMPOOL_SEGMENTS", "growable")
-    assert replay.run(ops, "emmpool-host")["segments"] == "growable"
 
 
 def test_cli_info_reports_segments():

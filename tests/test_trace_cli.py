@@ -194,10 +194,18 @@ SMALL = 2 * MiB  # one small segment
         ([("alloc", 0, BIG, 0), ("free", 0, 0), ("alloc", 1, BIG, 77)], BIG, 2 * BIG),
     ],
 )
-def test_replay_models_an_idle_gpu_and_one_a_step_behind(ops, idle, behind):
-    """Behind: an event completes at the first sync after it was recorded."""
+def test_replay_models_an_idle_gpu_and_one_a_step_behind(ops, idle, behind, clean_config,
+                                                         monkeypatch):
+    """Behind: an event completes at the first sync after it was recorded. Fixed segments
+    grow past what waits; the growable segment, at a new peak that what waits could cover,
+    waits for it instead: the same peak either way (64 MiB in 20 MiB pages)."""
+    monkeypatch.setenv("EMMPOOL_SEGMENTS", "fixed")
     assert replay.run(ops, "emmpool-host")["peak_reserved"] == idle
     assert replay.run(ops, "emmpool-host-behind")["peak_reserved"] == behind
+    monkeypatch.setenv("EMMPOOL_SEGMENTS", "growable")
+    growable = replay.run(ops, "emmpool-host")["peak_reserved"]
+    assert growable == 80 * MiB + (idle - BIG)
+    assert replay.run(ops, "emmpool-host-behind")["peak_reserved"] == growable
 
 
 def test_from_records_keeps_named_streams_and_marks():
@@ -211,12 +219,12 @@ def test_from_records_keeps_named_streams_and_marks():
                                             ("sync", 0, 0), ("free", 1, 0)]
 
 
-def test_replay_serves_each_library_as_the_run_did():
-    """A Numba block of a recorded trace stays on a fixed segment under growable segments, as
-    in the run (Numba's IPC needs legacy memory); another library's goes to the growable one."""
-    size = 3 * MiB
+def test_replay_serves_every_library_alike():
+    """A recorded Numba block above 1 MiB goes to the growable segment as any library's does
+    (its pages are shared for IPC), a small one to a fixed segment."""
     numba = trace.LIBRARIES.index("numba")
-    tagged = replay.run([("alloc", 0, size, None, numba)], "emmpool-host-growable")
-    assert (tagged["segment_allocations"], tagged["page_maps"]) == (1, 0)
-    plain = replay.run([("alloc", 0, size)], "emmpool-host-growable")
-    assert plain["page_maps"] > 0
+    for size in (3 * MiB, MiB // 2):
+        tagged = replay.run([("alloc", 0, size, None, numba)], "emmpool-host-growable")
+        plain = replay.run([("alloc", 0, size)], "emmpool-host-growable")
+        assert tagged["page_maps"] == plain["page_maps"]
+        assert (tagged["page_maps"] > 0) == (size > MiB)

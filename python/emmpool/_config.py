@@ -64,7 +64,9 @@ class Config:
     log: str = ""  # level of the "emmpool" logger; "": left to the application
     pinned: str = "pool"  # Numba's pinned/mapped host memory: "pool" (emmpool's) or "numba"
     pinned_limit: int | None = None  # bytes the pinned cache may hold; None: RAM / 4
-    segments: str = "fixed"  # "fixed" or "growable" (VMM pages mapped on demand; not Numba's)
+    # "growable" (requests above 1 MiB from VMM pages mapped on demand, where the device has
+    # virtual memory management) or "fixed" (cuMemAlloc segments: legacy IPC handles for all)
+    segments: str = "growable"
     # Bytes of free pages the growable segment keeps mapped for later requests; beyond, free
     # pages move under the requests that lack pages (the core's pool_options says more).
     growable_free_limit: int = 64 << 20
@@ -560,8 +562,8 @@ def diagnose() -> tuple[list[Setting], list[str]]:
         if cfg.pinned_limit is not None
         else f"a quarter of physical memory, {format_bytes(_physical_memory() // 4)} here",
         "segments": {"fixed": "fixed (cuMemAlloc segments)",
-                     "growable": "growable (pages mapped on demand where the device supports "
-                                 "virtual memory management; Numba's blocks on fixed segments)",
+                     "growable": "growable (requests above 1 MiB from pages mapped on demand "
+                                 "where the device supports virtual memory management)",
                      }[cfg.segments],
         "growable_free_limit": format_bytes(cfg.growable_free_limit, exact=True),
         "growable_page_size": format_bytes(cfg.growable_page_size, exact=True)

@@ -3,8 +3,8 @@
 A trace is a list of operations ("alloc", id, size) / ("free", id, 0); an allocation that
 named a stream (CuPy's, PyTorch's) is ("alloc", id, size, stream), freed in that stream's
 order as its library frees it; one whose library the trace names is ("alloc", id, size,
-stream or None, tag), tag its index in emmpool.trace.LIBRARIES, so that emmpool serves it as
-it served that library (Numba's blocks: fixed segments); ("sync", 0, 0) marks where the
+stream or None, tag), tag its index in emmpool.trace.LIBRARIES, so that emmpool counts it as
+that library's (its statistics by library, its segment events); ("sync", 0, 0) marks where the
 program synchronized the device (emmpool.trace.mark_synchronize). `from_records` builds one
 from a recorded CSV (emmpool.trace), `from_slots` from a synthetic churn. For each backend the
 replay reports peak live bytes (the sum of requested sizes), peak reserved bytes (what the
