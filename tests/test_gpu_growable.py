@@ -1,10 +1,11 @@
 """Growable segments on a real GPU (skipped, with the reason, where there is none): the CUDA
 driver's virtual memory management behind the seam (cuMemAddressReserve, cuMemCreate, cuMemMap,
 cuMemSetAccess, cuMemUnmap), memory that kernels and copies really use, the fragmentation
-replay on the CUDA driver, and Numba's IPC with EMMPOOL_SEGMENTS=growable.
+replay on the CUDA driver, and Numba's IPC on growable segments (the default).
 
-`.ci/gpu.py` runs these in every GPU run; `EMMPOOL_SEGMENTS=growable python3 .ci/gpu.py --only
-pytest` runs every other GPU test (Numba's, CuPy's, PyTorch's) in that mode as well."""
+`.ci/gpu.py` runs these in every GPU run, and every other GPU test (Numba's, CuPy's, PyTorch's)
+in the default mode; `EMMPOOL_SEGMENTS=fixed python3 .ci/gpu.py --only pytest` runs them on
+fixed segments."""
 
 from __future__ import annotations
 
@@ -77,15 +78,17 @@ def test_growth_past_the_peak_reuses_pages_and_blocks_stay_usable():
 
 
 @pytest.mark.ipc
-def test_block_of_a_growable_segment_refuses_ipc_clearly():
+def test_block_of_a_growable_segment_refuses_legacy_ipc_clearly():
     pool = growable_pool()
-    c = pool.allocate(4 * MiB, tag=CUPY_TAG)
-    with pytest.raises(_core.PoolError, match="growable segment"):
-        pool.ipc_handle(c)
-    n = pool.allocate(4 * MiB, tag=NUMBA_TAG)  # fixed segment: cuIpcGetMemHandle works
-    assert pool.ipc_handle(n) is not None
-    pool.deallocate(c)
-    pool.deallocate(n)
+    for tag in (CUPY_TAG, NUMBA_TAG):
+        b = pool.allocate(4 * MiB, tag=tag)
+        with pytest.raises(_core.PoolError, match="growable segment"):
+            pool.ipc_handle(b)
+        assert pool.share_pages(b) is not None  # cuMemExportToShareableHandle works
+        pool.deallocate(b)
+    small = pool.allocate(4096, tag=NUMBA_TAG)  # a small segment: cuIpcGetMemHandle works
+    assert pool.ipc_handle(small) is not None
+    pool.deallocate(small)
 
 
 def test_replay_on_the_cuda_driver_is_at_most_1_10_with_2_mib_pages(monkeypatch):

@@ -84,11 +84,12 @@ device_pool::~device_pool()
 
 device_pool::block* device_pool::take_free(request const& r, bool may_map)
 {
-  if (r.growable) { return take_growable(r.rounded, r.tag, may_map); }
+  if (r.growable) { return take_growable(r.rounded, r.tag, may_map, r.key); }
   return free_.take(r.rounded, r.rounded <= options_.small_request, alignment);
 }
 
-device_pool::block* device_pool::take_growable(std::size_t rounded, alloc_tag tag, bool may_map)
+device_pool::block* device_pool::take_growable(std::size_t rounded, alloc_tag tag, bool may_map,
+                                              stream_ref key)
 {
   // The growable segment's best fit, off its free list; its missing pages moved from free
   // blocks beyond the limit; for what new pages it still needs, wholly free memory goes back
@@ -101,17 +102,19 @@ device_pool::block* device_pool::take_growable(std::size_t rounded, alloc_tag ta
   try {
     auto fresh = growable_.prepare(claim, capture_.may_give_back());
     if (fresh != 0 && stats_.bytes_reserved + fresh > stats_.peak_bytes_reserved &&
-        lanes_.fences().waiting_bytes() >= fresh && capture_.may_fence()) {
-      // A new peak while frees that could cover it wait for the GPU: wait for them first (the
-      // ladder's step 4 before its growth; then none waits), as a fixed segment's new peak
-      // gives free segments back with a cuMemFree that synchronizes. Else a program whose
-      // frees run ahead of the GPU (PyTorch's, CuPy's) makes again, in pages that stay, the
-      // memory in flight: on the mixed programs' traces with frees completing 2 ms late, the
-      // peak reserved grew 10-25% over what the same pool reaches when they complete at once.
+        capture_.may_fence() && lanes_.fences().waiting_bytes_of(key) >= fresh) {
+      // A new peak while frees of this stream that could cover it wait for the GPU: wait for
+      // them first (then none of them waits). Else a program whose frees run ahead of the GPU
+      // (PyTorch's, CuPy's) makes again, in pages that stay, the memory in flight: on the
+      // mixed programs' traces with frees completing 2 ms late, the peak reserved grew 10-25%
+      // over what the same pool reaches when they complete at once. The stream's own frees
+      // only: what it asks for next runs after its earlier work anyway, so the wait costs the
+      // CPU's lead, never another stream's concurrency (a fixed segment's new peak gives idle
+      // segments back with a cuMemFree, which synchronizes the device).
       growable_.give_back(claim);
       claim = {};
       ++stats_.fence_waits;
-      drain();
+      wait_for_stream(key);
       claim = growable_.claim_best_fit(rounded, tag, may_map);
       if (claim.blk == nullptr) { return nullptr; }
       fresh = growable_.prepare(claim, capture_.may_give_back());
@@ -428,6 +431,18 @@ void device_pool::maintain(stream_ref alive)
     throw;
   }
   if (!released_.empty()) { settle_released(); }
+}
+
+void device_pool::wait_for_stream(stream_ref key)
+{
+  if (!released_.empty()) { settle_released(); }
+  try {
+    lanes_.wait_for(key, released_);
+  } catch (...) {
+    settle_released();
+    throw;
+  }
+  settle_released();
 }
 
 void device_pool::drain()

@@ -241,6 +241,30 @@ void fence_queue::drain(std::vector<fenced_block>& done)
   } while (!open_.empty() || !closed_.empty());
 }
 
+void fence_queue::wait_for(stream_ref alive, std::vector<fenced_block>& done)
+{
+  if (!alive.identified()) { return; }  // its batch may hold a dead stream's frees: dormant
+  for (std::size_t i = open_.size(); i-- > 0;) {
+    auto const b = open_.begin() + static_cast<std::ptrdiff_t>(i);
+    if (reuse_rule::same_fence((*b)->stream, alive) && !(*b)->blocks.empty()) { close(b); }
+  }
+  // One stream's events complete in the order recorded: its newest covers the older ones.
+  event_handle newest = 0;
+  for (auto const& b : closed_) {
+    if (reuse_rule::same_fence(b->stream, alive)) { newest = b->event; }
+  }
+  if (newest != 0) { driver_->synchronize_event(device_, newest); }
+  release_completed(done);
+}
+
+std::size_t fence_queue::waiting_bytes_of(stream_ref key) const noexcept
+{
+  std::size_t bytes = 0;
+  for (auto const& b : open_) { bytes += reuse_rule::same_fence(b->stream, key) ? b->bytes : 0; }
+  for (auto const& b : closed_) { bytes += reuse_rule::same_fence(b->stream, key) ? b->bytes : 0; }
+  return bytes;
+}
+
 void fence_queue::drain_or_abandon(std::vector<fenced_block>& done)
 {
   try {

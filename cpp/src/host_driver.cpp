@@ -216,6 +216,7 @@ void host_driver::destroy_event(int, event_handle event)
   if (events_.erase(event) == 0) {
     throw cuda_error{"cuEventDestroy", 400, "CUDA_ERROR_INVALID_HANDLE", EMMPOOL_WHERE};
   }
+  recorded_.erase(event);
 }
 
 stream_handle host_driver::create_stream()
@@ -291,6 +292,7 @@ void host_driver::record_event(int device, event_handle event, stream_handle str
     throw cuda_error{"cuEventRecord", 400, "CUDA_ERROR_INVALID_HANDLE", EMMPOOL_WHERE};
   }
   it->second = auto_complete_;
+  recorded_[event] = {is_context_stream(stream) ? legacy_stream : stream, ++records_};
   ++counters_.event_records;
 }
 
@@ -313,7 +315,12 @@ void host_driver::synchronize_event(int, event_handle event)
   if (it == events_.end()) {
     throw cuda_error{"cuEventSynchronize", 400, "CUDA_ERROR_INVALID_HANDLE", EMMPOOL_WHERE};
   }
-  it->second = true;  // waiting is what completes it
+  it->second = true;  // waiting is what completes it, and what its stream did before
+  if (auto const r = recorded_.find(event); r != recorded_.end()) {
+    for (auto const& [e, at] : recorded_) {
+      if (at.stream == r->second.stream && at.order < r->second.order) { events_[e] = true; }
+    }
+  }
   wait_for_work(lock);
 }
 

@@ -11,7 +11,7 @@ namespace emmpool {
 device_pool::block* device_pool::grow(std::size_t rounded, bool exact, bool growable, alloc_tag tag)
 {
   if (growable && growable_.ensure_segment(rounded, index_.segments())) {
-    if (auto* blk = take_growable(rounded, tag, true)) { return blk; }
+    if (auto* blk = take_growable(rounded, tag, true, stream_ref::none())) { return blk; }
     // No address space left, or no memory: a fixed segment, as without growable segments.
   }
   bool const small = options_.small(rounded);

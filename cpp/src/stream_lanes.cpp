@@ -117,6 +117,17 @@ void stream_lanes::drain(std::vector<block*>& released)
   settle(released);
 }
 
+void stream_lanes::wait_for(stream_ref alive, std::vector<block*>& released)
+{
+  try {
+    fences_.wait_for(alive, fenced_);
+  } catch (...) {
+    settle(released);
+    throw;
+  }
+  settle(released);
+}
+
 void stream_lanes::drain_or_abandon(std::vector<block*>& released)
 {
   fences_.drain_or_abandon(fenced_);

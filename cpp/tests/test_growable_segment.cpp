@@ -406,6 +406,26 @@ TEST(growable_reuse_waits_for_the_fence)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(growable_new_peak_waits_for_its_own_streams_frees_only)
+{
+  // Another stream's frees are not waited for: that would hold this stream's work up behind
+  // the other's (a kernel still reading the freed block), where fixed segments would grow.
+  fixture f;
+  auto const s1 = f.drv.create_stream();
+  auto const s2 = f.drv.create_stream();
+  auto const a  = f->allocate(8 * MiB, s1);
+  f->deallocate(a, s1);                     // pending on s1
+  auto const b = f->allocate(8 * MiB, s2);  // a new peak: new pages
+  CHECK_NE(b, a);
+  CHECK_EQ(f->stats().fence_waits, 0u);
+  CHECK_EQ(f->stats().peak_bytes_reserved, 16 * MiB);
+  f->deallocate(b, s2);
+  f->synchronize();
+  CHECK_EQ(f->allocate(16 * MiB, s2), a);  // both completed: one free block, no new page
+  CHECK_EQ(f->stats().peak_bytes_reserved, 16 * MiB);
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(growable_cap_and_out_of_memory_ladder)
 {
   fixture f{growable_options(16 * MiB)};

@@ -321,7 +321,9 @@ class device_pool : private detail::pool_lifecycle {
   [[noreturn]] void fail(request const& r);
   // best fit and split off the free lists; a growable request maps pages only if may_map
   block* take_free(request const& r, bool may_map);
-  block* take_growable(std::size_t rounded, alloc_tag tag, bool may_map);  // room first
+  // Room first; `key`: the request's stream, whose pending frees a new peak waits for (none:
+  // no wait).
+  block* take_growable(std::size_t rounded, alloc_tag tag, bool may_map, stream_ref key);
   // which segments serve a request (a segment serves one kind)
   [[nodiscard]] detail::block_kind kind_of(std::size_t rounded, bool growable) const noexcept;
   device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);
@@ -350,6 +352,7 @@ class device_pool : private detail::pool_lifecycle {
   void release_block(block* blk);           // every fence done: into the free lists
   void maintain(stream_ref alive);
   void drain();  // wait for every pending free
+  void wait_for_stream(stream_ref key);  // wait for key's pending frees
   void settle_held_for_capture();  // what capture_mode held, fenced now
   void release_held_back();        // the last deferral ended: passthrough's free segments
   [[nodiscard]] pool_stats stats_locked() const;  // the full snapshot

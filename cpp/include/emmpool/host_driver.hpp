@@ -189,6 +189,15 @@ class host_driver final : public driver {
   int fail_unmaps_ = 0;
   int fail_reservations_ = 0;
   std::unordered_map<event_handle, bool> events_;  // event -> completed
+  // Where and when each event was last recorded: a stream's work completes in order, so
+  // waiting for one of its events completes those recorded on it before (context streams,
+  // the pool's one legacy stream, count as one).
+  struct recording {
+    stream_handle stream;
+    std::uint64_t order;
+  };
+  std::unordered_map<event_handle, recording> recorded_;
+  std::uint64_t records_{};
   std::unordered_map<void*, std::size_t> host_allocations_;
   std::map<std::uintptr_t, std::size_t> host_registrations_;
   std::unordered_map<stream_handle, std::uint64_t> streams_;  // live stream -> id

@@ -95,6 +95,13 @@ class fence_queue {
   /// @brief Fence every batch and wait until all have completed; append them all to `done`.
   void drain(std::vector<fenced_block>& done);
 
+  /// @brief Wait for the batches fenced on `alive` (a stream alive now: its open batch is
+  /// closed first; the context streams count as one, reuse_rule::same_fence) and append them
+  /// to `done`, with whatever else completed by then. Waits for no other stream's work.
+  void wait_for(stream_ref alive, std::vector<fenced_block>& done);
+  /// @brief Bytes waiting for fences of `key`'s stream (as wait_for() counts streams).
+  [[nodiscard]] std::size_t waiting_bytes_of(stream_ref key) const noexcept;
+
   /// @brief For a reset: drain(); if the context is unusable already (a fence fails), every
   /// block unfenced instead (its work died with the context), released into `done`.
   void drain_or_abandon(std::vector<fenced_block>& done);

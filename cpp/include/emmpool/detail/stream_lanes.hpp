@@ -103,6 +103,9 @@ class stream_lanes {
   void poll(stream_ref alive, std::vector<block*>& released);
   /// @brief The same, once every fence has completed (fence_queue::drain: waits).
   void drain(std::vector<block*>& released);
+  /// @brief The same for the fences of `alive`'s stream only (fence_queue::wait_for: waits
+  /// for no other stream's work).
+  void wait_for(stream_ref alive, std::vector<block*>& released);
   /// @brief For a reset: drain(), or every block unfenced if the context is unusable
   /// (fence_queue::drain_or_abandon).
   void drain_or_abandon(std::vector<block*>& released);
