@@ -315,7 +315,7 @@ void host_driver::synchronize_event(int, event_handle event)
   if (it == events_.end()) {
     throw cuda_error{"cuEventSynchronize", 400, "CUDA_ERROR_INVALID_HANDLE", EMMPOOL_WHERE};
   }
-  it->second = true;  // waiting is what completes it, and what its stream did before
+  it->second = true;  // waiting completes it, and the events recorded on its stream earlier
   if (auto const r = recorded_.find(event); r != recorded_.end()) {
     for (auto const& [e, at] : recorded_) {
       if (at.stream == r->second.stream && at.order < r->second.order) { events_[e] = true; }
