@@ -84,7 +84,12 @@ device_pool::~device_pool()
 
 device_pool::block* device_pool::take_free(request const& r, bool may_map)
 {
-  if (r.growable) { return take_growable(r.rounded, r.tag, may_map, r.key); }
+  if (r.growable) {
+    // A large fixed segment first (initial_pool_size's, or one made where pages could not
+    // be): memory held already, which the growable segment would otherwise map beside.
+    if (auto* blk = free_.take(r.rounded, false, alignment)) { return blk; }
+    return take_growable(r.rounded, r.tag, may_map, r.key);
+  }
   return free_.take(r.rounded, r.rounded <= options_.small_request, alignment);
 }
 

@@ -426,6 +426,23 @@ TEST(growable_new_peak_waits_for_its_own_streams_frees_only)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(growable_requests_use_the_initial_fixed_segment_first)
+{
+  auto o         = growable_options();
+  o.initial_size = 64 * MiB;  // a fixed segment, made with the pool
+  fixture f{o};
+  auto const a = f->allocate(40 * MiB);
+  auto const b = f->allocate(20 * MiB);
+  CHECK_EQ(f->stats().bytes_reserved, 64 * MiB);  // both inside it: no page mapped
+  CHECK_EQ(f->stats().page_maps, 0u);
+  auto const c = f->allocate(8 * MiB);  // past it: pages
+  CHECK_EQ(f->stats().page_maps, 4u);
+  f->deallocate(a);
+  f->deallocate(b);
+  f->deallocate(c);
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(growable_cap_and_out_of_memory_ladder)
 {
   fixture f{growable_options(16 * MiB)};
