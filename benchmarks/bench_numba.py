@@ -40,9 +40,9 @@ MANAGERS = [
     ("nothing", {}),
     ("emmpool", {"EMMPOOL_MODE": "pool"}),
     ("emmpool-passthrough", {"EMMPOOL_MODE": "passthrough"}),
-    # Numba's blocks stay on fixed segments in either mode, so this is what growable segments
-    # (the pool beside a library that uses them) cost a Numba program.
-    ("emmpool-growable", {"EMMPOOL_MODE": "pool", "EMMPOOL_SEGMENTS": "growable"}),
+    # The default puts Numba's blocks above 1 MiB on the growable segment: what fixed segments
+    # (cuMemAlloc, legacy IPC handles) would cost instead.
+    ("emmpool-fixed", {"EMMPOOL_MODE": "pool", "EMMPOOL_SEGMENTS": "fixed"}),
 ]
 FLOOR = "nothing"
 # Managers timed in every round; the others (anchors) in the first --anchor-rounds only.

@@ -36,8 +36,8 @@ Setups, each installed before any library's first CUDA allocation:
   (``cupy.cuda.memory.PythonFunctionAllocator`` over ``torch.cuda.caching_allocator_alloc`` /
   ``caching_allocator_delete``, as pytorch-pfn-extras' ``use_torch_mempool_in_cupy``); Numba and
   RMM keep their own (no standard bridge puts Numba on PyTorch's pool);
-- ``emmpool`` (EMMPOOL_SEGMENTS=fixed, the default) and ``emmpool-growable``
-  (EMMPOOL_SEGMENTS=growable):
+- ``emmpool`` (EMMPOOL_SEGMENTS=fixed) and ``emmpool-growable`` (EMMPOOL_SEGMENTS=growable,
+  emmpool's default):
   ``emmpool.use_for_numba()``, ``use_for_cupy()``, ``use_for_torch()`` and
   ``rmm.mr.set_current_device_resource(emmpool.rmm_resource())``, for the libraries used.
 

@@ -318,11 +318,10 @@ TEST(stream_order_takes_only_blocks_of_the_request_kind)
   CHECK_EQ(consistency(f), "");
 }
 
-TEST(stream_order_growable_segment_merges_keep_pages_and_numba_stays_off)
+TEST(stream_order_growable_segment_merges_keep_pages)
 {
-  // Pending blocks of the growable segment merge as any other (their pages stay mapped), and a
-  // Numba request on the same stream never takes one (Numba's blocks stay on fixed segments:
-  // cuIpcGetMemHandle cannot export VMM memory).
+  // Pending blocks of the growable segment merge as any other (their pages stay mapped), and
+  // the merged block serves its stream whole, unfenced.
   pool_options o;
   o.segments      = segment_kind::growable;
   o.growable_room = 0;
@@ -335,8 +334,6 @@ TEST(stream_order_growable_segment_merges_keep_pages_and_numba_stays_off)
   f->deallocate(v[1], allocation_stream, lib(tag));
   f->deallocate(v[0], allocation_stream, lib(tag));
   CHECK(f.drv.accessible(0, v[0], 8 * MiB));
-  auto const numba = f->allocate(6 * MiB, stream_a, alloc_tag::numba);
-  CHECK(!overlaps(numba, 6 * MiB, v[0], 8 * MiB));
   CHECK_EQ(f->allocate(8 * MiB, stream_a, tag), v[0]);  // merged, unfenced
   CHECK_EQ(f->stats().bytes_waiting, 0u);
   CHECK_EQ(consistency(f), "");
