@@ -107,7 +107,7 @@ device_pool::block* device_pool::take_growable(std::size_t rounded, alloc_tag ta
   try {
     auto fresh = growable_.prepare(claim, capture_.may_give_back());
     if (fresh != 0 && stats_.bytes_reserved + fresh > stats_.peak_bytes_reserved &&
-        capture_.may_fence() && lanes_.fences().waiting_bytes_of(key) >= fresh) {
+        !key.is_none() && capture_.may_fence() && lanes_.fences().waiting_bytes_of(key) >= fresh) {
       // A new peak while frees of this stream that could cover it wait for the GPU: wait for
       // them first (then none of them waits). Else a program whose frees run ahead of the GPU
       // (PyTorch's, CuPy's) makes again, in pages that stay, the memory in flight: on the

@@ -65,7 +65,8 @@ std::pair<device_ptr, std::size_t> growable_pages::fewest_unmapped(
   for (;;) {
     if (lacking * page_ < best.second) { best = {base_ + q * page_, lacking * page_}; }
     if (best.second == 0 || (q + 1) * page_ + want > hi || q + 1 >= mapped_.size()) { break; }
-    lacking += (mapped(q + k) ? 0 : 1) - (mapped(q) ? 0 : 1);
+    if (!mapped(q + k)) { ++lacking; }
+    if (!mapped(q)) { --lacking; }  // counted when it entered
     ++q;
   }
   return best;

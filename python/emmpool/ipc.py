@@ -1,11 +1,12 @@
 """Share a block of emmpool's pool with another process, whatever segment holds it.
 
 A block of a fixed segment has a legacy CUDA IPC handle (``cuIpcGetMemHandle`` of its segment,
-and its offset there): what Numba's ``get_ipc_handle`` and CuPy's ``ipcGetMemHandle`` use. A block
-of the growable segment (under ``EMMPOOL_SEGMENTS=growable``, blocks above 1 MiB) lies on pages
-mapped with ``cuMemMap``, which that call cannot export: its pages are shared instead, one file
-descriptor each (``cuMemExportToShareableHandle``), and the receiver maps them into addresses of
-its own. (The Numba plugin's ``get_ipc_handle`` wraps such a handle in Numba's ``IpcHandle``.)
+and its offset there): what Numba's ``get_ipc_handle`` and CuPy's ``ipcGetMemHandle`` use. A
+block of the growable segment (``EMMPOOL_SEGMENTS=growable``, the default: blocks above 1 MiB)
+lies on pages mapped with ``cuMemMap``, which that call cannot export: its pages are shared
+instead, one file descriptor each (``cuMemExportToShareableHandle``), and the receiver maps them
+into addresses of its own. (The Numba plugin's ``get_ipc_handle`` wraps such a handle in
+Numba's ``IpcHandle``.)
 
 :func:`export` makes an :class:`IpcHandle` of either kind. It pickles: send it through
 ``multiprocessing`` (a ``Queue``, a ``Pipe``, a ``Pool``'s arguments) as any object. Descriptors
