@@ -46,18 +46,12 @@ growable_space::claim growable_space::claim_best_fit(std::size_t rounded, alloc_
     std::tie(at, need) = pages_->fewest_unmapped(blk->ptr, blk->size, rounded);
     if (need != 0 && !may_map) { return {}; }  // mapping: allocate() only
   }
+  // Placed past its start: blk keeps the rest, a fresh record the front, which stays free.
+  block* front = at != blk->ptr ? arena_->make() : nullptr;  // may throw: nothing changed yet
   free_.erase(blk);  // off the list: unmapping spares it
-  if (at != blk->ptr) {
-    try {
-      (void)free_.split(blk, at - blk->ptr, 0);  // blk keeps the front, free again
-    } catch (...) {
-      free_.insert(blk);  // no record for the rest (bad_alloc)
-      throw;
-    }
-    auto* rest = blk->next;
-    free_.erase(rest);
-    free_.insert(blk);
-    blk = rest;
+  if (front != nullptr) {
+    carve_front(blk, static_cast<std::size_t>(at - blk->ptr), front);
+    free_.insert(front);
   }
   return {blk, rounded, need, static_cast<std::uint8_t>(tag)};
 }
