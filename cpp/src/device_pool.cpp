@@ -119,7 +119,7 @@ device_pool::block* device_pool::take_growable(std::size_t rounded, alloc_tag ta
       growable_.give_back(claim);
       claim = {};
       ++stats_.fence_waits;
-      wait_for_stream(key);
+      drain(key);
       claim = growable_.claim_best_fit(rounded, tag, may_map);
       if (claim.blk == nullptr) { return nullptr; }
       fresh = growable_.prepare(claim, capture_.may_give_back());
@@ -438,23 +438,11 @@ void device_pool::maintain(stream_ref alive)
   if (!released_.empty()) { settle_released(); }
 }
 
-void device_pool::wait_for_stream(stream_ref key)
+void device_pool::drain(std::optional<stream_ref> only)
 {
   if (!released_.empty()) { settle_released(); }
   try {
-    lanes_.wait_for(key, released_);
-  } catch (...) {
-    settle_released();
-    throw;
-  }
-  settle_released();
-}
-
-void device_pool::drain()
-{
-  if (!released_.empty()) { settle_released(); }
-  try {
-    lanes_.drain(released_);
+    lanes_.drain(released_, only);
   } catch (...) {
     settle_released();
     throw;

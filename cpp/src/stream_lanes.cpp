@@ -106,21 +106,14 @@ void stream_lanes::poll(stream_ref alive, std::vector<block*>& released)
   settle(released);
 }
 
-void stream_lanes::drain(std::vector<block*>& released)
+void stream_lanes::drain(std::vector<block*>& released, std::optional<stream_ref> only)
 {
   try {
-    fences_.drain(fenced_);
-  } catch (...) {
-    settle(released);
-    throw;
-  }
-  settle(released);
-}
-
-void stream_lanes::wait_for(stream_ref alive, std::vector<block*>& released)
-{
-  try {
-    fences_.wait_for(alive, fenced_);
+    if (only) {
+      fences_.wait_for(*only, fenced_);
+    } else {
+      fences_.drain(fenced_);
+    }
   } catch (...) {
     settle(released);
     throw;

@@ -351,8 +351,8 @@ class device_pool : private detail::pool_lifecycle {
   void settle_released();                   // released_: into the free lists
   void release_block(block* blk);           // every fence done: into the free lists
   void maintain(stream_ref alive);
-  void drain();  // wait for every pending free
-  void wait_for_stream(stream_ref key);  // wait for key's pending frees
+  // Wait for every pending free, or `only` that stream's (stream_lanes::drain).
+  void drain(std::optional<stream_ref> only = std::nullopt);
   void settle_held_for_capture();  // what capture_mode held, fenced now
   void release_held_back();        // the last deferral ended: passthrough's free segments
   [[nodiscard]] pool_stats stats_locked() const;  // the full snapshot

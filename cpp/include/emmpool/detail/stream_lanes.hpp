@@ -25,6 +25,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace emmpool::detail {
@@ -101,11 +102,10 @@ class stream_lanes {
   /// served): every block whose fences completed leaves its lane and is appended to
   /// `released`; one whose record_stream fence completed waits in the batch of its free now.
   void poll(stream_ref alive, std::vector<block*>& released);
-  /// @brief The same, once every fence has completed (fence_queue::drain: waits).
-  void drain(std::vector<block*>& released);
-  /// @brief The same for the fences of `alive`'s stream only (fence_queue::wait_for: waits
-  /// for no other stream's work).
-  void wait_for(stream_ref alive, std::vector<block*>& released);
+  /// @brief The same, once every fence has completed (fence_queue::drain: waits); or, given
+  /// `only` (a stream alive now), once that stream's have (fence_queue::wait_for: waits for
+  /// no other stream's work).
+  void drain(std::vector<block*>& released, std::optional<stream_ref> only = std::nullopt);
   /// @brief For a reset: drain(), or every block unfenced if the context is unusable
   /// (fence_queue::drain_or_abandon).
   void drain_or_abandon(std::vector<block*>& released);
