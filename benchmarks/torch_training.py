@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A PyTorch training loop's peak reserved memory: PyTorch's caching allocator against emmpool.
 
-    python benchmarks/torch_training.py --out DIR [--steps N]
+    python benchmarks/torch_training.py --out DIR [--steps N] [--rounds R] [--free-limits SIZE ...]
 
 The loop (fixed seed): a 6-layer MLP (4096 wide) and a small conv net trained with Adam on
 batches whose size changes every step (16..512, uniformly drawn), the shifting shapes that
@@ -13,9 +13,16 @@ before PyTorch's first CUDA allocation):
   torch-expandable      the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   emmpool-fixed         emmpool.use_for_torch(), EMMPOOL_SEGMENTS=fixed; peak = peak_bytes_reserved
   emmpool-growable      the same with EMMPOOL_SEGMENTS=growable
+  emmpool-growable-free-SIZE
+                        growable, keeping up to SIZE of mapped free pages
+                        (EMMPOOL_GROWABLE_FREE_LIMIT): one per `--free-limits SIZE ...`
 
-Also reported: peak bytes in use (what the tensors needed) and seconds per step. Writes
-DIR/torch_training.json and DIR/torch_training.md (the table, also printed).
+Also reported: peak bytes in use (what the tensors needed), time per step once the first
+--warmup steps have run, and emmpool's page maps, unmaps and fence waits per timed step. One run
+of a configuration varies by up to a quarter in time and peak (kernel choices and when frees
+complete differ from process to process): each runs --rounds times, interleaved with the
+others, and the medians are reported with their ranges. Writes DIR/torch_training.json (every
+round) and DIR/torch_training.md (the table, also printed).
 """
 
 import argparse
@@ -33,7 +40,10 @@ CONFIGS = {
 MiB = 1 << 20
 
 
-def child(name, steps):
+COUNTERS = ("page_maps", "page_unmaps", "fence_waits")  # emmpool's, per timed step
+
+
+def child(name, steps, warmup):
     import time
 
     if name.startswith("emmpool"):
@@ -52,9 +62,17 @@ def child(name, steps):
                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
                                torch.nn.Linear(128, 10)).to(dev)
     opt = torch.optim.Adam(list(mlp.parameters()) + list(conv.parameters()), lr=1e-4)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
+
+    def counters():
+        if not name.startswith("emmpool"):
+            return {}
+        st = emmpool.stats(0)
+        return {k: st.get(k, 0) for k in COUNTERS}
+
+    for step in range(steps):
+        if step == warmup:  # the clock starts once the first shapes have been seen
+            torch.cuda.synchronize()
+            t0, before = time.perf_counter(), counters()
         b = int(torch.randint(16, 513, (1,), generator=gen))
         x = torch.randn(b, 4096, device=dev)
         img = torch.randn(b // 4 + 1, 3, 64 + (b % 5) * 16, 64 + (b % 3) * 16, device=dev)
@@ -63,27 +81,52 @@ def child(name, steps):
         loss.backward()
         opt.step()
     torch.cuda.synchronize()
-    seconds = (time.perf_counter() - t0) / steps
+    timed = steps - warmup
+    out = {"seconds_per_step": (time.perf_counter() - t0) / timed}
     if name.startswith("emmpool"):
-        import emmpool
-
         st = emmpool.stats(0)
-        peak_reserved, peak_in_use = st["peak_bytes_reserved"], st["peak_bytes_in_use"]
-        growable = bool(emmpool._core.pool(0).growable)
-        maps, unmaps = st.get("page_maps", 0) / steps, st.get("page_unmaps", 0) / steps
+        after = counters()
+        out.update(peak_reserved=st["peak_bytes_reserved"], peak_in_use=st["peak_bytes_in_use"],
+                   growable=bool(emmpool._core.pool(0).growable),
+                   **{f"{k}_per_step": (after[k] - before[k]) / timed for k in COUNTERS})
     else:
-        peak_reserved = torch.cuda.max_memory_reserved(dev)
-        peak_in_use = torch.cuda.max_memory_allocated(dev)
-        growable = None
-        maps = unmaps = None
-    print(json.dumps({"peak_reserved": peak_reserved, "peak_in_use": peak_in_use,
-                      "seconds_per_step": seconds, "growable": growable,
-                      "page_maps_per_step": maps, "page_unmaps_per_step": unmaps}))
+        out.update(peak_reserved=torch.cuda.max_memory_reserved(dev),
+                   peak_in_use=torch.cuda.max_memory_allocated(dev), growable=None)
+    print(json.dumps(out))
 
 
-def _per_step(r):
-    m, u = r.get("page_maps_per_step"), r.get("page_unmaps_per_step")
-    return "" if m is None else f"{m:.1f} / {u:.1f}"
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def summarize(runs):
+    """One configuration's rounds: medians, with the range of time and peak."""
+    s = {k: _median([r[k] for r in runs]) for k in ("seconds_per_step", "peak_reserved",
+                                                      "peak_in_use")}
+    s["seconds_range"] = [min(r["seconds_per_step"] for r in runs),
+                          max(r["seconds_per_step"] for r in runs)]
+    s["peak_reserved_range"] = [min(r["peak_reserved"] for r in runs),
+                                max(r["peak_reserved"] for r in runs)]
+    for k in COUNTERS:
+        if runs[0].get(f"{k}_per_step") is not None:
+            s[f"{k}_per_step"] = _median([r[f"{k}_per_step"] for r in runs])
+    return s
+
+
+def _cells(name, s, fastest):
+    if "page_maps_per_step" in s:
+        moves = (f"{s['page_maps_per_step']:.1f} / {s['page_unmaps_per_step']:.1f} / "
+                 f"{s['fence_waits_per_step']:.2f}")
+    else:
+        moves = ""
+    lo, hi = (x / MiB for x in s["peak_reserved_range"])
+    tlo, thi = (x * 1e3 for x in s["seconds_range"])
+    return (f"| {name} | {s['peak_reserved'] / MiB:.0f} ({lo:.0f}-{hi:.0f}) | "
+            f"{s['peak_in_use'] / MiB:.0f} | {s['peak_reserved'] / max(s['peak_in_use'], 1):.3f} | "
+            f"{s['seconds_per_step'] * 1e3:.2f} ({tlo:.2f}-{thi:.2f}) | "
+            f"{s['seconds_per_step'] / fastest:.3f} | {moves} |")
 
 
 def main(argv=None):
@@ -91,11 +134,20 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20,
+                    help="steps before the clock starts (their memory counts in the peak)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs of each configuration, interleaved: medians reported")
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--free-limits", nargs="+", default=[], metavar="SIZE",
+                    help="also run growable segments with each of these free limits "
+                         "(EMMPOOL_GROWABLE_FREE_LIMIT's syntax: 512MiB, 2GiB, 0)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if not 0 <= args.warmup < args.steps:
+        ap.error("--warmup must be below --steps")
     if args.child:
-        child(args.child, args.steps)
+        child(args.child, args.steps, args.warmup)
         return 0
     try:
         import torch
@@ -105,37 +157,54 @@ def main(argv=None):
     except ImportError as e:
         print(f"skipped: {e}")
         return 0
+    configs = {name: CONFIGS[name] for name in args.configs}
+    for size in args.free_limits:
+        configs[f"emmpool-growable-free-{size}"] = {"EMMPOOL_SEGMENTS": "growable",
+                                                    "EMMPOOL_GROWABLE_FREE_LIMIT": size}
+    runs = {name: [] for name in configs}
+    errors = {}
+    for _ in range(args.rounds):  # interleaved: a drift in clocks touches every setup alike
+        for name, config in configs.items():
+            if name in errors:
+                continue
+            env = {k: v for k, v in os.environ.items()
+                   if not k.startswith("EMMPOOL_") and k != "PYTORCH_CUDA_ALLOC_CONF"}
+            env.update(config)
+            p = subprocess.run([sys.executable, __file__, "--out", args.out, "--steps",
+                                str(args.steps), "--warmup", str(args.warmup), "--child", name],
+                               env=env, capture_output=True, text=True, timeout=600)
+            if p.returncode != 0:
+                errors[name] = p.stderr[-2000:]
+            else:
+                runs[name].append(json.loads(p.stdout.strip().splitlines()[-1]))
     results = {}
-    for name in args.configs:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("EMMPOOL_") and k != "PYTORCH_CUDA_ALLOC_CONF"}
-        env.update(CONFIGS[name])
-        p = subprocess.run([sys.executable, __file__, "--out", args.out, "--steps",
-                            str(args.steps), "--child", name], env=env, capture_output=True,
-                           text=True, timeout=600)
-        if p.returncode != 0:
-            results[name] = {"status": "error", "reason": p.stderr[-2000:]}
+    for name in configs:
+        if name in errors:
+            results[name] = {"status": "error", "reason": errors[name]}
         else:
-            results[name] = {"status": "ok", **json.loads(p.stdout.strip().splitlines()[-1])}
+            results[name] = {"status": "ok", **summarize(runs[name]), "rounds": runs[name]}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "torch_training.json"), "w") as f:
-        json.dump({"benchmark": "torch_training", "steps": args.steps,
-                   "torch": torch.__version__, "results": results}, f, indent=2)
-    lines = [f"PyTorch training loop, {args.steps} steps, batch 16..512 (shapes change every step)",
+        json.dump({"benchmark": "torch_training", "steps": args.steps, "warmup": args.warmup,
+                   "rounds": args.rounds, "torch": torch.__version__, "results": results},
+                  f, indent=2)
+    ok = [r["seconds_per_step"] for r in results.values() if r["status"] == "ok"]
+    fastest = min(ok) if ok else 1.0
+    lines = [f"PyTorch training loop, {args.steps} steps ({args.warmup} untimed), batch 16..512 "
+             f"(shapes change every step); medians of {args.rounds} interleaved rounds (range)",
              "", "| allocator | peak reserved (MiB) | peak in use (MiB) | reserved / in use | "
-             "ms / step | page maps / unmaps per step |", "|---|---:|---:|---:|---:|---:|"]
+             "ms / step | vs fastest | page maps / unmaps / fence waits per step |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         if r["status"] != "ok":
-            lines.append(f"| {name} | error: {r['reason'][-300:]!r} | | | | |")
+            lines.append(f"| {name} | error: {r['reason'][-300:]!r} | | | | | |")
             continue
-        lines.append(f"| {name} | {r['peak_reserved'] / MiB:.1f} | {r['peak_in_use'] / MiB:.1f} | "
-                     f"{r['peak_reserved'] / max(r['peak_in_use'], 1):.3f} | "
-                     f"{r['seconds_per_step'] * 1e3:.2f} | {_per_step(r)} |")
+        lines.append(_cells(name, r, fastest))
     table = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "torch_training.md"), "w") as f:
         f.write(table)
     print(table, end="")
-    return 1 if any(r["status"] != "ok" for r in results.values()) else 0
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
