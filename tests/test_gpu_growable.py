@@ -77,6 +77,23 @@ def test_growth_past_the_peak_reuses_pages_and_blocks_stay_usable():
         pool.deallocate(p)
 
 
+def test_growable_requests_take_the_initial_fixed_segment_first():
+    """initial_pool_size's segment (cuMemAlloc) serves large requests before any page is
+    mapped: otherwise it would sit idle beside new pages."""
+    pool = growable_pool(initial_size=64 * MiB)
+    a, b = pool.allocate(40 * MiB, tag=CUPY_TAG), pool.allocate(20 * MiB, tag=CUPY_TAG)
+    st = pool.stats()
+    assert st["bytes_reserved"] == 64 * MiB and st["page_maps"] == 0, st
+    c = pool.allocate(8 * MiB, tag=CUPY_TAG)  # past it: pages
+    assert pool.stats()["page_maps"] == 4, pool.stats()
+    for i, (p, n) in enumerate(((a, 40 * MiB), (b, 20 * MiB), (c, 8 * MiB))):
+        arr = numba_view(p, n)
+        arr.copy_to_device(np.full(n, i + 1, np.uint8))
+        assert int(arr.copy_to_host().sum()) == (i + 1) * n
+    for p in (a, b, c):
+        pool.deallocate(p)
+
+
 @pytest.mark.ipc
 def test_block_of_a_growable_segment_refuses_legacy_ipc_clearly():
     pool = growable_pool()
