@@ -104,6 +104,7 @@ device_pool::block* device_pool::take_growable(std::size_t rounded, alloc_tag ta
   // would evict the other's every step of a program that mixes them.
   auto claim = growable_.claim_best_fit(rounded, tag, may_map);
   if (claim.blk == nullptr) { return nullptr; }
+  if (claim.cut) { return claim.blk; }  // its pages mapped: the request already
   try {
     auto fresh = growable_.prepare(claim, capture_.may_give_back());
     if (fresh != 0 && stats_.bytes_reserved + fresh > stats_.peak_bytes_reserved &&

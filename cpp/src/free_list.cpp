@@ -45,7 +45,11 @@ block* free_lists::take(std::size_t size, bool small, std::size_t min_rest)
 {
   auto& s = small ? small_ : large_;
   auto it = best_fit(s, size);
-  if (it == s.end()) { return nullptr; }
+  return it != s.end() ? take_at(s, it, size, min_rest) : nullptr;
+}
+
+block* free_lists::take_at(set& s, set::const_iterator it, std::size_t size, std::size_t min_rest)
+{
   auto* blk = *it;
   if (blk->size - size < min_rest) { return erase_at(s, it); }  // handed out whole
   auto* front = arena_->make();  // may throw: before anything changed

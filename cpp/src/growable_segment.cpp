@@ -35,11 +35,13 @@ growable_pages::growable_pages(driver& drv, int device, std::size_t page_size, s
   : driver_{&drv}, device_{device}, page_{page_size}, size_{(bytes + page_size - 1) / page_size * page_size}
 {
   EMMPOOL_EXPECTS(page_size > 0 && size_ > 0, "a growable segment needs pages");
-  base_ = driver_->reserve_address(device_, size_);
+  base_      = driver_->reserve_address(device_, size_);
+  solid_end_ = base_;
 }
 
 std::size_t growable_pages::unmapped_in(device_ptr ptr, std::size_t bytes) const noexcept
 {
+  if (ptr + bytes <= solid_end_) { return 0; }
   std::size_t const first = (ptr - base_) / page_;
   std::size_t const last  = (ptr - base_ + bytes - 1) / page_;
   if (first >= mapped_.size()) { return (last - first + 1) * page_; }
@@ -124,6 +126,9 @@ void growable_pages::map(device_ptr ptr, std::size_t bytes)
     ++mapped_pages_;
     ++maps_;
   }
+  auto solid = static_cast<std::size_t>(solid_end_ - base_) / page_;
+  while (solid < mapped_.size() && mapped_[solid]) { ++solid; }
+  solid_end_ = base_ + solid * page_;
 }
 
 void growable_pages::unmap_page(std::size_t p, bool keep)
@@ -132,6 +137,7 @@ void growable_pages::unmap_page(std::size_t p, bool keep)
   auto const h = handles_[p];
   mapped_[p]   = false;
   handles_[p]  = 0;
+  solid_end_   = std::min(solid_end_, base_ + p * page_);
   --mapped_pages_;
   ++unmaps_;
   spare_.push_back(h);
@@ -199,6 +205,7 @@ void growable_pages::release()
   driver_->free_address(device_, base_, size_);
   mapped_.clear();
   handles_.clear();
+  solid_end_ = base_;
 }
 
 }  // namespace detail

@@ -2,7 +2,6 @@
 #include <emmpool/error.hpp>
 
 #include <algorithm>
-#include <tuple>
 
 namespace emmpool::detail {
 
@@ -32,23 +31,24 @@ growable_space::claim growable_space::claim_best_fit(std::size_t rounded, alloc_
   bool ready = false;
   // The best fit needs new pages: a slightly larger free block whose pages are mapped serves
   // without a driver call (and without unmapping others at a new peak).
-  auto* blk = free_.find_large(
+  auto const it = free_.find_large(
     rounded, [&](block const* b) { return pages_->unmapped_in(b->ptr, rounded) == 0; }, 8, &ready);
-  if (blk == nullptr) { return {}; }
-  device_ptr at    = blk->ptr;
-  std::size_t need = 0;
-  if (!ready) {
-    // Its start lacks pages, but mapped ones may lie further in: the segment's unmapped end is
-    // one free block with what was freed below it, and a block freed between two live ones
-    // coalesces with its neighbours. The request goes where it lacks the fewest pages; placed
-    // at the start, those mapped pages would stay free beside new ones, out of reach of the
-    // moves (the claimed block is off the list).
-    std::tie(at, need) = pages_->fewest_unmapped(blk->ptr, blk->size, rounded);
-    if (need != 0 && !may_map) { return {}; }  // mapping: allocate() only
+  if (it == free_.none_large()) { return {}; }
+  if (ready) {  // the usual case: cut from its front as a fixed segment's block is, in place
+    return {free_.take_large(it, rounded, block_alignment), rounded, 0,
+            static_cast<std::uint8_t>(tag), true};
   }
+  auto* blk = *it;
+  // Its start lacks pages, but mapped ones may lie further in: the segment's unmapped end is
+  // one free block with what was freed below it, and a block freed between two live ones
+  // coalesces with its neighbours. The request goes where it lacks the fewest pages; placed at
+  // the start, those mapped pages would stay free beside new ones, out of reach of the moves
+  // (the claimed block is off the list).
+  auto const [at, need] = pages_->fewest_unmapped(blk->ptr, blk->size, rounded);
+  if (need != 0 && !may_map) { return {}; }  // mapping: allocate() only
   // Placed past its start: blk keeps the rest, a fresh record the front, which stays free.
   block* front = at != blk->ptr ? arena_->make() : nullptr;  // may throw: nothing changed yet
-  free_.erase(blk);  // off the list: unmapping spares it
+  (void)free_.erase_large(it);  // off the list: unmapping spares it
   if (front != nullptr) {
     carve_front(blk, static_cast<std::size_t>(at - blk->ptr), front);
     free_.insert(front);
@@ -74,17 +74,19 @@ std::size_t growable_space::prepare(claim const& c, bool may_move)
   auto const spare = pages_->spare_bytes();
   return c.need > spare ? c.need - spare : 0;
 }
+
 block* growable_space::finish(claim const& c, bool may_release)
 {
+  if (c.cut) { return c.blk; }
   bool mapped = true;
   try {
     mapped = c.need == 0 || map_for(c, may_release);
   } catch (...) {
-    free_.insert(c.blk);  // a failed cuMemMap (not out of memory): the block is not lost
+    give_back(c);  // a failed cuMemMap (not out of memory): the block is not lost
     throw;
   }
   if (!mapped) {
-    free_.insert(c.blk);
+    give_back(c);
     return nullptr;
   }
   return free_.split(c.blk, c.rounded, block_alignment);

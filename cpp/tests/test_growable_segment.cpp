@@ -5,6 +5,7 @@
 #include "check.hpp"
 #include "pool_fixture.hpp"
 
+#include <emmpool/detail/growable_segment.hpp>
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
@@ -489,6 +490,60 @@ TEST(growable_failed_maps_and_unmaps_keep_the_pool_consistent)
   CHECK_EQ(f->stats().bytes_reserved, 0u);
   CHECK_EQ(f.drv.stats().live_mappings, 0u);
   CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_a_placed_request_whose_map_fails_leaves_its_block_whole)
+{
+  // A request placed past its free block's start (where it lacks the fewest pages) splits the
+  // block's front off before it maps; when the map fails the two join again.
+  fixture f;
+  auto const a = f->allocate(4 * MiB);
+  auto const b = f->allocate(4 * MiB);
+  f->deallocate(a);
+  f->synchronize();
+  (void)f->trim();  // a's pages go
+  f->deallocate(b);
+  f->synchronize();  // one free block: unmapped, b's mapped pages, unmapped to the end
+  auto const free_blocks = [&] {
+    std::size_t n = 0;
+    for (auto const& blk : f->layout()) {
+      n += blk.kind == segment_type::growable && blk.state == block_status::free ? 1 : 0;
+    }
+    return n;
+  };
+  CHECK_EQ(free_blocks(), 1u);
+  f.drv.fail_next_maps(1000);
+  f.drv.fail_next_allocations(1000);  // no fixed segment either
+  CHECK_THROWS(f->allocate(6 * MiB), out_of_memory);  // placed at a + 2 MiB: one page short
+  CHECK_EQ(free_blocks(), 1u);
+  f.drv.fail_next_maps(0);
+  f.drv.fail_next_allocations(0);
+  auto const c = f->allocate(6 * MiB);
+  CHECK_EQ(c, a);  // the ladder gave b's pages back on its way: the block from its start
+  CHECK_EQ(consistency(f), "");
+  f->deallocate(c);
+}
+
+TEST(growable_pages_inside_the_mapped_prefix_and_past_a_hole)
+{
+  // unmapped_in() answers from the prefix of pages mapped from the first without counting:
+  // a page unmapped below its end must shorten it.
+  host_driver drv;
+  detail::growable_pages pages{drv, 0, page, 16 * page};
+  auto const base = pages.base();
+  pages.map(base, 4 * page);
+  CHECK_EQ(pages.unmapped_in(base, 4 * page), 0u);
+  CHECK_EQ(pages.unmapped_in(base + page, 4 * page), page);
+  CHECK_EQ(pages.unmap_inside(base + page, page, page, true), page);  // a hole at page 1
+  CHECK_EQ(pages.unmapped_in(base, page), 0u);
+  CHECK_EQ(pages.unmapped_in(base, 2 * page), page);
+  CHECK_EQ(pages.unmapped_in(base + 2 * page, 2 * page), 0u);
+  pages.map(base + page, 1);  // the hole filled: the prefix reaches page 4 again
+  CHECK_EQ(pages.unmapped_in(base, 4 * page), 0u);
+  pages.map(base + 6 * page, page);  // past a gap: not in the prefix
+  CHECK_EQ(pages.unmapped_in(base, 7 * page), 2 * page);
+  CHECK_EQ(pages.unmapped_in(base + 6 * page, page), 0u);
+  pages.release();
 }
 
 TEST(growable_a_map_that_fails_part_way_is_counted)

@@ -90,6 +90,15 @@ class free_lists {
   /// `min_rest` would remain (a new record: the rest keeps the old one, in the set). Null if
   /// none fits.
   [[nodiscard]] block* take(std::size_t size, bool small, std::size_t min_rest);
+  /// @brief As take(), of the large set's block at `it` (find_large()'s): the rest cut off in
+  /// place, where an erase and a split would search the set twice more.
+  [[nodiscard]] block* take_large(block_set::const_iterator it, std::size_t size,
+                                  std::size_t min_rest)
+  {
+    return take_at(large_, it, size, min_rest);
+  }
+  /// @brief The large set's block at `it` (find_large()'s) out of the set, whole.
+  block* erase_large(block_set::const_iterator it) { return erase_at(large_, it); }
 
   /// @brief Cut `blk` (taken, not in a set) down to `size` bytes if at least `min_rest` would
   /// remain; the rest, a new block record, joins the free set. @return blk
@@ -101,23 +110,22 @@ class free_lists {
   block* coalesce(block* blk);
 
   /// @brief The large set's best fit for `size` or, when `ready` says no to it, the first of
-  /// the next `candidates` larger blocks that is ready; null if none fits. The block stays in
-  /// the set (erase() takes it). `*is_ready`: what ready said of the block returned.
+  /// the next `candidates` larger blocks that is ready; none_large() if none fits. The block
+  /// stays in the set (take_large() or erase_large() takes it). `*is_ready`: what ready said
+  /// of the block found.
   template <class Ready>
-  [[nodiscard]] block* find_large(std::size_t size, Ready&& ready, int candidates,
-                                  bool* is_ready) const
+  [[nodiscard]] block_set::const_iterator find_large(std::size_t size, Ready&& ready,
+                                                     int candidates, bool* is_ready) const
   {
-    block probe;
-    probe.size = size;
-    auto it    = large_.lower_bound(&probe);
-    if (it == large_.end()) { return nullptr; }
+    auto it = best_fit(large_, size);
     *is_ready = true;
     for (auto alt = it; candidates >= 0 && alt != large_.end(); --candidates, ++alt) {
-      if (ready(*alt)) { return *alt; }
+      if (ready(*alt)) { return alt; }
     }
     *is_ready = false;
-    return *it;
+    return it;
   }
+  [[nodiscard]] block_set::const_iterator none_large() const noexcept { return large_.end(); }
   /// @brief Every block of the large set, largest first, while f(blk) says true.
   template <class F>
   void for_each_large(F&& f) const
@@ -136,6 +144,7 @@ class free_lists {
   using set = block_set;
   [[nodiscard]] set& set_of(block const* blk) noexcept { return blk->seg->small ? small_ : large_; }
   block* erase_at(set& s, set::const_iterator it);  // *it, out of s and of bytes()
+  block* take_at(set& s, set::const_iterator it, std::size_t size, std::size_t min_rest);
 
   block_arena* arena_;
   node_cache nodes_;  // before the sets: outlives them

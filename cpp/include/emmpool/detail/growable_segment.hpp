@@ -105,6 +105,9 @@ class growable_pages {
   std::vector<physical_handle> handles_;
   std::vector<bool> mapped_;
   std::size_t mapped_pages_{};
+  // [base_, solid_end_): pages all mapped, from the first. Inside it unmapped_in() answers
+  // without dividing by the page size (no power of two), the test every request makes.
+  device_ptr solid_end_{};
   std::vector<physical_handle> spare_;  // held, unmapped, newest last
   std::unordered_map<physical_handle, int> fds_;  // exported pages' descriptors
   std::uint64_t maps_{};

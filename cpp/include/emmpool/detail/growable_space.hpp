@@ -70,6 +70,8 @@ class growable_space {
     std::size_t rounded{};   ///< the request
     std::size_t need{};      ///< bytes of its pages still to map (0: ready)
     std::uint8_t tag{};      ///< the library asking (segment events)
+    bool cut{};              ///< blk is the request already (a best fit whose pages are
+                             ///< mapped, the usual case: cut as a fixed segment's block is)
   };
   /// The best fit (or a mapped candidate) of at least `rounded` bytes; nothing if none fits, or
   /// if its pages would need mapping and !may_map.
@@ -83,8 +85,9 @@ class growable_space {
   /// free list) at the cap or out of memory. Spare pages it did not take go back to the
   /// driver if `may_release` (as may_move: no capture, no deferred cleanup), else stay spare.
   block* finish(claim const& c, bool may_release);
-  /// The claimed block back on the free list, unused.
-  void give_back(claim const& c) { free_.insert(c.blk); }
+  /// The claimed block back on the free list, unused (joined with free neighbours: the front
+  /// a placement left, or the rest of a block cut to the request).
+  void give_back(claim const& c) { (void)free_.coalesce(c.blk); }
   /// Make the segment, if there is none yet: false where the driver refuses a reservation
   /// (then fixed segments only, from now on). `segments`: the pool's, by base.
   bool ensure_segment(std::size_t rounded, segment_map& segments);
