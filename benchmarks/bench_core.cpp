@@ -358,6 +358,14 @@ std::string gpu_benchmarks(options const& o, std::vector<result>& out)
 
   auto& pool = emmpool::pool_registry::instance().pool(o.device);
   bench_pool(out, "emmpool pool (process-wide, CUDA)", pool, o.quick, fence);
+  if (pool.growable()) {
+    // The default's segments are growable: the same pool on fixed segments beside it, so that
+    // what they cost shows in one run (EMMPOOL_SEGMENTS=fixed's pool).
+    auto fixed     = emmpool::process_pool_options();
+    fixed.segments = emmpool::segment_kind::fixed;
+    emmpool::device_pool fixed_pool{emmpool::cuda_driver(), o.device, fixed};
+    bench_pool(out, "emmpool pool (fixed segments, CUDA)", fixed_pool, o.quick, fence);
+  }
 
   CUmemoryPool mempool{};
   cu_check(cu.default_mem_pool(&mempool, dev), "cuDeviceGetDefaultMemPool");
@@ -437,6 +445,12 @@ std::string host_benchmarks(options const& o, std::vector<result>& out)
   drv.set_auto_complete(true);  // an idle GPU: a fence completes as soon as it is recorded
   emmpool::device_pool pool{drv, 0, o.pool};
   bench_pool(out, "emmpool pool (host_driver)", pool, o.quick, [] {});
+  if (!pool.growable()) {  // the process-wide pools' default, beside
+    emmpool::pool_options g = o.pool;
+    g.segments              = emmpool::segment_kind::growable;
+    emmpool::device_pool growable{drv, 0, g};
+    bench_pool(out, "emmpool pool (host_driver, growable segments)", growable, o.quick, [] {});
+  }
   emmpool::pool_options pt = o.pool;
   pt.mode                  = emmpool::pool_mode::passthrough;
   emmpool::device_pool passthrough{drv, 0, pt};
