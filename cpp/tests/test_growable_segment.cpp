@@ -16,6 +16,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace emmpool;
@@ -185,18 +186,26 @@ TEST(growable_freed_pages_stay_mapped_and_serve_later_requests)
   CHECK_EQ(consistency(f), "");
 }
 
-TEST(growable_a_request_goes_where_its_free_block_has_pages)
+/// Two 4 MiB blocks x and y, freed, x's pages unmapped: one free block from x on, unmapped,
+/// then y's mapped pages, then unmapped to the segment's end. @return {x, y}
+std::pair<device_ptr, device_ptr> free_block_with_pages_inside(fixture& f)
 {
-  // The segment's unmapped end is one free block with what was freed below it: placed at that
-  // block's start, a request would map new pages beside free mapped ones.
-  fixture f;
   auto const x = f->allocate(4 * MiB);
   auto const y = f->allocate(4 * MiB);
   f->deallocate(x);
   f->synchronize();
   (void)f->trim();  // x's pages go
   f->deallocate(y);
-  f->synchronize();  // one free block from x on: unmapped, then y's pages, then unmapped
+  f->synchronize();
+  return {x, y};
+}
+
+TEST(growable_a_request_goes_where_its_free_block_has_pages)
+{
+  // The segment's unmapped end is one free block with what was freed below it: placed at that
+  // block's start, a request would map new pages beside free mapped ones.
+  fixture f;
+  auto const [x, y] = free_block_with_pages_inside(f);
   auto const maps = f->stats().page_maps;
   CHECK_EQ(f->allocate(4 * MiB), y);  // no new page
   CHECK_EQ(f->stats().page_maps, maps);
@@ -497,13 +506,7 @@ TEST(growable_a_placed_request_whose_map_fails_leaves_its_block_whole)
   // A request placed past its free block's start (where it lacks the fewest pages) splits the
   // block's front off before it maps; when the map fails the two join again.
   fixture f;
-  auto const a = f->allocate(4 * MiB);
-  auto const b = f->allocate(4 * MiB);
-  f->deallocate(a);
-  f->synchronize();
-  (void)f->trim();  // a's pages go
-  f->deallocate(b);
-  f->synchronize();  // one free block: unmapped, b's mapped pages, unmapped to the end
+  auto const a = free_block_with_pages_inside(f).first;
   auto const free_blocks = [&] {
     std::size_t n = 0;
     for (auto const& blk : f->layout()) {
