@@ -77,7 +77,6 @@ std::size_t growable_space::prepare(claim const& c, bool may_move)
 
 block* growable_space::finish(claim const& c, bool may_release)
 {
-  if (c.cut) { return c.blk; }
   bool mapped = true;
   try {
     mapped = c.need == 0 || map_for(c, may_release);

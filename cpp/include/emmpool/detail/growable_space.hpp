@@ -71,7 +71,8 @@ class growable_space {
     std::size_t need{};      ///< bytes of its pages still to map (0: ready)
     std::uint8_t tag{};      ///< the library asking (segment events)
     bool cut{};              ///< blk is the request already (a best fit whose pages are
-                             ///< mapped, the usual case: cut as a fixed segment's block is)
+                             ///< mapped, the usual case: cut as a fixed segment's block is;
+                             ///< the pool hands it out without prepare() or finish())
   };
   /// The best fit (or a mapped candidate) of at least `rounded` bytes; nothing if none fits, or
   /// if its pages would need mapping and !may_map.
