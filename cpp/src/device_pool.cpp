@@ -87,7 +87,11 @@ device_pool::block* device_pool::take_free(request const& r, bool may_map)
   if (r.growable) {
     // A large fixed segment first (initial_pool_size's, or one made where pages could not
     // be): memory held already, which the growable segment would otherwise map beside.
-    if (auto* blk = free_.take(r.rounded, false, alignment)) { return blk; }
+    // Asked first whether there is any, in place: most pools have none, and the call showed
+    // in the allocate/free pair.
+    if (free_.any_large()) {
+      if (auto* blk = free_.take(r.rounded, false, alignment)) { return blk; }
+    }
     return take_growable(r.rounded, r.tag, may_map, r.key);
   }
   return free_.take(r.rounded, r.rounded <= options_.small_request, alignment);
@@ -96,15 +100,22 @@ device_pool::block* device_pool::take_free(request const& r, bool may_map)
 device_pool::block* device_pool::take_growable(std::size_t rounded, alloc_tag tag, bool may_map,
                                               stream_ref key)
 {
+  if (auto* blk = growable_.take_mapped(rounded)) { return blk; }  // the usual case
+  return claim_and_map(rounded, tag, may_map, key);
+}
+
+device_pool::block* device_pool::claim_and_map(std::size_t rounded, alloc_tag tag, bool may_map,
+                                              stream_ref key)
+{
   // The growable segment's best fit, off its free list; its missing pages moved from free
   // blocks beyond the limit; for what new pages it still needs, wholly free memory goes back
   // to the driver first if they would pass the cap; then its pages are mapped
   // (detail/growable_space.hpp). A new peak alone gives no fixed segment back: those hold
   // small requests, which would make them again at their next one, and each side's cache
-  // would evict the other's every step of a program that mixes them.
+  // would evict the other's every step of a program that mixes them. Apart from
+  // take_growable(), whose usual case then sets up no exception handler.
   auto claim = growable_.claim_best_fit(rounded, tag, may_map);
   if (claim.blk == nullptr) { return nullptr; }
-  if (claim.cut) { return claim.blk; }  // its pages mapped: the request already
   try {
     auto fresh = growable_.prepare(claim, capture_.may_give_back());
     if (fresh != 0 && stats_.bytes_reserved + fresh > stats_.peak_bytes_reserved &&
@@ -121,6 +132,7 @@ device_pool::block* device_pool::take_growable(std::size_t rounded, alloc_tag ta
       claim = {};
       ++stats_.fence_waits;
       drain(key);
+      if (auto* blk = growable_.take_mapped(rounded)) { return blk; }
       claim = growable_.claim_best_fit(rounded, tag, may_map);
       if (claim.blk == nullptr) { return nullptr; }
       fresh = growable_.prepare(claim, capture_.may_give_back());

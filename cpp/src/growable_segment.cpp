@@ -39,9 +39,8 @@ growable_pages::growable_pages(driver& drv, int device, std::size_t page_size, s
   solid_end_ = base_;
 }
 
-std::size_t growable_pages::unmapped_in(device_ptr ptr, std::size_t bytes) const noexcept
+std::size_t growable_pages::unmapped_past_prefix(device_ptr ptr, std::size_t bytes) const noexcept
 {
-  if (ptr + bytes <= solid_end_) { return 0; }
   std::size_t const first = (ptr - base_) / page_;
   std::size_t const last  = (ptr - base_ + bytes - 1) / page_;
   if (first >= mapped_.size()) { return (last - first + 1) * page_; }

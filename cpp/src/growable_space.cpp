@@ -24,26 +24,28 @@ void growable_space::configure(pool_options const& o) noexcept
   if (page_ != 0 && o.growable_page_size > page_) { page_ = round_up(o.growable_page_size, page_); }
 }
 
+block* growable_space::take_mapped(std::size_t rounded)
+{
+  if (pages_ == nullptr) { return nullptr; }
+  // A slightly larger free block whose pages are mapped beats a best fit that needs new ones:
+  // no driver call, and no unmapping of others at a new peak.
+  auto const it = free_.find_large(
+    rounded, [&](block const* b) { return pages_->unmapped_in(b->ptr, rounded) == 0; }, 8);
+  return it != free_.none_large() ? free_.take_large(it, rounded, block_alignment) : nullptr;
+}
+
 growable_space::claim growable_space::claim_best_fit(std::size_t rounded, alloc_tag tag,
                                                      bool may_map)
 {
   if (pages_ == nullptr) { return {}; }
-  bool ready = false;
-  // The best fit needs new pages: a slightly larger free block whose pages are mapped serves
-  // without a driver call (and without unmapping others at a new peak).
-  auto const it = free_.find_large(
-    rounded, [&](block const* b) { return pages_->unmapped_in(b->ptr, rounded) == 0; }, 8, &ready);
+  auto const it = free_.best_large(rounded);
   if (it == free_.none_large()) { return {}; }
-  if (ready) {  // the usual case: cut from its front as a fixed segment's block is, in place
-    return {free_.take_large(it, rounded, block_alignment), rounded, 0,
-            static_cast<std::uint8_t>(tag), true};
-  }
   auto* blk = *it;
-  // Its start lacks pages, but mapped ones may lie further in: the segment's unmapped end is
-  // one free block with what was freed below it, and a block freed between two live ones
-  // coalesces with its neighbours. The request goes where it lacks the fewest pages; placed at
-  // the start, those mapped pages would stay free beside new ones, out of reach of the moves
-  // (the claimed block is off the list).
+  // Its start lacks pages (else take_mapped() would have cut it), but mapped ones may lie
+  // further in: the segment's unmapped end is one free block with what was freed below it,
+  // and a block freed between two live ones coalesces with its neighbours. The request goes
+  // where it lacks the fewest pages; placed at the start, those mapped pages would stay free
+  // beside new ones, out of reach of the moves (the claimed block is off the list).
   auto const [at, need] = pages_->fewest_unmapped(blk->ptr, blk->size, rounded);
   if (need != 0 && !may_map) { return {}; }  // mapping: allocate() only
   // Placed past its start: blk keeps the rest, a fresh record the front, which stays free.

@@ -321,9 +321,10 @@ class device_pool : private detail::pool_lifecycle {
   [[noreturn]] void fail(request const& r);
   // best fit and split off the free lists; a growable request maps pages only if may_map
   block* take_free(request const& r, bool may_map);
-  // Room first; `key`: the request's stream, whose pending frees a new peak waits for (none:
-  // no wait).
+  // A free block whose pages are mapped, else claim_and_map(): room first; `key`: the
+  // request's stream, whose pending frees a new peak waits for (none: no wait).
   block* take_growable(std::size_t rounded, alloc_tag tag, bool may_map, stream_ref key);
+  block* claim_and_map(std::size_t rounded, alloc_tag tag, bool may_map, stream_ref key);
   // which segments serve a request (a segment serves one kind)
   [[nodiscard]] detail::block_kind kind_of(std::size_t rounded, bool growable) const noexcept;
   device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);

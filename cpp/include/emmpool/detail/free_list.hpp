@@ -97,7 +97,7 @@ class free_lists {
   {
     return take_at(large_, it, size, min_rest);
   }
-  /// @brief The large set's block at `it` (find_large()'s) out of the set, whole.
+  /// @brief The large set's block at `it` (best_large()'s) out of the set, whole.
   block* erase_large(block_set::const_iterator it) { return erase_at(large_, it); }
 
   /// @brief Cut `blk` (taken, not in a set) down to `size` bytes if at least `min_rest` would
@@ -109,21 +109,23 @@ class free_lists {
   /// the upper neighbour's, else blk's); the others are recycled. @return the merged block
   block* coalesce(block* blk);
 
-  /// @brief The large set's best fit for `size` or, when `ready` says no to it, the first of
-  /// the next `candidates` larger blocks that is ready; none_large() if none fits. The block
-  /// stays in the set (take_large() or erase_large() takes it). `*is_ready`: what ready said
-  /// of the block found.
+  /// @brief The first block of the large set, from the best fit for `size` on through the
+  /// next `candidates` larger ones, that `ready` says yes to; none_large() if none. The block
+  /// stays in the set (take_large() or erase_large() takes it).
   template <class Ready>
   [[nodiscard]] block_set::const_iterator find_large(std::size_t size, Ready&& ready,
-                                                     int candidates, bool* is_ready) const
+                                                     int candidates) const
   {
-    auto it = best_fit(large_, size);
-    *is_ready = true;
-    for (auto alt = it; candidates >= 0 && alt != large_.end(); --candidates, ++alt) {
-      if (ready(*alt)) { return alt; }
+    for (auto it = best_fit(large_, size); candidates >= 0 && it != large_.end();
+         --candidates, ++it) {
+      if (ready(*it)) { return it; }
     }
-    *is_ready = false;
-    return it;
+    return large_.end();
+  }
+  /// @brief The large set's best fit for `size`; none_large() if none fits.
+  [[nodiscard]] block_set::const_iterator best_large(std::size_t size) const
+  {
+    return best_fit(large_, size);
   }
   [[nodiscard]] block_set::const_iterator none_large() const noexcept { return large_.end(); }
   /// @brief Every block of the large set, largest first, while f(blk) says true.
@@ -135,6 +137,8 @@ class free_lists {
 
   /// @brief Bytes in free blocks.
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+  /// @brief Whether the large set holds a block (a take() from it can succeed).
+  [[nodiscard]] bool any_large() const noexcept { return !large_.empty(); }
   /// @brief The largest free block's size (0 if none).
   [[nodiscard]] std::size_t largest() const noexcept;
   /// @brief Insertions so far: a search that missed misses again until this changes.

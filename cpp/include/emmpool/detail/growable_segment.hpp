@@ -52,7 +52,10 @@ class growable_pages {
   [[nodiscard]] std::size_t held_bytes() const noexcept { return mapped_bytes() + spare_bytes(); }
 
   /// Bytes of unmapped pages overlapping [ptr, ptr + bytes).
-  [[nodiscard]] std::size_t unmapped_in(device_ptr ptr, std::size_t bytes) const noexcept;
+  [[nodiscard]] std::size_t unmapped_in(device_ptr ptr, std::size_t bytes) const noexcept
+  {
+    return ptr + bytes <= solid_end_ ? 0 : unmapped_past_prefix(ptr, bytes);
+  }
   /// Where in [ptr, ptr + bytes) a range of `want` bytes lacks the fewest pages: at ptr or at
   /// a page start, the lowest of the best; and the bytes of pages it lacks.
   [[nodiscard]] std::pair<device_ptr, std::size_t> fewest_unmapped(
@@ -95,6 +98,8 @@ class growable_pages {
   void unmap_page(std::size_t page, bool keep);  // kept spare, or released
   [[nodiscard]] physical_handle take_page();     // a spare, else a new one
   void release_page(physical_handle h);          // to the driver, its descriptor closed
+  // unmapped_in() of a range that ends past the mapped prefix: page by page
+  [[nodiscard]] std::size_t unmapped_past_prefix(device_ptr ptr, std::size_t bytes) const noexcept;
 
   driver* driver_;
   int device_;

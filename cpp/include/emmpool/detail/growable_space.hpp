@@ -63,6 +63,11 @@ class growable_space {
     return page_ != 0 && rounded > small_request_;
   }
 
+  /// The usual request: the best fit, or one of the next few larger free blocks, whose pages
+  /// are all mapped, cut to the request in place as a fixed segment's block is. Null if none
+  /// is (then claim_best_fit()).
+  [[nodiscard]] block* take_mapped(std::size_t rounded);
+
   /// A free block chosen for a request, off the free list (so that unmapping spares it) until
   /// finish() hands it out or puts it back.
   struct claim {
@@ -70,12 +75,9 @@ class growable_space {
     std::size_t rounded{};   ///< the request
     std::size_t need{};      ///< bytes of its pages still to map (0: ready)
     std::uint8_t tag{};      ///< the library asking (segment events)
-    bool cut{};              ///< blk is the request already (a best fit whose pages are
-                             ///< mapped, the usual case: cut as a fixed segment's block is;
-                             ///< the pool hands it out without prepare() or finish())
   };
-  /// The best fit (or a mapped candidate) of at least `rounded` bytes; nothing if none fits, or
-  /// if its pages would need mapping and !may_map.
+  /// The best fit of at least `rounded` bytes, placed inside it where it lacks the fewest
+  /// pages; nothing if none fits, or if its pages would need mapping and !may_map.
   [[nodiscard]] claim claim_best_fit(std::size_t rounded, alloc_tag tag, bool may_map);
   /// Before the claim's pages are mapped: the free pages beyond the limit move under it (kept
   /// spare for finish()), as many as it and its room need, if `may_move` (no capture and no
