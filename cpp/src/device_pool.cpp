@@ -112,8 +112,8 @@ device_pool::block* device_pool::claim_and_map(std::size_t rounded, alloc_tag ta
   // to the driver first if they would pass the cap; then its pages are mapped
   // (detail/growable_space.hpp). A new peak alone gives no fixed segment back: those hold
   // small requests, which would make them again at their next one, and each side's cache
-  // would evict the other's every step of a program that mixes them. Apart from
-  // take_growable(), whose usual case then sets up no exception handler.
+  // would evict the other's every step of a program that mixes them. A function of its own,
+  // so that take_growable()'s usual case sets up no exception handler.
   auto claim = growable_.claim_best_fit(rounded, tag, may_map);
   if (claim.blk == nullptr) { return nullptr; }
   try {

@@ -41,11 +41,12 @@ growable_space::claim growable_space::claim_best_fit(std::size_t rounded, alloc_
   auto const it = free_.best_large(rounded);
   if (it == free_.none_large()) { return {}; }
   auto* blk = *it;
-  // Its start lacks pages (else take_mapped() would have cut it), but mapped ones may lie
-  // further in: the segment's unmapped end is one free block with what was freed below it,
-  // and a block freed between two live ones coalesces with its neighbours. The request goes
-  // where it lacks the fewest pages; placed at the start, those mapped pages would stay free
-  // beside new ones, out of reach of the moves (the claimed block is off the list).
+  // At its start the request would lack pages (else take_mapped() would have cut it), but
+  // mapped ones may lie further in: the segment's unmapped end is one free block with what
+  // was freed below it, and a block freed between two live ones coalesces with its
+  // neighbours. The request goes where it lacks the fewest pages; placed at the start, those
+  // mapped pages would stay free beside new ones, out of reach of the moves (the claimed
+  // block is off the list).
   auto const [at, need] = pages_->fewest_unmapped(blk->ptr, blk->size, rounded);
   if (need != 0 && !may_map) { return {}; }  // mapping: allocate() only
   // Placed past its start: blk keeps the rest, a fresh record the front, which stays free.
