@@ -117,7 +117,7 @@ device_pool::block* device_pool::claim_and_map(std::size_t rounded, alloc_tag ta
   auto claim = growable_.claim_best_fit(rounded, tag, may_map);
   if (claim.blk == nullptr) { return nullptr; }
   try {
-    auto fresh = growable_.prepare(claim, capture_.may_give_back());
+    auto const fresh = growable_.prepare(claim, capture_.may_give_back());
     if (fresh != 0 && stats_.bytes_reserved + fresh > stats_.peak_bytes_reserved &&
         !key.is_none() && capture_.may_fence() && lanes_.fences().waiting_bytes_of(key) >= fresh) {
       // A new peak while frees of this stream that could cover it wait for the GPU: wait for
@@ -132,10 +132,8 @@ device_pool::block* device_pool::claim_and_map(std::size_t rounded, alloc_tag ta
       claim = {};
       ++stats_.fence_waits;
       drain(key);
-      if (auto* blk = growable_.take_mapped(rounded)) { return blk; }
-      claim = growable_.claim_best_fit(rounded, tag, may_map);
-      if (claim.blk == nullptr) { return nullptr; }
-      fresh = growable_.prepare(claim, capture_.may_give_back());
+      // The request again, from the start, over what completed: no stream named, no second wait.
+      return take_growable(rounded, tag, may_map, stream_ref::none());
     }
     if (fresh != 0 && !cap_.fits(stats_.bytes_reserved, fresh)) { release_free_segments(); }
   } catch (...) {
