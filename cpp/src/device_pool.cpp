@@ -500,7 +500,7 @@ pool_stats device_pool::stats_locked() const
   // A growable segment's free blocks are address space: only their mapped pages count, and
   // its spare pages.
   s.bytes_free         = free_.bytes() + growable_.free_bytes();
-  s.largest_free_block = free_.largest();
+  s.largest_free_block = std::max(free_.largest(), growable_.largest_free());
   s.bytes_waiting      = fences.waiting_bytes();
   s.blocks_waiting     = fences.waiting_blocks();
   s.batches_closed     = fences.batches_closed();

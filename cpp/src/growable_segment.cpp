@@ -90,6 +90,27 @@ std::size_t growable_pages::mapped_overlap(device_ptr ptr, std::size_t bytes) co
   return n;
 }
 
+std::size_t growable_pages::longest_mapped_run(device_ptr ptr, std::size_t bytes) const noexcept
+{
+  if (bytes == 0) { return 0; }
+  std::size_t const lo    = ptr - base_;
+  std::size_t const hi    = lo + bytes;
+  std::size_t const first = lo / page_;
+  std::size_t const last  = std::min((hi - 1) / page_ + 1, mapped_.size());  // exclusive
+  std::size_t best = 0, run_start = 0;
+  bool in_run = false;
+  for (std::size_t p = first; p < last; ++p) {
+    if (!mapped_[p]) {
+      in_run = false;
+      continue;
+    }
+    if (!in_run) { run_start = std::max(lo, p * page_); }
+    in_run = true;
+    best   = std::max(best, std::min(hi, (p + 1) * page_) - run_start);
+  }
+  return best;
+}
+
 physical_handle growable_pages::take_page()
 {
   if (!spare_.empty()) {
@@ -102,7 +123,7 @@ physical_handle growable_pages::take_page()
   return h;
 }
 
-void growable_pages::map(device_ptr ptr, std::size_t bytes)
+void growable_pages::map(device_ptr ptr, std::size_t bytes, on_failure failure)
 {
   std::size_t const first = (ptr - base_) / page_;
   std::size_t const last  = (ptr - base_ + bytes - 1) / page_;
@@ -111,23 +132,51 @@ void growable_pages::map(device_ptr ptr, std::size_t bytes)
     mapped_.resize(last + 1, false);
     handles_.resize(last + 1, 0);
   }
-  for (std::size_t p = first; p <= last; ++p) {
-    if (mapped_[p]) { continue; }
-    auto const h = take_page();
-    try {
-      driver_->map_physical(device_, base_ + p * page_, page_, h);
-    } catch (...) {
-      spare_.push_back(h);  // held still: a later call maps or releases it
-      throw;
+  bool const undo = failure == on_failure::undo;
+  std::vector<std::pair<std::size_t, bool>> done;  // (page, made by this call), for undo
+  try {
+    for (std::size_t p = first; p <= last; ++p) {
+      if (mapped_[p]) { continue; }
+      bool const made = spare_.empty();
+      auto const h    = take_page();
+      try {
+        driver_->map_physical(device_, base_ + p * page_, page_, h);
+      } catch (...) {
+        spare_.push_back(h);  // held still: a later call maps or releases it
+        if (undo && made) {  // or now: it was not held before
+          try {
+            (void)release_spares(page_);
+          } catch (...) {
+            // Stays spare, counted.
+          }
+        }
+        throw;
+      }
+      handles_[p] = h;
+      mapped_[p]  = true;
+      ++mapped_pages_;
+      ++maps_;
+      if (undo) { done.emplace_back(p, made); }
     }
-    handles_[p] = h;
-    mapped_[p]  = true;
-    ++mapped_pages_;
-    ++maps_;
+  } catch (...) {
+    if (undo) { undo_map(done); }
+    throw;
   }
   auto solid = static_cast<std::size_t>(solid_end_ - base_) / page_;
   while (solid < mapped_.size() && mapped_[solid]) { ++solid; }
   solid_end_ = base_ + solid * page_;
+}
+
+void growable_pages::undo_map(std::vector<std::pair<std::size_t, bool>> const& mapped) noexcept
+{
+  for (auto it = mapped.rbegin(); it != mapped.rend(); ++it) {
+    try {
+      unmap_page(it->first, !it->second);  // made here: released; spare before: spare again
+    } catch (...) {
+      // cuMemUnmap or cuMemRelease failed (a sticky error, say): the page stays mapped, or
+      // spare, and counted, for a later trim.
+    }
+  }
 }
 
 void growable_pages::unmap_page(std::size_t p, bool keep)

@@ -85,10 +85,14 @@ block* growable_space::finish(claim const& c, bool may_release)
     mapped = c.need == 0 || map_for(c, may_release);
   } catch (...) {
     give_back(c);  // a failed cuMemMap (not out of memory): the block is not lost
+    if (may_release) { (void)release_spares(pages_->spare_bytes()); }  // nor memory kept
     throw;
   }
   if (!mapped) {
     give_back(c);
+    // What prepare() moved for it goes back too: a request that failed holds no more than
+    // before it (its own pages were unmapped by map(): growable_pages::on_failure::undo).
+    if (may_release) { (void)release_spares(pages_->spare_bytes()); }
     return nullptr;
   }
   return free_.split(c.blk, c.rounded, block_alignment);
@@ -107,8 +111,12 @@ bool growable_space::map_for(claim const& c, bool may_release)
     return need > spare ? need - spare : 0;
   };
   if (!fits(new_pages(rounded))) { return false; }
+  // Undone if it fails part way, where a capture or a deferral allows unmapping: a request
+  // that fails leaves no more mapped than before it.
+  auto const failure = may_release ? growable_pages::on_failure::undo
+                                   : growable_pages::on_failure::keep;
   try {
-    map_counted(ptr, rounded, ptr, c.tag);
+    map_counted(ptr, rounded, ptr, c.tag, failure);
   } catch (out_of_memory const&) {
     return false;  // the ladder goes on: wait for frees, give pages back, try again
   }
@@ -118,7 +126,7 @@ bool growable_space::map_for(claim const& c, bool may_release)
   std::size_t const room = room_of(c);
   if (room > rounded && fits(new_pages(room))) {
     try {
-      map_counted(ptr, room, ptr + rounded, c.tag);
+      map_counted(ptr, room, ptr + rounded, c.tag, growable_pages::on_failure::keep);
     } catch (cuda_error const&) {
     } catch (out_of_memory const&) {
     }
@@ -258,6 +266,17 @@ std::size_t growable_space::free_bytes() const
   return free_mapped_bytes() + (pages_ != nullptr ? pages_->spare_bytes() : 0);
 }
 
+std::size_t growable_space::largest_free() const
+{
+  std::size_t largest = 0;
+  if (pages_ == nullptr) { return 0; }
+  free_.for_each_large([&](block const* b) {
+    largest = std::max(largest, pages_->longest_mapped_run(b->ptr, b->size));
+    return true;
+  });
+  return largest;
+}
+
 std::size_t growable_space::free_mapped_bytes() const
 {
   std::size_t mapped = 0;
@@ -293,26 +312,32 @@ device_ptr growable_space::page_start(device_ptr ptr) const noexcept
 }
 
 void growable_space::map_counted(device_ptr ptr, std::size_t bytes, device_ptr at,
-                                 std::uint8_t tag)
+                                 std::uint8_t tag, growable_pages::on_failure failure)
 {
-  // Counted from what the pages hold before and after, failure included: a map that fails
-  // part way keeps what it mapped and made (growable_pages::map), and reserved must say so.
-  auto const held_before    = pages_->held_bytes();
-  auto const mapped_before  = pages_->mapped_bytes();
-  auto const creates_before = pages_->creates();
-  auto const count          = [&] {
-    auto const mapped = pages_->mapped_bytes() - mapped_before;
+  // Counted from what the pages hold and did before and after, failure included: a map that
+  // fails part way keeps what it mapped and made, or undoes it (growable_pages::map), and
+  // reserved and the page counters must say which.
+  auto const held_before     = pages_->held_bytes();
+  auto const mapped_before   = pages_->mapped_bytes();
+  auto const maps_before     = pages_->maps();
+  auto const unmaps_before   = pages_->unmaps();
+  auto const creates_before  = pages_->creates();
+  auto const releases_before = pages_->releases();
+  auto const count           = [&] {
+    // Never less held than before: undone pages go back spare, or to the driver if made here.
     stats_->bytes_reserved += pages_->held_bytes() - held_before;
     stats_->peak_bytes_reserved = std::max(stats_->peak_bytes_reserved, stats_->bytes_reserved);
-    stats_->page_maps += mapped / page_;
+    stats_->page_maps += pages_->maps() - maps_before;
+    stats_->page_unmaps += pages_->unmaps() - unmaps_before;
     stats_->page_creates += pages_->creates() - creates_before;
-    if (mapped != 0) {
+    stats_->page_releases += pages_->releases() - releases_before;
+    if (pages_->mapped_bytes() > mapped_before) {
       log_->record(segment_event::kind::mapped, segment_type::growable, tag, page_start(at),
-                   mapped);
+                   pages_->mapped_bytes() - mapped_before);
     }
   };
   try {
-    pages_->map(ptr, bytes);
+    pages_->map(ptr, bytes, failure);
   } catch (...) {
     count();
     throw;

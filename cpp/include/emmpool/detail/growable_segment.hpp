@@ -25,6 +25,7 @@
 #include <emmpool/driver.hpp>
 
 #include <cstddef>
+#include <cstdint>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -62,13 +63,22 @@ class growable_pages {
     device_ptr ptr, std::size_t bytes, std::size_t want) const noexcept;
   /// Mapped bytes inside [ptr, ptr + bytes) (a page partly inside counts its part).
   [[nodiscard]] std::size_t mapped_overlap(device_ptr ptr, std::size_t bytes) const noexcept;
-  /// Map every unmapped page overlapping [ptr, ptr + bytes), spare pages first. On failure
-  /// the pages this call mapped stay mapped (under a block that is free again, where mapped
-  /// pages are allowed; undoing them would call cuMemUnmap, which a capture forbids) and a
-  /// page made but not mapped stays spare: either way the caller counts what changed from
+  /// The longest run of mapped bytes inside [ptr, ptr + bytes): the largest request a free
+  /// block of that range serves with no new page.
+  [[nodiscard]] std::size_t longest_mapped_run(device_ptr ptr, std::size_t bytes) const noexcept;
+  /// What a failed map() does with the pages it mapped before it failed.
+  enum class on_failure : std::uint8_t {
+    keep,  ///< they stay mapped (under a block that is free again, where mapped pages are
+           ///< allowed): undoing them would call cuMemUnmap, which a capture forbids
+    undo,  ///< unmapped again: a page that was spare before becomes spare again, a page this
+           ///< call made is released (the driver holds what it held before)
+  };
+  /// Map every unmapped page overlapping [ptr, ptr + bytes), spare pages first. On failure the
+  /// pages this call mapped stay or go as `failure` says; a page made but not mapped stays
+  /// spare (keep) or is released (undo); either way the caller counts what changed from
   /// held_bytes(), mapped_bytes() and creates().
   /// @throws out_of_memory, cuda_error
-  void map(device_ptr ptr, std::size_t bytes);
+  void map(device_ptr ptr, std::size_t bytes, on_failure failure = on_failure::keep);
   /// Unmap the mapped pages lying wholly inside [ptr, ptr + bytes), the highest first, at
   /// most `limit` bytes of them; kept spare, or released. @return bytes unmapped
   /// @throws cuda_error (pages unmapped before the failure stay unmapped: the counts say)
@@ -97,6 +107,9 @@ class growable_pages {
   }
   void unmap_page(std::size_t page, bool keep);  // kept spare, or released
   [[nodiscard]] physical_handle take_page();     // a spare, else a new one
+  // A failed map(on_failure::undo): the pages it mapped, (page, made by it), go as they came.
+  // Never throws: what the driver refuses to undo stays mapped or spare, counted.
+  void undo_map(std::vector<std::pair<std::size_t, bool>> const& mapped) noexcept;
   void release_page(physical_handle h);          // to the driver, its descriptor closed
   // unmapped_in() of a range that ends past the mapped prefix: page by page
   [[nodiscard]] std::size_t unmapped_past_prefix(device_ptr ptr, std::size_t bytes) const noexcept;

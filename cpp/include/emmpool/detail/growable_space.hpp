@@ -119,6 +119,9 @@ class growable_space {
   /// Memory held and free: mapped bytes inside free blocks, and spare pages (stats'
   /// bytes_free).
   [[nodiscard]] std::size_t free_bytes() const;
+  /// The largest request a free block serves with the pages mapped now (stats'
+  /// largest_free_block): the longest mapped run inside one free block.
+  [[nodiscard]] std::size_t largest_free() const;
   /// Memory held: mapped and spare pages (what the segment counts in reserved).
   [[nodiscard]] std::size_t held_bytes() const noexcept
   {
@@ -135,8 +138,9 @@ class growable_space {
     return cap_->fits(stats_->bytes_reserved, n);
   }
   /// Map [ptr, ptr + bytes) and count it (reserved, maps, creations, a segment event at `at`),
-  /// whether it succeeds or fails part way.
-  void map_counted(device_ptr ptr, std::size_t bytes, device_ptr at, std::uint8_t tag);
+  /// whether it succeeds or fails part way (then kept or undone: `failure`).
+  void map_counted(device_ptr ptr, std::size_t bytes, device_ptr at, std::uint8_t tag,
+                   growable_pages::on_failure failure);
   /// The start of the page holding `ptr`: pages count from the reservation's base, which the
   /// driver aligns to its granularity only (a 20 MiB page is no power of two).
   [[nodiscard]] device_ptr page_start(device_ptr ptr) const noexcept;
