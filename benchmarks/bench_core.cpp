@@ -8,7 +8,7 @@
 //   bench_core --replay [--trace FILE] [--out FILE]  fragmentation replay over host_driver
 //              [--large-segment B] [--small-request B] [--small-segment B]
 //              [--seed S] [--ops N] [--live N]
-//              [--capacity B] [--maximum-size B] [--passthrough] [--growable]
+//              [--capacity B] [--maximum-size B] [--passthrough] [--fixed]
 //
 // Timing: one "pair" is allocate(n) + deallocate(ptr). Each case is warmed up, then timed in
 // blocks of `pairs` pairs (sized to ~20 ms, 5 ms with --quick); a block's time / pairs is one
@@ -74,7 +74,7 @@ struct options {
                "                  [--device N] [--seed S] [--ops N] [--live N]\n"
                "                  [--large-segment B] [--small-request B] [--small-segment B]\n"
                "                  [--capacity B] [--maximum-size B] [--passthrough]   (replay)\n"
-               "                  [--growable]   (--host, --replay: growable segments)\n",
+               "                  [--fixed]   (--host, --replay: fixed segments, not the default growable)\n",
                why);
   std::exit(2);
 }
@@ -113,8 +113,8 @@ options parse(int argc, char** argv)
       o.pool.maximum_size = number();
     } else if (a == "--passthrough") {
       o.pool.mode = emmpool::pool_mode::passthrough;
-    } else if (a == "--growable") {
-      o.pool.segments = emmpool::segment_kind::growable;
+    } else if (a == "--fixed") {
+      o.pool.segments = emmpool::segment_kind::fixed;
     } else if (a == "--large-segment") {
       o.pool.large_segment = number();
     } else if (a == "--small-request") {
@@ -361,7 +361,7 @@ std::string gpu_benchmarks(options const& o, std::vector<result>& out)
   if (pool.growable()) {
     // The default's segments are growable: the same pool on fixed segments beside it, so that
     // what they cost shows in one run (EMMPOOL_SEGMENTS=fixed's pool).
-    auto fixed     = emmpool::process_pool_options();
+    emmpool::pool_options fixed;
     fixed.segments = emmpool::segment_kind::fixed;
     emmpool::device_pool fixed_pool{emmpool::cuda_driver(), o.device, fixed};
     bench_pool(out, "emmpool pool (fixed segments, CUDA)", fixed_pool, o.quick, fence);
@@ -445,11 +445,11 @@ std::string host_benchmarks(options const& o, std::vector<result>& out)
   drv.set_auto_complete(true);  // an idle GPU: a fence completes as soon as it is recorded
   emmpool::device_pool pool{drv, 0, o.pool};
   bench_pool(out, "emmpool pool (host_driver)", pool, o.quick, [] {});
-  if (!pool.growable()) {  // the process-wide pools' default, beside
-    emmpool::pool_options g = o.pool;
-    g.segments              = emmpool::segment_kind::growable;
-    emmpool::device_pool growable{drv, 0, g};
-    bench_pool(out, "emmpool pool (host_driver, growable segments)", growable, o.quick, [] {});
+  if (pool.growable()) {  // fixed segments (EMMPOOL_SEGMENTS=fixed), beside the default
+    emmpool::pool_options f = o.pool;
+    f.segments              = emmpool::segment_kind::fixed;
+    emmpool::device_pool fixed{drv, 0, f};
+    bench_pool(out, "emmpool pool (host_driver, fixed segments)", fixed, o.quick, [] {});
   }
   emmpool::pool_options pt = o.pool;
   pt.mode                  = emmpool::pool_mode::passthrough;

@@ -330,7 +330,7 @@ PYBIND11_MODULE(_core, m)
          py::arg("initial_size") = 0, py::arg("maximum_size") = 0,
          py::arg("maximum_fraction") = 0.0, py::arg("small_request") = pool_options{}.small_request,
          py::arg("small_segment") = pool_options{}.small_segment,
-         py::arg("large_segment") = pool_options{}.large_segment, py::arg("segments") = "fixed",
+         py::arg("large_segment") = pool_options{}.large_segment, py::arg("segments") = "growable",
          py::arg("growable_room") = py::none(),
          py::arg("growable_free_limit") = py::none(),
          py::arg("growable_page_size") = default_growable_page_size, py::keep_alive<1, 2>())

@@ -6,9 +6,16 @@
  *
  * Failed checks print file:line and the test keeps going; REQUIRE(cond) stops the current test
  * (for a condition the rest of the test depends on). An exception escaping a test fails it.
- * The binary runs every test, or the one named argv[1] (else those whose name contains argv[1]);
- * `--list` prints the names.
- * It exits nonzero if any test failed; its last line of output is "N passed, N failed".
+ * The binary runs every test, or the one named by its argument (else those whose name contains
+ * it); `--list` prints the names.
+ *
+ * Variants: `--variant=NAME` runs the tests under a named variant of the code under test, which
+ * the test file reads with check::variant() (the pool tests: which segments a pool uses, see
+ * pool_fixture.hpp). TEST(name) runs under every variant; TEST_ONLY(name, "NAME") only under
+ * that one ("" being the binary run without --variant), and is skipped under another.
+ * It exits nonzero if any test failed; its last line of output is "N passed, N failed" (and
+ * ", N skipped" when tests were skipped). A run in which every test that matched was skipped
+ * exits with check::skipped_exit_code, which CTest reports as skipped (SKIP_RETURN_CODE).
  * Include this header in exactly one translation unit per test binary (it defines main()).
  */
 #pragma once
@@ -27,7 +34,19 @@ namespace check {
 struct test_case {
   char const* name;
   void (*fn)();
+  char const* only;  ///< the one variant the test runs under, or null: every variant
 };
+
+/// What a run in which every matching test was skipped exits with (Automake's, CTest's
+/// SKIP_RETURN_CODE in cpp/tests/CMakeLists.txt).
+inline constexpr int skipped_exit_code = 77;
+
+/// The variant this run tests (--variant=NAME), "" without one.
+inline std::string& variant()
+{
+  static std::string name;
+  return name;
+}
 
 inline std::vector<test_case>& registry()
 {
@@ -42,7 +61,10 @@ inline int& failures_in_current_test()
 }
 
 struct registrar {
-  registrar(char const* name, void (*fn)()) { registry().push_back({name, fn}); }
+  registrar(char const* name, void (*fn)(), char const* only = nullptr)
+  {
+    registry().push_back({name, fn, only});
+  }
 };
 
 /// Thrown by REQUIRE to abandon the current test (already counted as a failure).
@@ -84,6 +106,13 @@ inline void fail(char const* file, int line, std::string const& what)
   static void CHECK_CONCAT(test_fn_, name)();                                         \
   static ::check::registrar CHECK_CONCAT(test_reg_, name){#name,                      \
                                                           &CHECK_CONCAT(test_fn_, name)}; \
+  static void CHECK_CONCAT(test_fn_, name)()
+
+/// A test that runs under one variant only (see the file comment); say why beside it.
+#define TEST_ONLY(name, only_variant)                                                 \
+  static void CHECK_CONCAT(test_fn_, name)();                                         \
+  static ::check::registrar CHECK_CONCAT(test_reg_, name){                            \
+    #name, &CHECK_CONCAT(test_fn_, name), only_variant};                              \
   static void CHECK_CONCAT(test_fn_, name)()
 
 #define CHECK(cond)                                                               \
@@ -162,8 +191,18 @@ inline void fail(char const* file, int line, std::string const& what)
 
 int main(int argc, char** argv)
 {
-  char const* filter = argc > 1 ? argv[1] : nullptr;
-  if (filter != nullptr && std::strcmp(filter, "--list") == 0) {
+  char const* filter = nullptr;
+  bool list          = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--variant=", 10) == 0) {
+      ::check::variant() = argv[i] + 10;
+    } else if (std::strcmp(argv[i], "--list") == 0) {
+      list = true;
+    } else {
+      filter = argv[i];
+    }
+  }
+  if (list) {
     for (auto const& t : ::check::registry()) { std::printf("%s\n", t.name); }
     return 0;
   }
@@ -173,10 +212,15 @@ int main(int argc, char** argv)
   if (filter != nullptr) {
     for (auto const& t : ::check::registry()) { exact = exact || std::strcmp(t.name, filter) == 0; }
   }
-  int passed = 0, failed = 0;
+  int passed = 0, failed = 0, skipped = 0;
   for (auto const& t : ::check::registry()) {
     if (filter != nullptr && (exact ? std::strcmp(t.name, filter) != 0
                                     : std::strstr(t.name, filter) == nullptr)) {
+      continue;
+    }
+    if (t.only != nullptr && ::check::variant() != t.only) {
+      ++skipped;
+      std::printf("[ SKIP ] %s (runs under the variant '%s' only)\n", t.name, t.only);
       continue;
     }
     ::check::failures_in_current_test() = 0;
@@ -201,11 +245,16 @@ int main(int argc, char** argv)
     }
     std::fflush(stdout);
   }
-  if (filter != nullptr && passed + failed == 0) {
+  if (filter != nullptr && passed + failed + skipped == 0) {
     std::printf("no test matches '%s'\n", filter);
     std::printf("0 passed, 1 failed\n");
     return 1;
   }
-  std::printf("%d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  if (skipped != 0) {
+    std::printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+  } else {
+    std::printf("%d passed, %d failed\n", passed, failed);
+  }
+  if (failed != 0) { return 1; }
+  return passed == 0 && skipped != 0 ? ::check::skipped_exit_code : 0;
 }

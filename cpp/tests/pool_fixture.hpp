@@ -1,12 +1,19 @@
 /**
  * @file pool_fixture.hpp
- * @brief What the device_pool tests share: a pool over its own host_driver, and the byte
- * accounting every consistency() check starts from.
+ * @brief What the device_pool tests share: a pool over its own host_driver, on the segments the
+ * run tests, and the byte accounting every consistency() check starts from.
+ *
+ * Segments: the pool-level test binaries run twice (cpp/tests/CMakeLists.txt): as they are,
+ * pools get pool_options' default, growable segments; under --variant=fixed (check.hpp),
+ * fixed ones. A test asks which with test::growable_run(), and one written for one kind only
+ * says so with TEST_ONLY(name, "fixed") or TEST_ONLY(name, "").
  *
  * Each test file keeps its own consistency() for what only it checks (tags, segment counts,
  * peaks). No CHECK here: check.hpp defines main() and belongs to the test file.
  */
 #pragma once
+
+#include "check.hpp"
 
 #include <emmpool/device_pool.hpp>
 #include <emmpool/host_driver.hpp>
@@ -30,6 +37,17 @@ namespace emmpool::test {
 
 inline constexpr std::size_t default_capacity = std::size_t{1} << 34;  // host_driver's default
 
+/// Whether this run tests growable segments (the default), not --variant=fixed.
+[[nodiscard]] inline bool growable_run() { return ::check::variant() != "fixed"; }
+
+/// `o` on the segments this run tests: fixed under --variant=fixed, else as given (the default
+/// growable, or what a growable-only test asked for).
+[[nodiscard]] inline pool_options for_this_run(pool_options o)
+{
+  if (!growable_run()) { o.segments = segment_kind::fixed; }
+  return o;
+}
+
 /// A pool over its own host_driver (declared first: it must outlive the pool).
 struct pool_fixture {
   host_driver drv;
@@ -41,7 +59,7 @@ struct pool_fixture {
     : drv{1, capacity}
   {
     drv.set_vmm_supported(vmm);  // before the pool, which asks when it is built
-    pool = std::make_unique<device_pool>(drv, 0, options);
+    pool = std::make_unique<device_pool>(drv, 0, for_this_run(options));
   }
   device_pool* operator->() { return pool.get(); }
 };

@@ -47,7 +47,7 @@ struct fixture : test::pool_fixture {
 };
 
 /// byte_accounting(), and the peak is at least what is reserved now.
-std::string consistency(fixture& f)
+std::string consistency(test::pool_fixture& f)
 {
   auto const s = f->stats();
   std::string problems = test::byte_accounting(s, f.drv.stats());
@@ -552,14 +552,20 @@ TEST(growable_pages_inside_the_mapped_prefix_and_past_a_hole)
 TEST(growable_a_map_that_fails_part_way_is_counted)
 {
   // Room for two pages: a 5 MiB block makes and maps two, the third cuMemCreate finds the
-  // device full. What was made stays (mapped, under the free block) and is counted, so the
-  // pool's reserved bytes stay the driver's, and the pool serves once there is room.
+  // device full. What was made goes back (a request that fails leaves no more mapped or held
+  // than before it), each step counted, so the pool's reserved bytes stay the driver's, and
+  // the pool serves once there is room.
   fixture f;
   f.drv.set_capacity(0, 2 * page);
   f.drv.fail_next_allocations(1000);  // no fixed segment either
   CHECK_THROWS(f->allocate(5 * MiB), out_of_memory);
   CHECK_EQ(consistency(f), "");
-  CHECK(f->stats().bytes_reserved <= 2 * page);
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(f.drv.stats().bytes_mapped, 0u);
+  CHECK_EQ(f.drv.stats().bytes_physical, 0u);
+  CHECK(f.drv.stats().creates >= 2u);  // it did make pages before it failed
+  CHECK_EQ(f->stats().page_creates, f->stats().page_releases);
+  CHECK_EQ(f->stats().page_maps, f->stats().page_unmaps);
   f.drv.set_capacity(0, 64 * MiB);
   auto const a = f->allocate(5 * MiB);
   CHECK(f.drv.accessible(0, a, 5 * MiB));
@@ -568,6 +574,60 @@ TEST(growable_a_map_that_fails_part_way_is_counted)
   (void)f->trim();
   CHECK_EQ(f->stats().bytes_reserved, 0u);
   CHECK_EQ(f.drv.stats().bytes_physical, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_a_failed_request_leaves_nothing_mapped_and_the_largest_block_is_told)
+{
+  // The default options (20 MiB pages, room for the next requests): a 2 GiB request on a
+  // 1 GiB device maps pages until the device is full, then fails; it must leave the device as
+  // it found it, and the error must say what the pool holds.
+  test::pool_fixture f{pool_options{}, 1024 * MiB};
+  f.drv.fail_next_allocations(1000);  // no fixed segment either
+  try {
+    (void)f->allocate(2048 * MiB);
+    CHECK(false);
+  } catch (out_of_memory const& e) {
+    CHECK(std::string{e.what()}.find("largest block 0 B") != std::string::npos);
+  }
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(f.drv.stats().bytes_mapped, 0u);
+  CHECK_EQ(f.drv.stats().bytes_physical, 0u);
+  CHECK_EQ(consistency(f), "");
+
+  // With a block live and its page's rest free, the largest block is that rest, mapped.
+  auto const a = f->allocate(4 * MiB);
+  auto const s = f->stats();
+  CHECK_EQ(s.bytes_free, s.bytes_reserved - 4 * MiB);
+  CHECK(s.largest_free_block > 0u);
+  CHECK_EQ(s.largest_free_block, s.bytes_free);  // one run, behind a
+  try {
+    (void)f->allocate(2048 * MiB);
+    CHECK(false);
+  } catch (out_of_memory const& e) {
+    CHECK(std::string{e.what()}.find("largest block 0 B") == std::string::npos);
+  }
+  CHECK_EQ(f->stats().bytes_reserved, s.bytes_reserved);  // as before the request
+  f->deallocate(a);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_largest_free_block_is_the_longest_mapped_run_of_a_free_block)
+{
+  fixture f;  // 2 MiB pages, no room
+  auto const a = f->allocate(6 * MiB);   // pages 0-2
+  auto const b = f->allocate(2 * MiB);   // page 3
+  auto const c = f->allocate(4 * MiB);   // pages 4-5
+  f->deallocate(a);
+  f->deallocate(c);
+  f->synchronize();
+  CHECK_EQ(f->stats().largest_free_block, 6 * MiB);  // a's pages, free and mapped
+  CHECK_EQ(f->stats().bytes_free, 10 * MiB);
+  f->deallocate(b);
+  f->synchronize();
+  CHECK_EQ(f->stats().largest_free_block, 12 * MiB);  // coalesced: one run of six pages
+  (void)f->trim();
+  CHECK_EQ(f->stats().largest_free_block, 0u);  // address space alone is no free memory
   CHECK_EQ(consistency(f), "");
 }
 
@@ -601,7 +661,9 @@ TEST(a_legacy_handle_opened_twice_is_closed_twice)
 {
   // Two blocks of one fixed segment export the same handle; the driver maps it once and
   // counts the opens: each close undoes one, the last unmaps.
-  fixture f{pool_options{}};
+  pool_options fixed;
+  fixed.segments = segment_kind::fixed;
+  fixture f{fixed};
   auto const a = f->allocate(3 * MiB);
   auto const b = f->allocate(3 * MiB);
   auto const ha = f->ipc_handle(a);
@@ -641,9 +703,12 @@ TEST(growable_falls_back_to_fixed_segments_without_vmm)
   CHECK_EQ(g->stats().bytes_reserved, 20 * MiB);
   CHECK_EQ(consistency(g), "");
 
-  pool_options fixed;  // the default
+  pool_options fixed;  // asked for
+  fixed.segments = segment_kind::fixed;
   fixture h{fixed};
   CHECK(!h->growable());
+  fixture d{pool_options{}};  // the default: growable
+  CHECK(d->growable());
 }
 
 TEST(growable_and_fixed_memory_do_not_evict_each_other_at_a_new_peak)

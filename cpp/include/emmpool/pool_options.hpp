@@ -21,11 +21,13 @@ inline constexpr std::size_t default_growable_page_size = std::size_t{20} << 20;
 
 enum class pool_mode : std::uint8_t { pool, passthrough };
 
-/// How pool mode gets memory for requests above small_request. `growable`: one address
-/// reservation whose pages are mapped on demand, freed pages kept mapped up to
+/// How pool mode gets memory for requests above small_request. `growable` (the default): one
+/// address reservation whose pages are mapped on demand, freed pages kept mapped up to
 /// growable_free_limit (detail/growable_space.hpp), where the device supports virtual memory
-/// management (fixed elsewhere). Its blocks have no legacy IPC handle (cuIpcGetMemHandle cannot
-/// export VMM memory): their pages are shared as file descriptors instead.
+/// management (fixed elsewhere); it holds less memory than fixed segments on programs that mix
+/// libraries and on shapes that churn (docs/limits.md). Its blocks have no legacy IPC handle
+/// (cuIpcGetMemHandle cannot export VMM memory): their pages are shared as file descriptors
+/// instead. `fixed`: cuMemAlloc segments, each a legacy IPC handle.
 enum class segment_kind : std::uint8_t { fixed, growable };
 
 /// @brief How a pool grows and what it keeps.
@@ -41,7 +43,7 @@ struct pool_options {
                                             ///< unfenced (dormant streams: one device sync)
   bool trace{false};                    ///< record every allocation and free (set_tracing)
   bool segment_events{false};           ///< record segment events (set_segment_events)
-  segment_kind segments{segment_kind::fixed};  ///< see segment_kind
+  segment_kind segments{segment_kind::growable};  ///< see segment_kind
   std::size_t growable_reserve{0};      ///< address space of a growable segment; 0: the
                                         ///< device's memory (at most the cap)
   std::size_t growable_room{20u << 20};  ///< growth maps up to this much of the free block
@@ -85,16 +87,5 @@ struct pool_options {
     return (rounded + segment_granularity - 1) / segment_granularity * segment_granularity;
   }
 };
-
-/// @brief What the process-wide pools (registry.hpp) get unless configured: growable segments
-/// where the device supports them, which hold less memory than fixed ones on programs that
-/// mix libraries and on shapes that churn (docs/limits.md). A pool_options of its own (a
-/// device_pool made directly) keeps fixed segments unless it asks.
-[[nodiscard]] inline pool_options process_pool_options() noexcept
-{
-  pool_options o;
-  o.segments = segment_kind::growable;
-  return o;
-}
 
 }  // namespace emmpool

@@ -84,7 +84,7 @@ class pool_registry {
 
   driver* driver_;
   mutable std::mutex mutex_;
-  pool_options options_{process_pool_options()};
+  pool_options options_{};
   std::size_t pinned_limit_{};
   std::array<std::atomic<device_pool*>, max_devices> pools_{};
   std::array<std::atomic<host_pool*>, max_devices> pinned_{};
