@@ -6,7 +6,8 @@
 #include <cstring>
 #include <iterator>
 
-#include <sys/mman.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 namespace emmpool {
@@ -32,6 +33,7 @@ host_driver::host_driver(int devices, std::size_t capacity)
 host_driver::~host_driver()
 {
   for (auto& [p, n] : host_allocations_) { std::free(p); }
+  for (auto const& e : exports_) { ::close(e.kept); }
 }
 
 void host_driver::check_device(int device) const
@@ -51,6 +53,12 @@ void host_driver::set_auto_complete(bool on)
 {
   std::lock_guard lock{mutex_};
   auto_complete_ = on;
+}
+
+void host_driver::fail_next_device_syncs(int n)
+{
+  std::lock_guard lock{mutex_};
+  fail_device_syncs_ = n;
 }
 
 void host_driver::set_sync_wait(std::function<void()> wait)
@@ -141,7 +149,11 @@ void host_driver::invalidate_device(int device)
 host_driver::counters host_driver::stats() const
 {
   std::lock_guard lock{mutex_};
+  // Exported descriptors closed since the last call let their memory go now: the kernel closed
+  // them already, the model only looks (so a const observer may; no host_driver is const).
+  const_cast<host_driver*>(this)->reap_exports();
   auto c        = counters_;
+  c.live_exports = exports_.size();
   c.live_events = events_.size();
   return c;
 }
@@ -155,6 +167,7 @@ device_ptr host_driver::allocate(int device, std::size_t bytes)
     --fail_allocations_;
     throw out_of_memory{"host_driver: injected allocation failure"};
   }
+  reap_exports();  // memory an exported descriptor held may be free now
   if (bytes == 0) {
     throw cuda_error{"cuMemAlloc", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
   }
@@ -343,6 +356,10 @@ void host_driver::synchronize_device(int device)
 {
   std::unique_lock lock{mutex_};
   check_device(device);
+  if (fail_device_syncs_ > 0) {
+    --fail_device_syncs_;
+    throw cuda_error{"cuCtxSynchronize", injected_code, "CUDA_ERROR_UNKNOWN", EMMPOOL_WHERE};
+  }
   ++counters_.device_syncs;
   for (auto& [e, done] : events_) { done = true; }  // every recorded event has completed
   wait_for_work(lock);
@@ -404,6 +421,7 @@ memory_info host_driver::memory_info_of(int device)
 {
   std::lock_guard lock{mutex_};
   check_device(device);
+  reap_exports();
   auto const d = static_cast<std::size_t>(device);
   return {capacity_[d] - std::min(used_[d], capacity_[d]), capacity_[d]};
 }
@@ -463,10 +481,28 @@ void host_driver::set_vmm_supported(bool on)
   vmm_supported_ = on;
 }
 
+void host_driver::fail_next_creates(int n)
+{
+  std::lock_guard lock{mutex_};
+  fail_creates_ = n;
+}
+
 void host_driver::fail_next_maps(int n)
 {
   std::lock_guard lock{mutex_};
   fail_maps_ = n;
+}
+
+void host_driver::fail_next_exports(int n)
+{
+  std::lock_guard lock{mutex_};
+  fail_exports_ = n;
+}
+
+void host_driver::fail_next_imports(int n)
+{
+  std::lock_guard lock{mutex_};
+  fail_imports_ = n;
 }
 
 void host_driver::fail_next_unmaps(int n)
@@ -536,10 +572,11 @@ physical_handle host_driver::create_physical(int device, std::size_t bytes)
   std::lock_guard lock{mutex_};
   check_device(device);
   auto const d = static_cast<std::size_t>(device);
-  if (fail_maps_ > 0) {
-    --fail_maps_;
+  if (fail_creates_ > 0) {
+    --fail_creates_;
     throw out_of_memory{"host_driver: injected cuMemCreate failure"};
   }
+  reap_exports();  // memory an exported descriptor held may be free now
   if (bytes == 0 || bytes % granularity != 0) {
     throw cuda_error{"cuMemCreate", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
   }
@@ -588,6 +625,10 @@ void host_driver::map_physical(int device, device_ptr at, std::size_t bytes, phy
   auto const invalid = [] {
     return cuda_error{"cuMemMap", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
   };
+  if (fail_maps_ > 0) {
+    --fail_maps_;
+    throw cuda_error{"cuMemMap", injected_code, "CUDA_ERROR_UNKNOWN", EMMPOOL_WHERE};
+  }
   auto hit = handles_.find(h);
   if (hit == handles_.end()) { throw invalid(); }
   auto& mem = memories_.at(hit->second);
@@ -633,32 +674,69 @@ int host_driver::export_physical(int device, physical_handle h)
 {
   std::lock_guard lock{mutex_};
   check_device(device);
+  if (fail_exports_ > 0) {
+    --fail_exports_;
+    throw cuda_error{"cuMemExportToShareableHandle", injected_code, "CUDA_ERROR_UNKNOWN",
+                     EMMPOOL_WHERE};
+  }
   auto it = handles_.find(h);
   if (it == handles_.end() || memories_.at(it->second).device != device) {
     throw cuda_error{"cuMemExportToShareableHandle", invalid_value_code,
                      "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
   }
-  // A real descriptor, as CUDA's: it can be passed over a socket, duplicated and closed.
-  int const fd = ::memfd_create("emmpool-host-memory", MFD_CLOEXEC);
+  // A real descriptor, as CUDA's: it can be passed over a socket, duplicated and closed, and
+  // holds the memory until its last copy is closed (the driver's end then hangs up). It reads
+  // back the memory's number, which the driver's end wrote into it.
+  int pair[2] = {-1, -1};
   std::uint64_t const m = it->second;
-  if (fd < 0 || ::pwrite(fd, &m, sizeof m, 0) != static_cast<ssize_t>(sizeof m)) {
-    if (fd >= 0) { ::close(fd); }
-    throw cuda_error{"cuMemExportToShareableHandle", 999, "CUDA_ERROR_UNKNOWN", EMMPOOL_WHERE};
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0 ||
+      ::send(pair[1], &m, sizeof m, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof m)) {
+    if (pair[0] >= 0) { ::close(pair[0]); }
+    if (pair[1] >= 0) { ::close(pair[1]); }
+    throw cuda_error{"cuMemExportToShareableHandle", injected_code, "CUDA_ERROR_UNKNOWN",
+                     EMMPOOL_WHERE};
   }
+  ::shutdown(pair[1], SHUT_WR);  // nothing more to say: a peek at the other end sees it all
+  exports_.push_back({pair[1], m});
+  ++memories_.at(m).holders;
   ++counters_.exports;
-  return fd;
+  return pair[0];
+}
+
+void host_driver::reap_exports()
+{
+  for (auto it = exports_.begin(); it != exports_.end();) {
+    pollfd p{it->kept, POLLIN | POLLRDHUP, 0};
+    // Nobody writes to an exported descriptor: any event on the driver's end is the last copy
+    // of the other closing.
+    if (::poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLRDHUP | POLLIN)) != 0) {
+      ::close(it->kept);
+      auto const m = it->memory;
+      it = exports_.erase(it);
+      drop_holder(m);
+    } else {
+      ++it;
+    }
+  }
 }
 
 physical_handle host_driver::import_physical(int device, int fd)
 {
   std::lock_guard lock{mutex_};
   check_device(device);
-  std::uint64_t m = 0;
   auto const invalid = [] {
     return cuda_error{"cuMemImportFromShareableHandle", invalid_value_code,
                       "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
   };
-  if (::pread(fd, &m, sizeof m, 0) != static_cast<ssize_t>(sizeof m)) { throw invalid(); }
+  if (fail_imports_ > 0) {
+    --fail_imports_;
+    throw cuda_error{"cuMemImportFromShareableHandle", injected_code, "CUDA_ERROR_UNKNOWN",
+                     EMMPOOL_WHERE};
+  }
+  std::uint64_t m = 0;
+  if (::recv(fd, &m, sizeof m, MSG_PEEK | MSG_DONTWAIT) != static_cast<ssize_t>(sizeof m)) {
+    throw invalid();
+  }
   auto it = memories_.find(m);
   if (it == memories_.end() || it->second.device != device) { throw invalid(); }
   ++it->second.holders;

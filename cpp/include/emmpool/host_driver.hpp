@@ -51,6 +51,9 @@ class host_driver final : public driver {
   void fail_next_event_records(int n);
   /// @brief The next n calls to deallocate() fail with a cuda_error (a sticky error, say).
   void fail_next_deallocations(int n);
+  /// @brief The next n calls to synchronize_device() fail with a cuda_error, waiting for
+  /// nothing (a sticky error: the work it would wait for may still run).
+  void fail_next_device_syncs(int n);
   /// @brief Run `wait` at every synchronize_event() and synchronize_device(), before they
   /// return (and outside the driver's lock): the GPU work they wait for, e.g. a host callback
   /// that needs a lock of the program's (Python's GIL). Empty: none.
@@ -73,11 +76,19 @@ class host_driver final : public driver {
   /// segments). On by default, with 2 MiB pages.
   void set_vmm_supported(bool on);
   /// @brief The next n calls to create_physical() fail with out_of_memory (cuMemCreate).
+  void fail_next_creates(int n);
+  /// @brief The next n calls to map_physical() fail with a cuda_error (cuMemMap).
   void fail_next_maps(int n);
   /// @brief The next n calls to unmap_physical() fail with a cuda_error.
   void fail_next_unmaps(int n);
   /// @brief The next n calls to reserve_address() fail with a cuda_error.
   void fail_next_reservations(int n);
+  /// @brief The next n calls to export_physical() fail with a cuda_error
+  /// (cuMemExportToShareableHandle).
+  void fail_next_exports(int n);
+  /// @brief The next n calls to import_physical() fail with a cuda_error
+  /// (cuMemImportFromShareableHandle).
+  void fail_next_imports(int n);
 
   struct counters {
     std::uint64_t allocations, deallocations, event_records, event_queries, event_syncs;
@@ -98,6 +109,7 @@ class host_driver final : public driver {
     std::size_t live_handles;        ///< created or imported, not released
     std::size_t live_reservations;
     std::size_t bytes_address_reserved;
+    std::size_t live_exports;        ///< exported descriptors some process still holds open
   };
   [[nodiscard]] counters stats() const;
   /// @brief Whether every byte of [ptr, ptr + bytes) is memory a kernel could touch: inside a
@@ -133,9 +145,12 @@ class host_driver final : public driver {
   // VMM, modelled as CUDA checks it: reservations are page aligned; a mapping maps all of one
   // live handle, inside one reservation, page aligned, over no other mapping; an unmap names
   // exactly one mapping; a reservation is freed whole and only once it holds no mapping; the
-  // memory lives while a handle to it (created, or imported from an exported descriptor) or a
-  // mapping of it does. Export gives a real descriptor (a memfd naming the memory), which
-  // import reads back: within one host_driver, as the model has no memory across processes.
+  // memory lives while a handle to it (created, or imported from an exported descriptor), a
+  // mapping of it or an exported descriptor of it does. An exported descriptor is a real one,
+  // one end of a socket pair whose other end the driver keeps: it names the memory (import
+  // reads that back) and, as CUDA's does, holds it for as long as any copy of it is open, in
+  // this process or one it was passed to; the driver sees the last copy close when its own
+  // end hangs up. Within one host_driver: the model has no memory across processes.
   [[nodiscard]] std::size_t vmm_page_size(int device) override;
   [[nodiscard]] device_ptr reserve_address(int device, std::size_t bytes) override;
   void free_address(int device, device_ptr base, std::size_t bytes) override;
@@ -145,6 +160,8 @@ class host_driver final : public driver {
   void unmap_physical(int device, device_ptr at, std::size_t bytes) override;
   [[nodiscard]] int export_physical(int device, physical_handle h) override;
   [[nodiscard]] physical_handle import_physical(int device, int fd) override;
+  /// The one it returns and the end of the pair it keeps.
+  [[nodiscard]] std::size_t descriptors_per_export() const noexcept override { return 2; }
 
  private:
   struct reservation {
@@ -170,6 +187,7 @@ class host_driver final : public driver {
   void wait_for_work(std::unique_lock<std::mutex>& lock);  // sync_wait_, the lock let go
   std::uint64_t live_stream_id(stream_handle stream, char const* call);  // mutex_ held
   void drop_holder(std::uint64_t memory);  // mutex_ held: the memory goes with its last
+  void reap_exports();                     // mutex_ held: exports closed everywhere let go
 
   mutable std::mutex mutex_;
   int devices_;
@@ -184,7 +202,15 @@ class host_driver final : public driver {
   physical_handle next_handle_ = 1;
   std::uint64_t next_memory_ = 1;
   bool vmm_supported_ = true;
+  int fail_creates_ = 0;
   int fail_maps_ = 0;
+  int fail_exports_ = 0;
+  int fail_imports_ = 0;
+  struct exported {
+    int kept;                // the driver's end of the pair; the other end was handed out
+    std::uint64_t memory;
+  };
+  std::vector<exported> exports_;
   std::map<device_ptr, std::size_t> ipc_opens_;  // legacy IPC opens by base
   int fail_unmaps_ = 0;
   int fail_reservations_ = 0;
@@ -213,6 +239,7 @@ class host_driver final : public driver {
   int fail_allocations_ = 0;
   int fail_event_records_ = 0;
   int fail_deallocations_ = 0;
+  int fail_device_syncs_ = 0;
   counters counters_{};
 };
 
