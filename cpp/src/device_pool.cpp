@@ -333,6 +333,14 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, block_owner o
   auto it        = live_block_of(ptr, owner);
   auto const key = keys_.of_free(it->second->alloc_stream, stream);  // may throw: before any change
   auto* blk      = it->second;
+  if (blk->held) {
+    // Another process may still use it (hold()): the caller's pointer is no longer live, but
+    // the block stays in use, unfenced, until the last release_hold() settles this free.
+    index_.live().erase(it);
+    if (trace_.on()) { trace_.record('f', blk->ptr, blk->size, key.handle, blk->tag); }
+    holds_.at(blk->ptr).freed_on = key;
+    return;
+  }
   off_books(it, key);
   settle_freed(blk, key);
 }
@@ -350,7 +358,7 @@ bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, block_own
   auto it    = live.find(ptr);
   // A bad pointer gets its error from deallocate().
   if (it == live.end() || (owner.has_library() && it->second->tag != owner.library()) ||
-      !reuse_rule::free_is_local(*it->second, stream)) {
+      !reuse_rule::free_is_local(*it->second, stream) || it->second->held) {
     return false;
   }
   auto* blk      = it->second;
@@ -372,6 +380,73 @@ void device_pool::record_stream(device_ptr ptr, stream_handle stream)
   }
   // One extra stream per block: the most recent, the one a caller most likely still uses.
   it->second->also_fence = keys_.of_recorded(stream);
+}
+
+device_ptr device_pool::hold(device_ptr ptr)
+{
+  std::lock_guard lock{mutex_};
+  if (forked_) { detail::throw_forked(); }
+  auto* const seg = index_.holding_live(ptr);
+  auto* const blk = seg != nullptr ? const_cast<block*>(index_.block_at(*seg, ptr)) : nullptr;
+  if (blk == nullptr || blk->state != detail::block_state::allocated ||
+      (!blk->held && !index_.owns(blk->ptr))) {
+    throw pool_error{"emmpool: address " + std::to_string(ptr) +
+                     " is no live allocation of this pool to hold"};
+  }
+  auto& h = holds_[blk->ptr];
+  if (h.freed_on) {  // freed while held: nothing live to hold any more
+    throw pool_error{"emmpool: address " + std::to_string(ptr) +
+                     " is no live allocation of this pool to hold (freed)"};
+  }
+  h.blk     = blk;
+  blk->held = true;
+  ++h.count;
+  return blk->ptr;
+}
+
+void device_pool::release_hold(device_ptr at)
+{
+  std::lock_guard lock{mutex_};
+  auto it = holds_.find(at);
+  if (forked_ || it == holds_.end()) { return; }
+  if (--it->second.count != 0) { return; }
+  auto const h = it->second;
+  holds_.erase(it);
+  h.blk->held = false;
+  if (!h.freed_on) { return; }
+  stats_.count_free(h.blk->size, h.blk->tag);
+  // Fenced as any free on its stream; but a record_stream stream may be gone by now (it was
+  // the caller's only until the free): never recorded on, the block waits for a device
+  // synchronization, which covers that stream's work and the free's (a stream with no id is
+  // never named again: reuse_rule.hpp, stream lifetime).
+  auto key = *h.freed_on;
+  if (!h.blk->also_fence.is_none() && !h.blk->also_fence.is_context()) {
+    key                  = stream_ref{h.blk->also_fence.handle, 0};
+    h.blk->also_fence    = stream_ref::none();
+  }
+  settle_freed(h.blk, key);
+}
+
+std::size_t device_pool::held_blocks() const
+{
+  std::lock_guard lock{mutex_};
+  return holds_.size();
+}
+
+void device_pool::release_holds()
+{
+  auto holds = std::move(holds_);
+  holds_.clear();
+  for (auto& [at, h] : holds) {
+    h.blk->held = false;
+    if (h.freed_on) {
+      stats_.count_free(h.blk->size, h.blk->tag);
+      if (!h.blk->also_fence.is_none() && !h.blk->also_fence.is_context()) {
+        h.blk->also_fence = stream_ref::none();  // the reset's drain waits for the device
+      }
+      settle_freed(h.blk, *h.freed_on);
+    }
+  }
 }
 
 void device_pool::settle_freed(block* blk, stream_ref key)

@@ -246,6 +246,15 @@ int growable_pages::export_page(device_ptr ptr)
   return fd;
 }
 
+int growable_pages::exported_at(device_ptr ptr) const noexcept
+{
+  if (ptr < base_ || (ptr - base_) % page_ != 0) { return -1; }
+  std::size_t const p = (ptr - base_) / page_;
+  if (!mapped(p)) { return -1; }
+  auto const it = fds_.find(handles_[p]);
+  return it != fds_.end() ? it->second : -1;
+}
+
 void growable_pages::release()
 {
   (void)unmap_inside(base_, size_, size_, false);

@@ -1,7 +1,14 @@
+#include <emmpool/detail/descriptors.hpp>
 #include <emmpool/detail/growable_space.hpp>
 #include <emmpool/error.hpp>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 namespace emmpool::detail {
 
@@ -299,10 +306,40 @@ void growable_space::throw_no_ipc()
 shared_pages growable_space::share(block const& blk, device_ptr ptr)
 {
   auto const first = page_start(blk.ptr);
+  auto const end   = blk.ptr + blk.size;
+  std::size_t fresh = 0;  // pages exported for the first time: a descriptor each, kept
+  for (auto p = first; p < end; p += page_) { fresh += pages_->exported_at(p) < 0 ? 1 : 0; }
+  reserve_descriptors(fresh * driver_->descriptors_per_export(),
+                      "sharing a block's pages with another process");
   shared_pages out{first, page_, static_cast<std::size_t>(ptr - first),
-                   static_cast<std::size_t>(blk.ptr + blk.size - ptr), {}};
-  for (auto p = first; p < blk.ptr + blk.size; p += page_) { out.fds.push_back(pages_->export_page(p)); }
+                   static_cast<std::size_t>(end - ptr), {}};
+  // A failure part way leaves the pages exported so far with their descriptors, which the
+  // pages keep (and close when they are released): nothing is left to the caller.
+  for (auto p = first; p < end; p += page_) { out.fds.push_back(pages_->export_page(p)); }
   return out;
+}
+
+std::optional<std::vector<int>> growable_space::duplicate_shared(
+  device_ptr first_page, std::size_t page_size, std::vector<int> const& fds) const
+{
+  if (pages_ == nullptr || page_size != page_ || fds.empty()) { return std::nullopt; }
+  for (std::size_t i = 0; i < fds.size(); ++i) {
+    if (fds[i] < 0 || pages_->exported_at(first_page + i * page_) != fds[i]) {
+      return std::nullopt;
+    }
+  }
+  std::vector<int> dups;
+  dups.reserve(fds.size());
+  for (int fd : fds) {
+    int const dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (dup < 0) {
+      for (int d : dups) { ::close(d); }
+      throw pool_error{"emmpool: cannot duplicate a shared page's descriptor for another "
+                       "process: " + std::string{std::strerror(errno)}};
+    }
+    dups.push_back(dup);
+  }
+  return dups;
 }
 
 device_ptr growable_space::page_start(device_ptr ptr) const noexcept

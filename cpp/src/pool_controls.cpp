@@ -145,6 +145,7 @@ void device_pool::reset()
                      "'s pool while a CUDA graph is captured on it (end the capture first)"};
   }
   settle_held_for_capture();
+  release_holds();  // the context goes: what another process imported is its own now
   lanes_.drain_or_abandon(released_);
   settle_released();
   // Free what can be, regardless of deferrals (errors ignored: the context is going anyway).
@@ -200,6 +201,15 @@ std::optional<shared_pages> device_pool::share_pages(device_ptr ptr)
   auto const* blk = index_.block_at(*seg, ptr);
   if (blk == nullptr || blk->state != detail::block_state::allocated) { return std::nullopt; }
   return growable_.share(*blk, ptr);
+}
+
+std::optional<std::vector<int>> device_pool::duplicate_shared_pages(device_ptr first_page,
+                                                                   std::size_t page_size,
+                                                                   std::vector<int> const& fds)
+{
+  std::lock_guard lock{mutex_};  // the pages' descriptors close only under it
+  if (forked_) { return std::nullopt; }
+  return growable_.duplicate_shared(first_page, page_size, fds);
 }
 
 std::vector<layout_block> device_pool::layout() const

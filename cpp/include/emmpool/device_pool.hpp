@@ -58,6 +58,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -197,6 +198,29 @@ class device_pool : private detail::pool_lifecycle {
   /// ipc_handle()'s). The block's pages stay while it is live, exported or not.
   /// @throws cuda_error where the driver cannot export them
   [[nodiscard]] std::optional<shared_pages> share_pages(device_ptr ptr);
+
+  /// @brief Duplicates of the descriptors share_pages() gave for the pages from `first_page`
+  /// on (the sending process's numbers, `fds`), for another process that asks for them (the
+  /// IPC service); std::nullopt where they no longer describe the pages mapped there (the
+  /// block was freed since). The caller owns and closes them. @throws pool_error
+  [[nodiscard]] std::optional<std::vector<int>> duplicate_shared_pages(device_ptr first_page,
+                                                                       std::size_t page_size,
+                                                                       std::vector<int> const& fds);
+
+  /// @brief Keep the live block holding ptr (which may point inside it) from being handed out
+  /// again until as many release_hold() as hold(): memory another process may still read or
+  /// write (an export). Its free while held is taken (the caller's pointer is no longer live,
+  /// a second free is an error) but waits, its bytes still in use, for the last release; then
+  /// it is fenced as any free. A reset() releases every hold.
+  /// @return the block's address, which release_hold() takes
+  /// @throws pool_error if no live block of this pool holds ptr
+  [[nodiscard]] device_ptr hold(device_ptr ptr);
+  /// @brief Undo one hold() of the block at `block`; the last one of a block freed meanwhile
+  /// settles its free. Nothing for a block the pool no longer holds (a reset released it, or
+  /// a forked child's copy of the pool).
+  void release_hold(device_ptr block);
+  /// @brief Blocks held now (hold()), freed or not.
+  [[nodiscard]] std::size_t held_blocks() const;
 
   /// @brief Every block of every segment, in address order (a memory snapshot). A growable
   /// segment counts only its mapped pages in reserved; its free blocks are reported whole.
@@ -352,6 +376,7 @@ class device_pool : private detail::pool_lifecycle {
   void settle_released();                   // released_: into the free lists
   void release_block(block* blk);           // every fence done: into the free lists
   void maintain(stream_ref alive);
+  void release_holds();  // reset(): every hold goes, the held blocks freed meanwhile settle
   // Wait for every pending free, or `only` that stream's (stream_lanes::drain).
   void drain(std::optional<stream_ref> only = std::nullopt);
   void settle_held_for_capture();  // what capture_mode held, fenced now
@@ -374,6 +399,14 @@ class device_pool : private detail::pool_lifecycle {
   detail::trace_log trace_;
   detail::segment_log segment_log_;
   std::vector<block*> released_;  // what the fences reported complete, until settled
+  // Held blocks (hold()), by address: how many holds, and the key of a free that came while
+  // held (none: not freed yet).
+  struct hold_state {
+    block* blk{};
+    std::size_t count{};
+    std::optional<stream_ref> freed_on;
+  };
+  std::map<device_ptr, hold_state> holds_;
   detail::capture_mode capture_;
   // Last: the members above keep the layout (cache lines) of fixed segments' hot path.
   detail::growable_space growable_{*driver_, device_, blocks_, stats_, cap_, segment_log_};

@@ -165,6 +165,9 @@ class driver {
   /// @brief cuMemImportFromShareableHandle of a descriptor another process exported (still the
   /// caller's to close): a handle to map and, when done, release. @throws cuda_error
   [[nodiscard]] virtual physical_handle import_physical(int device, int fd);
+  /// @brief Descriptors one export_physical() keeps open in this process while its result is
+  /// (CUDA: the one it returns), for the count asked of the descriptor limit first.
+  [[nodiscard]] virtual std::size_t descriptors_per_export() const noexcept { return 1; }
 };
 
 /// @brief The process-wide CUDA driver implementation. Loading is deferred to its first call;

@@ -90,9 +90,14 @@ class growable_pages {
   void release();
 
   /// A file descriptor for the mapped page holding `ptr`, exported once per page and kept
-  /// until the page is released (IPC: another process maps it). @throws pool_error if the
-  /// page is not mapped, cuda_error where the driver cannot export it
+  /// until the page is released (IPC: another process maps it). An exported descriptor holds
+  /// its page's memory in the driver while open, here or in a process it was passed to:
+  /// releasing the page closes the pool's. @throws pool_error if the page is not mapped,
+  /// cuda_error where the driver cannot export it
   [[nodiscard]] int export_page(device_ptr ptr);
+  /// The descriptor export_page() gave for the page mapped at `ptr` (a page start), or -1 if
+  /// no page is mapped there or it was never exported.
+  [[nodiscard]] int exported_at(device_ptr ptr) const noexcept;
 
   /// Counters for statistics and tests: driver calls, and pages made and released.
   [[nodiscard]] std::uint64_t maps() const noexcept { return maps_; }

@@ -39,6 +39,7 @@
 #include <cstddef>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace emmpool::detail {
@@ -111,6 +112,14 @@ class growable_space {
   /// process maps them (device_pool::share_pages). @throws cuda_error where the driver cannot
   /// export them (pages made without a shareable handle type)
   [[nodiscard]] shared_pages share(block const& blk, device_ptr ptr);
+  /// Duplicates of the descriptors `fds` (the sending process's numbers, one per page from
+  /// `first_page` on, as share() gave them), for another process that asks for them: only if
+  /// each is what share() gave for the page mapped there now, else std::nullopt (the block
+  /// was freed and its pages moved, released or exported anew). The caller owns and closes
+  /// the duplicates. @throws pool_error if a duplicate cannot be made (none is left open)
+  [[nodiscard]] std::optional<std::vector<int>> duplicate_shared(device_ptr first_page,
+                                                                 std::size_t page_size,
+                                                                 std::vector<int> const& fds) const;
   /// Whether `seg` is this space's segment.
   [[nodiscard]] bool holds(segment const* seg) const noexcept { return seg != nullptr && seg == seg_; }
 
