@@ -281,8 +281,19 @@ class cuda_driver_impl final : public driver {
       auto prop                 = allocation_prop(dev);
       prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
       r = vmm_.cuMemCreate(&h, bytes, &prop, 0);
-      if (r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_INVALID_VALUE) {
-        not_shareable_.fetch_or(bit, std::memory_order_relaxed);
+      if ((r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_INVALID_VALUE) &&
+          (not_shareable_.fetch_or(bit, std::memory_order_relaxed) & bit) == 0) {
+        // Said once per device, where it happens: from now on its growable blocks serve
+        // everything but sharing with another process, which fails naming this.
+        char const* name = nullptr;
+        if (api_.cuGetErrorName == nullptr || api_.cuGetErrorName(r, &name) != CUDA_SUCCESS) {
+          name = "an error";
+        }
+        std::fprintf(stderr,
+                     "emmpool: device %d refuses exportable pages (cuMemCreate with POSIX file "
+                     "descriptors: %s): its growable blocks cannot be shared with another "
+                     "process; EMMPOOL_SEGMENTS=fixed shares blocks with legacy IPC handles\n",
+                     device, name);
       }
     }
     if ((not_shareable_.load(std::memory_order_relaxed) & bit) != 0) {
@@ -341,9 +352,16 @@ class cuda_driver_impl final : public driver {
     scoped_context ctx{*this, device};
     if (vmm_.cuMemExportToShareableHandle == nullptr) { require_vmm_ipc("cuMemExportToShareableHandle"); }
     int fd = -1;
-    check(vmm_.cuMemExportToShareableHandle(&fd, static_cast<CUmemGenericAllocationHandle>(h),
-                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-          "cuMemExportToShareableHandle", EMMPOOL_WHERE);
+    auto const r = vmm_.cuMemExportToShareableHandle(
+      &fd, static_cast<CUmemGenericAllocationHandle>(h), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+      0);
+    auto const bit = std::uint64_t{1} << (static_cast<unsigned>(device) % 64);
+    if (r != CUDA_SUCCESS && (not_shareable_.load(std::memory_order_relaxed) & bit) != 0) {
+      check(r, "cuMemExportToShareableHandle (this device refused exportable pages: "
+               "EMMPOOL_SEGMENTS=fixed shares blocks with legacy IPC handles)",
+            EMMPOOL_WHERE);
+    }
+    check(r, "cuMemExportToShareableHandle", EMMPOOL_WHERE);
     return fd;
   }
 
@@ -551,13 +569,15 @@ class cuda_driver_impl final : public driver {
     if (auto* ctx = k != nullptr ? k->load(std::memory_order_acquire) : nullptr) { return ctx; }
     std::lock_guard lock{contexts_mutex_};
     if (device < 0) { throw std::invalid_argument{"device must be a non-negative ordinal"}; }
+    // The ordinal is checked before anything is sized by it: it may come from another
+    // process (an IPC handle), and a huge one must be an error, not a huge vector.
+    CUdevice dev{};
+    check(api_.cuDeviceGet(&dev, device), "cuDeviceGet", EMMPOOL_WHERE);
     if (static_cast<std::size_t>(device) >= contexts_.size()) {
       contexts_.resize(static_cast<std::size_t>(device) + 1, nullptr);
     }
     auto& ctx = contexts_[static_cast<std::size_t>(device)];
     if (ctx == nullptr) {
-      CUdevice dev{};
-      check(api_.cuDeviceGet(&dev, device), "cuDeviceGet", EMMPOOL_WHERE);
       // Retained until the pool's reset() (release_context); never released at exit, where
       // a release could race with the driver's own teardown.
       check(api_.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain", EMMPOOL_WHERE);

@@ -4,11 +4,25 @@
 #include <limits>
 #include <string>
 
+#include <unistd.h>
+
 namespace emmpool {
+
+void ipc_imports::check_device(int device) const
+{
+  // Another process named it: an ordinal this process lacks is an error of the handle's.
+  auto const count = driver_->device_count();
+  if (device < 0 || device >= count) {
+    throw std::invalid_argument{"emmpool: device " + std::to_string(device) +
+                                " does not exist in this process (" + std::to_string(count) +
+                                " devices): pass the sender's device as this process numbers it"};
+  }
+}
 
 device_ptr ipc_imports::open_pages(int device, std::vector<int> const& fds, std::size_t page_size)
 {
   EMMPOOL_EXPECTS(!fds.empty() && page_size > 0, "an import needs pages");
+  check_device(device);
   // The page count and size come from another process (PyTorch's header): checked, not trusted.
   EMMPOOL_EXPECTS(fds.size() <= std::numeric_limits<std::size_t>::max() / page_size,
                   "an import's pages pass the address space");
@@ -38,8 +52,23 @@ device_ptr ipc_imports::open_pages(int device, std::vector<int> const& fds, std:
   return base;
 }
 
+device_ptr ipc_imports::open_offer(int device, page_offer const& offer)
+{
+  check_device(device);  // before any descriptor arrives
+  auto const fds = ipc_service::fetch(offer);
+  try {
+    auto const base = open_pages(device, fds, offer.page_size);
+    for (int fd : fds) { ::close(fd); }  // imported: the driver holds the memory now
+    return base;
+  } catch (...) {
+    for (int fd : fds) { ::close(fd); }
+    throw;
+  }
+}
+
 device_ptr ipc_imports::open_handle(int device, ipc_bytes const& handle)
 {
+  check_device(device);
   auto const base = driver_->ipc_open(device, handle);
   std::lock_guard lock{mutex_};
   auto const [it, fresh] = open_.try_emplace(base, opened{device, false, 0, {}});

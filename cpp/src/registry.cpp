@@ -133,6 +133,17 @@ ipc_imports& pool_registry::imports()
   return *made;
 }
 
+ipc_service& pool_registry::service()
+{
+  if (auto* p = service_.load(std::memory_order_acquire)) { return *p; }
+  std::lock_guard lock{mutex_};
+  if (auto* p = service_.load(std::memory_order_acquire)) { return *p; }
+  // Never destroyed, as the pools: its thread may serve until the process ends.
+  auto* made = new ipc_service{[this](int device) { return existing_pool(device); }};
+  service_.store(made, std::memory_order_release);
+  return *made;
+}
+
 std::vector<host_pool*> pool_registry::pinned_pools() const
 {
   return existing<host_pool>(pinned_);

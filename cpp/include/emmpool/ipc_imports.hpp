@@ -15,6 +15,7 @@
 #pragma once
 
 #include <emmpool/driver.hpp>
+#include <emmpool/ipc_service.hpp>
 
 #include <cstddef>
 #include <map>
@@ -34,6 +35,10 @@ class ipc_imports {
   /// @throws cuda_error (nothing stays mapped or imported)
   [[nodiscard]] device_ptr open_pages(int device, std::vector<int> const& fds,
                                       std::size_t page_size);
+  /// @brief Map the pages of another process's offer (page_offer: their descriptors asked of
+  /// its IPC service, closed here once imported) on `device`: their base.
+  /// @throws pool_error, cuda_error (nothing stays mapped, imported or open)
+  [[nodiscard]] device_ptr open_offer(int device, page_offer const& offer);
   /// @brief Map another process's legacy IPC handle on `device`. @throws cuda_error
   [[nodiscard]] device_ptr open_handle(int device, ipc_bytes const& handle);
   /// @brief Unmap what open_pages()/open_handle() returned, after a device synchronization.
@@ -52,6 +57,7 @@ class ipc_imports {
                                             // base (the driver counts opens): each close one
   };
   void unmap(device_ptr base, opened const& o) noexcept;  // best effort: the import goes
+  void check_device(int device) const;  // @throws std::invalid_argument: no such device here
 
   driver* driver_;
   mutable std::mutex mutex_;

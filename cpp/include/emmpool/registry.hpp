@@ -11,6 +11,7 @@
 #include <emmpool/device_pool.hpp>
 #include <emmpool/host_pool.hpp>
 #include <emmpool/ipc_imports.hpp>
+#include <emmpool/ipc_service.hpp>
 #include <emmpool/private_pools.hpp>
 
 #include <array>
@@ -66,6 +67,16 @@ class pool_registry {
   private_pools& privates();
   /// @brief Memory other processes share with this one, mapped here (made on first use).
   ipc_imports& imports();
+  /// @brief What this process shares with others: pages' descriptors and leases (made on
+  /// first use; its thread starts with its first offer).
+  ipc_service& service();
+  /// @brief The pool of a device if it exists (null otherwise: none is made).
+  [[nodiscard]] device_pool* existing_pool(int device) const noexcept
+  {
+    return device >= 0 && device < max_devices
+             ? pools_[static_cast<std::size_t>(device)].load(std::memory_order_acquire)
+             : nullptr;
+  }
 
   /// @brief Pools created so far.
   [[nodiscard]] std::vector<device_pool*> pools() const;
@@ -90,6 +101,7 @@ class pool_registry {
   std::array<std::atomic<host_pool*>, max_devices> pinned_{};
   std::atomic<private_pools*> privates_{};
   std::atomic<ipc_imports*> imports_{};
+  std::atomic<ipc_service*> service_{};
 };
 
 }  // namespace emmpool
