@@ -1,8 +1,9 @@
-"""emmpool.ipc over the host driver: what an export holds, how it pickles (descriptors through
-multiprocessing's resource sharer), what the receiver maps and closes, and the errors. Each
-case runs in a fresh interpreter whose process-wide pools take a host driver; the host driver's
-memory lives in one process, so the receiver here is the same process (tests/test_gpu_ipc.py
-crosses processes on a GPU)."""
+"""emmpool.ipc over the host driver: what an export holds and for how long (the lease), how it
+pickles, how a receiver gets the pages (the sending process's IPC service, over a Unix socket),
+what the receiver maps and closes, what it checks, and the errors. Each case runs in a fresh
+interpreter whose process-wide pools take a host driver; the host driver's memory lives in one
+process, so the receiver that maps is the same process (tests/test_gpu_ipc.py crosses processes
+on a GPU), while the lease crosses to a real second process (tests/ipc_receiver.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.processes import run_python
 
 PRELUDE = textwrap.dedent(
     """
-    import pickle
+    import gc, os, pickle, time
     import emmpool, emmpool.ipc
     from emmpool import _core
     MiB = 1 << 20
@@ -22,13 +23,33 @@ PRELUDE = textwrap.dedent(
     pool = _core.pool(0)
     CUPY, NUMBA = 2, 1
 
-    def _is_open(fd):
-        import os
+    def open_fds():
+        # Once multiprocessing's resource sharer has let go of what it handed over: its thread
+        # closes its copy after the receiver took it.
+        n = len(os.listdir("/proc/self/fd"))
+        for _ in range(200):
+            time.sleep(0.01)
+            m = len(os.listdir("/proc/self/fd"))
+            if m == n:
+                return n
+            n = m
+        return n
+
+    def eventually(check, what, seconds=10):
+        # The IPC service's thread lets a block go once the last copy of its lease closed.
+        end = time.monotonic() + seconds
+        while not check():
+            if time.monotonic() > end:
+                raise AssertionError(what)
+            time.sleep(0.01)
+
+    def raises(call, error, words):
         try:
-            os.fstat(fd)
-            return True
-        except OSError:
-            return False
+            call()
+        except error as e:
+            assert words in str(e), e
+        else:
+            raise AssertionError(f"no {error.__name__} ({words})")
     """
 )
 
@@ -44,47 +65,100 @@ def test_a_growable_block_shares_its_pages_and_the_receiver_maps_them():
         p = pool.allocate(5 * MiB, _core.LEGACY_STREAM, CUPY)   # three 2 MiB pages
         h = emmpool.ipc.export(p + 4096, nbytes=1000)
         assert h.kind == "pages" and h.nbytes == 1000 and h.device == 0, h
-        received = pickle.loads(pickle.dumps(h))  # the descriptors, duplicated, sent, detached
-        assert received.kind == "pages" and received._fds != h._fds
-        exported = host.stats()["exports"]
-        with received.open() as mem:
+        received = pickle.loads(pickle.dumps(h))  # the lease duplicated, sent, detached
+        assert received.kind == "pages" and received._lease != h._lease
+        exported, before = host.stats()["exports"], open_fds()
+        with received.open() as mem:  # the pages asked of this process's service
             assert mem.ptr % (2 * MiB) == 4096 and mem.ptr != p + 4096
             assert host.accessible(0, mem.ptr - 4096, 6 * MiB)
             assert host.stats()["imports"] == 3 and _core.ipc_open_count() == 1
-        assert mem.closed and _core.ipc_open_count() == 0
+            assert open_fds() == before + 1  # the import's lease only: the pages' went
+        assert mem.closed and _core.ipc_open_count() == 0 and open_fds() == before
         mem.close()  # once: a second close does nothing
+        assert _core.ipc_service_stats()["served"] == 1
         assert emmpool.ipc.export(p).nbytes == 5 * MiB  # to the block's end
         assert host.stats()["exports"] == exported  # each page is exported once
-        # The handle holds copies of the pool's descriptors: freeing the block and trimming
-        # (the pool closes its own) leaves the handle's open, to be pickled later.
-        pool_fds = set(pool.share_pages(p)[4])
-        late = emmpool.ipc.export(p)
-        assert not pool_fds & set(late._fds)
-        pool.deallocate(p)
-        pool.trim()
-        assert all(_is_open(fd) for fd in late._fds)  # still open
-        # Closing the handle closes them: nothing of this process holds the pages any more.
-        late.close()
-        still = [fd for fd in late._fds if _is_open(fd)]
-        assert not still, f"descriptors {still} still open after close()"
-        late.close()  # twice: nothing
-        assert "closed" in repr(late)
-        for use in (late.open, lambda: pickle.dumps(late)):
-            try:
-                use()
-            except ValueError as e:
-                assert "is closed" in str(e), e
-            else:
-                raise AssertionError("a closed handle was opened or sent")
-        q = pool.allocate(3 * MiB, _core.LEGACY_STREAM, CUPY)
-        with emmpool.ipc.export(q) as h:
-            fds = h._fds
-        assert h._closed and all(not _is_open(fd) for fd in fds)
+        h.close()
+        h.close()  # twice: nothing
+        assert "closed" in repr(h)
+        for use in (h.open, lambda: pickle.dumps(h)):
+            raises(use, ValueError, "is closed")
+        with emmpool.ipc.export(p) as h2:
+            lease = h2._lease
+        assert h2._closed
+        raises(lambda: os.fstat(lease), OSError, "Bad file descriptor")
         """
     )
 
 
-def test_a_fixed_block_shares_its_segments_legacy_handle():
+def test_the_block_is_held_until_every_copy_and_import_is_closed():
+    run(
+        """
+        p = pool.allocate(6 * MiB, _core.LEGACY_STREAM, CUPY)
+        h = emmpool.ipc.export(p)
+        received = pickle.loads(pickle.dumps(h))
+        mem = received.open()
+        in_use = pool.stats()["bytes_in_use"]
+        pool.deallocate(p)  # the sender is done with it: the receivers are not
+        assert pool.held_blocks() == 1 and not pool.owns(p)
+        assert pool.stats()["bytes_in_use"] == in_use  # still in use, by another process
+        raises(lambda: pool.deallocate(p), emmpool.PoolError, "not a live allocation")
+        pool.synchronize()
+        q = pool.allocate(6 * MiB, _core.LEGACY_STREAM, CUPY)
+        assert q != p  # never handed out while held
+        pool.deallocate(q)
+        h.close()
+        received.close()
+        time.sleep(0.05)
+        assert pool.held_blocks() == 1  # the import holds it still
+        mem.close()
+        eventually(lambda: pool.held_blocks() == 0, "the last close let nothing go")
+        assert pool.stats()["bytes_in_use"] == in_use - 6 * MiB
+        pool.synchronize()
+        assert pool.allocate(6 * MiB, _core.LEGACY_STREAM, CUPY) in (p, q)  # reusable now
+
+        # A received copy that is only collected (never closed) lets go as well.
+        r = pool.allocate(6 * MiB, _core.LEGACY_STREAM, CUPY)
+        copy = pickle.loads(pickle.dumps(emmpool.ipc.export(r)))  # the sender's copy: dropped
+        pool.deallocate(r)
+        assert pool.held_blocks() == 1
+        del copy
+        gc.collect()
+        eventually(lambda: pool.held_blocks() == 0, "a collected copy still holds the block")
+        """
+    )
+
+
+def test_a_receiver_in_another_process_holds_the_block_until_it_closes_or_dies():
+    run(
+        """
+        import multiprocessing as mp
+        from tests import ipc_receiver
+        ctx = mp.get_context("spawn")
+        for ending in ("close", "die"):
+            p = pool.allocate(4 * MiB, _core.LEGACY_STREAM, CUPY)
+            inbox, outbox = ctx.Queue(), ctx.Queue()
+            child = ctx.Process(target=ipc_receiver.hold_then, args=(inbox, outbox))
+            child.start()
+            h = emmpool.ipc.export(p, nbytes=MiB)
+            inbox.put(h)
+            assert outbox.get(timeout=60) == ("holding", "pages", MiB)
+            h.close()          # the sender's own copy goes
+            pool.deallocate(p)
+            time.sleep(0.1)
+            assert pool.held_blocks() == 1, ending  # the child's copy holds it
+            inbox.put(ending)
+            if ending == "close":
+                assert outbox.get(timeout=60) == "closed"
+            eventually(lambda: pool.held_blocks() == 0, f"a child that {ending}d held on")
+            inbox.put("done")
+            child.join(60)
+            assert child.exitcode == (0 if ending == "close" else 3), child.exitcode
+        """
+    )
+
+
+def test_a_fixed_block_shares_its_segments_legacy_handle_and_is_held_too():
     run(
         """
         p = pool.allocate(512 << 10, _core.LEGACY_STREAM, NUMBA)  # 1 MiB at most: fixed
@@ -92,8 +166,12 @@ def test_a_fixed_block_shares_its_segments_legacy_handle():
         assert h.kind == "handle", h
         mem = h.open()
         assert mem.ptr == p + 256  # the host driver's one process opens the same segment
+        pool.deallocate(p)
+        assert pool.held_blocks() == 1
         mem.close()
+        h.close()
         assert _core.ipc_open_count() == 0
+        eventually(lambda: pool.held_blocks() == 0, "a legacy handle's block stayed held")
         """
     )
 
@@ -111,12 +189,142 @@ def test_an_exported_array_opens_as_the_same_array():
             cai = mem.__cuda_array_interface__
             assert cai["shape"] == (256, 512) and cai["typestr"] == "<f4"
             assert cai["data"] == (mem.ptr, False)
-        try:
-            mem.__cuda_array_interface__
-        except ValueError as e:
-            assert "closed" in str(e)
-        else:
-            raise AssertionError("a closed import still described its array")
+        raises(lambda: mem.__cuda_array_interface__, ValueError, "closed")
+        """
+    )
+
+
+def test_open_checks_what_a_handle_describes_before_it_maps_anything():
+    run(
+        """
+        p = pool.allocate(5 * MiB, _core.LEGACY_STREAM, CUPY)   # three 2 MiB pages
+        good = emmpool.ipc.export(p + MiB, nbytes=MiB)
+
+        def tampered(**change):
+            copy = pickle.loads(pickle.dumps(good))
+            for name, value in change.items():
+                setattr(copy, name, value)
+            return copy
+
+        tampered().close()  # multiprocessing's resource sharer listens from its first use on
+        fds = open_fds()
+
+        offer = good._offer
+        cases = [
+            (dict(nbytes=1 << 40), "pass the"),                      # 1 TiB of three pages
+            (dict(_offset=6 * MiB), "pass the"),                     # past the pages
+            (dict(nbytes=-1), "not a byte count"),
+            (dict(_offset=-4096), "not a byte count"),
+            (dict(device=True), "device must be an integer"),
+            (dict(device=1 << 40), "CUDA device ordinal"),
+            (dict(_extent=8 * MiB), "are not"),                      # pages and extent differ
+            (dict(_offer=offer[:5] + ((),)), "not described"),       # no pages
+            (dict(_offer=offer[:4] + (0,) + offer[5:]), "not described"),
+            (dict(_offer=offer[:1] + (b"short",) + offer[2:]), "not named"),
+            (dict(_array={"shape": (1 << 20,), "typestr": "<f8", "strides": None}), "spans"),
+            (dict(_array={"shape": (-1,), "typestr": "<f4", "strides": None}), "not described"),
+            (dict(_array={"shape": (4,), "typestr": "<f4", "strides": (4, 4)}), "not described"),
+        ]
+        for change, words in cases:
+            h = tampered(**change)
+            raises(h.open, ValueError, words)
+            h.close()
+        # A device this process lacks: refused before anything is asked of the sender.
+        h = tampered(device=1000)
+        raises(h.open, ValueError, "does not exist in this process")
+        h.close()
+        served = _core.ipc_service_stats()["served"]
+        assert served == 0 and _core.ipc_open_count() == 0 and host.stats()["imports"] == 0
+        assert open_fds() == fds, "a refused open left descriptors open"
+        """
+    )
+
+
+def test_the_sender_refuses_a_wrong_secret_and_pages_it_no_longer_holds():
+    run(
+        """
+        p = pool.allocate(5 * MiB, _core.LEGACY_STREAM, CUPY)
+        h = emmpool.ipc.export(p)
+        address, secret, sender, first, page_size, fds = h._offer
+
+        def offer_open(**change):
+            args = dict(address=address, secret=secret, sender_device=sender, first_page=first,
+                        page_size=page_size, fds=list(fds))
+            args.update(change)
+            return _core.ipc_open_offer(0, **args)
+
+        before = open_fds()
+        raises(lambda: offer_open(secret=bytes(16)), emmpool.PoolError, "secret")
+        raises(lambda: offer_open(fds=[fds[1], fds[0], fds[2]]), emmpool.PoolError,
+               "no longer holds")                                     # not these pages
+        raises(lambda: offer_open(first_page=first + page_size), emmpool.PoolError,
+               "no longer holds")
+        raises(lambda: offer_open(sender_device=7), emmpool.PoolError, "no longer holds")
+        raises(lambda: offer_open(address=b"\\0emmpool-nobody"), emmpool.PoolError,
+               "cannot reach")
+        assert _core.ipc_service_stats()["refused"] == 4
+        assert open_fds() == before and _core.ipc_open_count() == 0  # nothing received stays
+        # The block freed and its lease gone: its pages go back, the pool closing its
+        # descriptors of them (an exported descriptor holds its memory in the driver), and an
+        # offer of them (a copy of the handle's description, without its lease) is refused,
+        # never served with whatever lies there now.
+        h.close()
+        pool.deallocate(p)
+        eventually(lambda: pool.held_blocks() == 0, "held after its lease closed")
+        pool.trim()
+        assert host.stats()["live_exports"] == 0 and host.stats()["bytes_physical"] == 0
+        raises(offer_open, emmpool.PoolError, "no longer holds")
+        q = pool.allocate(5 * MiB, _core.LEGACY_STREAM, CUPY)  # the same address, new pages
+        assert q == p
+        raises(offer_open, emmpool.PoolError, "no longer holds")
+        """
+    )
+
+
+def test_a_close_whose_synchronization_failed_can_be_retried():
+    run(
+        """
+        p = pool.allocate(3 * MiB, _core.LEGACY_STREAM, CUPY)
+        h = emmpool.ipc.export(p)
+        mem = h.open()
+        h.close()
+        pool.deallocate(p)
+        host.fail_next_device_syncs(1)
+        raises(mem.close, emmpool.CudaError, "cuCtxSynchronize")
+        assert not mem.closed and _core.ipc_open_count() == 1
+        time.sleep(0.05)
+        assert pool.held_blocks() == 1  # still mapped here: the sender keeps the block
+        mem.close()
+        assert mem.closed and _core.ipc_open_count() == 0
+        eventually(lambda: pool.held_blocks() == 0, "a retried close let nothing go")
+        """
+    )
+
+
+def test_descriptors_are_counted_against_the_limit_before_any_is_opened():
+    run(
+        """
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        p = pool.allocate(200 * MiB, _core.LEGACY_STREAM, CUPY)   # 100 pages of 2 MiB
+        # Room below the hard limit: the soft one is raised as far as the export needs.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_fds() + 20, hard))
+        h = emmpool.ipc.export(p)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= open_fds()
+        mem = h.open()  # 100 more for the moment of the import: raised again
+        mem.close()
+        # No room: refused, saying so, before any descriptor was made.
+        q = pool.allocate(200 * MiB, _core.LEGACY_STREAM, CUPY)
+        limit = open_fds() + 20
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+        fds, exports = open_fds(), host.stats()["exports"]
+        raises(lambda: emmpool.ipc.export(q), emmpool.PoolError, "file descriptors")
+        assert open_fds() == fds and host.stats()["exports"] == exports
+        assert pool.held_blocks() == 1  # h's block: q's lease went with the failure
+        raises(h.open, emmpool.PoolError, "ulimit -n")  # the receiver's side too
+        assert open_fds() == fds and _core.ipc_open_count() == 0
+        h.close()
+        eventually(lambda: pool.held_blocks() == 0, "held after the export failed")
         """
     )
 
@@ -126,40 +334,17 @@ def test_what_is_not_emmpools_is_refused_saying_why():
         """
         p = pool.allocate(MiB, _core.LEGACY_STREAM, CUPY)
         for bad, words in [(12345, "no live block"), (p + 2 * MiB, "no live block")]:
-            try:
-                emmpool.ipc.export(bad)
-            except ValueError as e:
-                assert words in str(e), e
-            else:
-                raise AssertionError(f"{bad:#x} was exported")
-        try:
-            emmpool.ipc.export(p, nbytes=2 * MiB)
-        except ValueError as e:
-            assert "pass the end of its block" in str(e), e
-        else:
-            raise AssertionError("more than the block was exported")
-        try:
-            emmpool.ipc.export("p")
-        except TypeError as e:
-            assert "device address" in str(e), e
-        else:
-            raise AssertionError("a str was taken for an address")
+            raises(lambda: emmpool.ipc.export(bad), ValueError, words)
+        raises(lambda: emmpool.ipc.export(p, nbytes=2 * MiB), ValueError,
+               "pass the end of its block")
+        raises(lambda: emmpool.ipc.export("p"), TypeError, "device address")
         class Reversed:  # an array viewed backwards: its memory lies before its first element
             __cuda_array_interface__ = {"data": (p + 1024, False), "shape": (256,),
                                         "typestr": "<f4", "strides": (-4,), "version": 3}
-        try:
-            emmpool.ipc.export(Reversed())
-        except ValueError as e:
-            assert "negative strides" in str(e), e
-        else:
-            raise AssertionError("an array with negative strides was exported")
+        raises(lambda: emmpool.ipc.export(Reversed()), ValueError, "negative strides")
         pool.deallocate(p)
-        try:
-            emmpool.ipc.export(p)
-        except ValueError as e:
-            assert "while it is allocated" in str(e), e
-        else:
-            raise AssertionError("a freed block was exported")
+        raises(lambda: emmpool.ipc.export(p), ValueError, "while it is allocated")
+        assert pool.held_blocks() == 0 and _core.ipc_service_stats()["leases"] == 0
         """
     )
 
@@ -239,18 +424,18 @@ def test_numbas_handle_of_a_growable_block_carries_its_pages(numba_package):
         # offset: from the block's first page, as Numba's is from its allocation's start
         assert h.size == 1000 and h.offset == 2 * MiB + 4096, (h.size, h.offset)
         assert h.shared.kind == "pages" and h.shared.nbytes == 1000
-        assert len(h.shared._fds) == 3  # the block's pages
+        assert len(h.shared._offer[5]) == 3  # the block's pages
         assert h.source_info == ctx.device.get_device_identity() and h.base is not None
         raises(lambda: h.handle, AttributeError, "no legacy CUDA IPC handle")
         assert not hasattr(h, "handle")
         raises(lambda: h.open(ctx), ValueError, "opening IpcHandle from original process")
         h.close()  # never opened: nothing to do
 
-        received = pickle.loads(pickle.dumps(h))  # the descriptors, duplicated, sent, detached
+        received = pickle.loads(pickle.dumps(h))  # the lease duplicated, sent, detached
         assert type(received) is type(h) and received.base is None
         assert (received.size, received.offset, received.source_info) == (1000, h.offset,
                                                                            h.source_info)
-        assert received.shared._fds != h.shared._fds
+        assert received.shared._lease != h.shared._lease
         received.close()  # not opened yet: nothing
         got = received.open(ctx)
         assert isinstance(got, driver.MemoryPointer) and got.size == 1000
@@ -281,7 +466,7 @@ def test_numbas_handle_of_a_growable_block_carries_its_pages(numba_package):
         # open_array, and an IpcArrayHandle (devarr.get_ipc_handle()) as the receiver opens it.
         f32 = np.dtype(np.float32)
         whole = manager.get_ipc_handle(memory)
-        assert whole.size == 5 * MiB and whole.offset == 0 and len(whole.shared._fds) == 3
+        assert whole.size == 5 * MiB and whole.offset == 0 and len(whole.shared._offer[5]) == 3
         received = pickle.loads(pickle.dumps(whole))
         arr = received.open_array(ctx, shape=(5 * MiB // 4,), dtype=f32)
         data = arr.__cuda_array_interface__["data"][0]

@@ -85,7 +85,11 @@ C_ENTRIES = textwrap.dedent(
     open_pages = fn("emmpool_ipc_open_pages", c.c_void_p, c.c_int, c.POINTER(c.c_int32),
                     c.c_size_t, c.c_uint64, E)
     close = fn("emmpool_ipc_close", None, c.c_void_p)
-    assert abi() == 5
+    service = fn("emmpool_ipc_service", c.c_long, c.c_char_p, c.c_size_t, c.c_char_p, E)
+    open_offer = fn("emmpool_ipc_open_offer", c.c_void_p, c.c_int, c.c_char_p, c.c_size_t,
+                    c.c_char_p, c.c_int, c.c_uint64, c.c_uint64, c.POINTER(c.c_int32),
+                    c.c_size_t, E)
+    assert abi() == 6
 
     def snapshot():
         v = Stats()
@@ -125,6 +129,20 @@ C_ENTRIES = textwrap.dedent(
     base = open_pages(0, fds, 2, pages.page_size, c.byref(why))
     assert base and base != p, why.message
     close(base)
+    # ... and as a receiver on emmpool asks for them: of the sender's IPC service, by its
+    # address and secret (the trailer of the extension's handle), no descriptor of ours sent.
+    address, secret = c.create_string_buffer(8), c.create_string_buffer(16)
+    n = service(address, 8, secret, c.byref(why))
+    assert n > 8, why.message  # the room was short: asked again with more
+    address = c.create_string_buffer(n)
+    assert service(address, n, secret, c.byref(why)) == n and address.raw[0] == 0
+    base = open_offer(0, address.raw, n, secret.raw, 0, pages.first_page, pages.page_size, fds,
+                      2, c.byref(why))
+    assert base and base != p, why.message
+    close(base)
+    assert not open_offer(0, address.raw, n, bytes(16), 0, pages.first_page, pages.page_size,
+                          fds, 2, c.byref(why))
+    assert b"secret" in why.message, why.message
     handle, offset = c.create_string_buffer(64), c.c_size_t(99)
     assert ipc(p, 0, handle, c.byref(offset), c.byref(why)) == -1
     assert b"no legacy IPC handle" in why.message, why.message

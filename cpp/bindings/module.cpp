@@ -267,9 +267,13 @@ PYBIND11_MODULE(_core, m)
     .def("fail_next_allocations", &host_driver::fail_next_allocations, py::arg("n"))
     .def("fail_next_event_records", &host_driver::fail_next_event_records, py::arg("n"))
     .def("fail_next_deallocations", &host_driver::fail_next_deallocations, py::arg("n"))
+    .def("fail_next_device_syncs", &host_driver::fail_next_device_syncs, py::arg("n"))
     .def("set_vmm_supported", &host_driver::set_vmm_supported, py::arg("on"),
          "Off: the device lacks virtual memory management (growable segments fall back).")
+    .def("fail_next_creates", &host_driver::fail_next_creates, py::arg("n"))
     .def("fail_next_maps", &host_driver::fail_next_maps, py::arg("n"))
+    .def("fail_next_exports", &host_driver::fail_next_exports, py::arg("n"))
+    .def("fail_next_imports", &host_driver::fail_next_imports, py::arg("n"))
     .def("fail_next_unmaps", &host_driver::fail_next_unmaps, py::arg("n"))
     .def("fail_next_reservations", &host_driver::fail_next_reservations, py::arg("n"))
     .def("accessible", &host_driver::accessible, py::arg("device"), py::arg("ptr"),
@@ -305,6 +309,7 @@ PYBIND11_MODULE(_core, m)
       out["imports"]           = c.imports;
       out["bytes_physical"]    = c.bytes_physical;
       out["live_handles"]      = c.live_handles;
+      out["live_exports"]      = c.live_exports;
       out["live_reservations"] = c.live_reservations;
       return out;
     });
@@ -363,6 +368,10 @@ PYBIND11_MODULE(_core, m)
     .def("record_stream", without_gil(&device_pool::record_stream), py::arg("ptr"),
          py::arg("stream"))
     .def("owns", without_gil(&device_pool::owns), py::arg("ptr"))
+    .def("hold", without_gil(&device_pool::hold), py::arg("ptr"),
+         "Keep the block holding ptr from reuse until release_hold(): its address.")
+    .def("release_hold", without_gil(&device_pool::release_hold), py::arg("block"))
+    .def("held_blocks", without_gil(&device_pool::held_blocks))
     .def(
       "ipc_handle",
       [](device_pool& p, device_ptr ptr) -> py::object {
@@ -591,13 +600,58 @@ PYBIND11_MODULE(_core, m)
     "For tests without a GPU: the process-wide pools (and so the CuPy and PyTorch entry "
     "points) use this HostDriver. Only before the first pool exists.");
   m.def(
-    "ipc_open_pages",
-    [](int device, std::vector<int> const& fds, std::size_t page_size) {
-      return caller_lock::without_caller_lock(
-        [&] { return pool_registry::instance().imports().open_pages(device, fds, page_size); });
+    "ipc_service_info",
+    [] {
+      auto& service = pool_registry::instance().service();
+      auto const address = service.address();
+      auto const secret  = service.secret();
+      return py::make_tuple(py::bytes(address),
+                            py::bytes(reinterpret_cast<char const*>(secret.data()), secret.size()));
     },
-    py::arg("device"), py::arg("fds"), py::arg("page_size"),
-    "Map pages another process shared (descriptors of this process) on a device: their base.");
+    "(address, secret) of this process's IPC service, started on first use (ipc_service.hpp).");
+  m.def(
+    "ipc_service_stats",
+    [] {
+      auto& service = pool_registry::instance().service();
+      py::dict out;
+      out["leases"]  = service.leases();
+      out["served"]  = service.served();
+      out["refused"] = service.refused();
+      return out;
+    },
+    "Leases open, requests served and refused by this process's IPC service.");
+  m.def(
+    "ipc_lease",
+    [](int device, device_ptr ptr) {
+      return caller_lock::without_caller_lock(
+        [&] { return pool_registry::instance().service().lease(device, ptr); });
+    },
+    py::arg("device"), py::arg("ptr"),
+    "Hold the block of the device's pool holding ptr until every copy of the returned "
+    "descriptor is closed, in any process: (descriptor, block address).");
+  m.def(
+    "ipc_open_offer",
+    [](int device, py::bytes address, py::bytes secret, int sender_device, device_ptr first_page,
+       std::size_t page_size, std::vector<int> const& fds) {
+      page_offer offer;
+      offer.address = std::string{address};
+      auto const key = std::string{secret};
+      if (key.size() != offer.secret.size()) {
+        throw std::invalid_argument{"an IPC service's secret has 16 bytes, not " +
+                                    std::to_string(key.size())};
+      }
+      std::memcpy(offer.secret.data(), key.data(), key.size());
+      offer.device     = sender_device;
+      offer.first_page = first_page;
+      offer.page_size  = page_size;
+      offer.fds        = fds;
+      return caller_lock::without_caller_lock(
+        [&] { return pool_registry::instance().imports().open_offer(device, offer); });
+    },
+    py::arg("device"), py::arg("address"), py::arg("secret"), py::arg("sender_device"),
+    py::arg("first_page"), py::arg("page_size"), py::arg("fds"),
+    "Map another process's pages on a device, their descriptors asked of its IPC service: "
+    "their base.");
   m.def(
     "ipc_open_handle",
     [](int device, py::bytes handle) {

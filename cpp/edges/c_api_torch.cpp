@@ -314,6 +314,47 @@ EMMPOOL_C_API void* emmpool_ipc_open_pages(int device, std::int32_t const* fds, 
   });
 }
 
+EMMPOOL_C_API long emmpool_ipc_service(char* address, std::size_t n, unsigned char* secret,
+                                        emmpool_error* error)
+{
+  return without_caller_lock([&]() noexcept -> long {
+    try {
+      auto& service   = registry().service();
+      auto const name = service.address();
+      auto const key  = service.secret();
+      std::memcpy(address, name.data(), std::min(n, name.size()));
+      std::memcpy(secret, key.data(), key.size());
+      return static_cast<long>(name.size());
+    } catch (...) {
+      report(error);
+    }
+    return -1;
+  });
+}
+
+EMMPOOL_C_API void* emmpool_ipc_open_offer(int device, char const* address,
+                                           std::size_t address_size, unsigned char const* secret,
+                                           int sender_device, std::uint64_t first_page,
+                                           std::uint64_t page_size, std::int32_t const* fds,
+                                           std::size_t n, emmpool_error* error)
+{
+  return without_caller_lock([&]() noexcept -> void* {
+    try {
+      emmpool::page_offer offer;
+      offer.address.assign(address, address_size);
+      std::memcpy(offer.secret.data(), secret, offer.secret.size());
+      offer.device     = sender_device;
+      offer.first_page = first_page;
+      offer.page_size  = page_size;
+      offer.fds.assign(fds, fds + n);
+      return reinterpret_cast<void*>(registry().imports().open_offer(device, offer));
+    } catch (...) {
+      report(error);
+    }
+    return nullptr;
+  });
+}
+
 EMMPOOL_C_API void emmpool_ipc_close(void* base)
 {
   without_caller_lock([&]() noexcept {

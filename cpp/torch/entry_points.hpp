@@ -42,6 +42,7 @@ void* const no_stream = reinterpret_cast<void*>(std::uintptr_t{1});  // CU_STREA
   X(emmpool_torch_ipc_handle) X(emmpool_torch_set_maximum) X(emmpool_torch_maximum)          \
   X(emmpool_torch_reserve_outside) X(emmpool_torch_layout) X(emmpool_torch_watch_segments)   \
   X(emmpool_ipc_share_pages) X(emmpool_ipc_open_pages) X(emmpool_ipc_close)                  \
+  X(emmpool_ipc_service) X(emmpool_ipc_open_offer)                                           \
   X(emmpool_torch_segment_events) X(emmpool_private_create_or_incref)                        \
   X(emmpool_private_use_count) X(emmpool_private_set_use_on_oom)                             \
   X(emmpool_private_set_no_split) X(emmpool_private_begin) X(emmpool_private_end)            \

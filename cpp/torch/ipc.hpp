@@ -12,9 +12,15 @@
 //        pidfd_open + pidfd_getfd and imports.
 // emmpool's growable blocks are sent as 'e' (their pages, emmpool_ipc_share_pages, keep their
 // descriptors open while the block lives: PyTorch's protocol keeps the sender's block alive
-// until every receiver let go of it), its fixed blocks as bare 64-byte handles. Received 'e'
-// handles are mapped by emmpool_ipc_open_pages; both kinds are opened once per process and
-// closed when the last tensor over them dies.
+// until every receiver let go of it), followed by emmpool's trailer (share_trailer below:
+// where the sender's IPC service listens, its secret, the sender's device and first page).
+// PyTorch's own reader stops after the descriptors, so a receiver on PyTorch's allocator reads
+// the handle as its own. An emmpool receiver that finds the trailer asks the sender's service
+// for the pages' descriptors (emmpool_ipc_open_offer: a Unix socket, no ptrace rights over the
+// sender needed, which pidfd_getfd needs and Yama's ptrace_scope=1 or a container may deny);
+// without it (a sender on PyTorch's expandable segments) it copies them with pidfd_getfd.
+// Fixed blocks go as bare 64-byte handles. Both kinds are opened once per process and closed
+// when the last tensor over them dies.
 #pragma once
 
 #include "entry_points.hpp"
@@ -51,6 +57,42 @@ struct share_header {
 };
 static_assert(sizeof(share_header) == 24, "PyTorch's ShareHeader");
 
+// emmpool's trailer after an 'e' handle's descriptors, then `address_size` bytes: the sender's
+// IPC service address.
+struct share_trailer {
+  char magic[8];
+  std::int32_t device;          // the sender's
+  std::uint32_t address_size;
+  std::uint64_t first_page;     // in the sender
+  unsigned char secret[16];
+};
+static_assert(sizeof(share_trailer) == 40, "emmpool's share trailer");
+constexpr char trailer_magic[8] = {'E', 'M', 'M', 'P', 'O', 'O', 'L', '1'};
+
+// This process's IPC service, asked once.
+struct service_info {
+  std::string address;
+  unsigned char secret[16];
+};
+service_info const& this_service()
+{
+  static service_info const info = [] {
+    service_info out{};
+    std::string address(128, '\0');
+    emmpool_error error{};
+    auto n = api.emmpool_ipc_service(address.data(), address.size(), out.secret, &error);
+    if (n > static_cast<long>(address.size())) {
+      address.resize(static_cast<std::size_t>(n));
+      n = api.emmpool_ipc_service(address.data(), address.size(), out.secret, &error);
+    }
+    if (n < 0) { raise(std::string{"emmpool: cannot share this CUDA tensor: "} + error.message); }
+    address.resize(static_cast<std::size_t>(n));
+    out.address = std::move(address);
+    return out;
+  }();
+  return info;
+}
+
 // The handle of the block at ptr on the current device, and ptr's offset from what it maps.
 cca::ShareableHandle share_block(void* ptr)
 {
@@ -68,11 +110,20 @@ cca::ShareableHandle share_block(void* ptr)
   if (r == 0) {  // a growable block: its pages
     share_header const header{static_cast<std::int32_t>(::getpid()), 0, pages.page_size,
                                pages.pages};
+    auto const& service = this_service();
+    share_trailer trailer{};
+    std::memcpy(trailer.magic, trailer_magic, sizeof trailer.magic);
+    trailer.device       = device;
+    trailer.address_size = static_cast<std::uint32_t>(service.address.size());
+    trailer.first_page   = pages.first_page;
+    std::memcpy(trailer.secret, service.secret, sizeof trailer.secret);
     std::string out;
     out.push_back(handle_version);
     out.push_back(expandable_handle);
     out.append(reinterpret_cast<char const*>(&header), sizeof header);
     out.append(reinterpret_cast<char const*>(fds.data()), sizeof(std::int32_t) * pages.pages);
+    out.append(reinterpret_cast<char const*>(&trailer), sizeof trailer);
+    out.append(service.address);
     return {static_cast<std::ptrdiff_t>(pages.offset), out};
   }
   unsigned char handle[CUDA_IPC_HANDLE_SIZE];  // a fixed segment's legacy handle
@@ -144,17 +195,36 @@ class ipc_opened {
     TORCH_CHECK(handle.size() >= 2 + sizeof(share_header), "emmpool: ill-formed CUDA IPC handle");
     share_header header{};
     std::memcpy(&header, handle.data() + 2, sizeof header);
-    auto const per_page = header.pages == 0
-                            ? 0
-                            : (handle.size() - 2 - sizeof header) / header.pages;
-    TORCH_CHECK(header.pages > 0 && per_page == sizeof(std::int32_t),
+    auto const body    = handle.size() - 2 - sizeof header;  // descriptors, and a trailer
+    auto const* pages  = handle.data() + 2 + sizeof header;
+    auto const fds_end = header.pages <= body / sizeof(std::int32_t)
+                           ? header.pages * sizeof(std::int32_t)
+                           : body + 1;
+    share_trailer trailer{};
+    if (header.pages > 0 && fds_end <= body && body - fds_end >= sizeof trailer) {
+      std::memcpy(&trailer, pages + fds_end, sizeof trailer);
+    }
+    bool const offered = std::memcmp(trailer.magic, trailer_magic, sizeof trailer.magic) == 0 &&
+                         body - fds_end - sizeof trailer == trailer.address_size;
+    TORCH_CHECK(header.pages > 0 && (offered || fds_end == body),
                 "emmpool: this CUDA tensor's pages were shared as fabric handles (PyTorch's "
                 "CU_MEM_HANDLE_TYPE_FABRIC), which emmpool does not import");
-    auto fds = take_descriptors(header, handle.data() + 2 + sizeof header);
     emmpool_error error{};
-    void* base = api.emmpool_ipc_open_pages(device, fds.data(), fds.size(), header.page_size,
-                                            &error);
-    for (int fd : fds) { ::close(fd); }  // imported: the driver holds the memory now
+    void* base = nullptr;
+    if (offered) {
+      // An emmpool sender: its service hands the descriptors over a socket.
+      std::vector<std::int32_t> theirs(header.pages);
+      std::memcpy(theirs.data(), pages, fds_end);
+      base = api.emmpool_ipc_open_offer(device, pages + fds_end + sizeof trailer,
+                                        trailer.address_size, trailer.secret, trailer.device,
+                                        trailer.first_page, header.page_size, theirs.data(),
+                                        theirs.size(), &error);
+    } else {
+      auto fds = take_descriptors(header, pages);  // PyTorch's own expandable segments
+      base = api.emmpool_ipc_open_pages(device, fds.data(), fds.size(), header.page_size,
+                                        &error);
+      for (int fd : fds) { ::close(fd); }  // imported: the driver holds the memory now
+    }
     if (base == nullptr) {
       raise(std::string{"emmpool: cannot map this CUDA tensor's pages: "} + error.message);
     }

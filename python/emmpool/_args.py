@@ -49,9 +49,9 @@ def size(value) -> int:
 
 
 def device(value, name: str = "device") -> int:
-    """A CUDA device ordinal: an integer >= 0."""
+    """A CUDA device ordinal: an integer >= 0 (and below 2**31, as CUDA's are ints)."""
     ordinal = integer(value, name, "a CUDA device ordinal, 0 for the first GPU")
-    if ordinal < 0:
+    if not 0 <= ordinal < 1 << 31:
         raise ValueError(f"{name} must be a CUDA device ordinal (0 for the first GPU), not "
                          f"{ordinal}")
     return ordinal

@@ -9,25 +9,38 @@ into addresses of its own. (The Numba plugin's ``get_ipc_handle`` wraps such a h
 Numba's ``IpcHandle``.)
 
 :func:`export` makes an :class:`IpcHandle` of either kind. It pickles: send it through
-``multiprocessing`` (a ``Queue``, a ``Pipe``, a ``Pool``'s arguments) as any object. Descriptors
-cross processes the way ``multiprocessing`` passes them (``multiprocessing.reduction.DupFd``:
-a Unix socket of the sending process, no ptrace rights needed between the two), so the
-receiver must be a process of the same ``multiprocessing`` family (it checks the family's
-authentication key). In the receiver, :meth:`IpcHandle.open` maps the memory and returns an
-:class:`IpcMemory`, which CuPy, Numba and PyTorch take as an array
-(``__cuda_array_interface__``) when the export described one::
+``multiprocessing`` (a ``Queue``, a ``Pipe``, a ``Pool``'s arguments) as any object. In the
+receiver, :meth:`IpcHandle.open` maps the memory and returns an :class:`IpcMemory`, which
+CuPy, Numba and PyTorch take as an array (``__cuda_array_interface__``) when the export
+described one::
 
     # sender                                   # receiver (a multiprocessing child)
     x = cupy.arange(1 << 20)                   with handle.open() as mem:
     queue.put(emmpool.ipc.export(x))               y = cupy.asarray(mem)   # x's memory
 
-The sender keeps the block alive until every receiver has closed what it opened (as with CUDA's
-own IPC). A handle of pages holds their memory itself, through its descriptors, for as long as
-it lives: :meth:`IpcHandle.close` (or dropping it) once the receivers have opened it lets the
-driver have that memory back after the pool gives the pages back. Closing an import
-synchronizes the receiver's device first: work issued to the memory there must not outlive its
-mapping. PyTorch's tensors need none of this: torch.multiprocessing
-shares them through emmpool's PyTorch extension, in PyTorch's own format.
+**The block is held while any process may use it.** An export holds the block in the sender's
+pool: freed there, it is not handed out again until every copy of the handle is closed or
+collected, in every process (the sender's, one in flight, each receiver's) and every
+:class:`IpcMemory` opened from one is closed. The sender may free its array at any time; no
+receiver ever sees the memory reused. The count is the kernel's (the handle holds a pipe's
+write end, which pickling passes as ``multiprocessing`` passes descriptors: its resource
+sharer, so the receiver must be of the sender's ``multiprocessing`` family), so a receiver
+that dies lets go too. A handle pickled and never unpickled holds the block until the sending
+process exits, as the resource sharer keeps what it was given.
+
+**Pages cross without ptrace rights.** When a receiver opens a growable block's handle, it asks
+the sending process's IPC service (a thread listening on an abstract Unix socket) for the
+pages' descriptors, which arrive over the socket (SCM_RIGHTS) after the service checked the
+handle's secret and that the pages are the block's still: no ``pidfd_getfd``, which needs
+ptrace rights over the sender (refused by Yama's ``ptrace_scope=1`` and by containers without
+``CAP_SYS_PTRACE``). The sender must be alive when a receiver opens. Each page is one
+descriptor while it is imported: opening counts them against the descriptor limit first
+(``RLIMIT_NOFILE``, raised toward its hard limit where needed) and says so if they cannot fit.
+
+Closing an import synchronizes the receiver's device first: work issued to the memory there
+must not outlive its mapping; a close that failed (the synchronization) can be called again.
+PyTorch's tensors need none of this: torch.multiprocessing shares them through emmpool's
+PyTorch extension, in PyTorch's own format, over the same service.
 """
 
 from __future__ import annotations
@@ -43,33 +56,39 @@ __all__ = ["IpcHandle", "IpcMemory", "export"]
 
 
 class IpcHandle:
-    """What another process opens to reach a block of this one's pool (:func:`export`)."""
+    """What another process opens to reach a block of this one's pool (:func:`export`).
 
-    def __init__(self, device: int, ptr: int, nbytes: int, offset: int, *, handle: bytes = b"",
-                 page_size: int = 0, fds: tuple = (), array: dict | None = None):
+    While it is open it holds the block in the sending process's pool (see the module)."""
+
+    def __init__(self, device: int, ptr: int, nbytes: int, offset: int, extent: int, *,
+                 handle: bytes = b"", offer: tuple | None = None, array: dict | None = None,
+                 lease: int = -1):
         self.device = device
         self.ptr = ptr            # the address in the sending process (for messages)
         self.nbytes = nbytes
         self._offset = offset     # the shared address from the start of what is mapped
+        self._extent = extent     # the bytes mapped: the segment's, or its pages'
         self._handle = handle     # a fixed segment's legacy handle
-        self._page_size = page_size
-        self._fds = tuple(fds)    # a growable block's pages: descriptors of this process
+        # A growable block's pages, as its service is asked for them: (address, secret, the
+        # sender's device, the first page's address there, the page size, the sender's
+        # descriptor numbers). Numbers of another process: nothing to close here.
+        self._offer = offer
         self._array = array
         self._closed = False
-        self._release = None      # closes the descriptors, this handle's own copies
+        # The lease on the block (this process's copy), closed once by close() or at
+        # collection; open() takes a copy of its own for the IpcMemory.
+        self._lease = lease
+        self._release = weakref.finalize(self, _close_fd, lease) if lease >= 0 else None
         # close() waits for a pickling under way (a Queue's feeder thread), which must not
         # duplicate a descriptor closed, or its number reused, in between.
         self._lock = threading.Lock()
 
-    def _own_fds(self) -> None:
-        self._release = weakref.finalize(self, _close_fds, self._fds)
-
     def close(self) -> None:
-        """Close the handle's descriptors: while open they keep a growable block's pages
-        allocated in the driver, whatever the pool does with them. Call it once the receivers
-        have opened what was sent (a ``multiprocessing.Queue`` pickles in a thread of its own:
-        after ``put`` returns, the handle may not have been sent yet). A closed handle can be
-        neither opened nor sent; closing twice does nothing."""
+        """Let this copy of the handle go: its hold on the block ends (the block is reused
+        once every copy and every opened :class:`IpcMemory` is closed). A ``Queue`` pickles in
+        a thread of its own, so after ``put`` returns the handle may not have been sent yet:
+        close it once the receiver has it. A closed handle can be neither opened nor sent;
+        closing twice does nothing."""
         with self._lock:
             self._closed = True
             if self._release is not None:
@@ -88,93 +107,127 @@ class IpcHandle:
     @property
     def kind(self) -> str:
         """``"pages"`` (a growable block's) or ``"handle"`` (a fixed segment's)."""
-        return "pages" if self._fds else "handle"
+        return "pages" if self._offer is not None else "handle"
 
     def open(self, device: int | None = None) -> IpcMemory:
         """Map the shared memory in this process (not the sending one): an :class:`IpcMemory`,
         to close when done (or let it be collected). ``device``: the sender's device as this
         process numbers it, where that differs (``CUDA_VISIBLE_DEVICES``); by default the
-        sender's number. Raises ``emmpool.CudaError`` where the driver refuses (the sending
-        process gone, or its memory freed), ``ValueError`` for a closed handle."""
+        sender's number. Raises ``ValueError`` for a closed handle, or one whose description
+        does not add up (checked before anything is mapped), ``emmpool.PoolError`` where the
+        sending process cannot hand over the pages (gone, or the handle no longer its block's)
+        or the descriptor limit is too low, ``emmpool.CudaError`` where the driver refuses."""
         device = self.device if device is None else _args.device(device)
-        with self._lock:  # the descriptors stay open while they are mapped
+        _check_description(self)
+        with self._lock:  # the lease stays open while it is copied
             self._check_open()
-            if self._fds:
-                base = _core.ipc_open_pages(device, list(self._fds), self._page_size)
+            lease = os.dup(self._lease) if self._lease >= 0 else -1
+        try:
+            if self._offer is not None:
+                base = _core.ipc_open_offer(device, *self._offer[:5], list(self._offer[5]))
             else:
                 base = _core.ipc_open_handle(device, self._handle)
-        return IpcMemory(base, base + self._offset, self.nbytes, device, self._array)
+        except BaseException:
+            _close_fd(lease)
+            raise
+        return IpcMemory(base, base + self._offset, self.nbytes, device, self._array, lease)
 
     def __reduce__(self):
         with self._lock:
             self._check_open()
-            # Each descriptor as multiprocessing sends one: duplicated, handed over by this
-            # process's resource sharer, detached in the receiver.
-            shared = tuple(reduction.DupFd(fd) for fd in self._fds)
-        if not self._fds:
-            return (_rebuild, (self.device, self.ptr, self.nbytes, self._offset, self._handle,
-                               0, (), self._array))
-        return (_rebuild, (self.device, self.ptr, self.nbytes, self._offset, b"",
-                           self._page_size, shared, self._array))
+            # The lease travels as multiprocessing sends a descriptor: duplicated, handed over
+            # by this process's resource sharer, detached in the receiver. Until then the
+            # sharer's copy holds the block.
+            lease = reduction.DupFd(self._lease) if self._lease >= 0 else None
+        return (_rebuild, (self.device, self.ptr, self.nbytes, self._offset, self._extent,
+                           self._handle, self._offer, self._array, lease))
 
     def __repr__(self) -> str:
         return (f"<emmpool.ipc.IpcHandle of {self.nbytes} bytes at {self.ptr:#x} on device "
                 f"{self.device} ({self.kind}{', closed' if self._closed else ''})>")
 
 
-def _dup_all(fds) -> tuple:
-    copies: list = []
-    try:
-        for fd in fds:
-            copies.append(os.dup(fd))
-    except BaseException:
-        _close_fds(copies)
-        raise
-    return tuple(copies)
+def _rebuild(device, ptr, nbytes, offset, extent, handle, offer, array, lease) -> IpcHandle:
+    return IpcHandle(device, ptr, nbytes, offset, extent, handle=handle, offer=offer,
+                     array=array, lease=lease.detach() if lease is not None else -1)
 
 
-def _rebuild(device, ptr, nbytes, offset, handle, page_size, shared, array) -> IpcHandle:
-    detached: list = []
-    try:
-        for s in shared:
-            detached.append(s.detach())  # descriptors of this process now
-    except BaseException:
-        _close_fds(detached)  # none left open if the sender could not hand over them all
-        raise
-    fds = tuple(detached)
-    h = IpcHandle(device, ptr, nbytes, offset, handle=handle, page_size=page_size, fds=fds,
-                  array=array)
-    if fds:
-        h._own_fds()
-    return h
-
-
-def _close_fds(fds) -> None:
-    for fd in fds:
+def _close_fd(fd: int) -> None:
+    if fd >= 0:
         try:
             os.close(fd)
         except OSError:
             pass
 
 
+def _check_description(h: IpcHandle) -> None:
+    """What a handle says it maps must add up before anything is mapped: it came from another
+    process, through pickle."""
+    def bad(why: str):
+        return ValueError(f"{h!r} is ill-formed: {why}")
+
+    for name in ("nbytes", "_offset", "_extent"):
+        value = getattr(h, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise bad(f"{name.lstrip('_')} {value!r} is not a byte count")
+    try:
+        _args.device(h.device)
+    except (TypeError, ValueError) as e:
+        raise bad(str(e)) from None
+    if h._offer is not None:
+        if len(h._offer) != 6:
+            raise bad("its pages are not described")
+        address, secret, sender, first_page, page_size, fds = h._offer
+        if not (isinstance(address, bytes) and isinstance(secret, bytes) and len(secret) == 16):
+            raise bad("the sending process's service is not named")
+        if not (isinstance(page_size, int) and page_size > 0 and fds and
+                all(isinstance(fd, int) and fd >= 0 for fd in fds)):
+            raise bad("its pages are not described")
+        if h._extent != len(fds) * page_size:
+            raise bad(f"{len(fds)} pages of {page_size} bytes are not {h._extent} bytes")
+    elif not (isinstance(h._handle, bytes) and len(h._handle) == 64):
+        raise bad("a legacy CUDA IPC handle has 64 bytes")
+    if h._offset + h.nbytes > h._extent:
+        raise bad(f"{h.nbytes} bytes at offset {h._offset} pass the {h._extent} bytes it maps")
+    if h._array is not None:
+        try:
+            extent = _array_bytes(h._array)
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"its array is not described ({e})") from None
+        if extent > h.nbytes:
+            raise bad(f"its array spans {extent} bytes, more than the {h.nbytes} shared")
+
+
 class IpcMemory:
     """Memory another process shares, mapped here (:meth:`IpcHandle.open`). ``ptr`` is the
-    shared address; ``__cuda_array_interface__`` describes the exported array, if any."""
+    shared address; ``__cuda_array_interface__`` describes the exported array, if any. While
+    open it holds the block in the sending process's pool, as the handle does."""
 
-    def __init__(self, base: int, ptr: int, nbytes: int, device: int, array: dict | None):
+    def __init__(self, base: int, ptr: int, nbytes: int, device: int, array: dict | None,
+                 lease: int = -1):
         self.ptr = ptr
         self.nbytes = nbytes
         self.device = device
         self._array = array
-        self._close = weakref.finalize(self, _core.ipc_close, base)
+        self._base = base
+        self._lease = lease
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _close_import, base, lease)
 
     @property
     def closed(self) -> bool:
-        return not self._close.alive
+        return not self._finalizer.alive
 
     def close(self) -> None:
-        """Unmap it (once; the device is synchronized first)."""
-        self._close()
+        """Unmap it (once; the device is synchronized first), then let its hold on the
+        sender's block go. If the synchronization fails, nothing is unmapped or let go and the
+        error is raised: call close() again."""
+        with self._lock:
+            if not self._finalizer.alive:
+                return
+            _core.ipc_close(self._base)  # raises: still open, close() again
+            self._finalizer.detach()
+            _close_fd(self._lease)  # after the unmap: the sender may reuse the block now
 
     def __enter__(self) -> IpcMemory:
         return self
@@ -191,8 +244,16 @@ class IpcMemory:
         return {**self._array, "data": (self.ptr, False), "version": 3}
 
 
+def _close_import(base: int, lease: int) -> None:
+    # Collected unclosed: unmap, then let the sender's block go. If the unmap fails the lease
+    # stays open, so that the sender never reuses memory this process may still map.
+    _core.ipc_close(base)
+    _close_fd(lease)
+
+
 def export(obj, nbytes: int | None = None, device: int | None = None) -> IpcHandle:
-    """An :class:`IpcHandle` of a block of emmpool's pool, for another process to open.
+    """An :class:`IpcHandle` of a block of emmpool's pool, for another process to open. It
+    holds the block until closed (see the module).
 
     ``obj``: an array that has ``__cuda_array_interface__`` (CuPy, Numba, PyTorch), whose
     layout the receiver's :class:`IpcMemory` repeats, or a device address (an int, with
@@ -212,18 +273,21 @@ def export(obj, nbytes: int | None = None, device: int | None = None) -> IpcHand
     if nbytes is not None:
         nbytes = _args.integer(nbytes, "nbytes", "bytes from the address on")
     nbytes = _within(nbytes, start + size - ptr, ptr)
-    shared = pool.share_pages(ptr)
-    if shared is not None:
-        first, page_size, offset, left, fds = shared
-        # The handle's own copies: the pool closes its descriptors when a page goes back to the
-        # driver, which may come before the handle is pickled (a Queue pickles in a thread).
-        fds = _dup_all(fds)
-        h = IpcHandle(pool.device, ptr, nbytes, offset, page_size=page_size, fds=fds,
-                      array=array)
-        h._own_fds()
-        return h
-    handle, base, segment_size, offset = pool.ipc_handle(ptr)
-    return IpcHandle(pool.device, ptr, nbytes, offset, handle=handle, array=array)
+    lease, _ = _core.ipc_lease(pool.device, ptr)
+    try:
+        shared = pool.share_pages(ptr)
+        if shared is not None:
+            first, page_size, offset, _left, fds = shared
+            address, secret = _core.ipc_service_info()
+            offer = (address, secret, pool.device, first, page_size, tuple(fds))
+            return IpcHandle(pool.device, ptr, nbytes, offset, len(fds) * page_size,
+                             offer=offer, array=array, lease=lease)
+        handle, _base, segment_size, offset = pool.ipc_handle(ptr)
+        return IpcHandle(pool.device, ptr, nbytes, offset, segment_size, handle=handle,
+                         array=array, lease=lease)
+    except BaseException:
+        _close_fd(lease)
+        raise
 
 
 def _array_bytes(cai: dict) -> int:
@@ -231,6 +295,8 @@ def _array_bytes(cai: dict) -> int:
 
     itemsize = np.dtype(cai["typestr"]).itemsize
     shape, strides = tuple(cai["shape"]), cai.get("strides")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
+        raise ValueError(f"an array's shape is non-negative integers, not {shape}")
     if any(n == 0 for n in shape):
         return 0
     if strides and any(s < 0 for s in strides):
@@ -241,6 +307,8 @@ def _array_bytes(cai: dict) -> int:
         for extent in shape:
             n *= extent
         return n
+    if len(strides) != len(shape):
+        raise ValueError(f"strides {strides} do not match shape {shape}")
     return itemsize + sum((extent - 1) * stride for extent, stride in zip(shape, strides))
 
 

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define EMMPOOL_TORCH_ABI_VERSION 5
+#define EMMPOOL_TORCH_ABI_VERSION 6
 
 /* ---- kinds -------------------------------------------------------------------------------- */
 
@@ -191,9 +191,21 @@ long emmpool_torch_layout(int device, emmpool_layout_row* out, size_t n);
  * emmpool_torch_ipc_handle's); -1 failed. */
 int emmpool_ipc_share_pages(void* ptr, int device, emmpool_shared_pages* out, int32_t* fds,
                             size_t n, emmpool_error* error);
+/* This process's IPC service (emmpool/ipc_service.hpp), started on first use: its address (an
+ * abstract socket name, its leading NUL included) in `address` (room n), and its 16-byte
+ * secret. The address's length (fill again with more room if that is more than n); -1 failed. */
+long emmpool_ipc_service(char* address, size_t n, unsigned char* secret, emmpool_error* error);
 /* Map pages another process shared (descriptors of this process, the caller's to close),
  * `page_size` bytes each, on `device`: their base, NULL on failure. */
 void* emmpool_ipc_open_pages(int device, const int32_t* fds, size_t n, uint64_t page_size,
+                             emmpool_error* error);
+/* Map the pages another process offers, asking its IPC service for their descriptors (no
+ * ptrace rights needed): `address` (address_size bytes) and `secret` (16 bytes) its service's,
+ * `sender_device` its device, `first_page` the first page's address there, `fds` its numbers of
+ * the n pages; mapped on `device`. Their base, NULL on failure. */
+void* emmpool_ipc_open_offer(int device, const char* address, size_t address_size,
+                             const unsigned char* secret, int sender_device, uint64_t first_page,
+                             uint64_t page_size, const int32_t* fds, size_t n,
                              emmpool_error* error);
 /* Unmap what emmpool_ipc_open_pages returned, after a device synchronization. */
 void emmpool_ipc_close(void* base);
