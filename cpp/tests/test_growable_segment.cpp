@@ -436,6 +436,60 @@ TEST(growable_new_peak_waits_for_its_own_streams_frees_only)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(growable_new_peak_wait_completes_its_own_streams_frees_and_no_others)
+{
+  // The wait at a new peak takes the request's own stream's frees (they precede its next work
+  // anyway) and leaves another stream's waiting: taking those would hold this stream up behind
+  // the other's kernels.
+  fixture f;
+  auto const s1 = f.drv.create_stream();
+  auto const s2 = f.drv.create_stream();
+  auto const b1 = f->allocate(8 * MiB, s2);
+  auto const a  = f->allocate(8 * MiB, s1);
+  auto const b2 = f->allocate(8 * MiB, s2);
+  REQUIRE(a == b1 + 8 * MiB && b2 == a + 8 * MiB);
+  f->deallocate(a, s1);
+  f->deallocate(b1, s2);
+  f->deallocate(b2, s2);  // apart from b1: a lies between them
+  // 10 MiB on s2: neither of its pending blocks holds it, and new pages would pass the peak
+  // while s2's own 16 MiB wait: the pool waits for those, then b2 with the end serves.
+  auto const c = f->allocate(10 * MiB, s2);
+  CHECK_EQ(f->stats().fence_waits, 1u);
+  CHECK_EQ(c, b2);
+  CHECK_EQ(f->stats().bytes_waiting, 8 * MiB);  // a: s1's, still waiting for its fence
+  CHECK_EQ(f->stats().peak_bytes_reserved, 26 * MiB);  // b2's pages and one more page
+  f->deallocate(c, s2);
+  f->synchronize();
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_new_pages_past_the_cap_give_wholly_free_fixed_memory_back_first)
+{
+  // A fixed segment wholly free (a small one, here) holds memory the growable segment's new
+  // pages need under the cap: it goes back before they are mapped, at once, with no wait for
+  // another stream's frees (the out-of-memory ladder's wait would synchronize for them).
+  fixture f{growable_options(10 * MiB)};
+  auto const small = f->allocate(512 * 1024);  // a 2 MiB fixed segment
+  f->deallocate(small);
+  f->synchronize();  // wholly free: a new peak of the growable segment keeps it
+  auto const t = f.drv.create_stream();
+  auto const w = f->allocate(2 * MiB, t);  // one page: 4 MiB reserved
+  f->deallocate(w, t);                     // pending on t, dormant: nobody waits for it here
+  auto const syncs = f.drv.stats().event_syncs + f.drv.stats().device_syncs;
+  auto const frees = f.drv.stats().deallocations;
+  auto const s = f.drv.create_stream();
+  auto const c = f->allocate(8 * MiB, s);  // 4 + 8 MiB would pass the cap of 10
+  CHECK(f.drv.accessible(0, c, 8 * MiB));
+  CHECK_EQ(c, w + 2 * MiB);                          // new pages past w's
+  CHECK_EQ(f.drv.stats().deallocations, frees + 1);  // the small segment went back
+  CHECK_EQ(f.drv.stats().event_syncs + f.drv.stats().device_syncs, syncs);  // no wait
+  CHECK_EQ(f->stats().bytes_waiting, 2 * MiB);  // w still waits for its fence
+  CHECK_EQ(f->stats().bytes_reserved, 10 * MiB);
+  f->deallocate(c, s);
+  f->synchronize();
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(growable_requests_use_the_initial_fixed_segment_first)
 {
   auto o         = growable_options();
@@ -475,19 +529,19 @@ TEST(growable_cap_and_out_of_memory_ladder)
 TEST(growable_failed_maps_and_unmaps_keep_the_pool_consistent)
 {
   fixture f;
-  f.drv.fail_next_maps(1);  // cuMemCreate fails once: served by a fixed segment instead
+  f.drv.fail_next_creates(1);  // cuMemCreate fails once: served by a fixed segment instead
   auto const a = f->allocate(6 * MiB);
   CHECK(f.drv.accessible(0, a, 6 * MiB));
   CHECK_EQ(f.drv.stats().bytes_reserved, 20 * MiB);
   CHECK_EQ(consistency(f), "");
   auto const b = f->allocate(16 * MiB);  // maps again
   CHECK_EQ(f.drv.stats().bytes_mapped, 16 * MiB);
-  f.drv.fail_next_maps(1000);
+  f.drv.fail_next_creates(1000);
   f.drv.fail_next_allocations(1000);  // no fixed segment either
   CHECK_THROWS(f->allocate(40 * MiB), out_of_memory);  // no half-mapped block is left
   CHECK_EQ(f.drv.stats().bytes_mapped, 16 * MiB);
   CHECK_EQ(consistency(f), "");
-  f.drv.fail_next_maps(0);
+  f.drv.fail_next_creates(0);
   f.drv.fail_next_allocations(0);
   f->deallocate(a);
   f->deallocate(b);
@@ -515,11 +569,11 @@ TEST(growable_a_placed_request_whose_map_fails_leaves_its_block_whole)
     return n;
   };
   CHECK_EQ(free_blocks(), 1u);
-  f.drv.fail_next_maps(1000);
+  f.drv.fail_next_creates(1000);
   f.drv.fail_next_allocations(1000);  // no fixed segment either
   CHECK_THROWS(f->allocate(6 * MiB), out_of_memory);  // placed at a + 2 MiB: one page short
   CHECK_EQ(free_blocks(), 1u);
-  f.drv.fail_next_maps(0);
+  f.drv.fail_next_creates(0);
   f.drv.fail_next_allocations(0);
   auto const c = f->allocate(6 * MiB);
   CHECK_EQ(c, a);  // the ladder gave b's pages back on its way: the block from its start
