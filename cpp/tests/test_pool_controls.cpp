@@ -6,6 +6,9 @@
 //
 // host_driver's events stay incomplete until complete_all_events(); it counts every call, so
 // "no event query during a capture" is a count that must not move.
+//
+// Every test runs on both kinds of segments (pool_fixture.hpp) but those written for growable
+// segments; large blocks fill their growable pages, so that both kinds hold the same bytes.
 #include "check.hpp"
 #include "pool_fixture.hpp"
 
@@ -24,7 +27,9 @@ using namespace emmpool;
 namespace {
 
 constexpr std::size_t MiB = std::size_t{1} << 20;
-constexpr std::size_t big = 12 * MiB;  // an exact-size segment of its own
+// An exact-size segment of its own (more than large_segment / 2), or one growable page of
+// pool_options' default size: no free memory lies beside it on either kind.
+constexpr std::size_t big = default_growable_page_size;
 constexpr stream_handle stream_a = 0x5000;
 constexpr stream_handle stream_b = 0x6000;
 
@@ -66,7 +71,8 @@ TEST(a_capture_makes_no_forbidden_call_and_the_end_catches_up)
   f->deallocate(p);
   f->capture_begin();
   CHECK(f->capturing());
-  auto const before = forbidden::of(f.drv);
+  auto const before   = forbidden::of(f.drv);
+  auto const reserved = f->stats().bytes_reserved;
   // Everything a capture may see: misses (the ladder would poll, wait and give back), frees
   // with and without record_stream fences, same-stream reuse, trim and synchronize.
   auto const m = f->allocate(big);          // a miss: grows, polls nothing
@@ -78,6 +84,9 @@ TEST(a_capture_makes_no_forbidden_call_and_the_end_catches_up)
   CHECK_EQ(f->trim(), 0u);
   f->synchronize();
   for (int i = 0; i < 3; ++i) { f->deallocate(f->allocate(3 * big), legacy_stream); }
+  // Each large request grew the pool by its size (a new segment, or new pages past the peak
+  // though frees of its stream wait): none waited for a free, none gave memory back.
+  CHECK_EQ(f->stats().bytes_reserved, reserved + big + 3 * 3 * big);
   auto const after = forbidden::of(f.drv);
   CHECK(after == before);
   if (!(after == before)) { std::fprintf(stderr, "%s -> %s\n", show(before).c_str(), show(after).c_str()); }
@@ -92,8 +101,55 @@ TEST(a_capture_makes_no_forbidden_call_and_the_end_catches_up)
   f->deallocate(r2, stream_a);
   f->trim();
   CHECK_EQ(f->stats().bytes_in_use, 0u);
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
   CHECK_EQ(f.drv.stats().bytes_reserved, 0u);
   CHECK_EQ(test::byte_accounting(f->stats(), f.drv.stats()), "");
+}
+
+// Growable segments only: the wait it leaves out is a growable segment's (device_pool.cpp,
+// claim_and_map); a fixed segment's new peak waits for no free.
+TEST_ONLY(a_capture_never_waits_for_frees_at_a_growable_new_peak, "")
+{
+  // A request on S that needs new pages past the peak while S's own frees wait for their fence
+  // and could cover them: the pool waits for those frees first, and maps fewer new pages.
+  // During a capture that wait would record and synchronize an event: new pages instead. The
+  // same request outside a capture first, to show that it waits there.
+  for (bool const capturing : {false, true}) {
+    fixture f;
+    REQUIRE(f->growable());
+    // Three one-page blocks on S, the outer two freed: 2 pages wait on S, in no one block that
+    // stream order could hand out whole or cut (y keeps them apart).
+    auto const x = f->allocate(big, stream_a);
+    auto const y = f->allocate(big, stream_a);
+    auto const z = f->allocate(big, stream_a);
+    REQUIRE(y == x + big && z == y + big);
+    f->deallocate(x, stream_a);
+    f->deallocate(z, stream_a);
+    if (capturing) { f->capture_begin(); }
+    auto const before = forbidden::of(f.drv);
+    auto const b      = f->allocate(2 * big, stream_a);  // past the peak of 3 pages
+    auto const s      = f->stats();
+    if (capturing) {
+      auto const after = forbidden::of(f.drv);
+      CHECK(after == before);
+      if (!(after == before)) {
+        std::fprintf(stderr, "%s -> %s\n", show(before).c_str(), show(after).c_str());
+      }
+      CHECK_EQ(s.fence_waits, 0u);
+      CHECK_EQ(s.bytes_waiting, 2 * big);  // x and z wait still
+      CHECK_EQ(b, z + big);                // two new pages past z
+      CHECK_EQ(s.peak_bytes_reserved, 5 * big);
+      f->capture_end();
+    } else {
+      CHECK_EQ(s.fence_waits, 1u);
+      CHECK_EQ(s.bytes_waiting, 0u);
+      CHECK_EQ(b, z);  // z's page, free now, and one new page
+      CHECK_EQ(s.peak_bytes_reserved, 4 * big);
+    }
+    CHECK(f.drv.accessible(0, b, 2 * big));
+    f->synchronize();
+    CHECK_EQ(test::byte_accounting(f->stats(), f.drv.stats()), "");
+  }
 }
 
 TEST(captures_nest_and_an_unmatched_end_is_refused)
@@ -132,6 +188,7 @@ TEST(reset_during_a_capture_is_refused_and_changes_nothing)
   f->reset();
   CHECK_EQ(f->stats().bytes_in_use, 0u);
   CHECK_EQ(f.drv.stats().bytes_reserved, 0u);
+  CHECK_EQ(f.drv.stats().bytes_physical, 0u);
 }
 
 TEST(out_of_memory_during_a_capture_waits_for_nothing)
@@ -164,7 +221,8 @@ TEST(the_cap_changes_at_run_time)
   f->set_maximum_size(big + MiB);
   CHECK_EQ(f->maximum_size(), big + MiB);
   CHECK_EQ(f->stats().bytes_reserved, big);
-  CHECK_THROWS(f->allocate(2 * MiB), out_of_memory);  // a 2 MiB small segment would not fit
+  // Neither a 2 MiB segment nor a page (p fills its page) fits beside p.
+  CHECK_THROWS(f->allocate(2 * MiB), out_of_memory);
   try {
     f->set_maximum_size(big / 2);
     CHECK(false);
@@ -234,8 +292,9 @@ TEST(the_layout_tiles_every_segment_and_names_each_block)
   auto const b = f->allocate(3000, legacy_stream, alloc_tag::numba);
   auto const c = f->allocate(big, stream_b, alloc_tag::cupy);
   f->deallocate(b);  // pending: waits for its fence
-  auto const rows = f->layout();
-  std::size_t covered = 0;
+  auto const c_kind = test::growable_run() ? segment_type::growable : segment_type::large;
+  auto const rows   = f->layout();
+  std::size_t covered = 0, covered_fixed = 0;
   std::size_t segments = 0;
   device_ptr expect = 0;
   bool saw_a = false, saw_b = false, saw_c = false;
@@ -248,6 +307,7 @@ TEST(the_layout_tiles_every_segment_and_names_each_block)
     CHECK_EQ(row.ptr, expect);  // blocks follow each other without gaps
     expect += row.size;
     covered += row.size;
+    covered_fixed += row.kind != segment_type::growable ? row.size : 0;
     if (expect == row.segment + row.segment_size) { expect = 0; }
     if (row.ptr == a) {
       saw_a = row.state == block_status::allocated &&
@@ -259,16 +319,22 @@ TEST(the_layout_tiles_every_segment_and_names_each_block)
               row.tag == static_cast<std::uint8_t>(alloc_tag::numba);
     }
     if (row.ptr == c) {
-      saw_c = row.state == block_status::allocated && row.kind == segment_type::large &&
-              row.size == big;
+      saw_c = row.state == block_status::allocated && row.kind == c_kind && row.size == big;
     }
   }
   CHECK_EQ(expect, 0u);
   CHECK(saw_a);
   CHECK(saw_b);
   CHECK(saw_c);
+  CHECK_EQ(segments, 2u);  // a's and b's small one, c's
   CHECK_EQ(segments, f->stats().segments);
-  CHECK_EQ(covered, f->stats().bytes_reserved);
+  // A growable segment's blocks tile its whole address reservation, of which only the mapped
+  // pages count as reserved (pool_layout.hpp); host_driver counts the reservation and the
+  // mapped bytes apart from its segments (0 on the fixed run).
+  auto const d = f.drv.stats();
+  CHECK_EQ(covered_fixed, d.bytes_reserved);
+  CHECK_EQ(covered, covered_fixed + d.bytes_address_reserved);
+  CHECK_EQ(covered_fixed + d.bytes_mapped, f->stats().bytes_reserved);
   f->deallocate(a, stream_a);
   f->deallocate(c, stream_b);
 }
@@ -277,32 +343,53 @@ TEST(the_layout_tiles_every_segment_and_names_each_block)
 
 TEST(segment_events_record_what_the_driver_gave_and_took_back)
 {
-  fixture f;
-  auto const a = f->allocate(big, stream_a, alloc_tag::cupy);  // before: not recorded
-  f->set_segment_events(true);
-  auto const b = f->allocate(big, stream_a, alloc_tag::torch);  // a segment of its own
-  f->deallocate(a, stream_a);
-  f->deallocate(b, stream_a);
-  f.drv.complete_all_events();
-  CHECK(f->trim() >= 2 * big);
-  auto const events = f->take_segment_events();
-  REQUIRE(events.size() == 3u);
-  CHECK(events[0].what == segment_event::kind::made && events[0].address == b &&
-        events[0].size >= big && events[0].tag == static_cast<std::uint8_t>(alloc_tag::torch) &&
-        events[0].type == segment_type::large);
-  std::size_t released = 0;
-  for (std::size_t i = 1; i < events.size(); ++i) {
-    CHECK(events[i].what == segment_event::kind::released);
-    released += events[i].size;
+  // Fixed segments made and released: small ones on both runs, large ones on the fixed run
+  // (the growable segment's pages: the next test). `fill` requests of n bytes fill a segment.
+  struct kind_case {
+    std::size_t n;
+    int fill;
+    std::size_t segment_size;
+    segment_type type;
+  };
+  std::vector<kind_case> cases{{MiB, 2, 2 * MiB, segment_type::small}};
+  if (!test::growable_run()) { cases.push_back({big, 1, big, segment_type::large}); }
+  for (auto const& k : cases) {
+    fixture f;
+    std::vector<device_ptr> a, b;
+    for (int i = 0; i < k.fill; ++i) {  // before: not recorded
+      a.push_back(f->allocate(k.n, stream_a, alloc_tag::cupy));
+    }
+    f->set_segment_events(true);
+    for (int i = 0; i < k.fill; ++i) {  // a segment of their own
+      b.push_back(f->allocate(k.n, stream_a, alloc_tag::torch));
+    }
+    for (auto p : a) { f->deallocate(p, stream_a); }
+    for (auto p : b) { f->deallocate(p, stream_a); }
+    f.drv.complete_all_events();
+    CHECK_EQ(f->trim(), 2 * k.segment_size);
+    auto const events = f->take_segment_events();
+    REQUIRE(events.size() == 3u);
+    CHECK(events[0].what == segment_event::kind::made && events[0].address == b[0] &&
+          events[0].size == k.segment_size &&
+          events[0].tag == static_cast<std::uint8_t>(alloc_tag::torch) &&
+          events[0].type == k.type);
+    for (std::size_t i = 1; i < events.size(); ++i) {
+      CHECK(events[i].what == segment_event::kind::released);
+      CHECK_EQ(events[i].size, k.segment_size);
+      CHECK(events[i].type == k.type);
+    }
+    CHECK((events[1].address == a[0] && events[2].address == b[0]) ||
+          (events[1].address == b[0] && events[2].address == a[0]));
+    CHECK(f->take_segment_events().empty());  // taken
+    f->set_segment_events(false);
+    (void)f->allocate(k.n);
+    (void)f->allocate(big);  // pages on the growable run: not recorded either
+    CHECK(f->take_segment_events().empty());  // off: nothing kept
   }
-  CHECK_EQ(released, 2 * events[0].size);
-  CHECK(f->take_segment_events().empty());  // taken
-  f->set_segment_events(false);
-  (void)f->allocate(big);
-  CHECK(f->take_segment_events().empty());  // off: nothing kept
 }
 
-TEST(segment_events_record_the_pages_a_growable_segment_maps_and_unmaps)
+// Growable segments asked for: on the fixed run pool_fixture would make them fixed.
+TEST_ONLY(segment_events_record_the_pages_a_growable_segment_maps_and_unmaps, "")
 {
   pool_options o;
   o.segments = segment_kind::growable;
@@ -322,7 +409,7 @@ TEST(segment_events_record_the_pages_a_growable_segment_maps_and_unmaps)
     }
     if (e.what == segment_event::kind::unmapped) { unmapped += e.size; }
   }
-  CHECK(mapped >= big);
+  CHECK_EQ(mapped, big);  // the one page that p fills
   CHECK_EQ(unmapped, mapped);  // every page mapped went back with the trim
   CHECK_EQ(f->stats().bytes_reserved, 0u);
 }
