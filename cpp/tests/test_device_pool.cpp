@@ -5,6 +5,12 @@
 // exactly when "the GPU caught up". An event is recorded for a freed block only at the next
 // maintenance, which an allocation miss (or open_batch_limit) triggers: "force a miss" below
 // means an allocation that no free block can serve.
+//
+// Every test runs twice (pool_fixture.hpp): on the pool's default segments, where requests above
+// 1 MiB share the growable segment, and under --variant=fixed on fixed segments. Where the two
+// kinds differ in a number (the growable segment is one address reservation, counted as one
+// segment, whose memory comes and goes in 20 MiB pages), a test says both, branching on
+// test::growable_run(); a test that holds for one kind only says so with TEST_ONLY.
 #include "check.hpp"
 #include "pool_fixture.hpp"
 
@@ -36,9 +42,11 @@ namespace {
 
 constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;
-// Larger than large_segment / 2 (10 MiB): served by an exact-size segment of its own, which no
-// other request can share. Handy to control segments one by one.
-constexpr std::size_t big = 12 * MiB;
+// A block that shares its memory with no other: on fixed segments an exact-size segment of its
+// own (larger than large_segment / 2), on the growable segment one whole page (the default
+// growable_page_size), mapped with no room beyond it (growable_room is no larger). Handy to
+// control segments and pages one by one.
+constexpr std::size_t big = 20 * MiB;
 constexpr stream_handle stream_a = 0x5000;  // two non-default streams (opaque to host_driver)
 constexpr stream_handle stream_b = 0x6000;
 
@@ -76,6 +84,36 @@ std::string consistency(fixture& f, bool driver_matches = true)
 }
 
 bool within(device_ptr p, device_ptr base, std::size_t size) { return p >= base && p < base + size; }
+
+/// Memory the driver made for the pool: fixed segments (cuMemAlloc) and growable pages
+/// (cuMemCreate). A `big` block is one of either.
+std::uint64_t driver_makes(fixture& f)
+{
+  auto const c = f.drv.stats();
+  return c.allocations + c.creates;
+}
+
+/// Memory the pool gave back to the driver: fixed segments (cuMemFree) and growable pages
+/// (cuMemRelease).
+std::uint64_t driver_frees(fixture& f)
+{
+  auto const c = f.drv.stats();
+  return c.deallocations + c.releases;
+}
+
+/// On growable segments, lift the pool's peak reserved bytes to `bytes` (grown that far, then
+/// trimmed). A request whose new pages would pass the peak first waits for the pending frees of
+/// its own stream that could cover them (device_pool::claim_and_map): there a freed block comes
+/// back at the next miss, fenced by that wait. The tests of which fence covers which free want
+/// such a miss to grow instead, as fixed segments' growth (which never waits) does, and as a
+/// growable segment's does below its peak. Each fence it takes counts in the pool's statistics:
+/// those tests count from after it.
+void lift_peak(fixture& f, std::size_t bytes)
+{
+  if (!test::growable_run()) { return; }
+  f->deallocate(f->allocate(bytes));
+  (void)f->trim();
+}
 
 }  // namespace
 
@@ -179,7 +217,7 @@ TEST(invalid_options_and_arguments)
   CHECK_THROWS(device_pool(drv, 0, o), std::invalid_argument);
   o = {};
   CHECK_THROWS(device_pool(drv, -1, o), std::invalid_argument);
-  device_pool pool{drv, 0, o};
+  device_pool pool{drv, 0, test::for_this_run(o)};
   CHECK_THROWS(pool.allocate(~std::size_t{0}), std::invalid_argument);
   CHECK_THROWS(pool.allocate(256, legacy_stream, static_cast<alloc_tag>(7)), std::invalid_argument);
   CHECK_THROWS(pool.defer_cleanup_end(), std::invalid_argument);
@@ -194,8 +232,8 @@ TEST(initial_size_reserves_one_segment)
   CHECK_EQ(f->stats().bytes_reserved, 6 * MiB);
   CHECK_EQ(f->stats().segments, 1u);
   CHECK_EQ(f->stats().bytes_free, 6 * MiB);
-  auto const p = f->allocate(4 * MiB);  // served from the initial segment: no growth
-  CHECK_EQ(f.drv.stats().allocations, 1u);
+  auto const p = f->allocate(4 * MiB);  // served from the initial segment: no growth (no page
+  CHECK_EQ(driver_makes(f), 1u);        // either: requests of every size use it first)
   f->deallocate(p);
   CHECK_EQ(consistency(f), "");
 }
@@ -232,7 +270,9 @@ TEST(split_and_coalesce_within_a_segment)
   auto const miss2 = f->allocate(big);  // miss: maintenance promotes and coalesces
   s = f->stats();
   CHECK_EQ(s.bytes_waiting, 0u);
-  CHECK_EQ(s.segments, 3u);
+  // The small segment, and the misses' two segments, or the growable segment (one reservation,
+  // one page each) whose pages the misses fill: nothing free but the small segment.
+  CHECK_EQ(s.segments, test::growable_run() ? 2u : 3u);
   CHECK_EQ(s.bytes_free, 2 * MiB);
   CHECK_EQ(s.largest_free_block, 2 * MiB);  // one block spans the small segment again
   // And it is handed out from the segment's start again.
@@ -242,7 +282,8 @@ TEST(split_and_coalesce_within_a_segment)
   f->deallocate(miss1);
   f->deallocate(miss2);
   f->synchronize();
-  CHECK_EQ(f->stats().largest_free_block, big);
+  // Two segments of their own; or two neighbouring pages, which coalesce into one block.
+  CHECK_EQ(f->stats().largest_free_block, test::growable_run() ? 2 * big : big);
   CHECK_EQ(consistency(f), "");
 }
 
@@ -269,7 +310,7 @@ TEST(partial_coalescing_and_best_fit)
 TEST(small_and_large_requests_use_separate_segments)
 {
   fixture f;
-  auto const l = f->allocate(2 * MiB);  // large: a 20 MiB segment with 18 MiB free
+  auto const l = f->allocate(2 * MiB);  // large: a 20 MiB segment (or page), 18 MiB free
   CHECK_EQ(f->stats().bytes_reserved, 20 * MiB);
   auto const s = f->allocate(256);  // small: never carved from a large segment
   CHECK_EQ(f->stats().bytes_reserved, 22 * MiB);
@@ -314,6 +355,7 @@ TEST(no_reuse_before_the_event_completes)
 TEST(event_must_be_recorded_after_the_free)
 {
   fixture f;
+  lift_peak(f, 8 * big);  // misses grow: they wait for no fence
   auto const p1 = f->allocate(big);
   auto const p2 = f->allocate(big);
   f->deallocate(p1);
@@ -338,20 +380,22 @@ TEST(a_miss_asks_earlier_fences_before_recording_its_own)
   // and, when one of them handed blocks back, leaves its own new fence for the next miss
   // (fence_queue::poll). One cuEventQuery per miss, not two.
   fixture f;
-  auto const p1 = f->allocate(big);
-  auto const p2 = f->allocate(big);
+  lift_peak(f, 8 * big);  // misses grow: they wait for no fence
+  auto const before = f->stats();
+  auto const p1     = f->allocate(big);
+  auto const p2     = f->allocate(big);
   f->deallocate(p1);
   auto const m1 = f->allocate(big);  // miss: records E1 (p1), asks it too (nothing else)
   CHECK(m1 != p1);
-  CHECK_EQ(f->stats().fence_queries, 1u);
+  CHECK_EQ(f->stats().fence_queries - before.fence_queries, 1u);
   f->deallocate(p2);
   f.drv.complete_all_events();  // E1 completes
   auto const queries = f.drv.stats().event_queries;
   auto const m2      = f->allocate(big);  // miss: asks E1 (p1 back), records E2 (p2), asks it not
   CHECK_EQ(m2, p1);
   CHECK_EQ(f.drv.stats().event_queries - queries, 1u);
-  CHECK_EQ(f->stats().fence_queries, 2u);
-  CHECK_EQ(f->stats().batches_closed, 2u);
+  CHECK_EQ(f->stats().fence_queries - before.fence_queries, 2u);
+  CHECK_EQ(f->stats().batches_closed - before.batches_closed, 2u);
   CHECK_EQ(f->stats().bytes_waiting, big);  // p2 waits for E2, complete or not
   f.drv.complete_all_events();
   CHECK_EQ(f->allocate(big), p2);  // the next miss asks E2
@@ -365,7 +409,7 @@ TEST(a_miss_asks_earlier_fences_before_recording_its_own)
   auto const p = g->allocate(big);
   g->deallocate(p);
   CHECK_EQ(g->allocate(big), p);
-  CHECK_EQ(g->stats().segment_allocations, 1u);
+  CHECK_EQ(driver_makes(g), 1u);
   CHECK_EQ(g->stats().fence_queries, 1u);
 }
 
@@ -422,8 +466,11 @@ TEST(try_paths_take_no_cuda_call_and_leave_the_rest_to_the_full_calls)
 {
   fixture f;
   auto const before = f.drv.stats();
-  CHECK(!f->try_allocate(big, legacy_stream, alloc_tag::numba));  // would need a segment
+  CHECK(!f->try_allocate(big, legacy_stream, alloc_tag::numba));  // would need a segment (page)
   CHECK_EQ(f.drv.stats().allocations, before.allocations);
+  CHECK_EQ(f.drv.stats().live_reservations, before.live_reservations);
+  CHECK_EQ(f.drv.stats().creates, before.creates);
+  CHECK_EQ(f.drv.stats().maps, before.maps);
   auto const p = f->allocate(big, stream_a, alloc_tag::cupy);
   // Naming another stream asks its id; the allocation's asks nothing.
   CHECK(!f->try_deallocate(p, stream_b, gen(f->generation())));
@@ -462,7 +509,7 @@ TEST(allocate_after_a_try_miss_sees_what_changed_since)
   f.drv.set_auto_complete(true);  // the fence completes as soon as it is recorded
   // Nothing changed: no second search, but the ladder's first step still fences and finds a.
   CHECK_EQ(f->allocate(big, legacy_stream, alloc_tag::numba), a);
-  CHECK_EQ(f->stats().segment_allocations, 1u);
+  CHECK_EQ(driver_makes(f), 1u);
 
   // A free between the two calls: allocate() searches again and takes it in stream order.
   auto const b = f->allocate(big, stream_a, alloc_tag::cupy);
@@ -470,14 +517,14 @@ TEST(allocate_after_a_try_miss_sees_what_changed_since)
   f->deallocate(b, stream_a);
   CHECK_EQ(f->allocate(big, stream_a, alloc_tag::cupy), b);
   CHECK_EQ(f->stats().same_stream_reuses, 1u);
-  CHECK_EQ(f->stats().segment_allocations, 2u);
+  CHECK_EQ(driver_makes(f), 2u);
 
   // Another request than the one that missed is checked and searched as any other.
   CHECK(!f->try_allocate(big, legacy_stream, alloc_tag::numba));
   CHECK_THROWS(f->allocate(big, allocation_stream, alloc_tag::numba), std::invalid_argument);
   CHECK_THROWS(f->allocate(big, legacy_stream, static_cast<alloc_tag>(9)), std::invalid_argument);
   auto const c = f->allocate(big, legacy_stream, alloc_tag::other);
-  CHECK_EQ(f->stats().segment_allocations, 3u);
+  CHECK_EQ(driver_makes(f), 3u);
   f->deallocate(a);
   f->deallocate(b, stream_a);
   f->deallocate(c);
@@ -491,7 +538,7 @@ TEST(auto_complete_reuses_at_the_next_miss)
   auto const p = f->allocate(big);
   f->deallocate(p);
   CHECK_EQ(f->allocate(big), p);
-  CHECK_EQ(f.drv.stats().allocations, 1u);
+  CHECK_EQ(driver_makes(f), 1u);
   CHECK_EQ(f.drv.stats().event_syncs, 0u);  // no waiting: the event had completed
 }
 
@@ -515,6 +562,7 @@ TEST(open_batch_limit_closes_batches_without_a_miss)
 TEST(record_stream_needs_two_fences)
 {
   fixture f;
+  lift_peak(f, 8 * big);  // misses grow: they wait for no fence
   // Control: without record_stream, one completed event makes the block reusable.
   {
     auto const p = f->allocate(big);
@@ -572,9 +620,9 @@ TEST(record_stream_then_synchronize_waits_for_both_fences)
   f->synchronize();  // "wait for every pending free and make those blocks reusable"
   CHECK_EQ(f->stats().bytes_waiting, 0u);
   CHECK_EQ(f->stats().bytes_free, big);
-  auto const allocations = f.drv.stats().allocations;
+  auto const made = driver_makes(f);
   CHECK_EQ(f->allocate(big), p);
-  CHECK_EQ(f.drv.stats().allocations, allocations);
+  CHECK_EQ(driver_makes(f), made);
   f->deallocate(p);
   CHECK_THROWS(f->record_stream(p, stream_b), pool_error);  // p is not live any more
   CHECK_EQ(consistency(f), "");
@@ -592,12 +640,15 @@ TEST(record_stream_then_trim_returns_everything)
   CHECK_EQ(f->trim(), big + 2 * MiB);
   CHECK_EQ(f.drv.stats().bytes_reserved, 0u);
   CHECK_EQ(f.drv.stats().live_segments, 0u);
+  CHECK_EQ(f.drv.stats().bytes_physical, 0u);
   CHECK_EQ(consistency(f), "");
 }
 
 // ---- growth policy and caps ------------------------------------------------------------------
 
-TEST(growth_segment_sizes)
+// The sizes of the cuMemAlloc segments growth makes (pool_options::segment_size): fixed
+// segments' policy. The growable segment grows in pages: growth_in_growable_pages.
+TEST_ONLY(growth_segment_sizes, "fixed")
 {
   fixture f;
   auto reserved = [&] { return f->stats().bytes_reserved; };
@@ -629,32 +680,76 @@ TEST(growth_segment_sizes)
   CHECK_EQ(consistency(f), "");
 }
 
+// The requests of growth_segment_sizes with the default options: small ones as there; the
+// rest share the growable segment, one after the other, which maps the 20 MiB pages they reach
+// (its room, up to 20 MiB of the free block beyond a request, reaches no further page here).
+TEST_ONLY(growth_in_growable_pages, "")
+{
+  fixture f;
+  REQUIRE(f->growable());
+  auto reserved = [&] { return f->stats().bytes_reserved; };
+  auto const s1 = f->allocate(MiB);
+  CHECK_EQ(reserved(), 2 * MiB);
+  auto const s2 = f->allocate(MiB);
+  CHECK_EQ(s2, s1 + MiB);
+  (void)f->allocate(1);
+  CHECK_EQ(reserved(), 4 * MiB);
+  // Offsets in the reservation below, in MiB (+ 256 B per rounded request).
+  auto const m1 = f->allocate(MiB + 1);  // [0, 1): page 0, [0, 20)
+  CHECK_EQ(reserved(), 24 * MiB);
+  auto const m2 = f->allocate(10 * MiB);  // [1, 11): page 0
+  CHECK_EQ(m2, m1 + MiB + 256);
+  CHECK_EQ(reserved(), 24 * MiB);
+  auto const m3 = f->allocate(10 * MiB);  // [11, 21): page 1 too
+  CHECK_EQ(m3, m2 + 10 * MiB);
+  CHECK_EQ(reserved(), 44 * MiB);
+  auto const m4 = f->allocate(10 * MiB + 1);  // [21, 31): page 1
+  CHECK_EQ(m4, m3 + 10 * MiB);
+  CHECK_EQ(reserved(), 44 * MiB);
+  auto const m5 = f->allocate(13 * MiB);  // [31, 44): page 2
+  CHECK_EQ(m5, m4 + 10 * MiB + 256);
+  CHECK_EQ(reserved(), 64 * MiB);
+  auto const m6 = f->allocate(64 * MiB);  // [44, 108): pages 3 to 5
+  CHECK_EQ(m6, m5 + 13 * MiB);
+  CHECK_EQ(reserved(), 124 * MiB);  // fixed segments: 134 MiB
+  CHECK_EQ(f->stats().segments, 3u);  // two small segments and the reservation
+  CHECK_EQ(f.drv.stats().allocations, 2u);
+  CHECK_EQ(f.drv.stats().creates, 6u);
+  CHECK_EQ(f->stats().page_maps, 6u);
+  for (auto [p, n] : {std::pair{m1, MiB + 1}, {m2, 10 * MiB}, {m3, 10 * MiB},
+                      {m4, 10 * MiB + 1}, {m5, 13 * MiB}, {m6, 64 * MiB}}) {
+    CHECK(f.drv.accessible(0, p, n));
+  }
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(maximum_size_cap)
 {
   pool_options o;
-  o.maximum_size = 24 * MiB;
+  o.maximum_size = 2 * big;  // two segments, or two pages, of a big block each
   fixture f{o};
-  CHECK_THROWS(f->allocate(25 * MiB), out_of_memory);
+  CHECK_THROWS(f->allocate(2 * big + MiB), out_of_memory);
   auto const a = f->allocate(big);
   auto const b = f->allocate(big);
-  CHECK_EQ(f->stats().bytes_reserved, 24 * MiB);
+  CHECK_EQ(f->stats().bytes_reserved, 40 * MiB);
   try {
     (void)f->allocate(256);  // needs a 2 MiB small segment: over the cap
     CHECK(false);
   } catch (out_of_memory const& e) {
     std::string const what = e.what();
-    CHECK(what.find("cap 24.00 MiB") != std::string::npos);
+    CHECK(what.find("cap 40.00 MiB") != std::string::npos);
   }
   CHECK_EQ(f->stats().out_of_memory, 2u);
-  CHECK_EQ(f.drv.stats().allocations, 2u);  // the cap is checked before asking the driver
+  CHECK_EQ(driver_makes(f), 2u);  // the cap is checked before asking the driver
   // Usable after: free one (pending, incomplete), the ladder waits for it, releases its
-  // segment and grows a small one within the cap.
+  // segment (page) and grows a small one within the cap.
   f->deallocate(a);
   CHECK_EQ(f->stats().fence_waits, 0u);
   auto const s = f->allocate(256);
   CHECK_EQ(f->stats().fence_waits, 1u);
-  CHECK_EQ(f->stats().bytes_reserved, 14 * MiB);
-  CHECK(f->stats().peak_bytes_reserved <= 24 * MiB);
+  CHECK_EQ(f->stats().bytes_reserved, big + 2 * MiB);
+  CHECK_EQ(driver_frees(f), 1u);
+  CHECK(f->stats().peak_bytes_reserved <= 2 * big);
   f->deallocate(s);
   f->deallocate(b);
   CHECK_EQ(consistency(f), "");
@@ -666,6 +761,10 @@ TEST(maximum_fraction_cap)
   o.maximum_fraction = 0.25;
   fixture f{o, 100 * MiB};  // cap: 25 MiB
   auto const a = f->allocate(24 * MiB);
+  // The two 20 MiB pages it would take on the growable segment pass the cap: a fixed segment
+  // of its size serves it there too.
+  CHECK_EQ(f->stats().page_maps, 0u);
+  CHECK_EQ(f.drv.stats().bytes_reserved, 24 * MiB);
   // A 2 MiB small segment would pass 25 MiB; a segment of just the request still fits.
   auto const small = f->allocate(MiB);
   CHECK_EQ(f->stats().bytes_reserved, 25 * MiB);
@@ -683,41 +782,47 @@ TEST(maximum_fraction_cap)
 
 TEST(out_of_memory_ladder_order)
 {
-  fixture f{{}, 24 * MiB};
-  auto const s = f->allocate(256);  // segment S: 2 MiB (small)
-  auto const p = f->allocate(big);  // segment P: 12 MiB
+  fixture f{{}, 2 * big};  // a device of 40 MiB
+  auto const s = f->allocate(256);  // segment S: 2 MiB (small, fixed on either kind)
+  auto const p = f->allocate(big);  // P: a segment of its own, or the growable segment's page
   f->deallocate(s);
   f->synchronize();  // S is wholly free, in the free lists
-  auto c0 = f.drv.stats();
+  auto const syncs0 = f.drv.stats().event_syncs;
+  auto const made0  = driver_makes(f);
+  auto const freed0 = driver_frees(f);
 
   // (a) A completed pending free is reused before growing (and without waiting).
   f.drv.set_auto_complete(true);
   f->deallocate(p);
   auto const q = f->allocate(big);
   CHECK_EQ(q, p);
-  auto c1 = f.drv.stats();
-  CHECK_EQ(c1.allocations, c0.allocations);
-  CHECK_EQ(c1.event_syncs, c0.event_syncs);
-  CHECK_EQ(c1.deallocations, c0.deallocations);
+  auto const syncs1 = f.drv.stats().event_syncs;
+  CHECK_EQ(driver_makes(f), made0);
+  CHECK_EQ(syncs1, syncs0);
+  CHECK_EQ(driver_frees(f), freed0);
   f.drv.set_auto_complete(false);
 
   // (b) A pending (incomplete) free is waited for before giving up - and before releasing S.
+  // (On the growable segment before growing even: new pages past the peak, which the frees
+  // of the request's stream could cover, wait for them.)
   f->deallocate(q);
-  auto const r = f->allocate(big);  // growing 12 MiB would exceed 24 MiB
+  auto const r = f->allocate(big);  // growing 20 MiB would exceed 40 MiB
   CHECK_EQ(r, p);
-  auto c2 = f.drv.stats();
-  CHECK(c2.event_syncs > c1.event_syncs);
-  CHECK_EQ(c2.allocations, c1.allocations);
-  CHECK_EQ(c2.deallocations, c1.deallocations);  // S was not released: waiting sufficed
+  auto const syncs2 = f.drv.stats().event_syncs;
+  CHECK(syncs2 > syncs1);
+  CHECK_EQ(f->stats().fence_waits, 1u);
+  CHECK_EQ(driver_makes(f), made0);
+  CHECK_EQ(driver_frees(f), freed0);  // S was not released: waiting sufficed
 
-  // (c) Nothing fits even after waiting: wholly free segments go back, then exact growth.
+  // (c) Nothing fits even after waiting: wholly free memory goes back (S, and P's segment or
+  // page), then growth to the request's size: an exact segment, or the two pages it reaches.
   f->deallocate(r);
-  auto const t = f->allocate(20 * MiB);
-  auto c3 = f.drv.stats();
-  CHECK(c3.event_syncs > c2.event_syncs);          // r's free was waited for first
-  CHECK_EQ(c3.deallocations, c2.deallocations + 2);  // S and P released
-  CHECK_EQ(c3.allocations, c2.allocations + 1);
-  CHECK_EQ(f->stats().bytes_reserved, 20 * MiB);
+  auto const t = f->allocate(38 * MiB);
+  CHECK(f.drv.stats().event_syncs > syncs2);  // r's free was waited for first
+  CHECK_EQ(f->stats().fence_waits, 2u);
+  CHECK_EQ(driver_frees(f), freed0 + 2);  // S, and P's segment or page
+  CHECK_EQ(driver_makes(f), made0 + (test::growable_run() ? 2 : 1));
+  CHECK_EQ(f->stats().bytes_reserved, test::growable_run() ? 40 * MiB : 38 * MiB);
   CHECK_EQ(f->stats().segments, 1u);
   CHECK_EQ(consistency(f), "");
 
@@ -728,8 +833,9 @@ TEST(out_of_memory_ladder_order)
   } catch (out_of_memory const& e) {
     std::string const what = e.what();
     CHECK(what.find("out of memory allocating 8.00 MiB") != std::string::npos);
-    CHECK(what.find("holds 20.00 MiB in 1 segments") != std::string::npos);
-    CHECK(what.find("20.00 MiB in use") != std::string::npos);
+    CHECK(what.find(test::growable_run() ? "holds 40.00 MiB in 1 segments"
+                                         : "holds 38.00 MiB in 1 segments") != std::string::npos);
+    CHECK(what.find("38.00 MiB in use") != std::string::npos);
     CHECK(what.find("waiting for pending frees") != std::string::npos);
   }
   CHECK_EQ(f->stats().out_of_memory, 1u);
@@ -737,22 +843,26 @@ TEST(out_of_memory_ladder_order)
 
   // The pool still works: within what is left, and after freeing.
   auto const u = f->allocate(2 * MiB);  // a 20 MiB segment would not fit: exact 2 MiB does
-  CHECK_EQ(f->stats().bytes_reserved, 22 * MiB);
+  CHECK_EQ(f->stats().bytes_reserved, 40 * MiB);  // (on growable segments: t's second page)
   f->deallocate(t);
   f->deallocate(u);
   auto const v = f->allocate(8 * MiB);
   f->deallocate(v);
   f->trim();
   CHECK_EQ(f.drv.stats().bytes_reserved, 0u);
+  CHECK_EQ(f.drv.stats().bytes_physical, 0u);
   CHECK_EQ(consistency(f), "");
 }
 
 TEST(out_of_memory_mid_size_falls_back_to_exact_growth)
 {
-  fixture f{{}, 24 * MiB};
+  // On the growable segment too: a request that no page fits falls back to fixed segments.
+  fixture f{{}, big + 8 * MiB};
   auto const p = f->allocate(big);
   auto const q = f->allocate(6 * MiB);  // 20 MiB would not fit; an exact 6 MiB segment does
-  CHECK_EQ(f->stats().bytes_reserved, 18 * MiB);
+  CHECK_EQ(f->stats().bytes_reserved, big + 6 * MiB);
+  CHECK_EQ(f.drv.stats().bytes_reserved, test::growable_run() ? 6 * MiB : big + 6 * MiB);
+  CHECK_EQ(consistency(f), "");
   f->deallocate(p);
   f->deallocate(q);
 }
@@ -762,25 +872,39 @@ TEST(out_of_memory_mid_size_falls_back_to_exact_growth)
 TEST(fault_failed_segment_allocation)
 {
   fixture f;
-  f.drv.fail_next_allocations(1);
-  auto const a = f->allocate(2 * MiB);  // 20 MiB growth fails; exact growth retried
-  CHECK_EQ(f->stats().bytes_reserved, 2 * MiB);
+  bool const growable = test::growable_run();
+  if (growable) {
+    f.drv.fail_next_maps(1);  // its page fails (cuMemCreate): a 20 MiB fixed segment serves it
+  } else {
+    f.drv.fail_next_allocations(1);  // 20 MiB growth fails; exact growth retried
+  }
+  auto const a = f->allocate(2 * MiB);
+  CHECK_EQ(f->stats().bytes_reserved, growable ? 20 * MiB : 2 * MiB);
+  CHECK_EQ(f.drv.stats().bytes_reserved, f->stats().bytes_reserved);
   CHECK_EQ(consistency(f), "");
+  // Every attempt of the ladder fails: on fixed segments its growth and its exact growth; on
+  // the growable segment, a page where a free block lacks one (step 2), then at each growth a
+  // page and a fixed segment.
+  if (growable) { f.drv.fail_next_maps(3); }
   f.drv.fail_next_allocations(2);
   CHECK_THROWS(f->allocate(big), out_of_memory);
   CHECK_EQ(f->stats().out_of_memory, 1u);
   CHECK_EQ(consistency(f), "");
-  auto const b = f->allocate(big);  // no more failures
+  auto const b = f->allocate(big);  // no more failures: a segment, or a page
+  CHECK(f.drv.accessible(0, b, big));
+  CHECK_EQ(f.drv.stats().live_mappings, growable ? 1u : 0u);
   f->deallocate(a);
   f->deallocate(b);
   f->trim();
   CHECK_EQ(f.drv.stats().live_segments, 0u);
+  CHECK_EQ(f.drv.stats().live_mappings, 0u);
   CHECK_EQ(consistency(f), "");
 }
 
 TEST(fault_failed_event_record_keeps_blocks_fenced)
 {
   fixture f;
+  lift_peak(f, 8 * big);  // misses grow: they wait for no fence
   auto const p = f->allocate(big);
   f->deallocate(p);
   f.drv.fail_next_event_records(1);
@@ -798,8 +922,9 @@ TEST(fault_failed_event_record_keeps_blocks_fenced)
   CHECK_THROWS(f->synchronize(), cuda_error);
   CHECK_NOTHROW(f->synchronize());
   CHECK_EQ(f->stats().bytes_waiting, 0u);
-  CHECK_EQ(f->trim(), 2 * big);  // p's and m's segments: the failed miss did not grow
+  CHECK_EQ(f->trim(), 2 * big);  // p's and m's segments (pages): the failed miss did not grow
   CHECK_EQ(f.drv.stats().bytes_reserved, 0u);
+  CHECK_EQ(f.drv.stats().bytes_physical, 0u);
 }
 
 TEST(fault_random_injection_loses_nothing)
@@ -811,9 +936,23 @@ TEST(fault_random_injection_loses_nothing)
     int ooms = 0, cuda_errors = 0;
     for (int i = 0; i < 3000; ++i) {
       auto const r = rng() % 100;
-      if (r < 3) { f.drv.fail_next_allocations(1 + static_cast<int>(rng() % 3)); }
-      if (r >= 3 && r < 6) { f.drv.fail_next_event_records(1); }
+      if (r < 3) {  // cuMemAlloc and cuMemCreate (the one the run uses, but for small requests)
+        auto const n = 1 + static_cast<int>(rng() % 3);
+        f.drv.fail_next_allocations(n);
+        f.drv.fail_next_maps(n);
+      }
+      if (r >= 3 && r < 6) {
+        f.drv.fail_next_event_records(1);
+        f.drv.fail_next_unmaps(1);  // growable pages given back or moved: they stay, counted
+      }
       if (r >= 6 && r < 10) { f.drv.complete_all_events(); }
+      if (r >= 10 && r < 12) {  // memory goes back and comes again: segments, pages
+        try {
+          (void)f->trim();
+        } catch (cuda_error const&) {  // a fence's event, or a segment's cuMemFree
+          ++cuda_errors;
+        }
+      }
       if (live.size() > 40 || (!live.empty() && rng() % 2 == 0)) {
         auto const k = rng() % live.size();
         auto const p = live[k].first;
@@ -835,18 +974,22 @@ TEST(fault_random_injection_loses_nothing)
         auto const problems = consistency(f);
         CHECK_EQ(problems, "");
         if (!problems.empty()) { break; }
+        for (auto& [p, n] : live) { CHECK(f.drv.accessible(0, p, n)); }
       }
     }
     CHECK(cuda_errors > 0);  // the injections did hit
     for (auto& [p, n] : live) { f->deallocate(p); }
     f.drv.fail_next_allocations(0);
     f.drv.fail_next_event_records(0);
+    f.drv.fail_next_maps(0);
+    f.drv.fail_next_unmaps(0);
     CHECK_EQ(f->stats().bytes_in_use, 0u);
     f->synchronize();
     f->trim();
     auto const c = f.drv.stats();
     CHECK_EQ(c.bytes_reserved, 0u);
     CHECK_EQ(c.live_segments, 0u);
+    CHECK_EQ(c.bytes_physical, 0u);
     CHECK_EQ(f->stats().bytes_free, 0u);
     CHECK_EQ(consistency(f), "");
     f.pool.reset();  // destroying the pool destroys its events
@@ -1185,56 +1328,69 @@ TEST(trim_releases_only_wholly_free_segments)
   auto const b2 = f->allocate(big);
   f->deallocate(s2);
   f->deallocate(b1);
-  CHECK_EQ(f->trim(), big);  // b1's segment; not s1's (s1 live), not b2's
+  CHECK_EQ(f->trim(), big);  // b1's segment (page); not s1's (s1 live), not b2's
   auto c = f.drv.stats();
-  CHECK_EQ(c.deallocations, 1u);
-  CHECK_EQ(c.live_segments, 2u);
-  CHECK_EQ(f->stats().segment_releases, 1u);
+  if (test::growable_run()) {  // b1's page goes; s1's small segment and b2's page stay
+    CHECK_EQ(c.deallocations, 0u);
+    CHECK_EQ(c.releases, 1u);
+    CHECK_EQ(c.live_segments, 1u);
+    CHECK_EQ(c.live_mappings, 1u);
+    CHECK_EQ(f->stats().page_releases, 1u);
+    CHECK(!f.drv.accessible(0, b1, big));
+  } else {
+    CHECK_EQ(c.deallocations, 1u);
+    CHECK_EQ(c.live_segments, 2u);
+    CHECK_EQ(f->stats().segment_releases, 1u);
+  }
   CHECK(f->owns(s1));
   CHECK(f->owns(b2));
+  CHECK(f.drv.accessible(0, b2, big));
   CHECK_EQ(f->trim(), 0u);
   f->deallocate(s1);
   f->deallocate(b2);
   CHECK_EQ(f->trim(), big + 2 * MiB);
   CHECK_EQ(f.drv.stats().live_segments, 0u);
+  CHECK_EQ(f.drv.stats().live_mappings, 0u);
   CHECK_EQ(consistency(f), "");
 }
 
 TEST(defer_cleanup_blocks_driver_frees_not_reuse)
 {
-  fixture f{{}, 40 * MiB};
+  fixture f{{}, big};  // a device that holds P alone
   auto const p = f->allocate(big);
   f->defer_cleanup_begin();
   f->defer_cleanup_begin();  // nests
   f->deallocate(p);
   CHECK_EQ(f->trim(), 0u);
-  CHECK_EQ(f.drv.stats().deallocations, 0u);
+  CHECK_EQ(driver_frees(f), 0u);
   CHECK_EQ(f->stats().bytes_free, big);  // trim still drained the queue
   CHECK_EQ(f->allocate(big), p);         // reusable while deferred
   f->deallocate(p);
   f->synchronize();
-  // The ladder must not release segments while deferred: 32 MiB needs P's 12 MiB back.
-  CHECK_THROWS(f->allocate(32 * MiB), out_of_memory);
-  CHECK_EQ(f.drv.stats().deallocations, 0u);
+  // The ladder must not give memory back while deferred: a small request's segment needs P's
+  // segment (page) back.
+  CHECK_THROWS(f->allocate(256), out_of_memory);
+  CHECK_EQ(driver_frees(f), 0u);
   f->defer_cleanup_end();
   CHECK_EQ(f->trim(), 0u);  // still deferred (nested)
   f->defer_cleanup_end();
-  auto const q = f->allocate(32 * MiB);  // now the ladder can release P's segment
-  CHECK_EQ(f.drv.stats().deallocations, 1u);
+  auto const q = f->allocate(256);  // now the ladder can give P's segment (page) back
+  CHECK_EQ(driver_frees(f), 1u);
   f->deallocate(q);
-  CHECK_EQ(f->trim(), 32 * MiB);
+  CHECK_EQ(f->trim(), 2 * MiB);
   CHECK_EQ(consistency(f), "");
 }
 
 TEST(defer_cleanup_still_grows_exact_segments)
 {
   // Deferral holds back releases only: a mid-size request whose 20 MiB segment does not fit
-  // still gets an exact segment that does.
-  fixture f{{}, 24 * MiB};
+  // still gets an exact segment that does (on growable segments too: nor does a page fit).
+  fixture f{{}, big + 8 * MiB};
   auto const p = f->allocate(big);
   f->defer_cleanup_begin();
   device_ptr q = 0;
   CHECK_NOTHROW(q = f->allocate(6 * MiB));
+  CHECK_EQ(f->stats().bytes_reserved, big + 6 * MiB);
   f->defer_cleanup_end();
   if (q != 0) { f->deallocate(q); }
   f->deallocate(p);
@@ -1292,11 +1448,14 @@ TEST(passthrough_with_deferred_cleanup)
 
 // ---- reset and generations --------------------------------------------------------------------
 
+// A retired growable segment keeps its pages mapped until the process exits (docs/limits.md):
+// its free blocks are never handed out again all the same, and the pool counts none of it.
 TEST(reset_retires_live_blocks)
 {
   fixture f;
+  bool const growable = test::growable_run();
   auto const a = f->allocate(1000);  // first block of a small segment (base a)
-  auto const b = f->allocate(big);   // segment base b
+  auto const b = f->allocate(big);   // segment base b (or page)
   auto const c = f->allocate(big);
   f->deallocate(c);  // pending: reset waits for it, then releases its segment
   auto const g0 = f->generation();
@@ -1309,8 +1468,11 @@ TEST(reset_retires_live_blocks)
   CHECK_EQ(s.bytes_free, 0u);
   CHECK_EQ(s.bytes_waiting, 0u);
   CHECK_EQ(s.segments, 0u);
-  CHECK_EQ(f.drv.stats().deallocations, 1u);  // c's segment
-  CHECK_EQ(f.drv.stats().live_segments, 2u);  // a's and b's: retired, not freed (live blocks)
+  CHECK_EQ(driver_frees(f), 1u);  // c's segment (page)
+  // a's and b's: retired, not freed (live blocks). b's page stays mapped, in its reservation.
+  CHECK_EQ(f.drv.stats().live_segments, growable ? 1u : 2u);
+  CHECK_EQ(f.drv.stats().live_mappings, growable ? 1u : 0u);
+  CHECK(f.drv.accessible(0, b, big));
   CHECK(!f->owns(a));
   CHECK(!f->owns(b));
   // The retired segments' free space is never handed out again.
@@ -1326,16 +1488,27 @@ TEST(reset_retires_live_blocks)
   CHECK(f.drv.stats().allocations > allocs0);
   // Old-generation frees: not through the plain deallocate (not live in this generation).
   CHECK_THROWS(f->deallocate(a), pool_error);
-  f->deallocate(b, legacy_stream, gen(g0));  // its retired segment is now empty: freed
-  CHECK_EQ(f.drv.stats().deallocations, 2u);
+  // Its retired segment is now empty: freed (a growable one keeps its pages).
+  f->deallocate(b, legacy_stream, gen(g0));
+  CHECK_EQ(driver_frees(f), growable ? 1u : 2u);
   CHECK_THROWS(f->deallocate(b, legacy_stream, gen(g0)), pool_error);  // double free
   f->deallocate(a, legacy_stream, gen(g0));
-  CHECK_EQ(f.drv.stats().deallocations, 3u);
+  CHECK_EQ(driver_frees(f), growable ? 2u : 3u);
   for (auto p : ps) { f->deallocate(p, legacy_stream, gen(g0 + 1)); }
   f->deallocate(pb);
   f->trim();
-  CHECK_EQ(f.drv.stats().live_segments, 0u);
-  CHECK_EQ(consistency(f), "");
+  auto const c1 = f.drv.stats();
+  CHECK_EQ(c1.live_segments, 0u);
+  if (growable) {
+    // The driver holds b's page and the two reservations (the retired one, and pb's, whose
+    // pages trim gave back), the pool one segment and no memory.
+    CHECK_EQ(c1.bytes_physical, big);
+    CHECK_EQ(c1.live_mappings, 1u);
+    CHECK_EQ(c1.live_reservations, 2u);
+    CHECK_EQ(f->stats().segments, 1u);
+    CHECK_EQ(f->stats().bytes_reserved, 0u);
+  }
+  CHECK_EQ(consistency(f, !growable), "");
 }
 
 TEST(reset_then_address_reuse_by_the_driver)
@@ -1348,11 +1521,13 @@ TEST(reset_then_address_reuse_by_the_driver)
   auto const x = f->allocate(big);
   REQUIRE(x == a);  // the driver reused the address: this is the case under test
   CHECK(f->owns(x));
-  auto const deallocs = f.drv.stats().deallocations;
+  auto const frees = driver_frees(f);
   f->deallocate(a, legacy_stream, gen(g0));  // the old block: must not touch x
   CHECK(f->owns(x));
-  CHECK_EQ(f.drv.stats().deallocations, deallocs);  // not freed: the driver's id differs
-  CHECK_EQ(f.drv.stats().live_segments, 1u);
+  // Not freed: the driver's id differs (a retired growable segment gives nothing back).
+  CHECK_EQ(driver_frees(f), frees);
+  CHECK(f.drv.accessible(0, x, big));
+  CHECK_EQ(test::growable_run() ? f.drv.stats().live_mappings : f.drv.stats().live_segments, 1u);
   CHECK_EQ(f->stats().bytes_in_use, big);
   CHECK_THROWS(f->deallocate(a, legacy_stream, gen(g0)), pool_error);
   f->deallocate(x, legacy_stream, gen(g0 + 1));
@@ -1378,6 +1553,7 @@ TEST(tagged_try_free_leaves_a_retired_block_to_the_full_free)
   CHECK(f->owns(x));
   f->deallocate(a, allocation_stream, lib(alloc_tag::cupy));  // the retired one
   CHECK(f->owns(x));
+  CHECK(f.drv.accessible(0, x, big));
   CHECK(f->try_deallocate(x, allocation_stream, lib(alloc_tag::cupy)));  // none retired now
   CHECK(!f->owns(x));
   auto const y = f->allocate(4096, legacy_stream, alloc_tag::torch);
@@ -1395,9 +1571,11 @@ TEST(reset_with_record_stream_pending)
   auto const q = f->allocate(big);
   f->record_stream(p, stream_b);
   f->deallocate(p, legacy_stream);
-  f->reset();  // waits for both of p's fences: p's segment goes back to the driver
+  f->reset();  // waits for both of p's fences: p's segment (page) goes back to the driver
   CHECK_EQ(f->stats().bytes_waiting, 0u);
-  CHECK_EQ(f.drv.stats().live_segments, 1u);  // q's, retired
+  CHECK_EQ(driver_frees(f), 1u);
+  // q's, retired: its segment, or its page
+  CHECK_EQ(test::growable_run() ? f.drv.stats().live_mappings : f.drv.stats().live_segments, 1u);
   CHECK_EQ(consistency(f, false), "");
   f.drv.set_auto_complete(true);
   for (int i = 0; i < 4; ++i) {
@@ -1419,10 +1597,17 @@ TEST(reset_when_the_fence_fails)
   CHECK_NOTHROW(f->reset());
   CHECK_EQ(f->stats().bytes_waiting, 0u);
   CHECK_EQ(f->stats().bytes_reserved, 0u);
-  CHECK_EQ(f.drv.stats().live_segments, 1u);  // q's (retired); p's was released
+  CHECK_EQ(driver_frees(f), 1u);  // p's segment (page) was released
+  // q's, retired: its segment, or its page
+  auto const live = [&] {
+    auto const c = f.drv.stats();
+    return test::growable_run() ? c.live_mappings : c.live_segments;
+  };
+  CHECK_EQ(live(), 1u);
   CHECK_EQ(consistency(f, false), "");
   f->deallocate(q, legacy_stream, gen(0));
-  CHECK_EQ(f.drv.stats().live_segments, 0u);
+  // Its segment goes back; a retired growable segment keeps its pages (docs/limits.md).
+  CHECK_EQ(live(), test::growable_run() ? 1u : 0u);
 }
 
 TEST(reset_after_the_context_is_gone)
@@ -1464,9 +1649,15 @@ TEST(failed_segment_release_keeps_the_pool_consistent)
   auto const a = f->allocate(big);
   f->deallocate(a);
   f->synchronize();
-  f.drv.invalidate_device(0);  // cuMemFree of the segment will fail
-  CHECK_THROWS(f->trim(), cuda_error);
+  f.drv.invalidate_device(0);  // cuMemFree of the segment (cuMemUnmap of the page) will fail
+  if (test::growable_run()) {
+    CHECK_EQ(f->trim(), 0u);  // not thrown: the page stays mapped and counted, for a later trim
+  } else {
+    CHECK_THROWS(f->trim(), cuda_error);
+  }
   CHECK_EQ(f->stats().segments, 1u);
+  CHECK_EQ(f->stats().bytes_reserved, big);
+  CHECK_EQ(f->stats().bytes_free, big);
   CHECK_EQ(consistency(f, false), "");
 }
 
@@ -1492,11 +1683,15 @@ TEST(double_free_and_foreign_pointers)
 TEST(statistics_add_up)
 {
   fixture f;
+  bool const growable = test::growable_run();
   auto const a = f->allocate(1000, legacy_stream, alloc_tag::numba);   // 1024
   auto const b = f->allocate(3 * MiB, legacy_stream, alloc_tag::cupy);  // 3 MiB
   auto const c = f->allocate(18 * MiB, legacy_stream, alloc_tag::torch);  // > the 17 MiB left
   auto const d = f->allocate(100);                                           // other: 256
   std::size_t const big = 18 * MiB;
+  // b's 20 MiB large segment, c's exact one; or the growable segment: b in page 0, c behind it
+  // in [3, 21) MiB, which takes page 1 too.
+  std::size_t const large = growable ? 2 * 20 * MiB : 20 * MiB + big;
   auto s = f->stats();
   CHECK_EQ(s.bytes_in_use, 1024 + 3 * MiB + big + 256);
   CHECK_EQ(s.bytes_in_use_by_tag[static_cast<int>(alloc_tag::numba)], 1024u);
@@ -1506,9 +1701,10 @@ TEST(statistics_add_up)
   CHECK_EQ(s.allocations_by_tag[static_cast<int>(alloc_tag::numba)], 1u);
   CHECK_EQ(s.allocations, 4u);
   CHECK_EQ(s.blocks_in_use, 4u);
-  CHECK_EQ(s.bytes_reserved, 2 * MiB + 20 * MiB + big);
-  CHECK_EQ(s.segments, 3u);
-  CHECK_EQ(s.segment_allocations, 3u);
+  CHECK_EQ(s.bytes_reserved, 2 * MiB + large);
+  CHECK_EQ(s.segments, growable ? 2u : 3u);  // the growable segment is one
+  CHECK_EQ(s.segment_allocations, growable ? 2u : 3u);
+  CHECK_EQ(s.page_maps, growable ? 2u : 0u);
   CHECK_EQ(s.peak_bytes_in_use, s.bytes_in_use);
   CHECK_EQ(s.peak_bytes_reserved, s.bytes_reserved);
   CHECK_EQ(consistency(f), "");
@@ -1523,11 +1719,13 @@ TEST(statistics_add_up)
   CHECK_EQ(s.frees, 2u);
   CHECK_EQ(consistency(f), "");
 
-  f->trim();
+  f->trim();  // c's segment; or page 1, wholly free (page 0 holds b)
   s = f->stats();
   CHECK_EQ(s.bytes_reserved, 2 * MiB + 20 * MiB);
-  CHECK_EQ(s.peak_bytes_reserved, 2 * MiB + 20 * MiB + big);
-  CHECK_EQ(s.segment_releases, 1u);
+  CHECK_EQ(s.peak_bytes_reserved, 2 * MiB + large);
+  CHECK_EQ(s.segment_releases, growable ? 0u : 1u);
+  CHECK_EQ(s.page_unmaps, growable ? 1u : 0u);
+  CHECK_EQ(s.page_releases, growable ? 1u : 0u);
   f->reset_peaks();
   s = f->stats();
   CHECK_EQ(s.peak_bytes_in_use, s.bytes_in_use);
@@ -1540,7 +1738,7 @@ TEST(statistics_add_up)
   s = f->stats();
   CHECK_EQ(s.bytes_in_use, 0u);
   CHECK_EQ(s.bytes_free, s.bytes_reserved);
-  CHECK_EQ(s.largest_free_block, 20 * MiB);
+  CHECK_EQ(s.largest_free_block, 20 * MiB);  // b's segment, or page 0
   CHECK_EQ(consistency(f), "");
 }
 
@@ -1581,7 +1779,7 @@ TEST(live_extent_is_the_block_holding_a_pointer)
   f->synchronize();
   CHECK(!f->live_extent(b).has_value());       // free
   CHECK(f->live_extent(c + 1) == extent(c, 5120));
-  auto const big_block = f->allocate(big);  // a segment of its own
+  auto const big_block = f->allocate(big);  // a segment (page) of its own
   CHECK(f->live_extent(big_block + big - 1) == extent(big_block, big));
   f->deallocate(a);
   f->deallocate(c);
@@ -1595,7 +1793,7 @@ TEST(destroying_the_pool_returns_everything)
 {
   host_driver drv;
   {
-    device_pool pool{drv, 0, {}};
+    device_pool pool{drv, 0, test::for_this_run({})};
     (void)pool.allocate(100);
     auto const p = pool.allocate(big);
     pool.deallocate(p);
@@ -1605,6 +1803,9 @@ TEST(destroying_the_pool_returns_everything)
   CHECK_EQ(c.live_segments, 0u);
   CHECK_EQ(c.bytes_reserved, 0u);
   CHECK_EQ(c.live_events, 0u);
+  CHECK_EQ(c.live_mappings, 0u);
+  CHECK_EQ(c.bytes_physical, 0u);
+  CHECK_EQ(c.live_reservations, 0u);
 }
 
 // ---- threads ------------------------------------------------------------------------------------
@@ -1643,7 +1844,8 @@ TEST(pool_mutex_excludes_and_wakes_sleeping_waiters)
 // A deterministic stress test (fixed seeds; NOT a benchmark): threads allocate and free random
 // sizes on a few streams, hand blocks to each other to free, while another thread completes
 // events, trims and checks statistics. Every block handed out is checked against all blocks
-// live at that moment.
+// live at that moment, and against the driver: its memory is there (a growable segment's pages
+// mapped, whatever trim and the moves of free pages unmap meanwhile).
 TEST(stress_threads)
 {
   int const nthreads = 8;
@@ -1651,7 +1853,7 @@ TEST(stress_threads)
   if (char const* e = std::getenv("EMMPOOL_STRESS_OPS")) { ops = std::atoi(e); }
 
   host_driver drv;
-  device_pool pool{drv, 0, {}};
+  device_pool pool{drv, 0, test::for_this_run({})};
 
   std::mutex live_mutex;
   std::map<device_ptr, device_ptr> live;  // [begin, end) of every block held by a thread
@@ -1668,6 +1870,7 @@ TEST(stress_threads)
   };
 
   auto claim = [&](device_ptr p, std::size_t n) {
+    if (!drv.accessible(0, p, rounded(n))) { error("a block whose memory is not there"); }
     std::lock_guard lock{live_mutex};
     auto const end = p + rounded(n);
     auto it        = live.lower_bound(p);
@@ -1778,5 +1981,6 @@ TEST(stress_threads)
   pool.trim();
   CHECK_EQ(drv.stats().bytes_reserved, 0u);
   CHECK_EQ(drv.stats().live_segments, 0u);
+  CHECK_EQ(drv.stats().bytes_physical, 0u);
   CHECK_EQ(pool.stats().bytes_reserved, 0u);
 }
