@@ -874,7 +874,7 @@ TEST(fault_failed_segment_allocation)
   fixture f;
   bool const growable = test::growable_run();
   if (growable) {
-    f.drv.fail_next_maps(1);  // its page fails (cuMemCreate): a 20 MiB fixed segment serves it
+    f.drv.fail_next_creates(1);  // its page fails (cuMemCreate): a 20 MiB fixed segment serves it
   } else {
     f.drv.fail_next_allocations(1);  // 20 MiB growth fails; exact growth retried
   }
@@ -885,7 +885,7 @@ TEST(fault_failed_segment_allocation)
   // Every attempt of the ladder fails: on fixed segments its growth and its exact growth; on
   // the growable segment, a page where a free block lacks one (step 2), then at each growth a
   // page and a fixed segment.
-  if (growable) { f.drv.fail_next_maps(3); }
+  if (growable) { f.drv.fail_next_creates(3); }
   f.drv.fail_next_allocations(2);
   CHECK_THROWS(f->allocate(big), out_of_memory);
   CHECK_EQ(f->stats().out_of_memory, 1u);
@@ -939,11 +939,12 @@ TEST(fault_random_injection_loses_nothing)
       if (r < 3) {  // cuMemAlloc and cuMemCreate (the one the run uses, but for small requests)
         auto const n = 1 + static_cast<int>(rng() % 3);
         f.drv.fail_next_allocations(n);
-        f.drv.fail_next_maps(n);
+        f.drv.fail_next_creates(n);
       }
       if (r >= 3 && r < 6) {
         f.drv.fail_next_event_records(1);
         f.drv.fail_next_unmaps(1);  // growable pages given back or moved: they stay, counted
+        f.drv.fail_next_maps(1);    // a cuMemMap refused (not out of memory): the request fails
       }
       if (r >= 6 && r < 10) { f.drv.complete_all_events(); }
       if (r >= 10 && r < 12) {  // memory goes back and comes again: segments, pages
@@ -981,8 +982,9 @@ TEST(fault_random_injection_loses_nothing)
     for (auto& [p, n] : live) { f->deallocate(p); }
     f.drv.fail_next_allocations(0);
     f.drv.fail_next_event_records(0);
-    f.drv.fail_next_maps(0);
+    f.drv.fail_next_creates(0);
     f.drv.fail_next_unmaps(0);
+    f.drv.fail_next_maps(0);
     CHECK_EQ(f->stats().bytes_in_use, 0u);
     f->synchronize();
     f->trim();
