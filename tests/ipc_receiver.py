@@ -18,3 +18,25 @@ def hold_then(inbox, outbox) -> None:
     handle.close()
     outbox.put("closed")
     inbox.get()  # stay alive until told: the test checks the block let go while we live
+
+
+def open_without_ptrace(inbox, outbox) -> None:
+    """Open a handle of pages in a process that may not copy another's descriptors: they must
+    come over the sender's IPC service. The memory itself lives in the sender's host driver,
+    so this process's own host driver refuses the import: reaching that step is the proof that
+    the descriptors arrived."""
+    import emmpool
+    from emmpool import _core
+
+    from tests import no_ptrace
+
+    no_ptrace.deny_pidfd_getfd()
+    _core._use_driver_for_all_pools(_core.HostDriver(devices=1, capacity=1 << 30))
+    handle = inbox.get()
+    refused = no_ptrace.pidfd_getfd_refused(os.getppid())
+    try:
+        handle.open()
+        outbox.put((refused, "opened", ""))
+    except (emmpool.CudaError, emmpool.PoolError) as e:
+        outbox.put((refused, type(e).__name__, str(e)))
+    handle.close()

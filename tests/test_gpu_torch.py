@@ -162,6 +162,23 @@ def test_a_tensor_from_pytorchs_expandable_segments_opens_on_emmpool(extension_b
 
 
 @pytest.mark.ipc
+def test_tensors_cross_both_ways_where_no_process_may_copy_anothers_descriptors(
+        extension_builds):
+    """A parent and its child on emmpool's default (growable) segments, neither allowed
+    pidfd_getfd (a seccomp filter: what Yama's ptrace_scope=1 or a container would refuse):
+    4 MiB tensors each way, their pages handed over by the sender's IPC service."""
+    from tests import no_ptrace
+
+    if no_ptrace.supported() is not None:
+        pytest.skip(needs(no_ptrace.supported(), "Linux on x86-64 or AArch64"))
+    r, raised, out = scenario("ipc_without_ptrace", "extension")
+    assert raised is None, out
+    assert r["child_refused"] and r["parent_refused"], r
+    assert r["child_sum"] == r["expected"] and r["written_back"], r
+    assert r["back"] == r["back_expected"] and r["child_exit"] == 0, r
+
+
+@pytest.mark.ipc
 def test_cross_process_pluggable_raises_pytorchs_error():
     _, raised, out = scenario("ipc", "pluggable")
     assert raised is not None and "does not yet support shareipchandle" in raised.lower(), out  # PyTorch spells it shareIPcHandle

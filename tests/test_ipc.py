@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
+from tests.conftest import needs
 from tests.processes import run_python
 
 PRELUDE = textwrap.dedent(
@@ -154,6 +157,33 @@ def test_a_receiver_in_another_process_holds_the_block_until_it_closes_or_dies()
             inbox.put("done")
             child.join(60)
             assert child.exitcode == (0 if ending == "close" else 3), child.exitcode
+        """
+    )
+
+
+def test_a_receiver_that_may_not_copy_the_senders_descriptors_gets_the_pages():
+    from tests import no_ptrace
+
+    if no_ptrace.supported() is not None:
+        pytest.skip(needs(no_ptrace.supported(), "Linux on x86-64 or AArch64"))
+    run(
+        """
+        import multiprocessing as mp
+        from tests import ipc_receiver
+        ctx = mp.get_context("spawn")
+        p = pool.allocate(4 * MiB, _core.LEGACY_STREAM, CUPY)
+        inbox, outbox = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=ipc_receiver.open_without_ptrace, args=(inbox, outbox))
+        child.start()
+        with emmpool.ipc.export(p) as h:
+            inbox.put(h)
+            refused, raised, message = outbox.get(timeout=60)
+        child.join(60)
+        assert refused, "pidfd_getfd was not refused in the child"
+        # The descriptors came over this process's service; the child's own host driver then
+        # refused to import memory that lives here (the model has no memory across processes).
+        assert raised == "CudaError" and "cuMemImportFromShareableHandle" in message, message
+        assert _core.ipc_service_stats()["served"] == 1
         """
     )
 

@@ -235,6 +235,51 @@ def ipc(torch, allocator):
            written_back=bool((t == torch.arange(n, device="cuda") + 1).all()))
 
 
+def ipc_both_ways_child(inbox, outbox, allocator):
+    import no_ptrace  # the filter came with the process (seccomp outlives execve): check it
+
+    torch = setup(allocator)
+    refused = no_ptrace.pidfd_getfd_refused(os.getppid())
+    t = inbox.get()  # the parent's tensor: its pages over the parent's IPC service
+    total = float(t.sum().item())
+    t.add_(1)
+    mine = torch.full((1 << 20,), 7.0, device="cuda")  # 4 MiB: pages of this process
+    torch.cuda.synchronize()
+    outbox.put((refused, total, mine))
+    inbox.get()  # PyTorch's producer keeps its tensor alive until the consumer is done
+    del t
+
+
+def ipc_without_ptrace(torch, allocator):
+    """torch.multiprocessing both ways between processes on emmpool that may not copy each
+    other's descriptors (pidfd_getfd refused by a seccomp filter, as Yama's ptrace_scope=1 or a
+    container without CAP_SYS_PTRACE refuses it): 4 MiB tensors, growable pages, which pass
+    over the sender's IPC service."""
+    import torch.multiprocessing as mp
+
+    import no_ptrace
+
+    no_ptrace.deny_pidfd_getfd()  # this process and every child it starts
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    n = 1 << 20
+    t = torch.arange(n, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    p = ctx.Process(target=ipc_both_ways_child, args=(inbox, outbox, allocator))
+    p.start()
+    inbox.put(t)
+    child_refused, seen, theirs = outbox.get(timeout=120)
+    back = float(theirs.sum().item())  # the child's tensor, mapped here
+    torch.cuda.synchronize()
+    written = bool((t == torch.arange(n, device="cuda") + 1).all())
+    del theirs
+    inbox.put("done")
+    p.join(timeout=120)
+    result(parent_refused=no_ptrace.pidfd_getfd_refused(os.getppid()),
+           child_refused=child_refused, child_sum=seen, expected=float(n * (n - 1) // 2),
+           back=back, back_expected=7.0 * n, written_back=written, child_exit=p.exitcode)
+
+
 def memory_fraction(torch, allocator):
     """set_per_process_memory_fraction caps the pool: a request past it fails, a cap below what
     is in use is refused, and the cap can be raised again."""
@@ -468,7 +513,8 @@ def mixed_snapshot(torch, allocator):
 
 
 SCENARIOS = {f.__name__: f for f in (cudnn_benchmark, memory_stats, record_stream, cuda_graph,
-                                     compiled, ipc, memory_fraction, out_of_memory,
+                                     compiled, ipc, ipc_without_ptrace, memory_fraction,
+                                     out_of_memory,
                                      reduce_overhead, shared_pool_graphs, mem_pool,
                                      history_snapshot, mixed_snapshot)}
 

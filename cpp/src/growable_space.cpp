@@ -149,12 +149,13 @@ bool growable_space::ensure_segment(std::size_t rounded, segment_map& segments)
   if (page_ == 0) { return false; }
   if (pages_ == nullptr) {
     // The address space of all the device's memory (at most the cap): growth never runs out
-    // of addresses before it runs out of memory. Addresses cost no memory.
-    std::size_t bytes = reserve_;
-    if (bytes == 0) {
-      bytes = std::min(cap_->for_growth(), driver_->memory_info_of(device_).total);
-    }
-    bytes = std::max(round_up(bytes, page_), round_up(rounded, page_));
+    // of addresses before it runs out of memory. Addresses cost no memory. Never more than
+    // the device's memory for a first request larger than that: no free block of it could
+    // then serve the request, which fails at once, where mapping page after page until the
+    // device is full would take as many driver calls (and as many to undo).
+    auto const total  = driver_->memory_info_of(device_).total;
+    std::size_t bytes = reserve_ != 0 ? reserve_ : std::min(cap_->for_growth(), total);
+    bytes = std::max(round_up(bytes, page_), round_up(std::min(rounded, total), page_));
     try {
       pages_ = std::make_unique<growable_pages>(*driver_, device_, page_, bytes);
     } catch (cuda_error const&) {

@@ -605,19 +605,23 @@ TEST(growable_pages_inside_the_mapped_prefix_and_past_a_hole)
 
 TEST(growable_a_map_that_fails_part_way_is_counted)
 {
-  // Room for two pages: a 5 MiB block makes and maps two, the third cuMemCreate finds the
-  // device full. What was made goes back (a request that fails leaves no more mapped or held
-  // than before it), each step counted, so the pool's reserved bytes stay the driver's, and
-  // the pool serves once there is room.
+  // Room for two pages (the rest of the device taken since the segment was reserved): a
+  // 5 MiB block makes and maps two, the third cuMemCreate finds the device full. What was made
+  // goes back (a request that fails leaves no more mapped or held than before it), each step
+  // counted, so the pool's reserved bytes stay the driver's, and the pool serves once there is
+  // room.
   fixture f;
+  f->deallocate(f->allocate(3 * MiB));  // the segment, reserved over the whole device
+  (void)f->trim();
   f.drv.set_capacity(0, 2 * page);
   f.drv.fail_next_allocations(1000);  // no fixed segment either
+  auto const made = f.drv.stats().creates;
   CHECK_THROWS(f->allocate(5 * MiB), out_of_memory);
   CHECK_EQ(consistency(f), "");
   CHECK_EQ(f->stats().bytes_reserved, 0u);
   CHECK_EQ(f.drv.stats().bytes_mapped, 0u);
   CHECK_EQ(f.drv.stats().bytes_physical, 0u);
-  CHECK(f.drv.stats().creates >= 2u);  // it did make pages before it failed
+  CHECK(f.drv.stats().creates >= made + 2);  // it did make pages before it failed
   CHECK_EQ(f->stats().page_creates, f->stats().page_releases);
   CHECK_EQ(f->stats().page_maps, f->stats().page_unmaps);
   f.drv.set_capacity(0, 64 * MiB);
@@ -633,17 +637,22 @@ TEST(growable_a_map_that_fails_part_way_is_counted)
 
 TEST(growable_a_failed_request_leaves_nothing_mapped_and_the_largest_block_is_told)
 {
-  // The default options (20 MiB pages, room for the next requests): a 2 GiB request on a
-  // 1 GiB device maps pages until the device is full, then fails; it must leave the device as
-  // it found it, and the error must say what the pool holds.
+  // The default options (20 MiB pages, room for the next requests): a 900 MiB request on a
+  // 1 GiB device of which another allocator took half maps pages until the device is full,
+  // then fails; it must leave the device as it found it, and the error must say what the pool
+  // holds. A request larger than the device fails at once, mapping nothing.
   test::pool_fixture f{pool_options{}, 1024 * MiB};
   f.drv.fail_next_allocations(1000);  // no fixed segment either
+  CHECK_THROWS(f->allocate(2048 * MiB), out_of_memory);
+  CHECK_EQ(f.drv.stats().creates, 0u);
+  f.drv.set_capacity(0, 512 * MiB);
   try {
-    (void)f->allocate(2048 * MiB);
+    (void)f->allocate(900 * MiB);
     CHECK(false);
   } catch (out_of_memory const& e) {
     CHECK(std::string{e.what()}.find("largest block 0 B") != std::string::npos);
   }
+  CHECK(f.drv.stats().creates >= 25u);  // 500 MiB of pages made, then given back
   CHECK_EQ(f->stats().bytes_reserved, 0u);
   CHECK_EQ(f.drv.stats().bytes_mapped, 0u);
   CHECK_EQ(f.drv.stats().bytes_physical, 0u);
@@ -656,7 +665,7 @@ TEST(growable_a_failed_request_leaves_nothing_mapped_and_the_largest_block_is_to
   CHECK(s.largest_free_block > 0u);
   CHECK_EQ(s.largest_free_block, s.bytes_free);  // one run, behind a
   try {
-    (void)f->allocate(2048 * MiB);
+    (void)f->allocate(900 * MiB);
     CHECK(false);
   } catch (out_of_memory const& e) {
     CHECK(std::string{e.what()}.find("largest block 0 B") == std::string::npos);
