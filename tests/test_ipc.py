@@ -311,6 +311,54 @@ def test_the_sender_refuses_a_wrong_secret_and_pages_it_no_longer_holds():
     )
 
 
+def test_the_service_survives_what_a_stranger_sends_it():
+    run(
+        """
+        import socket, struct, threading
+        p = pool.allocate(5 * MiB, _core.LEGACY_STREAM, CUPY)
+        h = emmpool.ipc.export(p)
+        address, secret, sender, first, page_size, fds = h._offer
+
+        def talk(data):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(30)
+            s.connect(address)  # an abstract name: its leading NUL included
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            reply = b""
+            while chunk := s.recv(4096):
+                reply += chunk
+            s.close()
+            return reply
+
+        def request(count, numbers, magic=b"EMMPOOLQ", version=1):
+            return struct.pack("=8sIi16sQQQ", magic, version, 0, secret, first, page_size,
+                               count) + struct.pack(f"={len(numbers)}i", *numbers)
+
+        assert talk(b"") == b""                       # nothing: dropped
+        assert b"ill-formed" in talk(b"x" * 100)      # not a request
+        assert b"ill-formed" in talk(request(1 << 40, []))             # 2**40 pages
+        assert b"ill-formed" in talk(request(3, fds, magic=b"EMMPOOLX"))
+        assert b"ill-formed" in talk(request(3, fds, version=2))
+        assert talk(request(3, fds[:1])) == b""       # cut short: dropped
+        assert _core.ipc_service_stats()["refused"] == 4
+        with pickle.loads(pickle.dumps(h)).open() as mem:  # and it still serves
+            assert host.accessible(0, mem.ptr, 5 * MiB)
+
+        # A peer that accepts and says nothing: the receiver gives up, saying so.
+        mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        mute.bind(b"\\0emmpool-test-mute")
+        mute.listen(1)
+        threading.Thread(target=lambda: mute.accept()[0].close(), daemon=True).start()
+        before = open_fds()
+        raises(lambda: _core.ipc_open_offer(0, b"\\0emmpool-test-mute", secret, sender, first,
+                                            page_size, list(fds)),
+               emmpool.PoolError, "did not answer")
+        assert open_fds() == before and _core.ipc_open_count() == 0
+        """
+    )
+
+
 def test_a_close_whose_synchronization_failed_can_be_retried():
     run(
         """

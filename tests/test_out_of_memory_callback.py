@@ -21,8 +21,7 @@ PRELUDE = textwrap.dedent(
     host = _core.HostDriver(devices=1, capacity=64 * MiB)
     host.set_auto_complete(True)
     _core._use_driver_for_all_pools(host)
-    # Fixed segments: the cases' arithmetic counts whole segments freed by a spill.
-    emmpool.configure(segments="fixed")
+    emmpool.configure(segments={segments!r})
     pool = _core.pool(0)
     held = [pool.allocate(24 * MiB, _core.LEGACY_STREAM, 2) for _ in range(2)]  # "CuPy's"
     calls = []
@@ -38,8 +37,15 @@ PRELUDE = textwrap.dedent(
 
 
 def run(body: str):
-    p = run_python(["-c", PRELUDE + textwrap.dedent(body) + "\nprint('OK')\n"], timeout=120)
-    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
+    # On the default (growable segments, 20 MiB pages: a spilled block's pages stay mapped and
+    # serve the retry) and on fixed segments (the spill frees a whole segment): the cases'
+    # arithmetic holds on both.
+    for segments in ("growable", "fixed"):
+        prelude = PRELUDE.replace("{segments!r}", repr(segments))
+        p = run_python(["-c", prelude + textwrap.dedent(body) + "\nprint('OK')\n"],
+                       timeout=120)
+        assert p.returncode == 0 and p.stdout.strip().endswith("OK"), (segments, p.stdout +
+                                                                        p.stderr)
 
 
 def test_the_callback_frees_and_the_allocation_is_tried_again():

@@ -271,9 +271,9 @@ PYBIND11_MODULE(_core, m)
     .def("set_vmm_supported", &host_driver::set_vmm_supported, py::arg("on"),
          "Off: the device lacks virtual memory management (growable segments fall back).")
     .def("fail_next_creates", &host_driver::fail_next_creates, py::arg("n"))
-    .def("fail_next_maps", &host_driver::fail_next_maps, py::arg("n"))
-    .def("fail_next_exports", &host_driver::fail_next_exports, py::arg("n"))
-    .def("fail_next_imports", &host_driver::fail_next_imports, py::arg("n"))
+    .def("fail_next_maps", &host_driver::fail_next_maps, py::arg("n"), py::arg("after") = 0)
+    .def("fail_next_exports", &host_driver::fail_next_exports, py::arg("n"), py::arg("after") = 0)
+    .def("fail_next_imports", &host_driver::fail_next_imports, py::arg("n"), py::arg("after") = 0)
     .def("fail_next_unmaps", &host_driver::fail_next_unmaps, py::arg("n"))
     .def("fail_next_reservations", &host_driver::fail_next_reservations, py::arg("n"))
     .def("accessible", &host_driver::accessible, py::arg("device"), py::arg("ptr"),

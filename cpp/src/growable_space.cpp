@@ -352,9 +352,9 @@ device_ptr growable_space::page_start(device_ptr ptr) const noexcept
 void growable_space::map_counted(device_ptr ptr, std::size_t bytes, device_ptr at,
                                  std::uint8_t tag, growable_pages::on_failure failure)
 {
-  // Counted from what the pages hold and did before and after, failure included: a map that
-  // fails part way keeps what it mapped and made, or undoes it (growable_pages::map), and
-  // reserved and the page counters must say which.
+  // Counted from the pages' totals around the call, failure included: a map that fails part
+  // way keeps what it mapped and made, or undoes it (growable_pages::map), and reserved and
+  // the page counters must say which.
   auto const held_before     = pages_->held_bytes();
   auto const mapped_before   = pages_->mapped_bytes();
   auto const maps_before     = pages_->maps();

@@ -487,22 +487,22 @@ void host_driver::fail_next_creates(int n)
   fail_creates_ = n;
 }
 
-void host_driver::fail_next_maps(int n)
+void host_driver::fail_next_maps(int n, int after)
 {
   std::lock_guard lock{mutex_};
-  fail_maps_ = n;
+  fail_maps_ = fault{n, after};
 }
 
-void host_driver::fail_next_exports(int n)
+void host_driver::fail_next_exports(int n, int after)
 {
   std::lock_guard lock{mutex_};
-  fail_exports_ = n;
+  fail_exports_ = fault{n, after};
 }
 
-void host_driver::fail_next_imports(int n)
+void host_driver::fail_next_imports(int n, int after)
 {
   std::lock_guard lock{mutex_};
-  fail_imports_ = n;
+  fail_imports_ = fault{n, after};
 }
 
 void host_driver::fail_next_unmaps(int n)
@@ -625,8 +625,7 @@ void host_driver::map_physical(int device, device_ptr at, std::size_t bytes, phy
   auto const invalid = [] {
     return cuda_error{"cuMemMap", invalid_value_code, "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
   };
-  if (fail_maps_ > 0) {
-    --fail_maps_;
+  if (fail_maps_.due()) {
     throw cuda_error{"cuMemMap", injected_code, "CUDA_ERROR_UNKNOWN", EMMPOOL_WHERE};
   }
   auto hit = handles_.find(h);
@@ -674,8 +673,7 @@ int host_driver::export_physical(int device, physical_handle h)
 {
   std::lock_guard lock{mutex_};
   check_device(device);
-  if (fail_exports_ > 0) {
-    --fail_exports_;
+  if (fail_exports_.due()) {
     throw cuda_error{"cuMemExportToShareableHandle", injected_code, "CUDA_ERROR_UNKNOWN",
                      EMMPOOL_WHERE};
   }
@@ -728,8 +726,7 @@ physical_handle host_driver::import_physical(int device, int fd)
     return cuda_error{"cuMemImportFromShareableHandle", invalid_value_code,
                       "CUDA_ERROR_INVALID_VALUE", EMMPOOL_WHERE};
   };
-  if (fail_imports_ > 0) {
-    --fail_imports_;
+  if (fail_imports_.due()) {
     throw cuda_error{"cuMemImportFromShareableHandle", injected_code, "CUDA_ERROR_UNKNOWN",
                      EMMPOOL_WHERE};
   }

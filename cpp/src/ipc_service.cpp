@@ -337,6 +337,12 @@ void ipc_service::serve(int c) noexcept
     r.refused      = 1;
     r.message_size = static_cast<std::uint32_t>(why.size());
     (void)(send_all(c, &r, sizeof r) && send_all(c, why.data(), why.size()));
+    // What the peer sent beyond the header is read and dropped before the close, which would
+    // otherwise reset the connection under the reply (bounded: a peer that goes on sending
+    // is cut off).
+    ::shutdown(c, SHUT_WR);
+    char rest[4096];
+    for (int i = 0; i < 16 && ::recv(c, rest, sizeof rest, 0) > 0; ++i) {}
   };
   try {
     ucred peer{};
@@ -346,8 +352,9 @@ void ipc_service::serve(int c) noexcept
       return refuse("emmpool: the sending process shares pages with its own user's processes only");
     }
     request_header q{};
-    if (!receive_all(c, &q, sizeof q) || std::memcmp(q.magic, request_magic, sizeof q.magic) != 0 ||
-        q.version != wire_version || q.count == 0 || q.count > max_pages) {
+    if (!receive_all(c, &q, sizeof q)) { return; }  // gone, or silent past the timeout
+    if (std::memcmp(q.magic, request_magic, sizeof q.magic) != 0 || q.version != wire_version ||
+        q.count == 0 || q.count > max_pages) {
       return refuse("emmpool: an ill-formed request for shared pages");
     }
     std::vector<std::int32_t> numbers(q.count);

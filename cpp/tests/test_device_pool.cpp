@@ -1761,6 +1761,89 @@ TEST(ipc_handle_describes_the_segment)
   CHECK(!f->ipc_handle(a).has_value());  // no live block in the segment
 }
 
+TEST(a_held_block_is_never_reused_until_its_last_release)
+{
+  // Another process may use a held block (an IPC export): its owner's free takes the pointer
+  // but the block stays in use until the last release, then is fenced as any free.
+  fixture f;
+  lift_peak(f, 8 * big);  // misses grow: they wait for no fence
+  auto const p = f->allocate(big, stream_a, alloc_tag::cupy);
+  CHECK_THROWS((void)f->hold(p + big), pool_error);  // past the block
+  CHECK_THROWS((void)f->hold(0x1234), pool_error);
+  CHECK_EQ(f->hold(p + 4096), p);  // inside it: the block's address
+  CHECK_EQ(f->hold(p), p);         // two holds
+  auto const in_use = f->stats().bytes_in_use;
+  // The fast free (CuPy's and PyTorch's entry points try it first) leaves a held block to the
+  // full one, which parks it.
+  CHECK(!f->try_deallocate(p, stream_a, lib(alloc_tag::cupy)));
+  CHECK(f->owns(p));
+  f->deallocate(p, stream_a);
+  CHECK(!f->owns(p));
+  CHECK_THROWS(f->deallocate(p, stream_a), pool_error);  // the pointer is no longer live
+  CHECK_THROWS((void)f->hold(p), pool_error);              // nor can be held again
+  CHECK_EQ(f->stats().bytes_in_use, in_use);  // still in use, by another process
+  CHECK_EQ(f->stats().bytes_waiting, 0u);
+  CHECK_EQ(f->held_blocks(), 1u);
+  f.drv.complete_all_events();
+  f->synchronize();
+  auto const q = f->allocate(big, stream_a);  // not p, not even in stream order
+  CHECK_NE(q, p);
+  f->release_hold(p);
+  CHECK_EQ(f->held_blocks(), 1u);  // one hold left
+  auto const r = f->allocate(big, stream_a);
+  CHECK(r != p && r != q);
+  CHECK_EQ(f->stats().bytes_in_use, 3 * big);  // p (held), q and r
+  f->release_hold(p);  // the last: the free settles, on its stream
+  CHECK_EQ(f->held_blocks(), 0u);
+  CHECK_EQ(f->stats().bytes_in_use, 2 * big);  // q and r: p is off the books
+  CHECK_EQ(f->stats().bytes_waiting, big);
+  CHECK_EQ(f->allocate(big, stream_a), p);  // stream order on the free's stream
+  f->release_hold(p);                       // a release the pool no longer knows: nothing
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(a_held_block_freed_after_record_stream_waits_for_the_device)
+{
+  // record_stream's stream is the caller's only until the free; a held block's free settles
+  // later, when that stream may be gone: it is never recorded on, the block waits for a device
+  // synchronization instead (here the stream is destroyed: a record on it would throw).
+  fixture f;
+  lift_peak(f, 8 * big);
+  auto const side = f.drv.create_stream();
+  auto const p    = f->allocate(big);
+  (void)f->hold(p);
+  f->record_stream(p, side);
+  f->deallocate(p);
+  f.drv.destroy_stream(side);
+  f->release_hold(p);
+  CHECK_EQ(f->stats().bytes_waiting, big);
+  auto const syncs = f.drv.stats().device_syncs;
+  CHECK_NE(f->allocate(big), p);  // a miss: no device sync for a dormant free yet
+  f->synchronize();               // waits for everything: a device synchronization
+  CHECK(f.drv.stats().device_syncs > syncs);
+  CHECK_EQ(f->stats().bytes_waiting, 0u);
+  CHECK_EQ(f.drv.stats().dead_stream_uses, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(a_reset_releases_every_hold)
+{
+  fixture f;
+  auto const p = f->allocate(big);
+  auto const q = f->allocate(big);
+  (void)f->hold(p);
+  (void)f->hold(q);
+  f->deallocate(p);  // held and freed: settled by the reset
+  auto const g0 = f->generation();
+  f->reset();
+  CHECK_EQ(f->held_blocks(), 0u);
+  CHECK_EQ(f->stats().bytes_in_use, 0u);  // q was retired with its segment: counted out
+  f->release_hold(p);                     // the holders' late releases do nothing
+  f->release_hold(q);
+  f->deallocate(q, legacy_stream, gen(g0));  // q's owner frees it into the retired segment
+  CHECK_EQ(f->stats().bytes_in_use, 0u);
+}
+
 TEST(live_extent_is_the_block_holding_a_pointer)
 {
   // Numba's device_extents asks for "the allocation" holding an array or a view inside it: the

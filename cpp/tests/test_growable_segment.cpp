@@ -5,6 +5,7 @@
 #include "check.hpp"
 #include "pool_fixture.hpp"
 
+#include <emmpool/detail/descriptors.hpp>
 #include <emmpool/detail/growable_segment.hpp>
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
@@ -13,11 +14,15 @@
 
 #include <cstdio>
 #include <map>
+#include <stdexcept>
 #include <memory>
 #include <random>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <sys/resource.h>
+#include <unistd.h>
 
 using namespace emmpool;
 using emmpool::test::gen;
@@ -883,6 +888,142 @@ TEST(growable_blocks_share_their_pages_and_an_import_outlives_nothing_of_the_sen
   CHECK_EQ(f.drv.stats().bytes_physical, physical - 6 * MiB);
   CHECK_EQ(imports.open_count(), 0u);
   CHECK_THROWS(imports.close(base), pool_error);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_exported_descriptors_hold_memory_until_the_pool_closes_them_with_the_pages)
+{
+  // An exported descriptor holds its page's memory in the driver, here or wherever a copy went
+  // (CUDA's rule, modelled by the host driver): the pool keeps one per exported page and must
+  // close it when the page goes back, or the memory stays allocated with no one to free it.
+  fixture f;
+  auto const a = f->allocate(6 * MiB, legacy_stream, alloc_tag::cupy);  // three pages
+  auto const shared = f->share_pages(a);
+  REQUIRE(shared.has_value() && shared->fds.size() == 3u);
+  int const copy = ::dup(shared->fds[1]);  // what a receiver would hold, not imported yet
+  REQUIRE(copy >= 0);
+  CHECK_EQ(f.drv.stats().live_exports, 3u);
+  f->deallocate(a);
+  (void)f->trim();
+  CHECK_EQ(f->stats().bytes_reserved, 0u);
+  CHECK_EQ(f.drv.stats().live_exports, 1u);           // the pool closed its three
+  CHECK_EQ(f.drv.stats().bytes_physical, page);       // the copy holds its page
+  ::close(copy);
+  CHECK_EQ(f.drv.stats().live_exports, 0u);
+  CHECK_EQ(f.drv.stats().bytes_physical, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_shared_pages_are_duplicated_only_while_they_are_the_blocks)
+{
+  fixture f;
+  auto const a = f->allocate(6 * MiB, legacy_stream, alloc_tag::cupy);
+  auto const shared = f->share_pages(a);
+  REQUIRE(shared.has_value());
+  auto const dups = f->duplicate_shared_pages(shared->first_page, page, shared->fds);
+  REQUIRE(dups.has_value() && dups->size() == 3u);
+  for (int d : *dups) { ::close(d); }
+  auto reversed = shared->fds;
+  std::swap(reversed[0], reversed[2]);
+  CHECK(!f->duplicate_shared_pages(shared->first_page, page, reversed));
+  CHECK(!f->duplicate_shared_pages(shared->first_page + page, page, shared->fds));
+  CHECK(!f->duplicate_shared_pages(shared->first_page, 2 * page, shared->fds));
+  CHECK(!f->duplicate_shared_pages(shared->first_page, page, {}));
+  // No room for a second duplicate: the first is closed again, and the error says so.
+  rlimit saved{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
+  rlimit tight = saved;
+  tight.rlim_cur = static_cast<rlim_t>(detail::open_descriptors() + 1);
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &tight) == 0);
+  auto const open_before = detail::open_descriptors();
+  CHECK_THROWS((void)f->duplicate_shared_pages(shared->first_page, page, shared->fds),
+               pool_error);
+  CHECK_EQ(detail::open_descriptors(), open_before);
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &saved) == 0);
+  f->deallocate(a);
+  f->synchronize();
+  (void)f->trim();  // the pages went: their descriptors no longer describe them
+  CHECK(!f->duplicate_shared_pages(shared->first_page, page, shared->fds));
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_an_export_that_fails_part_way_strands_nothing)
+{
+  fixture f;
+  auto const a = f->allocate(6 * MiB, legacy_stream, alloc_tag::cupy);
+  f.drv.fail_next_exports(1, 1);  // the second page's export fails
+  CHECK_THROWS((void)f->share_pages(a), cuda_error);
+  CHECK_EQ(f.drv.stats().live_exports, 1u);  // the first page's: the pool's, kept with it
+  auto const again = f->share_pages(a);      // the first is exported once, the rest now
+  REQUIRE(again.has_value() && again->fds.size() == 3u);
+  CHECK_EQ(f.drv.stats().exports, 3u);  // one per page: the first kept from the failed try
+  f->deallocate(a);
+  (void)f->trim();
+  CHECK_EQ(f.drv.stats().live_exports, 0u);
+  CHECK_EQ(f.drv.stats().bytes_physical, 0u);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_an_import_that_fails_part_way_leaves_nothing_mapped_or_held)
+{
+  fixture f;
+  auto const a = f->allocate(6 * MiB, legacy_stream, alloc_tag::cupy);
+  auto const shared = f->share_pages(a);
+  REQUIRE(shared.has_value());
+  ipc_imports imports{f.drv};
+  auto const before = f.drv.stats();
+  auto const undone = [&] {
+    auto const c = f.drv.stats();
+    return c.live_mappings == before.live_mappings && c.live_handles == before.live_handles &&
+           c.live_reservations == before.live_reservations && imports.open_count() == 0;
+  };
+  f.drv.fail_next_imports(1, 1);  // the second page cannot be imported
+  CHECK_THROWS((void)imports.open_pages(0, shared->fds, shared->page_size), cuda_error);
+  CHECK(undone());
+  f.drv.fail_next_maps(1, 2);  // the third page cannot be mapped
+  CHECK_THROWS((void)imports.open_pages(0, shared->fds, shared->page_size), cuda_error);
+  CHECK(undone());
+  f.drv.fail_next_reservations(1);  // no address space for them
+  CHECK_THROWS((void)imports.open_pages(0, shared->fds, shared->page_size), cuda_error);
+  CHECK(undone());
+  CHECK_THROWS((void)imports.open_pages(7, shared->fds, shared->page_size), std::invalid_argument);
+  auto const base = imports.open_pages(0, shared->fds, shared->page_size);  // and now it does
+  CHECK(f.drv.accessible(0, base, 6 * MiB));
+  f.drv.fail_next_device_syncs(1);  // work here may still use it: nothing is unmapped
+  CHECK_THROWS(imports.close(base), cuda_error);
+  CHECK_EQ(imports.open_count(), 1u);
+  CHECK(f.drv.accessible(0, base, 6 * MiB));
+  imports.close(base);  // again: now it goes
+  CHECK(undone());
+  f->deallocate(a);
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_a_claim_whose_room_cannot_be_made_is_given_back_whole)
+{
+  // Under the cap, new pages first give wholly free fixed memory back; a cuMemFree that fails
+  // then (a sticky error) fails the request, and the free block it had claimed is whole again:
+  // the next request, with the driver well again, is served from it.
+  fixture f{growable_options(10 * MiB)};
+  auto const small = f->allocate(512 * 1024);  // a 2 MiB fixed segment, then wholly free
+  f->deallocate(small);
+  f->synchronize();
+  auto const a = f->allocate(2 * MiB);
+  auto const free_blocks = [&] {
+    std::size_t n = 0;
+    for (auto const& blk : f->layout()) {
+      n += blk.kind == segment_type::growable && blk.state == block_status::free ? 1 : 0;
+    }
+    return n;
+  };
+  CHECK_EQ(free_blocks(), 1u);
+  f.drv.fail_next_deallocations(1);
+  CHECK_THROWS(f->allocate(8 * MiB), cuda_error);  // 4 + 8 MiB: the small segment must go
+  CHECK_EQ(free_blocks(), 1u);
+  CHECK_EQ(consistency(f), "");
+  auto const b = f->allocate(8 * MiB);
+  CHECK_EQ(b, a + 2 * MiB);
+  CHECK_EQ(f->stats().bytes_reserved, 10 * MiB);
   CHECK_EQ(consistency(f), "");
 }
 

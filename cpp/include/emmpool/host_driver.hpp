@@ -77,18 +77,19 @@ class host_driver final : public driver {
   void set_vmm_supported(bool on);
   /// @brief The next n calls to create_physical() fail with out_of_memory (cuMemCreate).
   void fail_next_creates(int n);
-  /// @brief The next n calls to map_physical() fail with a cuda_error (cuMemMap).
-  void fail_next_maps(int n);
+  /// @brief The next n calls to map_physical() fail with a cuda_error (cuMemMap), after
+  /// `after` more succeed (to fail a map part way through a range).
+  void fail_next_maps(int n, int after = 0);
   /// @brief The next n calls to unmap_physical() fail with a cuda_error.
   void fail_next_unmaps(int n);
   /// @brief The next n calls to reserve_address() fail with a cuda_error.
   void fail_next_reservations(int n);
   /// @brief The next n calls to export_physical() fail with a cuda_error
-  /// (cuMemExportToShareableHandle).
-  void fail_next_exports(int n);
+  /// (cuMemExportToShareableHandle), after `after` more succeed.
+  void fail_next_exports(int n, int after = 0);
   /// @brief The next n calls to import_physical() fail with a cuda_error
-  /// (cuMemImportFromShareableHandle).
-  void fail_next_imports(int n);
+  /// (cuMemImportFromShareableHandle), after `after` more succeed.
+  void fail_next_imports(int n, int after = 0);
 
   struct counters {
     std::uint64_t allocations, deallocations, event_records, event_queries, event_syncs;
@@ -202,10 +203,25 @@ class host_driver final : public driver {
   physical_handle next_handle_ = 1;
   std::uint64_t next_memory_ = 1;
   bool vmm_supported_ = true;
+  // An injected failure: `n` calls fail once `after` more have succeeded.
+  struct fault {
+    int n{};
+    int after{};
+    bool due() noexcept  // counts this call
+    {
+      if (n == 0) { return false; }
+      if (after > 0) {
+        --after;
+        return false;
+      }
+      --n;
+      return true;
+    }
+  };
   int fail_creates_ = 0;
-  int fail_maps_ = 0;
-  int fail_exports_ = 0;
-  int fail_imports_ = 0;
+  fault fail_maps_;
+  fault fail_exports_;
+  fault fail_imports_;
   struct exported {
     int kept;                // the driver's end of the pair; the other end was handed out
     std::uint64_t memory;
