@@ -264,3 +264,12 @@ def test_a_complete_set_of_parts_read_from_runner_outdirs_holds(tmp_path):
     assert "REGRESSIONS (pass with CuPy's pool, not with emmpool): 0" in text
     with pytest.raises(SystemExit):  # argparse's error: the folder holds no run
         cupy_suite.main(["--merge", str(tmp_path)])
+
+
+@pytest.mark.skipif(not (CI / "mutants.py").exists(), reason=needs_repository(".ci/"))
+def test_every_mutant_still_names_a_line_of_the_code():
+    """.ci/mutants.py's list names each promise's line by a snippet: one that no longer occurs
+    exactly once (the code moved on) would make the mutant test nothing."""
+    p = subprocess.run([sys.executable, str(CI / "mutants.py"), "--check"], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and "every snippet found once" in p.stdout, p.stdout + p.stderr
