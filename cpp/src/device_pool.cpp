@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 namespace emmpool {
 
@@ -49,8 +51,8 @@ device_pool::device_pool(driver& drv, int device, pool_options options)
   growable_.configure(options_);
   if (options_.initial_size > 0 && options_.mode == pool_mode::pool) {
     std::lock_guard lock{mutex_};
-    auto* blk = grow(round_up(options_.initial_size, segment_granularity), true,
-                     false, alloc_tag::other);
+    auto const size = round_up(options_.initial_size, segment_granularity);
+    auto* blk       = grow(request{size, size, {}, alloc_tag::other, false}, growth::exact);
     if (blk == nullptr) {
       throw out_of_memory{"emmpool: cannot reserve the initial pool of " +
                           human_bytes(options_.initial_size) + " on device " +
@@ -82,122 +84,135 @@ device_pool::~device_pool()
 
 // ---- an allocation: stream order, then best fit, then the out-of-memory ladder ----------------
 
-device_pool::block* device_pool::take_free(request const& r, bool may_map)
+detail::block_kind device_pool::kind_of(request const& r) const noexcept
 {
-  if (r.growable) {
-    // A large fixed segment first (initial_pool_size's, or one made where pages could not
-    // be): memory held already, which the growable segment would otherwise map beside.
-    // Asked first whether there is any, in place: most pools have none, and the call showed
-    // in the allocate/free pair.
-    if (free_.any_large()) {
-      if (auto* blk = free_.take(r.rounded, false, alignment)) { return blk; }
-    }
-    return take_growable(r.rounded, r.tag, may_map, r.key);
+  if (r.growable) { return detail::block_kind::growable; }
+  return r.rounded <= options_.small_request ? detail::block_kind::small : detail::block_kind::large;
+}
+
+device_pool::block* device_pool::take_free(request const& r, detail::mapping m)
+{
+  if (!r.growable) {
+    return free_.take(r.rounded, r.rounded <= options_.small_request, alignment);
   }
-  return free_.take(r.rounded, r.rounded <= options_.small_request, alignment);
+  // A large fixed segment first (initial_pool_size's, or one made where pages could not be):
+  // memory held already, which the growable segment would otherwise map beside. Asked first
+  // whether there is any, in place: most pools have none, and the call showed in the
+  // allocate/free pair.
+  if (free_.any_large()) {
+    if (auto* blk = free_.take(r.rounded, false, alignment)) { return blk; }
+  }
+  if (auto* blk = growable_.take_mapped(r.rounded)) { return blk; }  // the usual case
+  return m == detail::mapping::allowed ? claim_and_map(r) : nullptr;
 }
 
-device_pool::block* device_pool::take_growable(std::size_t rounded, alloc_tag tag, bool may_map,
-                                              stream_ref key)
-{
-  if (auto* blk = growable_.take_mapped(rounded)) { return blk; }  // the usual case
-  return claim_and_map(rounded, tag, may_map, key);
-}
-
-device_pool::block* device_pool::claim_and_map(std::size_t rounded, alloc_tag tag, bool may_map,
-                                              stream_ref key)
+device_pool::block* device_pool::claim_and_map(request const& r)
 {
   // The growable segment's best fit, off its free list; its missing pages moved from free
   // blocks beyond the limit; for what new pages it still needs, wholly free memory goes back
   // to the driver first if they would pass the cap; then its pages are mapped
-  // (detail/growable_space.hpp). A new peak alone gives no fixed segment back: those hold
-  // small requests, which would make them again at their next one, and each side's cache
-  // would evict the other's every step of a program that mixes them. A function of its own,
-  // so that take_growable()'s usual case sets up no exception handler.
-  auto claim = growable_.claim_best_fit(rounded, tag, may_map);
+  // (detail/growable_space.hpp). New pages past the peak while the request's own stream's
+  // frees could cover them are not mapped: the ladder's next step waits for those
+  // (detail/page_policy.hpp). A function of its own, so that take_free()'s usual case sets
+  // up no exception handler.
+  auto claim = growable_.claim_best_fit(r.rounded, r.tag, detail::mapping::allowed);
   if (claim.blk == nullptr) { return nullptr; }
   try {
-    auto const fresh = growable_.prepare(claim, capture_.may_give_back());
-    if (fresh != 0 && stats_.bytes_reserved + fresh > stats_.peak_bytes_reserved &&
-        !key.is_none() && capture_.may_fence() && lanes_.fences().waiting_bytes_of(key) >= fresh) {
-      // A new peak while frees of this stream that could cover it wait for the GPU: wait for
-      // them first (then none of them waits). Else a program whose frees run ahead of the GPU
-      // (PyTorch's, CuPy's) makes again, in pages that stay, the memory in flight: on the
-      // mixed programs' traces with frees completing 2 ms late, the peak reserved grew 10-25%
-      // over what the same pool reaches when they complete at once. The stream's own frees
-      // only: what it asks for next runs after its earlier work anyway, so the wait costs the
-      // CPU's lead, never another stream's concurrency (a fixed segment's new peak gives idle
-      // segments back with a cuMemFree, which synchronizes the device).
+    auto const fresh = growable_.prepare(claim, unmapping());
+    if (!r.key.is_none() && capture_.may_fence() &&
+        detail::page_policy::waits_at_new_peak(fresh, ledger_.past_peak(fresh),
+                                               lanes_.fences().waiting_bytes_of(r.key))) {
       growable_.give_back(claim);
-      claim = {};
-      ++stats_.fence_waits;
-      drain(key);
-      // The request again, from the start, over what completed: no stream named, no second wait.
-      return take_growable(rounded, tag, may_map, stream_ref::none());
+      r.wait_at_peak = true;
+      return nullptr;
     }
-    if (fresh != 0 && !cap_.fits(stats_.bytes_reserved, fresh)) { release_free_segments(); }
+    if (fresh != 0 && !cap_.fits(ledger_.reserved(), fresh)) {
+      // A new peak alone gives no fixed segment back: those hold small requests, which would
+      // make them again at their next one, and each side's cache would evict the other's
+      // every step of a program that mixes them (detail/page_policy.hpp).
+      release_free_segments(give_back::all);
+    }
   } catch (...) {
-    if (claim.blk != nullptr) { growable_.give_back(claim); }  // a failed cuMemFree or
-    throw;                                                     // cuMemUnmap: not lost
+    growable_.give_back(claim);  // a failed cuMemFree or cuMemUnmap: not lost
+    throw;
   }
-  return growable_.finish(claim, capture_.may_give_back());
+  return growable_.finish(claim, unmapping());
 }
 
-detail::block_kind device_pool::kind_of(std::size_t rounded, bool growable) const noexcept
+detail::unmapping device_pool::unmapping() const noexcept
 {
-  if (growable) { return detail::block_kind::growable; }
-  return rounded <= options_.small_request ? detail::block_kind::small : detail::block_kind::large;
+  return capture_.may_give_back() ? detail::unmapping::allowed : detail::unmapping::forbidden;
 }
 
-// Ladder step 1, and try_allocate(): stream order first: a block this stream freed needs no
-// fence for this stream's work (whole if at most 1/8 larger, else cut), unless a free block
-// fits tighter; else a free block. A growable request cuts a pending block only at step 2:
-// what completed since may fit better, coalesced. Maps no page.
+// The ladder's steps, in order (allocate()); each returns the block or null, and none runs
+// another.
+
+// 1. Stream order first: a block this stream freed needs no fence for this stream's work (whole
+// if at most 1/8 larger, else cut), unless a free block fits tighter; else a free block whose
+// memory is held already. No CUDA call (try_allocate() is this step alone).
 device_pool::block* device_pool::take_cached(request const& r)
 {
-  if (options_.mode != pool_mode::pool) { return nullptr; }
-  auto* blk = lanes_.take(r.key, r.rounded, kind_of(r.rounded, r.growable), free_);
-  return blk != nullptr ? blk : take_free(r, false);
+  auto* blk = lanes_.take(r.key, r.rounded, kind_of(r), free_);
+  return blk != nullptr ? blk : take_free(r, detail::mapping::none);
 }
 
-// Step 2: fence what was freed since the last miss and reuse what has completed, else cut a
-// larger block this stream freed (no fence needed), before any growth; a growable request may
-// then map pages of a free block.
+// 2. Fence what was freed since the last miss and reuse what has completed, else cut a larger
+// block this stream freed (no fence needed), before any growth.
 device_pool::block* device_pool::fence_and_retake(request const& r)
 {
   auto const before = free_.insertions();
   maintain(r.key);
   block* blk = nullptr;
-  if (r.growable || free_.insertions() != before) { blk = take_free(r, false); }
-  if (blk == nullptr) { blk = lanes_.split(r.key, r.rounded, kind_of(r.rounded, r.growable)); }
-  if (blk == nullptr && r.growable) { blk = take_free(r, true); }
-  return blk;
+  if (r.growable || free_.insertions() != before) { blk = take_free(r, detail::mapping::none); }
+  return blk != nullptr ? blk : lanes_.split(r.key, r.rounded, kind_of(r));
 }
 
-// Step 3: a new segment, or the growable segment's pages.
+// 3. The growable segment's pages: mapped under its best free block (its reservation made by
+// the first request).
+device_pool::block* device_pool::map_pages(request const& r)
+{
+  if (!r.growable || !growable_.ensure_segment(r.rounded, index_.segments())) { return nullptr; }
+  return claim_and_map(r);
+}
+
+// 4. New pages would pass the peak while this stream's own frees, still waiting for their fence,
+// could cover them: wait for those (the newest fence of the stream), then take what completed,
+// mapping what is missing.
+device_pool::block* device_pool::wait_for_own_frees(request const& r)
+{
+  if (!r.wait_at_peak) { return nullptr; }
+  ++stats_.fence_waits;
+  drain(r.key);
+  return take_free(r, detail::mapping::allowed);
+}
+
+// 5. A fixed segment: the request's kind, or, for a growable request whose pages could not be
+// mapped (no address space, or no memory for a page where a segment still fits), a large one.
 device_pool::block* device_pool::grow_for(request const& r)
 {
-  auto* blk = grow(r.rounded, false, r.growable, r.tag);
+  auto* blk = grow(r, growth::shared);
   return blk != nullptr ? free_.split(blk, r.rounded, alignment) : nullptr;
 }
 
-// Step 4: wait for every pending free (not during a capture: a synchronization).
+// 6. Wait for every pending free (not during a capture: a synchronization), then take what
+// completed.
 device_pool::block* device_pool::wait_and_retake(request const& r)
 {
   if (!lanes_.fences().has_waiting() || !capture_.may_fence()) { return nullptr; }
   ++stats_.fence_waits;
   drain();
-  return options_.mode == pool_mode::pool ? take_free(r, true)
-                                          : grow(r.rounded, true, false, r.tag);
+  if (options_.mode != pool_mode::pool) { return grow(r, growth::exact); }
+  return take_free(r, detail::mapping::allowed);
 }
 
-// Step 5: give wholly free segments (and free pages) back (unless cleanup is deferred), then
-// grow with an exact-size segment.
+// 7. Give wholly free segments and pages back (unless cleanup is deferred), then grow by what
+// the request needs alone: pages, else an exact-size segment.
 device_pool::block* device_pool::give_back_and_grow(request const& r)
 {
   bool const pooled = options_.mode == pool_mode::pool;
-  if (release_free_segments() == 0 && !pooled) { return nullptr; }
-  auto* blk = grow(r.rounded, true, r.growable, r.tag);
+  if (release_free_segments(give_back::all) == 0 && !pooled) { return nullptr; }
+  if (auto* blk = map_pages(r)) { return blk; }
+  auto* blk = grow(r, growth::exact);
   return blk != nullptr ? free_.split(blk, r.rounded, alignment) : nullptr;
 }
 
@@ -205,7 +220,7 @@ device_pool::block* device_pool::give_back_and_grow(request const& r)
 device_pool::block* device_pool::passthrough_allocate(request const& r)
 {
   maintain(r.key);
-  return grow(r.rounded, true, false, r.tag);
+  return grow(r, growth::exact);
 }
 
 void device_pool::fail(request const& r)
@@ -220,33 +235,24 @@ std::optional<device_ptr> device_pool::try_allocate(std::size_t bytes, stream_ha
 {
   std::size_t const rounded = checked_rounded_size(bytes, tag);
   std::unique_lock lock{mutex_, std::try_to_lock};
-  if (!lock.owns_lock() || forked_) { return std::nullopt; }
+  if (!lock.owns_lock() || forked_ || options_.mode != pool_mode::pool) { return std::nullopt; }
   auto const key = keys_.of_allocation(stream);
   if (lanes_.fences().fence_due()) { return std::nullopt; }  // allocate() fences them (CUDA calls)
   request const r{bytes, rounded, key, tag, growable_.serves(rounded)};
-  if (auto* blk = take_cached(r)) {
-    if (generation_out != nullptr) { *generation_out = generation_; }
-    return hand_out(blk, bytes, key, tag);
-  }
-  missed_ = missed_request{bytes, stream, tag, rounded, key, free_.insertions(),
-                           lanes_.fences().version()};
-  return std::nullopt;
+  auto* blk = take_cached(r);
+  if (blk == nullptr) { return std::nullopt; }
+  if (generation_out != nullptr) { *generation_out = generation_; }
+  return hand_out(blk, bytes, key, tag);
 }
 
 device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_tag tag,
                                  std::uint64_t* generation_out)
 {
+  std::size_t const rounded = checked_rounded_size(bytes, tag);
   std::lock_guard lock{mutex_};
   if (generation_out != nullptr) { *generation_out = generation_; }
   if (forked_) { detail::throw_forked(); }
-  // try_allocate() missed this very request, and what it searched is as it was (missed_):
-  // checked already, and a search would miss again. One check and one search per request.
-  auto const* miss   = missed_ ? &*missed_ : nullptr;
-  bool const checked = miss && miss->bytes == bytes && miss->stream == stream && miss->tag == tag;
-  std::size_t const rounded = checked ? miss->rounded : checked_rounded_size(bytes, tag);
-  auto const key = checked ? keys_.of_alive(stream) : keys_.of_allocation(stream);
-  bool const searched = checked && miss->key == key && miss->insertions == free_.insertions() &&
-                        miss->version == lanes_.fences().version();
+  auto const key = keys_.of_allocation(stream);
   request const r{bytes, rounded, key, tag,
                   options_.mode == pool_mode::pool && growable_.serves(rounded)};
 
@@ -255,10 +261,12 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
   block* blk = nullptr;
   if (options_.mode == pool_mode::pool) {
     if (lanes_.fences().fence_due()) { maintain(key); }  // fence waiting frees now, not at a miss
-    (void)((!searched && (blk = take_cached(r))) ||  //
-           (blk = fence_and_retake(r)) ||            //
-           (blk = grow_for(r)) ||                    //
-           (blk = wait_and_retake(r)) ||             //
+    (void)((blk = take_cached(r)) ||         //
+           (blk = fence_and_retake(r)) ||    //
+           (blk = map_pages(r)) ||           //
+           (blk = wait_for_own_frees(r)) ||  //
+           (blk = grow_for(r)) ||            //
+           (blk = wait_and_retake(r)) ||     //
            (blk = give_back_and_grow(r)));
   } else {
     (void)((blk = passthrough_allocate(r)) ||  //
@@ -267,6 +275,102 @@ device_ptr device_pool::allocate(std::size_t bytes, stream_handle stream, alloc_
   }
   if (blk == nullptr) { fail(r); }
   return hand_out(blk, bytes, key, tag);
+}
+
+// ---- growth and giving memory back ----------------------------------------------------------
+
+device_pool::block* device_pool::grow(request const& r, growth g)
+{
+  bool const small = options_.small(r.rounded);
+  std::size_t size = options_.segment_size(r.rounded, g == growth::exact);
+  // Near the cap, a segment just as big as the request may still fit where the usual one
+  // (2 MiB small segment, 2 MiB rounding) does not: a cap never refuses what it could hold.
+  if (!cap_.fits(ledger_.reserved(), size) && size > r.rounded) { size = r.rounded; }
+  if (!cap_.fits(ledger_.reserved(), size)) { return nullptr; }
+  if (options_.mode == pool_mode::pool && !small && ledger_.past_peak(size)) {
+    // About to reach a new peak: first give back large segments that are wholly free (and so
+    // could not serve this request). Keeps reserved memory close to what is live on shifting
+    // size mixes (the fragmentation replay: benchmarks/replay.py) at the cost of a cuMemFree,
+    // which synchronizes the device, only on growth past the peak. Small segments stay: they
+    // are cheap and soon reused.
+    release_free_segments(give_back::large_at_peak);
+  }
+  return make_segment(size, small, r.tag);
+}
+
+device_pool::block* device_pool::make_segment(std::size_t size, bool small, alloc_tag tag)
+{
+  device_ptr base{};
+  try {
+    base = driver_->allocate(device_, size);
+  } catch (out_of_memory const&) {
+    return nullptr;
+  }
+  auto seg   = std::make_unique<segment>();
+  seg->base  = base;
+  seg->size  = size;
+  seg->small = small;
+  try {
+    seg->buffer_id = driver_->buffer_id(device_, base);
+  } catch (...) {
+    driver_->deallocate(device_, base);
+    throw;
+  }
+  auto& segments = index_.segments();
+  if (segments.count(base) != 0) {
+    // The driver handed out an address this pool still tracks: its context was reset
+    // behind the pool's back (not through reset()). Refuse rather than alias two segments.
+    driver_->deallocate(device_, base);
+    throw pool_error{"emmpool: the CUDA context of device " + std::to_string(device_) +
+                     " was reset without the pool's reset(); its old allocations are gone"};
+  }
+  auto* blk  = blocks_.make();
+  blk->ptr   = base;
+  blk->size  = size;
+  blk->seg   = seg.get();
+  blk->kind  = seg->kind();
+  seg->first = blk;
+  segment_log_.record(segment_event::kind::made, static_cast<segment_type>(seg->kind()),
+                      static_cast<std::uint8_t>(tag), base, size);
+  segments.emplace(base, std::move(seg));
+  ledger_.segment_made(size);
+  return blk;
+}
+
+void device_pool::release_segment(segment* seg)
+{
+  // The driver first: if cuMemFree fails, the segment stays in the pool, consistent.
+  driver_->deallocate(device_, seg->base);
+  auto* blk = seg->first;  // wholly free: one block spanning the segment
+  free_.erase(blk);
+  blocks_.recycle(blk);
+  ledger_.segment_released(seg->size);
+  segment_log_.record(segment_event::kind::released, static_cast<segment_type>(seg->kind()), 0,
+                      seg->base, seg->size);
+  index_.segments().erase(seg->base);
+}
+
+std::size_t device_pool::release_free_segments(give_back what)
+{
+  if (!capture_.may_give_back() || forked_) { return 0; }
+  bool const at_peak = what == give_back::large_at_peak;
+  std::vector<segment*> idle;
+  for (auto& [base, seg] : index_.segments()) {
+    if (seg->live_blocks == 0 && !(at_peak && seg->small) && !seg->growable) {
+      idle.push_back(seg.get());
+    }
+  }
+  // At a fixed segment's new peak the growable segment's free pages stay: beyond its limit
+  // they move under its own requests instead (detail/page_policy.hpp).
+  std::size_t released =
+    at_peak ? 0
+            : growable_.unmap_free(detail::growable_space::all_free,
+                                   detail::unmapped_pages::release);
+  for (auto* seg : idle) {
+    released += seg->size;
+    release_segment(seg);
+  }
+  return released;
 }
 
 device_ptr device_pool::hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag)
@@ -484,7 +588,11 @@ void device_pool::release_block(block* blk)
   auto* seg = blk->seg;
   --seg->live_blocks;
   if (options_.mode == pool_mode::pool) {
-    (seg->growable ? growable_.free_list() : free_).coalesce(blk);
+    if (seg->growable) {
+      growable_.release(blk);
+    } else {
+      (void)free_.coalesce(blk);
+    }
     return;
   }
   free_.insert(blk);  // passthrough: the segment, wholly free, goes back to the driver
@@ -572,6 +680,7 @@ pool_stats device_pool::stats_locked() const
 {
   auto const& fences   = lanes_.fences();
   pool_stats s         = stats_;
+  ledger_.copy_to(s);
   // A growable segment's free blocks are address space: only their mapped pages count, and
   // its spare pages.
   s.bytes_free         = free_.bytes() + growable_.free_bytes();
@@ -588,8 +697,8 @@ pool_stats device_pool::stats_locked() const
 void device_pool::reset_peaks()
 {
   std::lock_guard lock{mutex_};
-  stats_.peak_bytes_in_use   = stats_.bytes_in_use;
-  stats_.peak_bytes_reserved = stats_.bytes_reserved;
+  stats_.peak_bytes_in_use = stats_.bytes_in_use;
+  ledger_.reset_peak();
 }
 
 std::string device_pool::describe() const

@@ -12,23 +12,16 @@
 
 namespace emmpool::detail {
 
-namespace {
-constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
-}  // namespace
-
 void growable_space::configure(pool_options const& o) noexcept
 {
-  small_request_ = o.small_request;
-  reserve_       = o.growable_reserve;
-  room_          = o.growable_room;
-  free_limit_    = o.growable_free_limit;
-  if (o.segments != segment_kind::growable || o.mode != pool_mode::pool) { return; }
-  try {
-    page_ = driver_->vmm_page_size(device_);  // 0: unsupported, fixed segments
-  } catch (...) {
-    page_ = 0;
+  std::size_t granularity = 0;
+  if (o.segments == segment_kind::growable && o.mode == pool_mode::pool) {
+    try {
+      granularity = driver_->vmm_page_size(device_);  // 0: unsupported, fixed segments
+    } catch (...) {
+    }
   }
-  if (page_ != 0 && o.growable_page_size > page_) { page_ = round_up(o.growable_page_size, page_); }
+  policy_ = page_policy{o, granularity};
 }
 
 block* growable_space::take_mapped(std::size_t rounded)
@@ -42,7 +35,7 @@ block* growable_space::take_mapped(std::size_t rounded)
 }
 
 growable_space::claim growable_space::claim_best_fit(std::size_t rounded, alloc_tag tag,
-                                                     bool may_map)
+                                                     mapping m)
 {
   if (pages_ == nullptr) { return {}; }
   auto const it = free_.best_large(rounded);
@@ -55,7 +48,7 @@ growable_space::claim growable_space::claim_best_fit(std::size_t rounded, alloc_
   // mapped pages would stay free beside new ones, out of reach of the moves (the claimed
   // block is off the list).
   auto const [at, need] = pages_->fewest_unmapped(blk->ptr, blk->size, rounded);
-  if (need != 0 && !may_map) { return {}; }  // mapping: allocate() only
+  if (need != 0 && m == mapping::none) { return {}; }
   // Placed past its start: blk keeps the rest, a fresh record the front, which stays free.
   block* front = at != blk->ptr ? arena_->make() : nullptr;  // may throw: nothing changed yet
   (void)free_.erase_large(it);  // off the list: unmapping spares it
@@ -66,46 +59,40 @@ growable_space::claim growable_space::claim_best_fit(std::size_t rounded, alloc_
   return {blk, rounded, need, static_cast<std::uint8_t>(tag)};
 }
 
-std::size_t growable_space::room_of(claim const& c) const noexcept
-{
-  return std::min(c.blk->size, std::max(c.rounded, room_));
-}
-
-std::size_t growable_space::prepare(claim const& c, bool may_move)
+std::size_t growable_space::prepare(claim const& c, unmapping u)
 {
   if (c.need == 0) { return 0; }
-  if (!may_move) { return c.need; }
-  // The pages the claim and its room lack: moved from free blocks beyond the limit first.
-  auto const wanted = pages_->unmapped_in(c.blk->ptr, room_of(c));
-  auto const kept   = free_mapped_bytes();
-  if (kept > free_limit_ && wanted > pages_->spare_bytes()) {
-    (void)unmap_free(std::min(kept - free_limit_, wanted - pages_->spare_bytes()), true);
+  if (u == unmapping::allowed) {
+    // The pages the claim and its room lack: moved from free blocks beyond the limit first.
+    auto const wanted = pages_->unmapped_in(c.blk->ptr, policy_.room(c.blk->size, c.rounded));
+    auto const move   = policy_.to_move(free_mapped_bytes(), wanted, pages_->spare_bytes());
+    if (move != 0) { (void)unmap_free(move, unmapped_pages::keep_spare); }
   }
   auto const spare = pages_->spare_bytes();
   return c.need > spare ? c.need - spare : 0;
 }
 
-block* growable_space::finish(claim const& c, bool may_release)
+block* growable_space::finish(claim const& c, unmapping u)
 {
   bool mapped = true;
   try {
-    mapped = c.need == 0 || map_for(c, may_release);
+    mapped = c.need == 0 || map_for(c, u);
   } catch (...) {
     give_back(c);  // a failed cuMemMap (not out of memory): the block is not lost
-    if (may_release) { (void)release_spares(pages_->spare_bytes()); }  // nor memory kept
+    if (u == unmapping::allowed) { release_spares(); }  // nor memory kept
     throw;
   }
   if (!mapped) {
     give_back(c);
     // What prepare() moved for it goes back too: a request that failed holds no more than
     // before it (its own pages were unmapped by map(): growable_pages::on_failure::undo).
-    if (may_release) { (void)release_spares(pages_->spare_bytes()); }
+    if (u == unmapping::allowed) { release_spares(); }
     return nullptr;
   }
   return free_.split(c.blk, c.rounded, block_alignment);
 }
 
-bool growable_space::map_for(claim const& c, bool may_release)
+bool growable_space::map_for(claim const& c, unmapping u)
 {
   auto const ptr     = c.blk->ptr;
   auto const rounded = c.rounded;
@@ -118,19 +105,17 @@ bool growable_space::map_for(claim const& c, bool may_release)
     return need > spare ? need - spare : 0;
   };
   if (!fits(new_pages(rounded))) { return false; }
-  // Undone if it fails part way, where a capture or a deferral allows unmapping: a request
-  // that fails leaves no more mapped than before it.
-  auto const failure = may_release ? growable_pages::on_failure::undo
-                                   : growable_pages::on_failure::keep;
+  // Undone if it fails part way, where unmapping is allowed: a request that fails leaves no
+  // more mapped than before it.
+  auto const failure = u == unmapping::allowed ? growable_pages::on_failure::undo
+                                               : growable_pages::on_failure::keep;
   try {
     map_counted(ptr, rounded, ptr, c.tag, failure);
   } catch (out_of_memory const&) {
     return false;  // the ladder goes on: wait for frees, give pages back, try again
   }
-  // Room for the next few requests of this size (best effort, within the cap): without it a
-  // caller that frees and allocates mid-sized blocks on no stream would miss on every request
-  // (its freed block is still pending), where a fixed segment has up to large_segment to spare.
-  std::size_t const room = room_of(c);
+  // Room for the next few requests of this size (best effort, within the cap).
+  std::size_t const room = policy_.room(c.blk->size, rounded);
   if (room > rounded && fits(new_pages(room))) {
     try {
       map_counted(ptr, room, ptr + rounded, c.tag, growable_pages::on_failure::keep);
@@ -140,52 +125,60 @@ bool growable_space::map_for(claim const& c, bool may_release)
   }
   // What prepare() moved for this map and it did not take: not held past its need (a later
   // map takes it first where it may not go back now).
-  if (may_release) { (void)release_spares(pages_->spare_bytes()); }
+  if (u == unmapping::allowed) { release_spares(); }
   return true;
 }
 
 bool growable_space::ensure_segment(std::size_t rounded, segment_map& segments)
 {
-  if (page_ == 0) { return false; }
-  if (pages_ == nullptr) {
-    // The address space of all the device's memory (at most the cap): growth never runs out
-    // of addresses before it runs out of memory. Addresses cost no memory. Never more than
-    // the device's memory for a first request larger than that: no free block of it could
-    // then serve the request, which fails at once, where mapping page after page until the
-    // device is full would take as many driver calls (and as many to undo).
-    auto const total  = driver_->memory_info_of(device_).total;
-    std::size_t bytes = reserve_ != 0 ? reserve_ : std::min(cap_->for_growth(), total);
-    bytes = std::max(round_up(bytes, page_), round_up(std::min(rounded, total), page_));
-    try {
-      pages_ = std::make_unique<growable_pages>(*driver_, device_, page_, bytes);
-    } catch (cuda_error const&) {
-      page_ = 0;  // the driver refuses reservations: fixed segments from now on
-      return false;
-    }
-    auto seg      = std::make_unique<segment>();
-    seg->base     = pages_->base();
-    seg->size     = pages_->size();
-    seg->growable = true;
-    auto* blk     = arena_->make();
-    blk->ptr      = seg->base;
-    blk->size     = seg->size;
-    blk->seg      = seg.get();
-    blk->kind     = seg->kind();
-    seg->first    = blk;
-    seg_          = seg.get();
-    segments.emplace(seg->base, std::move(seg));
-    free_.insert(blk);
-    ++stats_->segment_allocations;
-    ++stats_->segments;
+  if (!enabled()) { return false; }
+  if (pages_ != nullptr) { return true; }
+  auto const bytes = policy_.reservation(cap_->for_growth(),
+                                         driver_->memory_info_of(device_).total, rounded);
+  try {
+    pages_ = std::make_unique<growable_pages>(*driver_, device_, policy_.page(), bytes);
+  } catch (cuda_error const&) {
+    policy_.disable();  // the driver refuses reservations: fixed segments from now on
+    return false;
   }
+  auto seg      = std::make_unique<segment>();
+  seg->base     = pages_->base();
+  seg->size     = pages_->size();
+  seg->growable = true;
+  auto* blk     = arena_->make();
+  blk->ptr      = seg->base;
+  blk->size     = seg->size;
+  blk->seg      = seg.get();
+  blk->kind     = seg->kind();
+  seg->first    = blk;
+  seg_          = seg.get();
+  segments.emplace(seg->base, std::move(seg));
+  free_.insert(blk);
+  ledger_->reservation_made();
   return true;
 }
 
-std::size_t growable_space::unmap_free(std::size_t limit, bool keep)
+page_traffic growable_space::traffic() const noexcept
+{
+  return {pages_->held_bytes(), pages_->held_bytes(), pages_->maps(), pages_->unmaps(),
+          pages_->creates(), pages_->releases()};
+}
+
+void growable_space::count(page_traffic const& before)
+{
+  auto const now = traffic();
+  ledger_->pages({before.held_before, now.held_before, now.maps - before.maps,
+                  now.unmaps - before.unmaps, now.creates - before.creates,
+                  now.releases - before.releases});
+}
+
+std::size_t growable_space::unmap_free(std::size_t limit, unmapped_pages what)
 {
   if (pages_ == nullptr) { return 0; }
-  auto const held_before = pages_->held_bytes();
-  if (limit >= page_) {
+  auto const before = traffic();
+  auto const page   = policy_.page();
+  bool const keep   = what == unmapped_pages::keep_spare;
+  if (limit >= page) {
     std::size_t const excess = std::min(limit, pages_->mapped_bytes());
     std::size_t done         = 0;
     try {
@@ -197,13 +190,12 @@ std::size_t growable_space::unmap_free(std::size_t limit, bool keep)
           log_->record(segment_event::kind::unmapped, segment_type::growable, 0,
                        page_start(b->ptr + b->size) - n, n);
         }
-        return done + page_ <= excess;
+        return done + page <= excess;
       });
     } catch (cuda_error const&) {
       // cuMemUnmap failed (a sticky error, say): the page stays mapped and counted, for a
       // later trim, as a segment whose cuMemFree failed.
     }
-    stats_->page_unmaps += done / page_;
   }
   if (!keep) {
     try {
@@ -212,34 +204,39 @@ std::size_t growable_space::unmap_free(std::size_t limit, bool keep)
       // Stays spare and counted, for a later trim.
     }
   }
-  return count_released(held_before);
+  count(before);
+  return before.held_before - pages_->held_bytes();
 }
 
-std::size_t growable_space::release_spares(std::size_t bytes)
+void growable_space::release_spares() noexcept
 {
-  auto const held_before = pages_->held_bytes();
+  auto const before = traffic();
   try {
-    (void)pages_->release_spares(bytes);
+    (void)pages_->release_spares(pages_->spare_bytes());
   } catch (cuda_error const&) {
     // Stays spare and counted, for a later trim.
   }
-  return count_released(held_before);
+  count(before);
 }
 
-void growable_space::drop(segment_map& segments)
+std::size_t growable_space::drop(segment_map& segments)
 {
-  if (seg_ == nullptr) { return; }
+  if (seg_ == nullptr) { return 0; }
+  std::size_t retired = 0;
   if (seg_->live_blocks == 0) {
     // Wholly free: unmap everything, free the reservation, forget the segment.
-    auto const held   = pages_->held_bytes();
+    auto const before = traffic();
     auto const mapped = pages_->mapped_bytes();
     try {
       pages_->release();
     } catch (cuda_error const&) {
       retired_.push_back(std::move(pages_));  // left to the driver
     }
-    stats_->bytes_reserved -= held;
-    stats_->page_unmaps += mapped / page_;
+    if (pages_ != nullptr) {
+      count(before);
+    } else {  // left to the driver: off the books all the same
+      ledger_->pages({before.held_before, 0, 0, mapped / policy_.page(), 0, 0});
+    }
     log_->record(segment_event::kind::unmapped, segment_type::growable, 0, seg_->base, mapped);
     for (auto* b = seg_->first; b != nullptr;) {
       auto* next = b->next;
@@ -247,17 +244,18 @@ void growable_space::drop(segment_map& segments)
       arena_->recycle(b);
       b = next;
     }
-    --stats_->segments;
-    ++stats_->segment_releases;
+    ledger_->reservation_released();
     segments.erase(seg_->base);
   } else {
     // Retired with live blocks (reset): its pages stay mapped until the process ends; its free
     // blocks are never handed out again.
+    retired = pages_->held_bytes();
     free_.erase_all_of(*seg_);
     retired_.push_back(std::move(pages_));
   }
   pages_.reset();
   seg_ = nullptr;
+  return retired;
 }
 
 void growable_space::release_at_teardown() noexcept
@@ -309,23 +307,25 @@ shared_pages growable_space::share(block const& blk, device_ptr ptr)
   auto const first = page_start(blk.ptr);
   auto const end   = blk.ptr + blk.size;
   std::size_t fresh = 0;  // pages exported for the first time: a descriptor each, kept
-  for (auto p = first; p < end; p += page_) { fresh += pages_->exported_at(p) < 0 ? 1 : 0; }
+  auto const page   = policy_.page();
+  for (auto p = first; p < end; p += page) { fresh += pages_->exported_at(p) < 0 ? 1 : 0; }
   reserve_descriptors(fresh * driver_->descriptors_per_export(),
                       "sharing a block's pages with another process");
-  shared_pages out{first, page_, static_cast<std::size_t>(ptr - first),
+  shared_pages out{first, page, static_cast<std::size_t>(ptr - first),
                    static_cast<std::size_t>(end - ptr), {}};
   // A failure part way leaves the pages exported so far with their descriptors, which the
   // pages keep (and close when they are released): nothing is left to the caller.
-  for (auto p = first; p < end; p += page_) { out.fds.push_back(pages_->export_page(p)); }
+  for (auto p = first; p < end; p += page) { out.fds.push_back(pages_->export_page(p)); }
   return out;
 }
 
 std::optional<std::vector<int>> growable_space::duplicate_shared(
   device_ptr first_page, std::size_t page_size, std::vector<int> const& fds) const
 {
-  if (pages_ == nullptr || page_size != page_ || fds.empty()) { return std::nullopt; }
+  auto const page = policy_.page();
+  if (pages_ == nullptr || page_size != page || fds.empty()) { return std::nullopt; }
   for (std::size_t i = 0; i < fds.size(); ++i) {
-    if (fds[i] < 0 || pages_->exported_at(first_page + i * page_) != fds[i]) {
+    if (fds[i] < 0 || pages_->exported_at(first_page + i * page) != fds[i]) {
       return std::nullopt;
     }
   }
@@ -346,29 +346,20 @@ std::optional<std::vector<int>> growable_space::duplicate_shared(
 device_ptr growable_space::page_start(device_ptr ptr) const noexcept
 {
   auto const base = pages_->base();
-  return base + (ptr - base) / page_ * page_;
+  auto const page = policy_.page();
+  return base + (ptr - base) / page * page;
 }
 
 void growable_space::map_counted(device_ptr ptr, std::size_t bytes, device_ptr at,
                                  std::uint8_t tag, growable_pages::on_failure failure)
 {
   // Counted from the pages' totals around the call, failure included: a map that fails part
-  // way keeps what it mapped and made, or undoes it (growable_pages::map), and reserved and
-  // the page counters must say which.
-  auto const held_before     = pages_->held_bytes();
-  auto const mapped_before   = pages_->mapped_bytes();
-  auto const maps_before     = pages_->maps();
-  auto const unmaps_before   = pages_->unmaps();
-  auto const creates_before  = pages_->creates();
-  auto const releases_before = pages_->releases();
-  auto const count           = [&] {
-    // Never less held than before: undone pages go back spare, or to the driver if made here.
-    stats_->bytes_reserved += pages_->held_bytes() - held_before;
-    stats_->peak_bytes_reserved = std::max(stats_->peak_bytes_reserved, stats_->bytes_reserved);
-    stats_->page_maps += pages_->maps() - maps_before;
-    stats_->page_unmaps += pages_->unmaps() - unmaps_before;
-    stats_->page_creates += pages_->creates() - creates_before;
-    stats_->page_releases += pages_->releases() - releases_before;
+  // way keeps what it mapped and made, or undoes it (growable_pages::map), and the ledger must
+  // say which.
+  auto const before        = traffic();
+  auto const mapped_before = pages_->mapped_bytes();
+  auto const counted       = [&] {
+    count(before);
     if (pages_->mapped_bytes() > mapped_before) {
       log_->record(segment_event::kind::mapped, segment_type::growable, tag, page_start(at),
                    pages_->mapped_bytes() - mapped_before);
@@ -377,18 +368,10 @@ void growable_space::map_counted(device_ptr ptr, std::size_t bytes, device_ptr a
   try {
     pages_->map(ptr, bytes, failure);
   } catch (...) {
-    count();
+    counted();
     throw;
   }
-  count();
-}
-
-std::size_t growable_space::count_released(std::size_t held_before)
-{
-  auto const n = held_before - pages_->held_bytes();
-  stats_->bytes_reserved -= n;
-  stats_->page_releases += n / page_;
-  return n;
+  counted();
 }
 
 }  // namespace emmpool::detail

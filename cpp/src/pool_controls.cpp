@@ -18,7 +18,7 @@ std::size_t device_pool::trim()
   std::lock_guard lock{mutex_};
   if (forked_ || !capture_.may_fence()) { return 0; }
   drain();
-  return release_free_segments();
+  return release_free_segments(give_back::all);
 }
 
 void device_pool::synchronize()
@@ -43,7 +43,7 @@ void device_pool::defer_cleanup_end()
 void device_pool::release_held_back()
 {
   if (options_.mode == pool_mode::passthrough) {
-    release_free_segments();  // segments whose release a deferral held back
+    release_free_segments(give_back::all);  // segments whose release a deferral held back
   }
 }
 
@@ -97,10 +97,10 @@ void device_pool::set_maximum_size(std::size_t bytes)
                      (cap_.outside() != 0 ? ", or reserved by another allocator)" : ")")};
   }
   cap_.set_maximum(cap);
-  if (stats_.bytes_reserved > cap_.for_growth() && capture_.may_fence() &&
+  if (ledger_.reserved() > cap_.for_growth() && capture_.may_fence() &&
       capture_.may_give_back()) {
     drain();
-    release_free_segments();
+    release_free_segments(give_back::all);
   }
 }
 
@@ -118,12 +118,12 @@ bool device_pool::reserve_outside(std::ptrdiff_t delta)
     return true;
   }
   auto const n = static_cast<std::size_t>(delta);
-  if (!cap_.fits(stats_.bytes_reserved, n) && !forked_ && capture_.may_fence() &&
+  if (!cap_.fits(ledger_.reserved(), n) && !forked_ && capture_.may_fence() &&
       capture_.may_give_back()) {
     drain();  // frees waiting for their fence may empty whole segments
-    release_free_segments();
+    release_free_segments(give_back::all);
   }
-  if (!cap_.fits(stats_.bytes_reserved, n)) { return false; }
+  if (!cap_.fits(ledger_.reserved(), n)) { return false; }
   cap_.add_outside(n);
   return true;
 }
@@ -149,16 +149,15 @@ void device_pool::reset()
   lanes_.drain_or_abandon(released_);
   settle_released();
   // Free what can be, regardless of deferrals (errors ignored: the context is going anyway).
-  capture_.deferrals().lifted([this] { release_free_segments(); });
+  capture_.deferrals().lifted([this] { release_free_segments(give_back::all); });
   auto& segments             = index_.segments();
-  auto const growable_held   = growable_.held_bytes();
-  growable_.drop(segments);  // wholly free: released; else its pages stay mapped, retired
+  auto const growable_held   = growable_.drop(segments);  // wholly free: released; else its
+                                                          // pages stay mapped, retired
 
   // What is left holds live blocks: retire it, so that it is never handed out again.
   for (auto& [base, seg] : segments) {
     if (!seg->growable) { free_.erase_all_of(*seg); }  // growable: drop() did
-    stats_.bytes_reserved -= seg->growable ? growable_held : seg->size;
-    --stats_.segments;
+    ledger_.retired(seg->growable ? growable_held : seg->size);
   }
   for (auto& [ptr, blk] : index_.live()) { stats_.count_out_of_use(blk->size, blk->tag); }
   retired_.retire(segments, index_.live(), generation_);

@@ -43,6 +43,7 @@
 #include <emmpool/detail/free_list.hpp>
 #include <emmpool/detail/growable_space.hpp>
 #include <emmpool/detail/pool_cap.hpp>
+#include <emmpool/detail/pool_ledger.hpp>
 #include <emmpool/detail/pool_lifecycle.hpp>
 #include <emmpool/detail/retired_segments.hpp>
 #include <emmpool/detail/segment_index.hpp>
@@ -321,48 +322,45 @@ class device_pool : private detail::pool_lifecycle {
     stream_ref key{};
     alloc_tag tag{};
     bool growable{};        ///< served by the growable segment (growable_space::serves)
+    /// New pages would pass the peak while the stream's own frees could cover them: found by
+    /// map_pages(), waited for by the next step (detail/page_policy.hpp).
+    mutable bool wait_at_peak{};
   };
-  /// The last try_allocate() that searched and missed, so that the allocate() after it neither
-  /// checks the same request nor searches again while the batches (fence_queue::version) and
-  /// the free lists (insertions: taking a block out cannot make best fit succeed) are as then.
-  struct missed_request {
-    std::size_t bytes{};
-    stream_handle stream{};
-    alloc_tag tag{};
-    std::size_t rounded{};
-    stream_ref key{};
-    std::uint64_t insertions{}, version{};  // the state searched
-  };
-  std::optional<missed_request> missed_;
-  // The ladder's steps, in order; each returns the block or null.
-  block* take_cached(request const& r);       // stream order, else best fit: no CUDA call
-  block* fence_and_retake(request const& r);  // fence recent frees; reuse what completed, or
-                                              // cut a larger block this stream freed
-  block* grow_for(request const& r);          // a new segment (or pages)
-  block* wait_and_retake(request const& r);   // wait for every pending free
-  block* give_back_and_grow(request const& r);  // release wholly free memory, grow exactly
+  /// How much a fixed segment holds: what several requests of its kind share
+  /// (pool_options::segment_size), or the request alone (the out-of-memory ladder's last try).
+  enum class growth : std::uint8_t { shared, exact };
+  /// What giving memory back takes: every wholly free segment and page, or (at a fixed
+  /// segment's new peak) the wholly free large segments only.
+  enum class give_back : std::uint8_t { all, large_at_peak };
+  // The ladder's steps, in order (allocate() in device_pool.cpp says what each does); each
+  // returns the block or null and runs no other step.
+  block* take_cached(request const& r);
+  block* fence_and_retake(request const& r);
+  block* map_pages(request const& r);
+  block* wait_for_own_frees(request const& r);
+  block* grow_for(request const& r);
+  block* wait_and_retake(request const& r);
+  block* give_back_and_grow(request const& r);
   block* passthrough_allocate(request const& r);  // passthrough: a segment of its own
   [[noreturn]] void fail(request const& r);
-  // best fit and split off the free lists; a growable request maps pages only if may_map
-  block* take_free(request const& r, bool may_map);
-  // A free block whose pages are mapped, else claim_and_map(): room first; `key`: the
-  // request's stream, whose pending frees a new peak waits for (none: no wait).
-  block* take_growable(std::size_t rounded, alloc_tag tag, bool may_map, stream_ref key);
-  block* claim_and_map(std::size_t rounded, alloc_tag tag, bool may_map, stream_ref key);
+  // What the steps share: a free block (mapping its pages only if allowed), and the growable
+  // segment's claim of a block and map of its pages.
+  block* take_free(request const& r, detail::mapping m);
+  block* claim_and_map(request const& r);
   // which segments serve a request (a segment serves one kind)
-  [[nodiscard]] detail::block_kind kind_of(std::size_t rounded, bool growable) const noexcept;
+  [[nodiscard]] detail::block_kind kind_of(request const& r) const noexcept;
+  // Whether pages may be unmapped now (no capture, no deferred cleanup).
+  [[nodiscard]] detail::unmapping unmapping() const noexcept;
   device_ptr hand_out(block* blk, std::size_t bytes, stream_ref stream, alloc_tag tag);
 
-  // ---- growth and giving memory back (pool_growth.cpp)
-  // A segment for `rounded` bytes (pool_options::segment_size; exact: no more than needed),
-  // or the growable segment's pages; null at the cap or out of memory.
-  block* grow(std::size_t rounded, bool exact, bool growable, alloc_tag tag);
+  // ---- growth and giving memory back (device_pool.cpp)
+  // A fixed segment for the request (pool_options::segment_size), null at the cap or out of
+  // memory.
+  block* grow(request const& r, growth g);
   // The driver's segment, on the books; null if the driver is out of memory.
   block* make_segment(std::size_t size, bool small, alloc_tag tag);
-  // Wholly free fixed segments and pages back to the driver; at a fixed segment's new peak,
-  // large fixed segments only (the growable segment's free pages beyond its limit move under
-  // its own requests instead: detail/growable_space.hpp).
-  std::size_t release_free_segments(bool at_peak = false);
+  // Wholly free fixed segments and pages back to the driver. @return bytes released
+  std::size_t release_free_segments(give_back what);
   void release_segment(segment* seg);
 
   // ---- frees (device_pool.cpp)
@@ -395,7 +393,8 @@ class device_pool : private detail::pool_lifecycle {
   detail::stream_lanes lanes_{*driver_, device_, options_.open_batch_limit, blocks_,
                               options_.mode == pool_mode::pool};
   detail::retired_segments retired_{*driver_, device_, blocks_};  // outlived a reset()
-  pool_stats stats_{};
+  pool_stats stats_{};          // in use, allocations and frees, fences; the rest: ledger_
+  detail::pool_ledger ledger_;  // what the pool holds from the driver
   detail::trace_log trace_;
   detail::segment_log segment_log_;
   std::vector<block*> released_;  // what the fences reported complete, until settled
@@ -409,7 +408,7 @@ class device_pool : private detail::pool_lifecycle {
   std::map<device_ptr, hold_state> holds_;
   detail::capture_mode capture_;
   // Last: the members above keep the layout (cache lines) of fixed segments' hot path.
-  detail::growable_space growable_{*driver_, device_, blocks_, stats_, cap_, segment_log_};
+  detail::growable_space growable_{*driver_, device_, blocks_, ledger_, cap_, segment_log_};
 };
 
 }  // namespace emmpool
