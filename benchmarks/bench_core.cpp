@@ -25,6 +25,7 @@
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
+#include <emmpool/pool_queries.hpp>
 #include <emmpool/registry.hpp>
 
 #include <cuda.h>
@@ -434,7 +435,7 @@ std::string gpu_benchmarks(options const& o, std::vector<result>& out)
   cu.event_destroy(event);
   auto const s = pool.stats();
   std::printf("process-wide pool after the run: %s (%llu batches closed)\n",
-              pool.describe().c_str(), static_cast<unsigned long long>(s.batches_closed));
+              emmpool::pool_queries{pool}.describe().c_str(), static_cast<unsigned long long>(s.batches_closed));
   return std::string{name} + ", driver " + std::to_string(version / 1000) + "." +
          std::to_string(version % 1000 / 10);
 }

@@ -9,6 +9,10 @@
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
 #include <emmpool/host_pool.hpp>
+#include <emmpool/pool_controls.hpp>
+#include <emmpool/pool_observers.hpp>
+#include <emmpool/pool_queries.hpp>
+#include <emmpool/pool_sharing.hpp>
 #include <emmpool/registry.hpp>
 
 #include "caller_lock.hpp"
@@ -173,6 +177,25 @@ auto without_gil(R (C::*method)(A...) const noexcept(NE))
   return [method](C const& self, A... args) -> R {
     return caller_lock::without_caller_lock(
       [&]() -> R { return (self.*method)(std::forward<A>(args)...); });
+  };
+}
+
+// A method of one of the pool's views (pool_controls, pool_queries, pool_sharing,
+// pool_observers) bound as the pool's own, run without the GIL as above.
+template <class V, class R, class... A, bool NE>
+auto through(R (V::*method)(A...) noexcept(NE))
+{
+  return [method](device_pool& self, A... args) -> R {
+    return caller_lock::without_caller_lock(
+      [&]() -> R { return (V{self}.*method)(std::forward<A>(args)...); });
+  };
+}
+template <class V, class R, class... A, bool NE>
+auto through(R (V::*method)(A...) const noexcept(NE))
+{
+  return [method](device_pool& self, A... args) -> R {
+    return caller_lock::without_caller_lock(
+      [&]() -> R { return (V{self}.*method)(std::forward<A>(args)...); });
   };
 }
 
@@ -367,15 +390,15 @@ PYBIND11_MODULE(_core, m)
       "The free of a library that knows no reset generation (block_owner::of_library).")
     .def("record_stream", without_gil(&device_pool::record_stream), py::arg("ptr"),
          py::arg("stream"))
-    .def("owns", without_gil(&device_pool::owns), py::arg("ptr"))
-    .def("hold", without_gil(&device_pool::hold), py::arg("ptr"),
+    .def("owns", through(&pool_queries::owns), py::arg("ptr"))
+    .def("hold", through(&pool_sharing::hold), py::arg("ptr"),
          "Keep the block holding ptr from reuse until release_hold(): its address.")
-    .def("release_hold", without_gil(&device_pool::release_hold), py::arg("block"))
-    .def("held_blocks", without_gil(&device_pool::held_blocks))
+    .def("release_hold", through(&pool_sharing::release_hold), py::arg("block"))
+    .def("held_blocks", through(&pool_sharing::held_blocks))
     .def(
       "ipc_handle",
       [](device_pool& p, device_ptr ptr) -> py::object {
-        auto const info = caller_lock::without_caller_lock([&] { return p.ipc_handle(ptr); });
+        auto const info = caller_lock::without_caller_lock([&] { return pool_sharing{p}.ipc_handle(ptr); });
         if (!info) { return py::none(); }
         auto const* bytes = reinterpret_cast<char const*>(info->handle.data());
         return py::make_tuple(py::bytes(bytes, info->handle.size()), info->segment_base,
@@ -385,7 +408,7 @@ PYBIND11_MODULE(_core, m)
     .def(
       "share_pages",
       [](device_pool& p, device_ptr ptr) -> py::object {
-        auto const shared = caller_lock::without_caller_lock([&] { return p.share_pages(ptr); });
+        auto const shared = caller_lock::without_caller_lock([&] { return pool_sharing{p}.share_pages(ptr); });
         if (!shared) { return py::none(); }
         py::tuple fds(shared->fds.size());
         for (std::size_t i = 0; i < shared->fds.size(); ++i) { fds[i] = shared->fds[i]; }
@@ -398,7 +421,7 @@ PYBIND11_MODULE(_core, m)
     .def(
       "live_extent",
       [](device_pool& p, device_ptr ptr) -> py::object {
-        auto const extent = caller_lock::without_caller_lock([&] { return p.live_extent(ptr); });
+        auto const extent = caller_lock::without_caller_lock([&] { return pool_queries{p}.live_extent(ptr); });
         if (!extent) { return py::none(); }
         return py::make_tuple(extent->first, extent->second);
       },
@@ -406,14 +429,14 @@ PYBIND11_MODULE(_core, m)
       "(address, size) of the live block holding ptr (which may point inside it), else None.")
     .def("trim", without_gil(&device_pool::trim))
     .def("synchronize", without_gil(&device_pool::synchronize))
-    .def("reset", without_gil(&device_pool::reset))
-    .def("defer_cleanup_begin", without_gil(&device_pool::defer_cleanup_begin))
-    .def("defer_cleanup_end", without_gil(&device_pool::defer_cleanup_end))
-    .def("set_tracing", without_gil(&device_pool::set_tracing), py::arg("on"))
+    .def("reset", through(&pool_controls::reset))
+    .def("defer_cleanup_begin", through(&pool_controls::defer_cleanup_begin))
+    .def("defer_cleanup_end", through(&pool_controls::defer_cleanup_end))
+    .def("set_tracing", through(&pool_observers::set_tracing), py::arg("on"))
     .def(
       "take_trace",
       [](device_pool& p) {
-        auto const records = caller_lock::without_caller_lock([&] { return p.take_trace(); });
+        auto const records = caller_lock::without_caller_lock([&] { return pool_observers{p}.take_trace(); });
         py::list out;
         for (auto const& r : records) {
           out.append(py::make_tuple(r.time_ns, std::string(1, r.op), r.ptr, r.size, r.stream,
@@ -426,8 +449,8 @@ PYBIND11_MODULE(_core, m)
          [](device_pool const& p) {
            return stats_dict(caller_lock::without_caller_lock([&] { return p.stats(); }));
          })
-    .def("reset_peaks", without_gil(&device_pool::reset_peaks))
-    .def("describe", without_gil(&device_pool::describe))
+    .def("reset_peaks", through(&pool_controls::reset_peaks))
+    .def("describe", through(&pool_queries::describe))
     .def_property_readonly("generation", [](device_pool const& p) {
       return caller_lock::without_caller_lock([&] { return p.generation(); });  // under the lock
     })

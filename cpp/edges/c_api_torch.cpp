@@ -9,6 +9,10 @@
 #include "c_api.hpp"
 #include "caller_lock.hpp"
 
+#include <emmpool/pool_controls.hpp>
+#include <emmpool/pool_observers.hpp>
+#include <emmpool/pool_queries.hpp>
+#include <emmpool/pool_sharing.hpp>
 #include <emmpool/registry.hpp>
 #include <emmpool/torch_api.h>
 
@@ -160,7 +164,7 @@ EMMPOOL_C_API void emmpool_torch_reset_peaks(int device)
   without_caller_lock([&]() noexcept {
     if (auto* pool = existing_pool_of(device)) {
       try {
-        pool->reset_peaks();
+        emmpool::pool_controls{*pool}.reset_peaks();
       } catch (...) {
       }
     }
@@ -187,7 +191,7 @@ EMMPOOL_C_API std::size_t emmpool_torch_largest_block(int device)
       auto& pool     = registry().pool(device);
       auto const s   = pool.stats();
       auto const mi  = registry().get_driver().memory_info_of(device);
-      auto const cap = pool.maximum_size();
+      auto const cap = emmpool::pool_controls{pool}.maximum_size();
       std::size_t const headroom = cap > s.bytes_reserved ? cap - s.bytes_reserved : 0;
       return std::max(s.largest_free_block, std::min(mi.free, headroom));
     } catch (...) {
@@ -201,7 +205,8 @@ EMMPOOL_C_API int emmpool_torch_ipc_handle(void* ptr, int device, unsigned char*
 {
   return without_caller_lock([&]() noexcept {
     try {
-      auto const info = registry().pool(device).ipc_handle(reinterpret_cast<device_ptr>(ptr));
+      auto const info =
+        emmpool::pool_sharing{registry().pool(device)}.ipc_handle(reinterpret_cast<device_ptr>(ptr));
       if (!info) {
         say(error, EMMPOOL_FAILED_INVALID_ARGUMENT, "the pointer is not a block of emmpool's pool");
         return -1;
@@ -220,7 +225,7 @@ EMMPOOL_C_API int emmpool_torch_set_maximum(int device, std::size_t bytes, emmpo
 {
   return without_caller_lock([&]() noexcept {
     try {
-      registry().pool(device).set_maximum_size(bytes);
+      emmpool::pool_controls{registry().pool(device)}.set_maximum_size(bytes);
       return 0;
     } catch (...) {
       report(error);
@@ -234,7 +239,7 @@ EMMPOOL_C_API std::size_t emmpool_torch_maximum(int device)
   return without_caller_lock([&]() noexcept -> std::size_t {
     if (auto* pool = existing_pool_of(device)) {
       try {
-        return pool->maximum_size();
+        return emmpool::pool_controls{*pool}.maximum_size();
       } catch (...) {
       }
     }
@@ -247,7 +252,8 @@ EMMPOOL_C_API int emmpool_torch_reserve_outside(int device, long long delta, emm
   return without_caller_lock([&]() noexcept {
     try {
       auto& pool = registry().pool(device);
-      return pool.reserve_outside(static_cast<std::ptrdiff_t>(delta)) ? 0 : 1;
+      return emmpool::pool_controls{pool}.reserve_outside(static_cast<std::ptrdiff_t>(delta)) ? 0
+                                                                                        : 1;
     } catch (...) {
       report(error);
     }
@@ -261,7 +267,7 @@ EMMPOOL_C_API long emmpool_torch_layout(int device, emmpool_layout_row* out, std
     auto* pool = existing_pool_of(device);
     if (pool == nullptr) { return -1; }
     try {
-      return fill(pool->layout(), out, n, [](emmpool::layout_block const& b) {
+      return fill(emmpool::pool_queries{*pool}.layout(), out, n, [](emmpool::layout_block const& b) {
         emmpool_layout_row r{};
         r.segment      = b.segment;
         r.segment_size = b.segment_size;
@@ -285,7 +291,7 @@ EMMPOOL_C_API int emmpool_ipc_share_pages(void* ptr, int device, emmpool_shared_
   return without_caller_lock([&]() noexcept {
     try {
       auto const shared =
-        registry().pool(device).share_pages(reinterpret_cast<device_ptr>(ptr));
+        emmpool::pool_sharing{registry().pool(device)}.share_pages(reinterpret_cast<device_ptr>(ptr));
       if (!shared) { return 1; }
       *out = emmpool_shared_pages{shared->first_page, shared->page_size, shared->offset,
                                   shared->block_size, shared->fds.size()};
@@ -382,7 +388,7 @@ EMMPOOL_C_API long emmpool_torch_segment_events(int device, emmpool_segment_even
     auto* pool = existing_pool_of(device);
     if (pool == nullptr) { return -1; }
     try {
-      auto const events = pool->take_segment_events(out == nullptr ? 0 : n);
+      auto const events = emmpool::pool_observers{*pool}.take_segment_events(out == nullptr ? 0 : n);
       return fill(events, out, n, [](emmpool::segment_event const& e) {
         emmpool_segment_event r{};
         r.address = e.address;

@@ -1,5 +1,5 @@
-// device_pool: an allocation's ladder, a free, statistics. Growth and giving memory back:
-// pool_growth.cpp; trim, the cap, captures, reset, IPC and the layout: pool_controls.cpp.
+// device_pool: an allocation's ladder, growth, a free, giving memory back, statistics. What the
+// pool's views (pool_controls, pool_queries, pool_sharing, pool_observers) do is in their files.
 #include <emmpool/detail/fork_guard.hpp>
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
@@ -486,36 +486,8 @@ void device_pool::record_stream(device_ptr ptr, stream_handle stream)
   it->second->also_fence = keys_.of_recorded(stream);
 }
 
-device_ptr device_pool::hold(device_ptr ptr)
+void device_pool::settle_unheld(hold_state const& h)
 {
-  std::lock_guard lock{mutex_};
-  if (forked_) { detail::throw_forked(); }
-  auto* const seg = index_.holding_live(ptr);
-  auto* const blk = seg != nullptr ? const_cast<block*>(index_.block_at(*seg, ptr)) : nullptr;
-  if (blk == nullptr || blk->state != detail::block_state::allocated ||
-      (!blk->held && !index_.owns(blk->ptr))) {
-    throw pool_error{"emmpool: address " + std::to_string(ptr) +
-                     " is no live allocation of this pool to hold"};
-  }
-  auto& h = holds_[blk->ptr];
-  if (h.freed_on) {  // freed while held: nothing live to hold any more
-    throw pool_error{"emmpool: address " + std::to_string(ptr) +
-                     " is no live allocation of this pool to hold (freed)"};
-  }
-  h.blk     = blk;
-  blk->held = true;
-  ++h.count;
-  return blk->ptr;
-}
-
-void device_pool::release_hold(device_ptr at)
-{
-  std::lock_guard lock{mutex_};
-  auto it = holds_.find(at);
-  if (forked_ || it == holds_.end()) { return; }
-  if (--it->second.count != 0) { return; }
-  auto const h = it->second;
-  holds_.erase(it);
   h.blk->held = false;
   if (!h.freed_on) { return; }
   stats_.count_free(h.blk->size, h.blk->tag);
@@ -525,32 +497,17 @@ void device_pool::release_hold(device_ptr at)
   // never named again: reuse_rule.hpp, stream lifetime).
   auto key = *h.freed_on;
   if (!h.blk->also_fence.is_none() && !h.blk->also_fence.is_context()) {
-    key                  = stream_ref{h.blk->also_fence.handle, 0};
-    h.blk->also_fence    = stream_ref::none();
+    key               = stream_ref{h.blk->also_fence.handle, 0};
+    h.blk->also_fence = stream_ref::none();
   }
   settle_freed(h.blk, key);
-}
-
-std::size_t device_pool::held_blocks() const
-{
-  std::lock_guard lock{mutex_};
-  return holds_.size();
 }
 
 void device_pool::release_holds()
 {
   auto holds = std::move(holds_);
   holds_.clear();
-  for (auto& [at, h] : holds) {
-    h.blk->held = false;
-    if (h.freed_on) {
-      stats_.count_free(h.blk->size, h.blk->tag);
-      if (!h.blk->also_fence.is_none() && !h.blk->also_fence.is_context()) {
-        h.blk->also_fence = stream_ref::none();  // the reset's drain waits for the device
-      }
-      settle_freed(h.blk, *h.freed_on);
-    }
-  }
+  for (auto const& [at, h] : holds) { settle_unheld(h); }
 }
 
 void device_pool::settle_freed(block* blk, stream_ref key)
@@ -644,31 +601,40 @@ void device_pool::drain(std::optional<stream_ref> only)
   settle_released();
 }
 
-// ---- tracing and statistics -----------------------------------------------------------------
+// ---- giving memory back ---------------------------------------------------------------------
 
-void device_pool::set_tracing(bool on)
+std::size_t device_pool::trim()
 {
   std::lock_guard lock{mutex_};
-  trace_.set(on);
+  if (forked_ || !capture_.may_fence()) { return 0; }
+  drain();
+  return release_free_segments(give_back::all);
 }
 
-std::vector<trace_record> device_pool::take_trace()
+void device_pool::synchronize()
 {
   std::lock_guard lock{mutex_};
-  return trace_.take();
+  if (forked_ || !capture_.may_fence()) { return; }
+  drain();
 }
 
-void device_pool::set_segment_events(bool on)
+void device_pool::release_held_back()
 {
-  std::lock_guard lock{mutex_};
-  segment_log_.set(on);
+  if (options_.mode == pool_mode::passthrough) {
+    release_free_segments(give_back::all);  // segments whose release a deferral held back
+  }
 }
 
-std::vector<segment_event> device_pool::take_segment_events(std::size_t max)
+void device_pool::settle_held_for_capture()
 {
-  std::lock_guard lock{mutex_};
-  return segment_log_.take(max);
+  while (capture_.holds_any()) {
+    auto const [blk, key] = capture_.newest_held();
+    settle_freed(blk, key);  // may throw (an event): the rest stay held for the next call
+    capture_.pop_held();
+  }
 }
+
+// ---- statistics ----------------------------------------------------------------------------
 
 pool_stats device_pool::stats() const
 {
@@ -692,19 +658,6 @@ pool_stats device_pool::stats_locked() const
   s.dormant_fences     = fences.dormant_fences();
   s.same_stream_reuses = lanes_.reuses();
   return s;
-}
-
-void device_pool::reset_peaks()
-{
-  std::lock_guard lock{mutex_};
-  stats_.peak_bytes_in_use = stats_.bytes_in_use;
-  ledger_.reset_peak();
-}
-
-std::string device_pool::describe() const
-{
-  std::lock_guard lock{mutex_};
-  return describe_locked();
 }
 
 std::string device_pool::describe_locked() const

@@ -1,3 +1,4 @@
+#include <emmpool/pool_sharing.hpp>
 #include <emmpool/detail/descriptors.hpp>
 #include <emmpool/detail/fork_guard.hpp>
 #include <emmpool/device_pool.hpp>
@@ -236,11 +237,11 @@ std::pair<int, device_ptr> ipc_service::lease(int device, device_ptr ptr)
   if (pool == nullptr) {
     throw pool_error{"emmpool: device " + std::to_string(device) + " has no pool to hold a block of"};
   }
-  auto const at = pool->hold(ptr);  // throws: nothing held
+  auto const at = pool_sharing{*pool}.hold(ptr);  // throws: nothing held
   int ends[2]   = {-1, -1};
   if (::pipe2(ends, O_CLOEXEC) != 0) {
     auto const why = errno_text();
-    pool->release_hold(at);
+    pool_sharing{*pool}.release_hold(at);
     throw pool_error{"emmpool: no pipe for an IPC lease: " + why};
   }
   (void)::fcntl(ends[0], F_SETFL, O_NONBLOCK);
@@ -307,7 +308,7 @@ void ipc_service::run() noexcept
       ::close(l.read_end);
       if (auto* pool = pool_of_(l.device)) {
         try {
-          pool->release_hold(l.at);
+          pool_sharing{*pool}.release_hold(l.at);
         } catch (...) {
           // A settle that failed (an event record, say) leaves the block to the pool's next
           // call, as any free that failed: nothing to tell anyone here.
@@ -364,7 +365,7 @@ void ipc_service::serve(int c) noexcept
     }
     auto* const pool = pool_of_(q.device);
     detail::reserve_descriptors(numbers.size(), "handing shared pages to another process");
-    auto const dups = pool != nullptr ? pool->duplicate_shared_pages(
+    auto const dups = pool != nullptr ? pool_sharing{*pool}.duplicate_shared_pages(
                                           q.first_page, q.page_size,
                                           std::vector<int>(numbers.begin(), numbers.end()))
                                       : std::nullopt;

@@ -1,3 +1,4 @@
+#include <emmpool/pool_controls.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/private_pools.hpp>
 
@@ -117,7 +118,7 @@ void private_pools::begin(int device, private_pool_id id)
   }
   // Before the capture begins (PyTorch calls this first): the device pool makes no call a
   // capture forbids until the matching end.
-  pool_of_(device).capture_begin();
+  pool_controls{pool_of_(device)}.capture_begin();
 }
 
 void private_pools::end(int device, private_pool_id id)
@@ -132,7 +133,7 @@ void private_pools::end(int device, private_pool_id id)
     }
     active_.store(static_cast<int>(allocating_.size()), std::memory_order_release);
   }
-  if (found) { pool_of_(device).capture_end(); }
+  if (found) { pool_controls{pool_of_(device)}.capture_end(); }
 }
 
 // ---- blocks ---------------------------------------------------------------------------------

@@ -1,3 +1,4 @@
+#include <emmpool/pool_observers.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/registry.hpp>
 
@@ -98,7 +99,7 @@ void pool_registry::set_tracing(bool on)
   std::lock_guard lock{mutex_};
   options_.trace = on;
   for (auto const& p : pools_) {
-    if (auto* q = p.load()) { q->set_tracing(on); }
+    if (auto* q = p.load()) { pool_observers{*q}.set_tracing(on); }
   }
 }
 
@@ -107,7 +108,7 @@ void pool_registry::set_segment_events(bool on)
   std::lock_guard lock{mutex_};
   options_.segment_events = on;
   for (auto const& p : pools_) {
-    if (auto* q = p.load()) { q->set_segment_events(on); }
+    if (auto* q = p.load()) { pool_observers{*q}.set_segment_events(on); }
   }
 }
 

@@ -17,6 +17,10 @@
 
 #include <emmpool/device_pool.hpp>
 #include <emmpool/host_driver.hpp>
+#include <emmpool/pool_controls.hpp>
+#include <emmpool/pool_observers.hpp>
+#include <emmpool/pool_queries.hpp>
+#include <emmpool/pool_sharing.hpp>
 #include <emmpool/stats.hpp>
 
 #include <cstddef>
@@ -62,6 +66,11 @@ struct pool_fixture {
     pool = std::make_unique<device_pool>(drv, 0, for_this_run(options));
   }
   device_pool* operator->() { return pool.get(); }
+  // The pool's views (pool_controls.hpp, ...), as the tests reach them.
+  pool_controls controls() { return pool_controls{*pool}; }
+  pool_queries queries() { return pool_queries{*pool}; }
+  pool_sharing sharing() { return pool_sharing{*pool}; }
+  pool_observers observers() { return pool_observers{*pool}; }
 };
 
 /// Every byte of the pool is in use, waiting or free (free counts only mapped bytes of a

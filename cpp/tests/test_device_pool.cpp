@@ -220,7 +220,7 @@ TEST(invalid_options_and_arguments)
   device_pool pool{drv, 0, test::for_this_run(o)};
   CHECK_THROWS(pool.allocate(~std::size_t{0}), std::invalid_argument);
   CHECK_THROWS(pool.allocate(256, legacy_stream, static_cast<alloc_tag>(7)), std::invalid_argument);
-  CHECK_THROWS(pool.defer_cleanup_end(), std::invalid_argument);
+  CHECK_THROWS(pool_controls{pool}.defer_cleanup_end(), std::invalid_argument);
   CHECK_THROWS(pool.record_stream(0x1234, stream_a), pool_error);
 }
 
@@ -481,7 +481,7 @@ TEST(try_paths_take_no_cuda_call_and_leave_the_rest_to_the_full_calls)
   CHECK(!f->try_allocate(big, stream_b, alloc_tag::cupy));  // another stream: needs a fence
   CHECK_EQ(f.drv.stats().event_records, records);
   // A block from before a reset: its free may call CUDA (its segment is retired), so no.
-  f->reset();
+  f.controls().reset();
   CHECK(!f->try_deallocate(p, stream_a, gen(f->generation() - 1)));
   f->deallocate(p, stream_a, gen(f->generation() - 1));
   // Past the open-batch limit, fencing (CUDA) comes first: only allocate() does it.
@@ -1344,8 +1344,8 @@ TEST(trim_releases_only_wholly_free_segments)
     CHECK_EQ(c.live_segments, 2u);
     CHECK_EQ(f->stats().segment_releases, 1u);
   }
-  CHECK(f->owns(s1));
-  CHECK(f->owns(b2));
+  CHECK(f.queries().owns(s1));
+  CHECK(f.queries().owns(b2));
   CHECK(f.drv.accessible(0, b2, big));
   CHECK_EQ(f->trim(), 0u);
   f->deallocate(s1);
@@ -1360,8 +1360,8 @@ TEST(defer_cleanup_blocks_driver_frees_not_reuse)
 {
   fixture f{{}, big};  // a device that holds P alone
   auto const p = f->allocate(big);
-  f->defer_cleanup_begin();
-  f->defer_cleanup_begin();  // nests
+  f.controls().defer_cleanup_begin();
+  f.controls().defer_cleanup_begin();  // nests
   f->deallocate(p);
   CHECK_EQ(f->trim(), 0u);
   CHECK_EQ(driver_frees(f), 0u);
@@ -1373,9 +1373,9 @@ TEST(defer_cleanup_blocks_driver_frees_not_reuse)
   // segment (page) back.
   CHECK_THROWS(f->allocate(256), out_of_memory);
   CHECK_EQ(driver_frees(f), 0u);
-  f->defer_cleanup_end();
+  f.controls().defer_cleanup_end();
   CHECK_EQ(f->trim(), 0u);  // still deferred (nested)
-  f->defer_cleanup_end();
+  f.controls().defer_cleanup_end();
   auto const q = f->allocate(256);  // now the ladder can give P's segment (page) back
   CHECK_EQ(driver_frees(f), 1u);
   f->deallocate(q);
@@ -1389,11 +1389,11 @@ TEST(defer_cleanup_still_grows_exact_segments)
   // still gets an exact segment that does (on growable segments too: nor does a page fit).
   fixture f{{}, big + 8 * MiB};
   auto const p = f->allocate(big);
-  f->defer_cleanup_begin();
+  f.controls().defer_cleanup_begin();
   device_ptr q = 0;
   CHECK_NOTHROW(q = f->allocate(6 * MiB));
   CHECK_EQ(f->stats().bytes_reserved, big + 6 * MiB);
-  f->defer_cleanup_end();
+  f.controls().defer_cleanup_end();
   if (q != 0) { f->deallocate(q); }
   f->deallocate(p);
   CHECK_EQ(consistency(f), "");
@@ -1439,11 +1439,11 @@ TEST(passthrough_with_deferred_cleanup)
   o.mode = pool_mode::passthrough;
   fixture f{o};
   auto const a = f->allocate(4096);
-  f->defer_cleanup_begin();
+  f.controls().defer_cleanup_begin();
   f->deallocate(a);
   f->synchronize();
   CHECK_EQ(f.drv.stats().live_segments, 1u);
-  f->defer_cleanup_end();  // releases what was held back
+  f.controls().defer_cleanup_end();  // releases what was held back
   CHECK_EQ(f.drv.stats().live_segments, 0u);
   CHECK_EQ(consistency(f), "");
 }
@@ -1461,7 +1461,7 @@ TEST(reset_retires_live_blocks)
   auto const c = f->allocate(big);
   f->deallocate(c);  // pending: reset waits for it, then releases its segment
   auto const g0 = f->generation();
-  f->reset();
+  f.controls().reset();
   CHECK_EQ(f->generation(), g0 + 1);
   auto const s = f->stats();
   CHECK_EQ(s.bytes_in_use, 0u);
@@ -1475,8 +1475,8 @@ TEST(reset_retires_live_blocks)
   CHECK_EQ(f.drv.stats().live_segments, growable ? 1u : 2u);
   CHECK_EQ(f.drv.stats().live_mappings, growable ? 1u : 0u);
   CHECK(f.drv.accessible(0, b, big));
-  CHECK(!f->owns(a));
-  CHECK(!f->owns(b));
+  CHECK(!f.queries().owns(a));
+  CHECK(!f.queries().owns(b));
   // The retired segments' free space is never handed out again.
   auto const allocs0 = f.drv.stats().allocations;
   std::vector<device_ptr> ps;
@@ -1518,14 +1518,14 @@ TEST(reset_then_address_reuse_by_the_driver)
   fixture f;
   auto const a = f->allocate(big);
   auto const g0 = f->generation();
-  f->reset();
+  f.controls().reset();
   f.drv.invalidate_device(0);  // the context reset: addresses are handed out again
   auto const x = f->allocate(big);
   REQUIRE(x == a);  // the driver reused the address: this is the case under test
-  CHECK(f->owns(x));
+  CHECK(f.queries().owns(x));
   auto const frees = driver_frees(f);
   f->deallocate(a, legacy_stream, gen(g0));  // the old block: must not touch x
-  CHECK(f->owns(x));
+  CHECK(f.queries().owns(x));
   // Not freed: the driver's id differs (a retired growable segment gives nothing back).
   CHECK_EQ(driver_frees(f), frees);
   CHECK(f.drv.accessible(0, x, big));
@@ -1533,7 +1533,7 @@ TEST(reset_then_address_reuse_by_the_driver)
   CHECK_EQ(f->stats().bytes_in_use, big);
   CHECK_THROWS(f->deallocate(a, legacy_stream, gen(g0)), pool_error);
   f->deallocate(x, legacy_stream, gen(g0 + 1));
-  CHECK(!f->owns(x));
+  CHECK(!f.queries().owns(x));
   CHECK_THROWS(f->deallocate(x, legacy_stream, gen(g0 + 1)), pool_error);
   CHECK_THROWS(f->deallocate(x), pool_error);
   f->trim();
@@ -1547,20 +1547,20 @@ TEST(tagged_try_free_leaves_a_retired_block_to_the_full_free)
   // a reset retired first. Its try (taken holding the GIL) must not skip that look.
   fixture f;
   auto const a = f->allocate(big, legacy_stream, alloc_tag::cupy);
-  f->reset();
+  f.controls().reset();
   f.drv.invalidate_device(0);
   auto const x = f->allocate(big, legacy_stream, alloc_tag::cupy);
   REQUIRE(x == a);  // the same library's live block at the retired one's address
   CHECK(!f->try_deallocate(a, allocation_stream, lib(alloc_tag::cupy)));
-  CHECK(f->owns(x));
+  CHECK(f.queries().owns(x));
   f->deallocate(a, allocation_stream, lib(alloc_tag::cupy));  // the retired one
-  CHECK(f->owns(x));
+  CHECK(f.queries().owns(x));
   CHECK(f.drv.accessible(0, x, big));
   CHECK(f->try_deallocate(x, allocation_stream, lib(alloc_tag::cupy)));  // none retired now
-  CHECK(!f->owns(x));
+  CHECK(!f.queries().owns(x));
   auto const y = f->allocate(4096, legacy_stream, alloc_tag::torch);
   CHECK(!f->try_deallocate(y, allocation_stream, lib(alloc_tag::cupy)));  // another library's
-  CHECK(f->owns(y));
+  CHECK(f.queries().owns(y));
   CHECK(f->try_deallocate(y, allocation_stream, lib(alloc_tag::torch)));
   CHECK_EQ(f->stats().blocks_in_use, 0u);
   CHECK_EQ(consistency(f), "");
@@ -1573,7 +1573,7 @@ TEST(reset_with_record_stream_pending)
   auto const q = f->allocate(big);
   f->record_stream(p, stream_b);
   f->deallocate(p, legacy_stream);
-  f->reset();  // waits for both of p's fences: p's segment (page) goes back to the driver
+  f.controls().reset();  // waits for both of p's fences: p's segment (page) goes back to the driver
   CHECK_EQ(f->stats().bytes_waiting, 0u);
   CHECK_EQ(driver_frees(f), 1u);
   // q's, retired: its segment, or its page
@@ -1596,7 +1596,7 @@ TEST(reset_when_the_fence_fails)
   auto const q = f->allocate(big);
   f->deallocate(p);
   f.drv.fail_next_event_records(1);  // the context is already broken
-  CHECK_NOTHROW(f->reset());
+  CHECK_NOTHROW(f.controls().reset());
   CHECK_EQ(f->stats().bytes_waiting, 0u);
   CHECK_EQ(f->stats().bytes_reserved, 0u);
   CHECK_EQ(driver_frees(f), 1u);  // p's segment (page) was released
@@ -1624,7 +1624,7 @@ TEST(reset_after_the_context_is_gone)
   f->synchronize();  // b's segment wholly free: reset() will try to release it
   auto const g0 = f->generation();
   f.drv.invalidate_device(0);
-  CHECK_NOTHROW(f->reset());
+  CHECK_NOTHROW(f.controls().reset());
   auto const st = f->stats();
   CHECK_EQ(st.bytes_reserved, 0u);
   CHECK_EQ(st.bytes_free, 0u);
@@ -1674,7 +1674,7 @@ TEST(double_free_and_foreign_pointers)
   auto const q = f->allocate(1000);
   CHECK_THROWS(f->deallocate(q + 256), pool_error);  // inside a block: not a block start
   CHECK_THROWS(f->deallocate(q, legacy_stream, gen(f->generation() + 5)), pool_error);
-  CHECK(f->owns(q));
+  CHECK(f.queries().owns(q));
   f->deallocate(q);
   CHECK_EQ(f->stats().frees, 2u);
   CHECK_EQ(consistency(f), "");
@@ -1728,11 +1728,11 @@ TEST(statistics_add_up)
   CHECK_EQ(s.segment_releases, growable ? 0u : 1u);
   CHECK_EQ(s.page_unmaps, growable ? 1u : 0u);
   CHECK_EQ(s.page_releases, growable ? 1u : 0u);
-  f->reset_peaks();
+  f.controls().reset_peaks();
   s = f->stats();
   CHECK_EQ(s.peak_bytes_in_use, s.bytes_in_use);
   CHECK_EQ(s.peak_bytes_reserved, s.bytes_reserved);
-  auto const desc = f->describe();
+  auto const desc = f.queries().describe();
   CHECK(desc.find("pool on device 0 holds 22.00 MiB in 2 segments") != std::string::npos);
   f->deallocate(b);
   f->deallocate(d);
@@ -1749,16 +1749,16 @@ TEST(ipc_handle_describes_the_segment)
   fixture f;
   auto const a = f->allocate(1000);
   auto const b = f->allocate(1000);
-  auto const info = f->ipc_handle(b + 10);
+  auto const info = f.sharing().ipc_handle(b + 10);
   REQUIRE(info.has_value());
   CHECK_EQ(info->segment_base, a);
   CHECK_EQ(info->segment_size, 2 * MiB);
   CHECK_EQ(info->offset, 1024u + 10u);
-  CHECK(!f->ipc_handle(0x1234).has_value());
+  CHECK(!f.sharing().ipc_handle(0x1234).has_value());
   f->deallocate(a);
   f->deallocate(b);
   f->synchronize();
-  CHECK(!f->ipc_handle(a).has_value());  // no live block in the segment
+  CHECK(!f.sharing().ipc_handle(a).has_value());  // no live block in the segment
 }
 
 TEST(a_held_block_is_never_reused_until_its_last_release)
@@ -1768,37 +1768,37 @@ TEST(a_held_block_is_never_reused_until_its_last_release)
   fixture f;
   lift_peak(f, 8 * big);  // misses grow: they wait for no fence
   auto const p = f->allocate(big, stream_a, alloc_tag::cupy);
-  CHECK_THROWS((void)f->hold(p + big), pool_error);  // past the block
-  CHECK_THROWS((void)f->hold(0x1234), pool_error);
-  CHECK_EQ(f->hold(p + 4096), p);  // inside it: the block's address
-  CHECK_EQ(f->hold(p), p);         // two holds
+  CHECK_THROWS((void)f.sharing().hold(p + big), pool_error);  // past the block
+  CHECK_THROWS((void)f.sharing().hold(0x1234), pool_error);
+  CHECK_EQ(f.sharing().hold(p + 4096), p);  // inside it: the block's address
+  CHECK_EQ(f.sharing().hold(p), p);         // two holds
   auto const in_use = f->stats().bytes_in_use;
   // The fast free (CuPy's and PyTorch's entry points try it first) leaves a held block to the
   // full one, which parks it.
   CHECK(!f->try_deallocate(p, stream_a, lib(alloc_tag::cupy)));
-  CHECK(f->owns(p));
+  CHECK(f.queries().owns(p));
   f->deallocate(p, stream_a);
-  CHECK(!f->owns(p));
+  CHECK(!f.queries().owns(p));
   CHECK_THROWS(f->deallocate(p, stream_a), pool_error);  // the pointer is no longer live
-  CHECK_THROWS((void)f->hold(p), pool_error);              // nor can be held again
+  CHECK_THROWS((void)f.sharing().hold(p), pool_error);              // nor can be held again
   CHECK_EQ(f->stats().bytes_in_use, in_use);  // still in use, by another process
   CHECK_EQ(f->stats().bytes_waiting, 0u);
-  CHECK_EQ(f->held_blocks(), 1u);
+  CHECK_EQ(f.sharing().held_blocks(), 1u);
   f.drv.complete_all_events();
   f->synchronize();
   auto const q = f->allocate(big, stream_a);  // not p, not even in stream order
   CHECK_NE(q, p);
-  f->release_hold(p);
-  CHECK_EQ(f->held_blocks(), 1u);  // one hold left
+  f.sharing().release_hold(p);
+  CHECK_EQ(f.sharing().held_blocks(), 1u);  // one hold left
   auto const r = f->allocate(big, stream_a);
   CHECK(r != p && r != q);
   CHECK_EQ(f->stats().bytes_in_use, 3 * big);  // p (held), q and r
-  f->release_hold(p);  // the last: the free settles, on its stream
-  CHECK_EQ(f->held_blocks(), 0u);
+  f.sharing().release_hold(p);  // the last: the free settles, on its stream
+  CHECK_EQ(f.sharing().held_blocks(), 0u);
   CHECK_EQ(f->stats().bytes_in_use, 2 * big);  // q and r: p is off the books
   CHECK_EQ(f->stats().bytes_waiting, big);
   CHECK_EQ(f->allocate(big, stream_a), p);  // stream order on the free's stream
-  f->release_hold(p);                       // a release the pool no longer knows: nothing
+  f.sharing().release_hold(p);                       // a release the pool no longer knows: nothing
   CHECK_EQ(consistency(f), "");
 }
 
@@ -1811,11 +1811,11 @@ TEST(a_held_block_freed_after_record_stream_waits_for_the_device)
   lift_peak(f, 8 * big);
   auto const side = f.drv.create_stream();
   auto const p    = f->allocate(big);
-  (void)f->hold(p);
+  (void)f.sharing().hold(p);
   f->record_stream(p, side);
   f->deallocate(p);
   f.drv.destroy_stream(side);
-  f->release_hold(p);
+  f.sharing().release_hold(p);
   CHECK_EQ(f->stats().bytes_waiting, big);
   auto const syncs = f.drv.stats().device_syncs;
   CHECK_NE(f->allocate(big), p);  // a miss: no device sync for a dormant free yet
@@ -1831,15 +1831,15 @@ TEST(a_reset_releases_every_hold)
   fixture f;
   auto const p = f->allocate(big);
   auto const q = f->allocate(big);
-  (void)f->hold(p);
-  (void)f->hold(q);
+  (void)f.sharing().hold(p);
+  (void)f.sharing().hold(q);
   f->deallocate(p);  // held and freed: settled by the reset
   auto const g0 = f->generation();
-  f->reset();
-  CHECK_EQ(f->held_blocks(), 0u);
+  f.controls().reset();
+  CHECK_EQ(f.sharing().held_blocks(), 0u);
   CHECK_EQ(f->stats().bytes_in_use, 0u);  // q was retired with its segment: counted out
-  f->release_hold(p);                     // the holders' late releases do nothing
-  f->release_hold(q);
+  f.sharing().release_hold(p);                     // the holders' late releases do nothing
+  f.sharing().release_hold(q);
   f->deallocate(q, legacy_stream, gen(g0));  // q's owner frees it into the retired segment
   CHECK_EQ(f->stats().bytes_in_use, 0u);
 }
@@ -1853,24 +1853,24 @@ TEST(live_extent_is_the_block_holding_a_pointer)
   auto const b = f->allocate(1000);
   auto const c = f->allocate(5000);
   using extent = std::pair<device_ptr, std::size_t>;
-  CHECK(f->live_extent(a) == extent(a, 1024));
-  CHECK(f->live_extent(b + 10) == extent(b, 1024));   // a view inside b
-  CHECK(f->live_extent(b + 1023) == extent(b, 1024));
-  CHECK(f->live_extent(b + 1024) != extent(b, 1024));  // one past its end: not b
-  CHECK(f->live_extent(c + 4999) == extent(c, 5120));
-  CHECK(!f->live_extent(0x1234).has_value());
+  CHECK(f.queries().live_extent(a) == extent(a, 1024));
+  CHECK(f.queries().live_extent(b + 10) == extent(b, 1024));   // a view inside b
+  CHECK(f.queries().live_extent(b + 1023) == extent(b, 1024));
+  CHECK(f.queries().live_extent(b + 1024) != extent(b, 1024));  // one past its end: not b
+  CHECK(f.queries().live_extent(c + 4999) == extent(c, 5120));
+  CHECK(!f.queries().live_extent(0x1234).has_value());
   f->deallocate(b);
-  CHECK(!f->live_extent(b + 10).has_value());  // pending: no array holds it
+  CHECK(!f.queries().live_extent(b + 10).has_value());  // pending: no array holds it
   f->synchronize();
-  CHECK(!f->live_extent(b).has_value());       // free
-  CHECK(f->live_extent(c + 1) == extent(c, 5120));
+  CHECK(!f.queries().live_extent(b).has_value());       // free
+  CHECK(f.queries().live_extent(c + 1) == extent(c, 5120));
   auto const big_block = f->allocate(big);  // a segment (page) of its own
-  CHECK(f->live_extent(big_block + big - 1) == extent(big_block, big));
+  CHECK(f.queries().live_extent(big_block + big - 1) == extent(big_block, big));
   f->deallocate(a);
   f->deallocate(c);
   f->deallocate(big_block);
   f->synchronize();
-  CHECK(!f->live_extent(a).has_value());  // no live block in the segment
+  CHECK(!f.queries().live_extent(a).has_value());  // no live block in the segment
   CHECK_EQ(consistency(f), "");
 }
 

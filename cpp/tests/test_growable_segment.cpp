@@ -376,14 +376,14 @@ TEST(growable_deferred_cleanup_unmaps_nothing)
     auto const b = f->allocate(8 * MiB);
     f->deallocate(a);
     f->synchronize();
-    f->defer_cleanup_begin();
+    f.controls().defer_cleanup_begin();
     auto const c = f->allocate(12 * MiB);  // a new peak, and then the cap: nothing unmapped
     CHECK_EQ(f->stats().page_unmaps, 0u);
     CHECK(f.drv.accessible(0, a, 8 * MiB));
     CHECK_EQ(consistency(f), "");
     CHECK_THROWS((void)f->allocate(12 * MiB), out_of_memory);  // the cap, cleanup deferred
     CHECK_EQ(f->stats().page_unmaps, 0u);
-    f->defer_cleanup_end();
+    f.controls().defer_cleanup_end();
     f->deallocate(b);
     f->deallocate(c);
     (void)f->trim();
@@ -568,7 +568,7 @@ TEST(growable_a_placed_request_whose_map_fails_leaves_its_block_whole)
   auto const a = free_block_with_pages_inside(f).first;
   auto const free_blocks = [&] {
     std::size_t n = 0;
-    for (auto const& blk : f->layout()) {
+    for (auto const& blk : f.queries().layout()) {
       n += blk.kind == segment_type::growable && blk.state == block_status::free ? 1 : 0;
     }
     return n;
@@ -712,14 +712,14 @@ TEST(growable_nothing_is_unmapped_or_released_during_a_capture)
   f->synchronize();
   f.drv.set_capacity(0, f.drv.stats().bytes_physical + 2 * page);
   auto const before = f.drv.stats();
-  f->capture_begin();
+  f.controls().capture_begin();
   CHECK_THROWS(f->allocate(40 * MiB), out_of_memory);
   auto const during = f.drv.stats();
   CHECK_EQ(during.creates, before.creates + 2);
   CHECK_EQ(during.unmaps, before.unmaps);
   CHECK_EQ(during.releases, before.releases);
   CHECK_EQ(consistency(f), "");
-  f->capture_end();
+  f.controls().capture_end();
   (void)f->trim();
   CHECK_EQ(f->stats().bytes_reserved, 0u);
   CHECK_EQ(consistency(f), "");
@@ -734,8 +734,8 @@ TEST(a_legacy_handle_opened_twice_is_closed_twice)
   fixture f{fixed};
   auto const a = f->allocate(3 * MiB);
   auto const b = f->allocate(3 * MiB);
-  auto const ha = f->ipc_handle(a);
-  auto const hb = f->ipc_handle(b);
+  auto const ha = f.sharing().ipc_handle(a);
+  auto const hb = f.sharing().ipc_handle(b);
   REQUIRE(ha.has_value() && hb.has_value());
   CHECK(ha->handle == hb->handle);
   ipc_imports imports{f.drv};
@@ -816,13 +816,13 @@ TEST(growable_blocks_of_every_library_share_pages_not_legacy_handles)
   fixture f;
   for (auto tag : {alloc_tag::numba, alloc_tag::cupy, alloc_tag::torch}) {
     auto const b = f->allocate(3 * MiB, legacy_stream, tag);
-    CHECK_THROWS((void)f->ipc_handle(b), pool_error);  // no legacy handle: share_pages()
-    CHECK_THROWS((void)f->ipc_handle(b + 1024), pool_error);
-    CHECK(f->share_pages(b).has_value());
+    CHECK_THROWS((void)f.sharing().ipc_handle(b), pool_error);  // no legacy handle: share_pages()
+    CHECK_THROWS((void)f.sharing().ipc_handle(b + 1024), pool_error);
+    CHECK(f.sharing().share_pages(b).has_value());
   }
   auto const small = f->allocate(4096, legacy_stream, alloc_tag::numba);  // small: fixed
-  CHECK(f->ipc_handle(small).has_value());
-  CHECK(!f->share_pages(small).has_value());
+  CHECK(f.sharing().ipc_handle(small).has_value());
+  CHECK(!f.sharing().share_pages(small).has_value());
   CHECK_EQ(consistency(f), "");
 }
 
@@ -835,14 +835,14 @@ TEST(growable_pages_not_aligned_to_their_size_share_from_the_reservations_base)
   auto const b = f->allocate(5 * MiB, legacy_stream, alloc_tag::cupy);  // [5, 10): page 0
   CHECK_EQ(b, a + 5 * MiB);
   CHECK(a % (20 * MiB) != 0);
-  auto const shared = f->share_pages(b + MiB);
+  auto const shared = f.sharing().share_pages(b + MiB);
   REQUIRE(shared.has_value());
   CHECK_EQ(shared->first_page, a);
   CHECK_EQ(shared->page_size, 20 * MiB);
   CHECK_EQ(shared->offset, 6 * MiB);
   CHECK_EQ(shared->block_size, 4 * MiB);
   CHECK_EQ(shared->fds.size(), 1u);
-  auto const first = f->share_pages(a);
+  auto const first = f.sharing().share_pages(a);
   REQUIRE(first.has_value());
   CHECK_EQ(first->offset, 0u);
   CHECK(first->fds == shared->fds);
@@ -857,15 +857,15 @@ TEST(growable_blocks_share_their_pages_and_an_import_outlives_nothing_of_the_sen
 {
   fixture f;
   auto const c = f->allocate(5 * MiB, legacy_stream, alloc_tag::cupy);  // pages 0, 1, 2
-  CHECK(!f->share_pages(f->allocate(4096, legacy_stream, alloc_tag::numba)));  // small: fixed
-  auto const shared = f->share_pages(c + MiB);
+  CHECK(!f.sharing().share_pages(f->allocate(4096, legacy_stream, alloc_tag::numba)));  // small: fixed
+  auto const shared = f.sharing().share_pages(c + MiB);
   REQUIRE(shared.has_value());
   CHECK_EQ(shared->first_page, c);
   CHECK_EQ(shared->page_size, page);
   CHECK_EQ(shared->offset, MiB);
   CHECK_EQ(shared->block_size, 4 * MiB);
   REQUIRE(shared->fds.size() == 3u);
-  auto const again = f->share_pages(c);  // a page is exported once: the same descriptors
+  auto const again = f.sharing().share_pages(c);  // a page is exported once: the same descriptors
   REQUIRE(again.has_value());
   CHECK(again->fds == shared->fds);
   CHECK_EQ(f.drv.stats().exports, 3u);
@@ -898,7 +898,7 @@ TEST(growable_exported_descriptors_hold_memory_until_the_pool_closes_them_with_t
   // close it when the page goes back, or the memory stays allocated with no one to free it.
   fixture f;
   auto const a = f->allocate(6 * MiB, legacy_stream, alloc_tag::cupy);  // three pages
-  auto const shared = f->share_pages(a);
+  auto const shared = f.sharing().share_pages(a);
   REQUIRE(shared.has_value() && shared->fds.size() == 3u);
   int const copy = ::dup(shared->fds[1]);  // what a receiver would hold, not imported yet
   REQUIRE(copy >= 0);
@@ -918,17 +918,17 @@ TEST(growable_shared_pages_are_duplicated_only_while_they_are_the_blocks)
 {
   fixture f;
   auto const a = f->allocate(6 * MiB, legacy_stream, alloc_tag::cupy);
-  auto const shared = f->share_pages(a);
+  auto const shared = f.sharing().share_pages(a);
   REQUIRE(shared.has_value());
-  auto const dups = f->duplicate_shared_pages(shared->first_page, page, shared->fds);
+  auto const dups = f.sharing().duplicate_shared_pages(shared->first_page, page, shared->fds);
   REQUIRE(dups.has_value() && dups->size() == 3u);
   for (int d : *dups) { ::close(d); }
   auto reversed = shared->fds;
   std::swap(reversed[0], reversed[2]);
-  CHECK(!f->duplicate_shared_pages(shared->first_page, page, reversed));
-  CHECK(!f->duplicate_shared_pages(shared->first_page + page, page, shared->fds));
-  CHECK(!f->duplicate_shared_pages(shared->first_page, 2 * page, shared->fds));
-  CHECK(!f->duplicate_shared_pages(shared->first_page, page, {}));
+  CHECK(!f.sharing().duplicate_shared_pages(shared->first_page, page, reversed));
+  CHECK(!f.sharing().duplicate_shared_pages(shared->first_page + page, page, shared->fds));
+  CHECK(!f.sharing().duplicate_shared_pages(shared->first_page, 2 * page, shared->fds));
+  CHECK(!f.sharing().duplicate_shared_pages(shared->first_page, page, {}));
   // No room for a second duplicate: the first is closed again, and the error says so.
   rlimit saved{};
   REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
@@ -936,14 +936,14 @@ TEST(growable_shared_pages_are_duplicated_only_while_they_are_the_blocks)
   tight.rlim_cur = static_cast<rlim_t>(detail::open_descriptors() + 1);
   REQUIRE(::setrlimit(RLIMIT_NOFILE, &tight) == 0);
   auto const open_before = detail::open_descriptors();
-  CHECK_THROWS((void)f->duplicate_shared_pages(shared->first_page, page, shared->fds),
+  CHECK_THROWS((void)f.sharing().duplicate_shared_pages(shared->first_page, page, shared->fds),
                pool_error);
   CHECK_EQ(detail::open_descriptors(), open_before);
   REQUIRE(::setrlimit(RLIMIT_NOFILE, &saved) == 0);
   f->deallocate(a);
   f->synchronize();
   (void)f->trim();  // the pages went: their descriptors no longer describe them
-  CHECK(!f->duplicate_shared_pages(shared->first_page, page, shared->fds));
+  CHECK(!f.sharing().duplicate_shared_pages(shared->first_page, page, shared->fds));
   CHECK_EQ(consistency(f), "");
 }
 
@@ -952,9 +952,9 @@ TEST(growable_an_export_that_fails_part_way_strands_nothing)
   fixture f;
   auto const a = f->allocate(6 * MiB, legacy_stream, alloc_tag::cupy);
   f.drv.fail_next_exports(1, 1);  // the second page's export fails
-  CHECK_THROWS((void)f->share_pages(a), cuda_error);
+  CHECK_THROWS((void)f.sharing().share_pages(a), cuda_error);
   CHECK_EQ(f.drv.stats().live_exports, 1u);  // the first page's: the pool's, kept with it
-  auto const again = f->share_pages(a);      // the first is exported once, the rest now
+  auto const again = f.sharing().share_pages(a);      // the first is exported once, the rest now
   REQUIRE(again.has_value() && again->fds.size() == 3u);
   CHECK_EQ(f.drv.stats().exports, 3u);  // one per page: the first kept from the failed try
   f->deallocate(a);
@@ -968,7 +968,7 @@ TEST(growable_an_import_that_fails_part_way_leaves_nothing_mapped_or_held)
 {
   fixture f;
   auto const a = f->allocate(6 * MiB, legacy_stream, alloc_tag::cupy);
-  auto const shared = f->share_pages(a);
+  auto const shared = f.sharing().share_pages(a);
   REQUIRE(shared.has_value());
   ipc_imports imports{f.drv};
   auto const before = f.drv.stats();
@@ -1011,7 +1011,7 @@ TEST(growable_a_claim_whose_room_cannot_be_made_is_given_back_whole)
   auto const a = f->allocate(2 * MiB);
   auto const free_blocks = [&] {
     std::size_t n = 0;
-    for (auto const& blk : f->layout()) {
+    for (auto const& blk : f.queries().layout()) {
       n += blk.kind == segment_type::growable && blk.state == block_status::free ? 1 : 0;
     }
     return n;
@@ -1033,7 +1033,7 @@ TEST(growable_reset_and_destruction_return_everything)
     fixture f;
     auto const a = f->allocate(5 * MiB);
     f->deallocate(a);
-    f->reset();  // nothing live: pages unmapped, reservation freed
+    f.controls().reset();  // nothing live: pages unmapped, reservation freed
     CHECK_EQ(f.drv.stats().live_mappings, 0u);
     CHECK_EQ(f.drv.stats().live_reservations, 0u);
     CHECK_EQ(f->stats().bytes_reserved, 0u);
@@ -1045,7 +1045,7 @@ TEST(growable_reset_and_destruction_return_everything)
     fixture f;
     auto const g0 = f->generation();
     auto const a  = f->allocate(5 * MiB);
-    f->reset();  // a is live: its segment is retired, its pages stay mapped
+    f.controls().reset();  // a is live: its segment is retired, its pages stay mapped
     CHECK(f.drv.accessible(0, a, 5 * MiB));
     CHECK_EQ(f->stats().bytes_reserved, 0u);
     f->deallocate(a, legacy_stream, gen(g0));

@@ -69,8 +69,8 @@ TEST(a_capture_makes_no_forbidden_call_and_the_end_catches_up)
   auto const q = f->allocate(big, stream_a);
   auto const r = f->allocate(1000, stream_a);
   f->deallocate(p);
-  f->capture_begin();
-  CHECK(f->capturing());
+  f.controls().capture_begin();
+  CHECK(f.controls().capturing());
   auto const before   = forbidden::of(f.drv);
   auto const reserved = f->stats().bytes_reserved;
   // Everything a capture may see: misses (the ladder would poll, wait and give back), frees
@@ -92,8 +92,8 @@ TEST(a_capture_makes_no_forbidden_call_and_the_end_catches_up)
   if (!(after == before)) { std::fprintf(stderr, "%s -> %s\n", show(before).c_str(), show(after).c_str()); }
   CHECK(f->stats().bytes_waiting > 0);
 
-  f->capture_end();
-  CHECK(!f->capturing());
+  f.controls().capture_end();
+  CHECK(!f.controls().capturing());
   CHECK(f.drv.stats().event_records > before.records);  // q's record_stream fence, now
   f->synchronize();
   CHECK_EQ(f->stats().bytes_waiting, 0u);
@@ -125,7 +125,7 @@ TEST_ONLY(a_capture_never_waits_for_frees_at_a_growable_new_peak, "")
     REQUIRE(y == x + big && z == y + big);
     f->deallocate(x, stream_a);
     f->deallocate(z, stream_a);
-    if (capturing) { f->capture_begin(); }
+    if (capturing) { f.controls().capture_begin(); }
     auto const before = forbidden::of(f.drv);
     auto const b      = f->allocate(2 * big, stream_a);  // past the peak of 3 pages
     auto const s      = f->stats();
@@ -139,7 +139,7 @@ TEST_ONLY(a_capture_never_waits_for_frees_at_a_growable_new_peak, "")
       CHECK_EQ(s.bytes_waiting, 2 * big);  // x and z wait still
       CHECK_EQ(b, z + big);                // two new pages past z
       CHECK_EQ(s.peak_bytes_reserved, 5 * big);
-      f->capture_end();
+      f.controls().capture_end();
     } else {
       CHECK_EQ(s.fence_waits, 1u);
       CHECK_EQ(s.bytes_waiting, 0u);
@@ -155,18 +155,18 @@ TEST_ONLY(a_capture_never_waits_for_frees_at_a_growable_new_peak, "")
 TEST(captures_nest_and_an_unmatched_end_is_refused)
 {
   fixture f;
-  CHECK_THROWS(f->capture_end(), pool_error);
-  f->capture_begin();
-  f->capture_begin();
+  CHECK_THROWS(f.controls().capture_end(), pool_error);
+  f.controls().capture_begin();
+  f.controls().capture_begin();
   auto const p = f->allocate(big);
   f->record_stream(p, stream_b);
   f->deallocate(p);
   auto const records = f.drv.stats().event_records;
-  f->capture_end();
-  CHECK(f->capturing());
+  f.controls().capture_end();
+  CHECK(f.controls().capturing());
   CHECK_EQ(f.drv.stats().event_records, records);  // still held: one capture remains
-  f->capture_end();
-  CHECK(!f->capturing());
+  f.controls().capture_end();
+  CHECK(!f.controls().capturing());
   CHECK(f.drv.stats().event_records > records);
   CHECK_EQ(f->trim(), big);
 }
@@ -177,15 +177,15 @@ TEST(reset_during_a_capture_is_refused_and_changes_nothing)
   // (and wait for every pending free): refused, the pool as it was, and usable after the end.
   fixture f;
   auto const p = f->allocate(big);
-  f->capture_begin();
+  f.controls().capture_begin();
   f->record_stream(p, stream_b);
   f->deallocate(p);
   auto const before = forbidden::of(f.drv);
-  CHECK_THROWS(f->reset(), pool_error);
+  CHECK_THROWS(f.controls().reset(), pool_error);
   CHECK(forbidden::of(f.drv) == before);
-  CHECK(f->capturing());
-  f->capture_end();
-  f->reset();
+  CHECK(f.controls().capturing());
+  f.controls().capture_end();
+  f.controls().reset();
   CHECK_EQ(f->stats().bytes_in_use, 0u);
   CHECK_EQ(f.drv.stats().bytes_reserved, 0u);
   CHECK_EQ(f.drv.stats().bytes_physical, 0u);
@@ -199,12 +199,12 @@ TEST(out_of_memory_during_a_capture_waits_for_nothing)
   auto const p = f->allocate(big);
   auto const q = f->allocate(big);
   f->deallocate(p);
-  f->capture_begin();
+  f.controls().capture_begin();
   auto const before = forbidden::of(f.drv);
   // Outside a capture the ladder would wait for p's fence and reuse it; during one it may not.
   CHECK_THROWS(f->allocate(big), out_of_memory);
   CHECK(forbidden::of(f.drv) == before);
-  f->capture_end();
+  f.controls().capture_end();
   CHECK_EQ(f->allocate(big), p);  // the ladder waits for p now
   f->deallocate(q);
 }
@@ -214,23 +214,23 @@ TEST(out_of_memory_during_a_capture_waits_for_nothing)
 TEST(the_cap_changes_at_run_time)
 {
   fixture f;
-  CHECK_EQ(f->maximum_size(), std::numeric_limits<std::size_t>::max());
+  CHECK_EQ(f.controls().maximum_size(), std::numeric_limits<std::size_t>::max());
   auto const p = f->allocate(big);
   auto const q = f->allocate(big);
   f->deallocate(q);  // waiting for its fence: waited for, then given back
-  f->set_maximum_size(big + MiB);
-  CHECK_EQ(f->maximum_size(), big + MiB);
+  f.controls().set_maximum_size(big + MiB);
+  CHECK_EQ(f.controls().maximum_size(), big + MiB);
   CHECK_EQ(f->stats().bytes_reserved, big);
   // Neither a 2 MiB segment nor a page (p fills its page) fits beside p.
   CHECK_THROWS(f->allocate(2 * MiB), out_of_memory);
   try {
-    f->set_maximum_size(big / 2);
+    f.controls().set_maximum_size(big / 2);
     CHECK(false);
   } catch (pool_error const& e) {
     CHECK(std::string{e.what()}.find("is in use") != std::string::npos);
   }
-  CHECK_EQ(f->maximum_size(), big + MiB);  // a refused cap leaves the old one
-  f->set_maximum_size(0);  // no cap
+  CHECK_EQ(f.controls().maximum_size(), big + MiB);  // a refused cap leaves the old one
+  f.controls().set_maximum_size(0);  // no cap
   auto const r = f->allocate(2 * MiB);
   f->deallocate(r);
   f->deallocate(p);
@@ -243,7 +243,7 @@ TEST(a_lower_cap_keeps_segments_with_live_blocks)
   auto const a = f->allocate(1000);  // a small segment (2 MiB), live
   auto const b = f->allocate(big);
   f->deallocate(b);
-  f->set_maximum_size(4 * MiB);  // b's segment goes; a's stays
+  f.controls().set_maximum_size(4 * MiB);  // b's segment goes; a's stays
   CHECK_EQ(f->stats().bytes_reserved, 2 * MiB);
   f->deallocate(a);
 }
@@ -257,14 +257,14 @@ TEST(another_allocators_bytes_count_against_the_cap)
   auto const q = f->allocate(big);
   f->deallocate(q);  // a wholly free segment, waiting for its fence
   // Room is made by giving q's segment back; past what that frees, nothing is counted.
-  CHECK(!f->reserve_outside(static_cast<std::ptrdiff_t>(2 * big + MiB)));
-  CHECK_EQ(f->reserved_outside(), std::size_t{0});
-  CHECK(f->reserve_outside(static_cast<std::ptrdiff_t>(2 * big)));
-  CHECK_EQ(f->reserved_outside(), 2 * big);
+  CHECK(!f.controls().reserve_outside(static_cast<std::ptrdiff_t>(2 * big + MiB)));
+  CHECK_EQ(f.controls().reserved_outside(), std::size_t{0});
+  CHECK(f.controls().reserve_outside(static_cast<std::ptrdiff_t>(2 * big)));
+  CHECK_EQ(f.controls().reserved_outside(), 2 * big);
   CHECK_EQ(f->stats().bytes_reserved, big);  // q's segment went back
   CHECK_THROWS(f->allocate(big), out_of_memory);  // the pool may not grow into them
   try {
-    f->set_maximum_size(2 * big);  // p and the other allocator's bytes are more
+    f.controls().set_maximum_size(2 * big);  // p and the other allocator's bytes are more
     CHECK(false);
   } catch (pool_error const& e) {
     CHECK(std::string{e.what()}.find("another allocator") != std::string::npos);
@@ -275,8 +275,8 @@ TEST(another_allocators_bytes_count_against_the_cap)
   } catch (out_of_memory const& e) {
     CHECK(std::string{e.what()}.find("reserved by another allocator") != std::string::npos);
   }
-  CHECK(f->reserve_outside(-static_cast<std::ptrdiff_t>(2 * big)));
-  CHECK_EQ(f->reserved_outside(), std::size_t{0});
+  CHECK(f.controls().reserve_outside(-static_cast<std::ptrdiff_t>(2 * big)));
+  CHECK_EQ(f.controls().reserved_outside(), std::size_t{0});
   auto const r = f->allocate(big);
   f->deallocate(r);
   f->deallocate(p);
@@ -293,7 +293,7 @@ TEST(the_layout_tiles_every_segment_and_names_each_block)
   auto const c = f->allocate(big, stream_b, alloc_tag::cupy);
   f->deallocate(b);  // pending: waits for its fence
   auto const c_kind = test::growable_run() ? segment_type::growable : segment_type::large;
-  auto const rows   = f->layout();
+  auto const rows   = f.queries().layout();
   std::size_t covered = 0, covered_fixed = 0;
   std::size_t segments = 0;
   device_ptr expect = 0;
@@ -359,7 +359,7 @@ TEST(segment_events_record_what_the_driver_gave_and_took_back)
     for (int i = 0; i < k.fill; ++i) {  // before: not recorded
       a.push_back(f->allocate(k.n, stream_a, alloc_tag::cupy));
     }
-    f->set_segment_events(true);
+    f.observers().set_segment_events(true);
     for (int i = 0; i < k.fill; ++i) {  // a segment of their own
       b.push_back(f->allocate(k.n, stream_a, alloc_tag::torch));
     }
@@ -367,7 +367,7 @@ TEST(segment_events_record_what_the_driver_gave_and_took_back)
     for (auto p : b) { f->deallocate(p, stream_a); }
     f.drv.complete_all_events();
     CHECK_EQ(f->trim(), 2 * k.segment_size);
-    auto const events = f->take_segment_events();
+    auto const events = f.observers().take_segment_events();
     REQUIRE(events.size() == 3u);
     CHECK(events[0].what == segment_event::kind::made && events[0].address == b[0] &&
           events[0].size == k.segment_size &&
@@ -380,11 +380,11 @@ TEST(segment_events_record_what_the_driver_gave_and_took_back)
     }
     CHECK((events[1].address == a[0] && events[2].address == b[0]) ||
           (events[1].address == b[0] && events[2].address == a[0]));
-    CHECK(f->take_segment_events().empty());  // taken
-    f->set_segment_events(false);
+    CHECK(f.observers().take_segment_events().empty());  // taken
+    f.observers().set_segment_events(false);
     (void)f->allocate(k.n);
     (void)f->allocate(big);  // pages on the growable run: not recorded either
-    CHECK(f->take_segment_events().empty());  // off: nothing kept
+    CHECK(f.observers().take_segment_events().empty());  // off: nothing kept
   }
 }
 
@@ -395,13 +395,13 @@ TEST_ONLY(segment_events_record_the_pages_a_growable_segment_maps_and_unmaps, ""
   o.segments = segment_kind::growable;
   fixture f{o};
   REQUIRE(f->growable());
-  f->set_segment_events(true);
+  f.observers().set_segment_events(true);
   auto const p = f->allocate(big, stream_a, alloc_tag::torch);
   f->deallocate(p, stream_a);
   f.drv.complete_all_events();
   (void)f->trim();
   std::size_t mapped = 0, unmapped = 0;
-  for (auto const& e : f->take_segment_events()) {
+  for (auto const& e : f.observers().take_segment_events()) {
     CHECK(e.type == segment_type::growable);
     if (e.what == segment_event::kind::mapped) {
       mapped += e.size;

@@ -47,7 +47,7 @@ TEST(a_freed_block_serves_its_pool_on_its_stream_only)
 {
   world w;
   w.pools.begin(0, graph);
-  CHECK(w.pools.active() && w.f->capturing());
+  CHECK(w.pools.active() && w.f.controls().capturing());
   auto const p = w.allocate(graph, MiB);
   CHECK(w.pools.owns(p) && w.pools.device_of(p) == 0);
   w.pools.free(p);
@@ -58,7 +58,7 @@ TEST(a_freed_block_serves_its_pool_on_its_stream_only)
   CHECK(!w.pools.take(graph, MiB / 4, stream_a));      // more than twice the request
   CHECK(w.pools.take(graph, MiB - 512, stream_a) == p);  // a near fit, whole
   w.pools.end(0, graph);
-  CHECK(!w.pools.active() && !w.f->capturing());
+  CHECK(!w.pools.active() && !w.f.controls().capturing());
   CHECK_EQ(w.pools.use_count(graph), 1);
 }
 
@@ -68,9 +68,9 @@ TEST(begin_twice_is_refused_and_an_end_without_begin_does_nothing)
   w.pools.begin(0, graph);
   CHECK_THROWS(w.pools.begin(0, graph), pool_error);
   w.pools.end(0, mempool);  // never begun: nothing, and the capture goes on
-  CHECK(w.f->capturing());
+  CHECK(w.f.controls().capturing());
   w.pools.end(0, graph);
-  CHECK(!w.f->capturing());
+  CHECK(!w.f.controls().capturing());
   CHECK_THROWS(w.pools.set_use_on_oom(private_pool_id{7, 7}, true), pool_error);
 }
 

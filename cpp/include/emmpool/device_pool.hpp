@@ -7,22 +7,28 @@
  * by best fit, splitting blocks and coalescing neighbours on return (detail/free_list.hpp).
  * Freed blocks come back to the free lists only once the reuse rule allows (reuse_rule.hpp).
  *
+ * Its public members are what a caller needs to allocate and free. What else a caller asks of
+ * a pool goes through a view of its own, made over the pool where it is needed, each in its
+ * own header: pool_controls.hpp (the cap, captures, deferred cleanup, reset), pool_queries.hpp
+ * (which block holds an address, the layout), pool_sharing.hpp (IPC handles, pages, holds),
+ * pool_observers.hpp (traces, segment events).
+ *
  * This class is the only code that moves a block between allocated, pending and free. It calls
  * the layers below it one way, each with one job:
  *   detail/stream_key.hpp      how the stream of a request or a free is named
  *   detail/stream_lanes.hpp    the blocks that wait for their fence (the fence queue's batches)
  *                              and stream order over them: pend, merge, join, take, poll
  *   detail/free_list.hpp       best fit, split and coalesce of the blocks free now
- *   detail/growable_space.hpp  the growable segment and its pages
+ *   detail/growable_space.hpp  the growable segment and its pages (detail/page_policy.hpp:
+ *                              when it maps, keeps, moves and gives back)
  *   detail/segment_index.hpp   segments and live blocks by address, and the questions asked of
  *                              them (owns, live_extent, ipc, layout)
+ *   detail/pool_ledger.hpp     what it holds from the driver: reserved, peak, segments, pages
  *   detail/pool_cap.hpp        the cap, and what another allocator reserves against it
  *   pool_options.hpp           how big a segment to make (segment_size: the growth policy)
  *   detail/capture_mode.hpp    deferred cleanup and CUDA graph captures: what may not be done
  *   detail/retired_segments.hpp  what outlives a reset
- * Where each job is done: device_pool.cpp (an allocation's ladder, a free, statistics),
- * pool_growth.cpp (growing and giving memory back), pool_controls.cpp (trim, the cap,
- * captures, reset, IPC and the layout).
+ * Its bodies are in device_pool.cpp: an allocation's ladder, growth, a free, statistics.
  *
  * In passthrough mode every allocation is its own segment, released to the driver once its
  * fence has completed: the mode for compute-sanitizer and for code that assumes one allocation
@@ -175,131 +181,22 @@ class device_pool : private detail::pool_lifecycle {
   /// event on it. @throws pool_error
   void record_stream(device_ptr ptr, stream_handle stream);
 
-  // ---- what the pool holds (detail/segment_index.hpp) -----------------------------------------
+  // ---- giving memory back ---------------------------------------------------------------------
 
-  /// @brief Whether ptr is a live block of this pool (the start of one).
-  [[nodiscard]] bool owns(device_ptr ptr) const;
-
-  /// @brief The live block containing ptr (which may point inside it), as {address, size};
-  /// std::nullopt if no live block of this pool holds ptr. What "the allocation" of an array
-  /// is for a caller that asks the driver (Numba's device_extents: cuMemGetAddressRange would
-  /// answer with the whole segment, which other arrays share).
-  [[nodiscard]] std::optional<std::pair<device_ptr, std::size_t>> live_extent(device_ptr ptr) const;
-
-  /// @brief IPC description of the block containing ptr (which may point inside it);
-  /// std::nullopt if the pool did not allocate it. A segment is never released to the driver
-  /// while a block in it is live, exported or not.
-  /// @throws pool_error for a block of a growable segment (cuIpcGetMemHandle cannot export
-  /// VMM memory: share_pages() shares it)
-  [[nodiscard]] std::optional<ipc_info> ipc_handle(device_ptr ptr);
-
-  /// @brief For a live block of the growable segment holding ptr (which may point inside it):
-  /// the pages under it, as another process maps them (their file descriptors: see
-  /// shared_pages); std::nullopt if no live growable block holds ptr (a fixed block's is
-  /// ipc_handle()'s). The block's pages stay while it is live, exported or not.
-  /// @throws cuda_error where the driver cannot export them
-  [[nodiscard]] std::optional<shared_pages> share_pages(device_ptr ptr);
-
-  /// @brief Duplicates of the descriptors share_pages() gave for the pages from `first_page`
-  /// on (the sending process's numbers, `fds`), for another process that asks for them (the
-  /// IPC service); std::nullopt where they no longer describe the pages mapped there (the
-  /// block was freed since). The caller owns and closes them. @throws pool_error
-  [[nodiscard]] std::optional<std::vector<int>> duplicate_shared_pages(device_ptr first_page,
-                                                                       std::size_t page_size,
-                                                                       std::vector<int> const& fds);
-
-  /// @brief Keep the live block holding ptr (which may point inside it) from being handed out
-  /// again until as many release_hold() as hold(): memory another process may still read or
-  /// write (an export). Its free while held is taken (the caller's pointer is no longer live,
-  /// a second free is an error) but waits, its bytes still in use, for the last release; then
-  /// it is fenced as any free. A reset() releases every hold.
-  /// @return the block's address, which release_hold() takes
-  /// @throws pool_error if no live block of this pool holds ptr
-  [[nodiscard]] device_ptr hold(device_ptr ptr);
-  /// @brief Undo one hold() of the block at `block`; the last one of a block freed meanwhile
-  /// settles its free. Nothing for a block the pool no longer holds (a reset released it, or
-  /// a forked child's copy of the pool).
-  void release_hold(device_ptr block);
-  /// @brief Blocks held now (hold()), freed or not.
-  [[nodiscard]] std::size_t held_blocks() const;
-
-  /// @brief Every block of every segment, in address order (a memory snapshot). A growable
-  /// segment counts only its mapped pages in reserved; its free blocks are reported whole.
-  [[nodiscard]] std::vector<layout_block> layout() const;
-
-  /// @brief Whether requests above small_request use a growable segment: asked for in the
-  /// options and supported by the driver and device.
-  [[nodiscard]] bool growable() const noexcept { return growable_.enabled(); }
-
-  // ---- giving memory back, and when not to (pool_controls.cpp) -------------------------------
-
-  /// @brief Release wholly free segments to the driver (unless cleanup is deferred).
-  /// @return bytes released
+  /// @brief Release wholly free segments and pages to the driver (unless cleanup is deferred:
+  /// pool_controls), after waiting for every pending free. @return bytes released
   std::size_t trim();
 
   /// @brief Wait for every pending free and make those blocks reusable.
   void synchronize();
 
-  /// @brief The context is about to be reset: wait for pending frees, release everything free,
-  /// retire segments that still hold live blocks (never reused, freed when empty, and only if
-  /// the driver still knows them), and drop cached events.
-  /// @throws pool_error while a CUDA graph is captured on the device (capture_begin() without
-  /// its capture_end()): waiting for frees would synchronize inside the capture
-  void reset();
-
-  /// @brief While deferred (calls nest), nothing is returned to the driver; blocks still flow
-  /// back into the pool.
-  void defer_cleanup_begin();
-  void defer_cleanup_end();
-
-  /// @brief A CUDA graph may be captured on this device until the matching capture_end()
-  /// (PyTorch's private pools say when; calls nest). Meanwhile the pool makes no CUDA call that
-  /// a capture forbids or would record into the graph (detail/capture_mode.hpp). Frees still
-  /// return blocks to their stream's order; those with a record_stream fence wait, unfenced,
-  /// until the last capture_end(); what waits for a fence waits until then too. Growth still
-  /// asks the driver: a capturing thread relaxes its capture mode around its own calls.
-  void capture_begin();
-  /// @throws pool_error without a matching capture_begin()
-  void capture_end();
-  [[nodiscard]] bool capturing() const;
-
-  // ---- the cap (detail/pool_cap.hpp) ----------------------------------------------------------
-
-  /// @brief Change the cap on bytes reserved (what maximum_size set; 0: none but the device's
-  /// memory). Wholly free segments go back to the driver until reserved fits, if they can;
-  /// otherwise the cap only stops growth. Frees waiting for their fence are waited for first
-  /// (not during a capture). @throws pool_error if more than `bytes` is still in use
-  void set_maximum_size(std::size_t bytes);
-  /// @brief The cap on bytes reserved (SIZE_MAX: none).
-  [[nodiscard]] std::size_t maximum_size() const;
-
-  /// @brief Bytes that another allocator reserves for this pool's clients on the device (a
-  /// PyTorch MemPool made with its own allocator) change by `delta`: they count against the cap
-  /// as the pool's own segments do, so that the device keeps one budget. An increase that
-  /// would pass the cap first gives wholly free segments back (not during a capture or a
-  /// deferral). @returns false, counting nothing, if the increase still does not fit
-  [[nodiscard]] bool reserve_outside(std::ptrdiff_t delta);
-  /// @brief What reserve_outside() counts now.
-  [[nodiscard]] std::size_t reserved_outside() const;
-
-  // ---- statistics, traces, events -------------------------------------------------------------
-
-  /// @brief Start or stop recording allocations and frees (off: one branch per call).
-  void set_tracing(bool on);
-  /// @brief The records since the last call, oldest first; the trace keeps running.
-  [[nodiscard]] std::vector<trace_record> take_trace();
-
-  /// @brief Start or stop recording segment events: segments made and released, pages of the
-  /// growable segment mapped and unmapped (a memory history's segment actions).
-  void set_segment_events(bool on);
-  /// @brief The oldest events not taken yet, at most `max` (the log keeps at most
-  /// detail::segment_log::kept between takes).
-  [[nodiscard]] std::vector<segment_event> take_segment_events(std::size_t max = SIZE_MAX);
+  // ---- what it holds --------------------------------------------------------------------------
 
   [[nodiscard]] pool_stats stats() const;
-  void reset_peaks();
-  /// @brief A one-line description of what the pool holds, for error messages.
-  [[nodiscard]] std::string describe() const;
+
+  /// @brief Whether requests above small_request use a growable segment: asked for in the
+  /// options and supported by the driver and device.
+  [[nodiscard]] bool growable() const noexcept { return growable_.enabled(); }
 
   /// @brief Whether this is a copy of the pool in a forked child (see above).
   using pool_lifecycle::forked;
@@ -308,6 +205,13 @@ class device_pool : private detail::pool_lifecycle {
   [[nodiscard]] pool_options const& options() const noexcept { return options_; }
 
  private:
+  // The pool's other faces, each a view made where it is needed, over this state and lock
+  // (their headers say what each is for); the pool never calls them.
+  friend class pool_controls;
+  friend class pool_queries;
+  friend class pool_sharing;
+  friend class pool_observers;
+
   using block      = detail::block;
   using segment    = detail::segment;
   using stream_ref = detail::stream_ref;
@@ -374,7 +278,6 @@ class device_pool : private detail::pool_lifecycle {
   void settle_released();                   // released_: into the free lists
   void release_block(block* blk);           // every fence done: into the free lists
   void maintain(stream_ref alive);
-  void release_holds();  // reset(): every hold goes, the held blocks freed meanwhile settle
   // Wait for every pending free, or `only` that stream's (stream_lanes::drain).
   void drain(std::optional<stream_ref> only = std::nullopt);
   void settle_held_for_capture();  // what capture_mode held, fenced now
@@ -398,14 +301,16 @@ class device_pool : private detail::pool_lifecycle {
   detail::trace_log trace_;
   detail::segment_log segment_log_;
   std::vector<block*> released_;  // what the fences reported complete, until settled
-  // Held blocks (hold()), by address: how many holds, and the key of a free that came while
-  // held (none: not freed yet).
+  // Held blocks (pool_sharing::hold), by address: how many holds, and the key of a free that
+  // came while held (none: not freed yet).
   struct hold_state {
     block* blk{};
     std::size_t count{};
     std::optional<stream_ref> freed_on;
   };
   std::map<device_ptr, hold_state> holds_;
+  void settle_unheld(hold_state const& h);  // its last hold went: a free that came settles
+  void release_holds();                      // a reset: every hold goes
   detail::capture_mode capture_;
   // Last: the members above keep the layout (cache lines) of fixed segments' hot path.
   detail::growable_space growable_{*driver_, device_, blocks_, ledger_, cap_, segment_log_};
