@@ -189,8 +189,8 @@ std::size_t fence_queue::release_completed(std::vector<fenced_block>& done)
 void fence_queue::poll(stream_ref alive, std::vector<fenced_block>& done)
 {
   // The fences recorded before are asked first, the new ones recorded after: an event just
-  // recorded has not completed yet on a GPU (about 0.4 us from record to completion on an idle
-  // H200, longer than a whole miss), so asking it at once is a driver call for nothing (one
+  // recorded has not completed yet on a GPU (from record to completion takes longer than a
+  // whole miss, even on an idle one), so asking it at once is a driver call for nothing (one
   // per miss: fence_queries). Only when none of the earlier ones had completed is the new one
   // asked at once too: an idle GPU (and the host driver) may have completed it, and a block
   // it hands back beats a new segment.

@@ -44,25 +44,15 @@ struct pool_options {
   bool trace{false};                    ///< record every allocation and free (set_tracing)
   bool segment_events{false};           ///< record segment events (set_segment_events)
   segment_kind segments{segment_kind::growable};  ///< see segment_kind
-  std::size_t growable_reserve{0};      ///< address space of a growable segment; 0: the
-                                        ///< device's memory (at most the cap)
-  std::size_t growable_room{20u << 20};  ///< growth maps up to this much of the free block
-                                         ///< it carves (room for the next requests); 0: only
-                                         ///< the pages the request needs
-  /// Mapped bytes that free blocks of the growable segment keep. Beyond, a request that lacks
-  /// pages moves free pages under its block first (the largest free blocks', from the top
-  /// down: detail/growable_space.hpp). Freed pages otherwise stay mapped and are reused, as
-  /// PyTorch's expandable segments keep theirs. trim(), the cap and the out-of-memory ladder
-  /// unmap every wholly free page.
-  std::size_t growable_free_limit{std::size_t{64} << 20};
-  /// The growable segment's page: what one cuMemCreate + cuMemMap serves (each a driver call
-  /// that costs tens of microseconds). 0: the driver's granularity (2 MiB); else rounded up to
-  /// a multiple of it. Larger pages mean fewer driver calls per growth and coarser returns: a
-  /// page goes back only once no live block lies on it. 20 MiB, PyTorch's large segment: on
-  /// programs that mix libraries, about no driver call per step after warm-up (2 MiB pages
-  /// move tens per step, each tens of microseconds), for 10-15% more memory than 2 MiB on a
-  /// churn of random sizes (benchmarks/replay.py).
-  std::size_t growable_page_size{default_growable_page_size};
+  // The growable segment's policy (detail/page_policy.hpp says what each does and why):
+  std::size_t growable_reserve{0};      ///< its address space; 0: the device's memory (at most
+                                        ///< the cap)
+  std::size_t growable_room{20u << 20};  ///< what a map covers of the free block it carves
+                                         ///< beyond the request; 0: the request's pages only
+  std::size_t growable_free_limit{std::size_t{64} << 20};  ///< mapped bytes free blocks keep
+                                                           ///< before pages move
+  std::size_t growable_page_size{default_growable_page_size};  ///< its page; 0: the driver's
+                                                               ///< granularity
 
   /// @brief Check that the options are consistent (the device's own limits aside).
   /// @throws std::invalid_argument saying which is not

@@ -120,8 +120,8 @@ namespace emmpool::reuse_rule {
 /// A block freed on a stream goes back to that stream's request whole if it is at most this
 /// fraction larger (1/8), else its front is cut off: cutting a sliver that the stream's next
 /// free merges back would cost a split and a merge per pair in a loop that frees and
-/// allocates one size next to a smaller pending block (bench_core's stream-ordered 64 KiB
-/// pair costs about 1.5x as much when every excess is cut).
+/// allocates one size next to a smaller pending block (bench_core's stream-ordered pairs
+/// measure it).
 [[nodiscard]] constexpr bool near_fit(std::size_t have, std::size_t size) noexcept
 {
   return have - size <= size / 8;

@@ -9,7 +9,7 @@
  *   up to a multiple of it (20 MiB by default, PyTorch's large segment): what one cuMemCreate +
  *   cuMemMap serves. Larger pages mean fewer driver calls per growth and coarser returns (a page
  *   goes back only once no live block lies on it): on programs that mix libraries, about no
- *   driver call per step after warm-up, where 2 MiB pages move tens of pages per step, for more
+ *   driver call per step after warm-up, where 2 MiB pages move many pages per step, for more
  *   memory on a churn of random sizes (benchmarks/replay.py; docs/limits.md has the figures).
  * - Reservation: the address space of the device's memory (at most the cap), so that growth
  *   never runs out of addresses before memory; growable_reserve where set. Never more than the
@@ -26,10 +26,9 @@
  *   stream that could cover them wait for their fence are not mapped: the request waits for that
  *   stream's frees first (a step of the out-of-memory ladder, device_pool.cpp). Else a program
  *   whose frees run ahead of the GPU (PyTorch's, CuPy's) makes again, in pages that stay, the
- *   memory in flight: on the mixed programs' traces with frees completing 2 ms late the peak
- *   grew 10-25% over what the same pool reaches when they complete at once. Its own stream's
- *   only: what it asks for next runs after its earlier work anyway, so the wait costs the CPU's
- *   lead, never another stream's concurrency.
+ *   memory in flight (docs/design.md, growable segments, has what replays of the mixed
+ *   programs' traces measured). Its own stream's only: what it asks for next runs after its
+ *   earlier work anyway, so the wait costs the CPU's lead, never another stream's concurrency.
  * - Giving back: trim, the cap and the out-of-memory ladder unmap every wholly free page. A new
  *   peak of either kind of memory gives the other kind's back no more: the fixed segments serve
  *   small requests, the growable one the rest, and a program that mixes them would unmap and
