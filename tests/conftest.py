@@ -144,11 +144,12 @@ def installed_or_skip(name: str):
 
 
 def needs_package(package) -> str:
-    """The skip reason for a test of a package that provides Numba's CUDA target."""
-    install = f"pip install 'emmpool[{package.extra}]'"
-    if package.name == "numba-cuda-mlir":
-        install += f" (the {package.extra} extra needs Python >= 3.11)"
-    return needs(package.name, install)
+    """The skip reason for a test of a package that provides Numba's CUDA target: how to
+    install it, where it can be installed on this Python."""
+    if package.name == "numba-cuda-mlir" and sys.version_info < (3, 11):
+        return needs(package.name, f"it needs Python 3.11 or newer (this is "
+                                   f"{sys.version_info.major}.{sys.version_info.minor})")
+    return needs(package.name, f"pip install 'emmpool[{package.extra}]'")
 
 
 @pytest.fixture(params=["numba-cuda",

@@ -1,5 +1,5 @@
 """The command line and bad input: one line on stderr and exit status 2, never a traceback;
-``info`` says every bad setting and exits 1 (no GPU needed)."""
+``info`` says every bad setting and exits 1, a missing driver in a line (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_a_warning_is_one_line_and_the_command_goes_on(tmp_path):
      (["replay", "t.csv", "--backends", ","], "argument --backends: expected at least one"),
      (["bench", "--budget", "0"], "argument --budget: expected a number of seconds > 0"),
      (["bench", "--budget", "nan"], "argument --budget: expected a number of seconds > 0"),
-     ([], "the following arguments are required: command")],
+     ([], "the following arguments are required: COMMAND")],
 )
 def test_usage_errors_are_argparses(args, message):
     p = run_cli(*args, env=environment())
@@ -175,8 +175,10 @@ def test_info_says_every_bad_value_and_exits_1():
         "  error: EMMPOOL_TORCH_ALLOCATOR"], p.stdout
     assert "  error: EMMPOOL_TORCH_ALLOCATOR='fast': expected 'auto' or 'extension' or 'pluggable'" \
         in errors
+    unwrapped = p.stdout.replace("\n    ", " ")  # lines wrapped at 100 columns, joined
     assert ("  warning: EMMPOOL_MAXIMUM_POOLSIZE is not an emmpool variable and has no effect: "
-            "did you mean EMMPOOL_MAXIMUM_POOL_SIZE?") in p.stdout.splitlines()
+            "did you mean EMMPOOL_MAXIMUM_POOL_SIZE?") in unwrapped.splitlines()
+    assert max(len(line) for line in p.stdout.splitlines()) <= 100, p.stdout
     rows = {line.split()[0]: line for line in p.stdout.splitlines() if line.startswith("  ")}
     assert rows["mode"].endswith("from EMMPOOL_MODE='bogus'") and " invalid " in rows["mode"]
     assert rows["torch_allocator"].endswith("from EMMPOOL_TORCH_ALLOCATOR='fast'")
@@ -226,3 +228,28 @@ def test_info_says_a_numba_release_out_of_the_tested_range(fresh_config, monkeyp
     assert lines["numba-cuda"].endswith("0.31.0  (untested: emmpool is tested with 0.30.x)")
     assert lines["numba-cuda-mlir"].endswith("0.5.2  (too old: emmpool needs 0.6.0 or later)")
     assert status == 0
+
+
+def test_info_shows_the_page_the_pool_will_use(fresh_config, monkeypatch):
+    monkeypatch.setattr(_info, "_granularity", lambda: 2 << 20)  # the driver's pages: 2 MiB
+    monkeypatch.setenv("EMMPOOL_GROWABLE_PAGE_SIZE", "3MiB")
+    status, out = report()
+    assert status == 0
+    assert re.search(r"^  growable_page_size +4 MiB \(3 MiB rounded to 2 MiB pages\) +"
+                     r"from EMMPOOL_GROWABLE_PAGE_SIZE='3MiB'$", out, re.M), out
+    monkeypatch.setenv("EMMPOOL_GROWABLE_PAGE_SIZE", "0")
+    assert re.search(r"^  growable_page_size +2 MiB \(the driver's granularity\) ", report()[1],
+                     re.M)
+
+
+def test_replay_says_each_reason_a_backend_was_skipped_once(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text(ONE_ALLOCATION)
+    p = run_cli("replay", str(path), "--backends", "emmpool", "emmpool-fixed", "emmpool-host",
+                env=environment(CUDA_VISIBLE_DEVICES=""))  # no device, driver or not
+    assert p.returncode == 0, p.stderr
+    rows = [line for line in p.stdout.splitlines() if line.startswith("| emmpool")]
+    assert rows[0] == rows[1].replace("emmpool-fixed", "emmpool") == "| emmpool | skipped (1) | | | |"
+    notes = [line for line in p.stdout.splitlines() if line.startswith("(1) ")]
+    assert len(notes) == 1 and "CUDA" in notes[0], p.stdout
+    assert p.stdout.count(notes[0][4:]) == 1

@@ -172,7 +172,7 @@ def test_every_variable_has_its_lower_case_twin():
     assert {f"EMMPOOL_{name.upper()}" for name in _config._OPTIONS
             if name != "maximum_pool_fraction"} == set(_config.VARIABLES) - {_config._BUILD_HEADERS}
     assert set(_config._OPTIONS) - {"maximum_pool_fraction"} == {
-        f.name for f in fields(emmpool.Config)} - {"maximum_pool_fraction"}
+        f.name for f in fields(emmpool.Config)}
 
 
 def test_maximum_pool_fraction_is_maximum_pool_size_given_a_fraction():
@@ -181,7 +181,9 @@ def test_maximum_pool_fraction_is_maximum_pool_size_given_a_fraction():
         cfg = emmpool.configure(maximum_pool_fraction="25%")
     assert record[0].filename == __file__  # the caller's line
     assert cfg == emmpool.configure(maximum_pool_size="25%")
-    assert (cfg.maximum_pool_size, cfg.maximum_pool_fraction) == (None, 0.25)
+    # The option's own name says it: the cap is maximum_pool_size, a fraction here.
+    assert (cfg.maximum_pool_size, cfg.maximum_pool_fraction) == (0.25, 0.25)
+    assert "maximum_pool_size=0.25" in repr(cfg) and "fraction" not in repr(cfg)
 
 
 def test_config_reports_the_environment_in_force(monkeypatch):
@@ -190,7 +192,7 @@ def test_config_reports_the_environment_in_force(monkeypatch):
     monkeypatch.setenv("EMMPOOL_MAXIMUM_POOL_SIZE", "80%")
     monkeypatch.setenv("EMMPOOL_LOG", "")  # empty: as if unset
     assert emmpool.config() == emmpool.Config(mode="passthrough", initial_pool_size=GiB,
-                                              maximum_pool_fraction=0.8)
+                                              maximum_pool_size=0.8)
     s = settings()
     assert (s["mode"].value, s["mode"].source) == ("passthrough", "EMMPOOL_MODE='Passthrough'")
     assert s["initial_pool_size"].value == "1 GiB (1073741824 bytes)"
@@ -328,7 +330,7 @@ def test_configure_takes_the_forms_the_variables_take(monkeypatch):
     monkeypatch.setenv("EMMPOOL_MODE", "passthrough")
     cfg = emmpool.configure(initial_pool_size="512MiB", maximum_pool_size="80%")
     assert (cfg.initial_pool_size, cfg.maximum_pool_size, cfg.maximum_pool_fraction) == (
-        512 * MiB, None, 0.8)
+        512 * MiB, 0.8, 0.8)
     assert emmpool.config() == cfg
     s = settings()
     assert s["initial_pool_size"].source == s["maximum_pool_size"].source == "configure()"
@@ -406,12 +408,15 @@ def test_resolve_checks_options_and_applies_nothing():
     # (not the client's environment), nothing applied.
     defaults = _config.Config()
     cfg = _config.resolve({"initial_pool_size": "64MiB", "maximum_pool_size": "80%"}, defaults)
-    assert cfg == _config.Config(initial_pool_size=64 * MiB, maximum_pool_fraction=0.8)
+    assert cfg == _config.Config(initial_pool_size=64 * MiB, maximum_pool_size=0.8)
     assert _config.resolve({"maximum_pool_size": "16GiB"}, defaults).maximum_pool_size == 16 * GiB
     with pytest.raises(ValueError, match="exceeds"):
         _config.resolve({"initial_pool_size": "2GiB", "maximum_pool_size": "1GiB"}, defaults)
     with pytest.raises(TypeError, match="unknown option"):
         _config.resolve({"colour": "blue"}, defaults)
+    with pytest.raises(TypeError, match="unknown option maximum_pool_sise: did you mean "
+                                        "maximum_pool_size?"):
+        _config.resolve({"maximum_pool_sise": "1GiB"}, defaults)
     before = _core.configured_options()
     assert _config.resolve({"initial_pool_size": "3MiB"}).initial_pool_size == 3 * MiB
     assert _core.configured_options() == before

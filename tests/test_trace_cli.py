@@ -129,7 +129,9 @@ def test_cli_info_says_what_is_in_force_and_where_it_came_from():
     else:
         assert "driver: unavailable: No NVIDIA driver" in p.stdout or \
             "driver: unavailable: The NVIDIA driver" in p.stdout, p.stdout
-        assert p.returncode == 1
+        # A machine without a GPU is a line of the report, not a failure: the settings are good.
+        assert p.returncode == 0, p.stdout + p.stderr
+    assert max(len(line) for line in p.stdout.splitlines()) <= 100, p.stdout
 
 
 def test_cli_info_reports_a_bad_environment_and_goes_on():

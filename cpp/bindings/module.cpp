@@ -698,6 +698,10 @@ PYBIND11_MODULE(_core, m)
     py::arg("base"), "Unmap an import (ipc_open_pages, ipc_open_handle), the device synchronized.");
   m.def("ipc_open_count", [] { return pool_registry::instance().imports().open_count(); });
   m.def("device_count", [] { return cuda_driver().device_count(); });
+  m.def(
+    "vmm_page_size", [](int device) { return cuda_driver().vmm_page_size(device); },
+    py::arg("device"),
+    "The driver's page granularity for growable segments on a device; 0 where it has none.");
   m.def("current_device", [] { return cuda_driver().current_device(); });
   m.def(
     "memory_info",

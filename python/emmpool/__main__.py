@@ -226,11 +226,14 @@ def cmd_replay(args) -> int:
     print("| backend | peak live (MiB) | peak reserved (MiB) | reserved / live | replay s |")
     print("|---|---:|---:|---:|---:|")
     failed = 0
+    reasons: list[str] = []  # why backends were skipped, each said once under the table
     for name in args.backends:
         try:
             r = replay.run(ops, name)
         except replay.Skip as e:
-            print(f"| {name} | skipped: {e} | | | |")
+            if str(e) not in reasons:
+                reasons.append(str(e))
+            print(f"| {name} | skipped ({reasons.index(str(e)) + 1}) | | | |")
             continue
         except (MemoryError, _core.PoolError, _core.CudaError) as e:
             # One backend that cannot replay the trace (out of memory, say) leaves the others.
@@ -239,6 +242,10 @@ def cmd_replay(args) -> int:
             continue
         print(f"| {name} | {r['peak_live'] / MiB:.1f} | {r['peak_reserved'] / MiB:.1f} | "
               f"{r['ratio']:.3f} | {r['seconds']:.3f} |")
+    if reasons:
+        print()
+    for number, reason in enumerate(reasons, 1):
+        print(f"({number}) {reason}")
     return 1 if failed else 0
 
 
@@ -265,17 +272,20 @@ def _device_ordinal(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n", 1)[1],
+                                 usage=f"{PROG} [-h] [-V] {{info,selftest,bench,replay}} ...",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-V", "--version", action="version", version=f"emmpool {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="configuration in force, driver, devices, versions, hooks")
-    sub.add_parser("selftest", help="a quick GPU check")
-    b = sub.add_parser("bench", help="emmpool vs Numba's default manager")
+    # The description lists the commands, each once: argparse's own list of them is left out.
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                            help=argparse.SUPPRESS)
+    sub.add_parser("info")
+    sub.add_parser("selftest")
+    b = sub.add_parser("bench")
     b.add_argument("--out", default=".", help="folder for emmpool-bench.{md,json,png}")
     b.add_argument("--budget", type=_positive_seconds, default=1.0,
                    help="seconds per size and manager")
-    r = sub.add_parser("replay", help="replay a CSV trace",
+    r = sub.add_parser("replay",
                        usage=f"{PROG} replay [-h] [--device DEVICE] "
                              f"[--backends BACKEND [BACKEND ...]] TRACE")
     # nargs="?": --backends takes one or more names, and would take the trace's path after

@@ -56,10 +56,9 @@ class Config:
 
     mode: str = "pool"  # "pool" or "passthrough"
     initial_pool_size: int = 0  # bytes reserved when a device's pool is created
-    maximum_pool_size: int | None = None  # bytes; None (and no fraction): no cap but the device
-    # The same cap as a fraction of the device's memory, in (0, 1]: maximum_pool_size='80%'
-    # sets it (and leaves maximum_pool_size None).
-    maximum_pool_fraction: float | None = None
+    # The cap on what the pool reserves: bytes (an int), or a fraction of the device's memory in
+    # (0, 1] (a float: maximum_pool_size='80%' gives 0.8); None: no cap but the device's memory.
+    maximum_pool_size: int | float | None = None
     trace: str = ""  # CSV path: record every allocation and free, written at exit; "": off
     log: str = ""  # level of the "emmpool" logger; "": left to the application
     pinned: str = "pool"  # Numba's pinned/mapped host memory: "pool" (emmpool's) or "numba"
@@ -75,6 +74,17 @@ class Config:
     # calls and gives pages back more coarsely. Default 20 MiB (the core's pool_options says why).
     growable_page_size: int = _core.DEFAULT_GROWABLE_PAGE_SIZE
     torch_allocator: str = "auto"  # what use_for_torch() installs: one of TORCH_ALLOCATORS
+
+    @property
+    def maximum_pool_fraction(self) -> float | None:
+        """The cap as a fraction of the device's memory, if maximum_pool_size is one (older
+        releases had it as an option of its own; maximum_pool_size says it now)."""
+        return None if _is_bytes(self.maximum_pool_size) else self.maximum_pool_size
+
+
+def _is_bytes(maximum) -> bool:
+    """Whether a maximum_pool_size is bytes (an int), not a fraction, nor None."""
+    return isinstance(maximum, int) and not isinstance(maximum, bool)
 
 
 # ---- parsers: one per kind of value, shared by the environment and configure() --------------
@@ -206,17 +216,16 @@ def _one(field: str, parse: Callable) -> Callable:
 
 def _maximum(value, name):
     size, fraction = parse_maximum(value, name)
-    return {"maximum_pool_size": size, "maximum_pool_fraction": fraction}
+    return {"maximum_pool_size": size if fraction is None else fraction}
 
 
 def _fraction_only(value, name):
-    return {"maximum_pool_size": None,
-            "maximum_pool_fraction": None if value is None else parse_fraction(value, name)}
+    return {"maximum_pool_size": None if value is None else parse_fraction(value, name)}
 
 
 # How use_for_torch() may serve PyTorch (emmpool._torch), in the words report() gives them.
 _TORCH_WORDS = {
-    "auto": "auto (emmpool's extension, else PyTorch's pluggable allocator)",
+    "auto": "auto (emmpool's extension, else CUDAPluggableAllocator)",
     "extension": "extension (emmpool's PyTorch extension, or an error)",
     "pluggable": "pluggable (PyTorch's CUDAPluggableAllocator)",
 }
@@ -309,7 +318,7 @@ def caller_outside_emmpool() -> int:
 
 def _checked(cfg: Config) -> Config:
     """What holds across options."""
-    if cfg.maximum_pool_size is not None and cfg.initial_pool_size > cfg.maximum_pool_size:
+    if isinstance(cfg.maximum_pool_size, int) and cfg.initial_pool_size > cfg.maximum_pool_size:
         raise ValueError(f"initial_pool_size ({cfg.initial_pool_size}) exceeds "
                          f"maximum_pool_size ({cfg.maximum_pool_size})")
     return cfg
@@ -337,9 +346,7 @@ def _read_environment(problems: list[_Problem] | None = None) -> tuple[Config, d
         except ValueError as e:
             if problems is None:
                 raise
-            # The maximum's variable sets both of its fields.
-            unset = ("maximum_pool_size", "maximum_pool_fraction") if key == "maximum_pool_size" \
-                else (key,)
+            unset = (key,)
             problems.append((unset, str(e)))
             sources.update(dict.fromkeys(unset, source))
             continue
@@ -369,9 +376,14 @@ _applied_sources: dict[str, str] = {}
 def _merged(options: dict, base: Config | None) -> tuple[Config, dict[str, str]]:
     """``base`` (default: the options in force, else the environment's) with ``options`` parsed
     over it, checked; and where each value comes from. Call with _lock held."""
-    unknown = set(options) - set(_OPTIONS)
+    unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
-        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+        import difflib  # here: only where an option is unknown
+
+        close = difflib.get_close_matches(unknown[0], [k for k in _OPTIONS if k in _FIELDS], n=1)
+        hint = f"did you mean {close[0]}?" if close else f"known: {sorted(_FIELDS)}"
+        raise TypeError(f"unknown option{'s' * (len(unknown) > 1)} "
+                        f"{', '.join(unknown)}: {hint}")
     if "maximum_pool_size" in options and "maximum_pool_fraction" in options:
         raise TypeError("give maximum_pool_size or maximum_pool_fraction, not both")
     if "maximum_pool_fraction" in options:
@@ -422,7 +434,8 @@ def configure(**options) -> Config:
             _core.configure(
                 mode=cfg.mode,
                 initial_size=cfg.initial_pool_size,
-                maximum_size=cfg.maximum_pool_size or 0,  # the core's "no cap"
+                # bytes, or a fraction; 0 for either: the core's "no cap"
+                maximum_size=cfg.maximum_pool_size if _is_bytes(cfg.maximum_pool_size) else 0,
                 maximum_fraction=cfg.maximum_pool_fraction or 0.0,
                 pinned_limit=cfg.pinned_limit or 0,  # the core's "a quarter of RAM"
                 segments=cfg.segments,
@@ -498,8 +511,7 @@ def _in_force(problems: list[_Problem] | None = None) -> tuple[Config, dict[str,
     core = {
         "mode": o["mode"],
         "initial_pool_size": o["initial_size"],
-        "maximum_pool_size": o["maximum_size"] or None,
-        "maximum_pool_fraction": o["maximum_fraction"] or None,
+        "maximum_pool_size": o["maximum_size"] or o["maximum_fraction"] or None,
         "pinned_limit": o["pinned_limit"] or None,
         "segments": o["segments"],
         "growable_free_limit": o["growable_free_limit"],
@@ -538,10 +550,28 @@ def report() -> list[Setting]:
 _INVALID = "invalid (see the error)"
 
 
-def diagnose() -> tuple[list[Setting], list[str]]:
+# The page granularity of virtual memory management on every NVIDIA GPU emmpool has met; the
+# driver says the device's own (python -m emmpool info asks it where there is one).
+_GRANULARITY = 2 << 20
+
+
+def page_size_words(size: int, granularity: int = _GRANULARITY) -> str:
+    """The growable page as the pool will use it: ``size`` rounded up to a multiple of the
+    driver's granularity (0: the granularity itself; detail/page_policy.hpp)."""
+    used = max(granularity, -(-size // granularity) * granularity)
+    if size == 0:
+        return f"{format_bytes(used)} (the driver's granularity)"
+    if used != size:
+        pages = format_bytes(granularity)
+        return f"{format_bytes(used)} ({format_bytes(size)} rounded to {pages} pages)"
+    return format_bytes(size, exact=True)
+
+
+def diagnose(granularity: int = _GRANULARITY) -> tuple[list[Setting], list[str]]:
     """:func:`report` without raising: every option, and every bad ``EMMPOOL_*`` value that
     would apply, each as the error :func:`check_environment` raises for it (an option with a
-    bad value reads ``invalid`` and names its variable as the source)."""
+    bad value reads ``invalid`` and names its variable as the source). ``granularity``: the
+    driver's page granularity, which the growable page is rounded up to."""
     problems: list[_Problem] = []
     cfg, sources = _in_force(problems)
     invalid = {field for unset, _ in problems for field in unset}
@@ -562,12 +592,10 @@ def diagnose() -> tuple[list[Setting], list[str]]:
         if cfg.pinned_limit is not None
         else f"a quarter of physical memory, {format_bytes(_physical_memory() // 4)} here",
         "segments": {"fixed": "fixed (cuMemAlloc segments)",
-                     "growable": "growable (requests above 1 MiB from pages mapped on demand "
-                                 "where the device supports virtual memory management)",
+                     "growable": "growable (pages on demand above 1 MiB)",
                      }[cfg.segments],
         "growable_free_limit": format_bytes(cfg.growable_free_limit, exact=True),
-        "growable_page_size": format_bytes(cfg.growable_page_size, exact=True)
-        if cfg.growable_page_size else "the driver's granularity (2 MiB)",
+        "growable_page_size": page_size_words(cfg.growable_page_size, granularity),
         "torch_allocator": _TORCH_WORDS[cfg.torch_allocator],
     }
     # What use_for_torch() installed in this process, if it ran, is what serves PyTorch.

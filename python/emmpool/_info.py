@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 from typing import TextIO
@@ -34,13 +35,19 @@ _LIBRARIES = [
 _NUMBA_PACKAGES = {p.name: p for p in _numba_packages.PACKAGES}
 
 
-def print_report(out: TextIO = sys.stdout) -> int:
-    """Print the report; return 0 if emmpool can work here, else 1 (the report says why: a bad
-    ``EMMPOOL_*`` value, no driver, no device)."""
-    ok = True
+WIDTH = 100  # the report's columns
+_VALUES = 30  # the value column's width, past which a value is not aligned
 
-    def say(line: str = "") -> None:
-        print(line, file=out)
+
+def print_report(out: TextIO = sys.stdout) -> int:
+    """Print the report; return 0 if the configuration is valid, else 1 (the report says why:
+    a bad ``EMMPOOL_*`` value, options that contradict each other). A machine without a GPU or
+    driver is a line of the report, not a failure: emmpool installs and imports there."""
+
+    def say(text: str = "", indent: str = "") -> None:
+        for line in text.split("\n"):  # each line wrapped to the width, its rest indented
+            print("\n".join(textwrap.wrap(line, WIDTH, subsequent_indent=indent,
+                                           break_on_hyphens=False)), file=out)
 
     say(f"emmpool {__version__} ({Path(__file__).parent})")
 
@@ -49,19 +56,23 @@ def print_report(out: TextIO = sys.stdout) -> int:
     # not read: the report says them, so they are not also given as warnings.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", _config.UnknownVariableWarning)
-        settings, errors = _config.diagnose()
+        settings, errors = _config.diagnose(_granularity())
     names = max(len(s.option) for s in settings)
-    values = max(len(s.value) for s in settings)
+    values = max((len(s.value) for s in settings if len(s.value) <= _VALUES), default=0)
     for s in settings:
-        say(f"  {s.option:{names}}  {s.value:{values}}  from {s.source}")
+        row = f"  {s.option:{names}}  {s.value:{values}}  from {s.source}"
+        if len(row) <= WIDTH:
+            print(row, file=out)
+        else:  # where the source would pass the width, it goes under the value
+            print(f"  {s.option:{names}}  {s.value}", file=out)
+            print(f"  {'':{names}}  from {s.source}", file=out)
     for message in errors:
-        say(f"  error: {message}")
+        say(f"  error: {message}", " " * 4)
     for message in _config.unknown_variables():
-        say(f"  warning: {message}")
-    ok &= not errors
+        say(f"  warning: {message}", " " * 4)
 
     say()
-    ok &= _print_driver(say)
+    _print_driver(say)
 
     say("\nlibraries:")
     for name, dists in _LIBRARIES:
@@ -74,19 +85,27 @@ def print_report(out: TextIO = sys.stdout) -> int:
 
     say("\nwho allocates from emmpool:")
     for line in _hooks():
-        say(f"  {line}")
-    return 0 if ok else 1
+        say(f"  {line}", " " * 4)
+    return 1 if errors else 0
 
 
-def _print_driver(say) -> bool:
+def _granularity() -> int:
+    """The driver's page granularity on device 0, where there is a driver and a device."""
+    try:
+        return _core.vmm_page_size(0) or _config._GRANULARITY
+    except Exception:  # no driver, no device: the report says so below
+        return _config._GRANULARITY
+
+
+def _print_driver(say) -> None:
     try:
         n = _core.device_count()
     except _core.DriverUnavailableError as e:
-        say(f"driver: unavailable: {e}")
-        return False
+        say(f"driver: unavailable: {e}", " " * 2)
+        return
     except _core.CudaError as e:
-        say(f"driver: error: {e}")
-        return False
+        say(f"driver: error: {e}", " " * 2)
+        return
     say(f"driver: CUDA, {n} device(s)")
     names = {}
     try:
@@ -99,7 +118,6 @@ def _print_driver(say) -> bool:
     for d in range(n):
         free, total = _core.memory_info(d)
         say(f"  device {d}: {names.get(d, '?')}, {format_bytes(total)}, {format_bytes(free)} free")
-    return n > 0
 
 
 def _version(dists: tuple[str, ...]) -> str | None:
