@@ -70,13 +70,24 @@ def test_parse_maximum(value, expected):
 
 @pytest.mark.parametrize(
     "value, message",
-    [("-5", "neither a size nor a fraction"), ("lots", "neither a size nor a fraction"),
+    [("-5", "X='-5': cannot be negative"), ("lots", "neither a size nor a fraction"),
      ("150%", r"fraction of the device's memory in \(0, 1\]"), ("1.5", r"in \(0, 1\]"),
      (0.0, r"in \(0, 1\]"), ("0", "no memory"), (0, "no memory")],
 )
 def test_parse_maximum_says_what_is_wrong(value, message):
     with pytest.raises(ValueError, match=message):
         _config.parse_maximum(value, "X")
+
+
+@pytest.mark.parametrize("option, value", [
+    *((option, value) for option in ("initial_pool_size", "pinned_limit", "growable_free_limit",
+                                     "growable_page_size", "maximum_pool_size")
+      for value in (-1, "-1", "-512MiB")),
+    ("maximum_pool_size", -0.5), ("maximum_pool_size", "-80%")])
+def test_every_option_says_a_negative_value_the_same_way(option, value):
+    with pytest.raises(ValueError) as e:
+        emmpool.configure(**{option: value})
+    assert str(e.value) == f"{option}={value!r}: cannot be negative"
 
 
 # ---- the environment -------------------------------------------------------------------------
@@ -86,7 +97,7 @@ def test_parse_maximum_says_what_is_wrong(value, message):
         ({"EMMPOOL_MODE": "turbo"}, "EMMPOOL_MODE='turbo': expected 'pool' or 'passthrough'"),
         ({"EMMPOOL_INITIAL_POOL_SIZE": "lots"}, "EMMPOOL_INITIAL_POOL_SIZE='lots' is not a size"),
         ({"EMMPOOL_MAXIMUM_POOL_SIZE": "150%"}, "EMMPOOL_MAXIMUM_POOL_SIZE='150%'"),
-        ({"EMMPOOL_MAXIMUM_POOL_SIZE": "-5"}, "EMMPOOL_MAXIMUM_POOL_SIZE='-5' is neither a size"),
+        ({"EMMPOOL_MAXIMUM_POOL_SIZE": "-5"}, "EMMPOOL_MAXIMUM_POOL_SIZE='-5': cannot be negative"),
         ({"EMMPOOL_INITIAL_POOL_SIZE": "2GiB", "EMMPOOL_MAXIMUM_POOL_SIZE": "1GiB"}, "exceeds"),
         ({"EMMPOOL_PINNED": "yes"}, "EMMPOOL_PINNED='yes'"),
         ({"EMMPOOL_PINNED_LIMIT": "half"}, "EMMPOOL_PINNED_LIMIT='half'"),
@@ -389,7 +400,7 @@ _INSTALLS = {
 @pytest.mark.parametrize(
     "variable, value, message",
     [("EMMPOOL_MODE", "bogus", "EMMPOOL_MODE='bogus': expected"),
-     ("EMMPOOL_MAXIMUM_POOL_SIZE", "-5", "EMMPOOL_MAXIMUM_POOL_SIZE='-5' is neither"),
+     ("EMMPOOL_MAXIMUM_POOL_SIZE", "-5", "EMMPOOL_MAXIMUM_POOL_SIZE='-5': cannot be negative"),
      ("EMMPOOL_MODE", "passthrough", None)],  # a good value: installs without complaint
 )
 def test_bad_environment_fails_where_emmpool_is_installed(install, variable, value, message):

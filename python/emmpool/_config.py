@@ -95,7 +95,7 @@ _UNITS = {
     "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
     "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
 }  # fmt: skip
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(-?)(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _SIZE_FORM = "bytes, e.g. 1073741824 or '4GiB' (units: B, KiB, MiB, GiB, TiB; K/M/G/T and " \
              "KB/MB/GB/TB mean the same)"
 _FRACTION_FORM = "a fraction of the device's memory in (0, 1], e.g. 0.8 or '80%'"
@@ -106,16 +106,23 @@ def parse_size(value: int | str, name: str) -> int:
     (binary units)."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
-            raise ValueError(f"{name}={value!r}: a size cannot be negative")
+            raise ValueError(_negative(value, name))
         return value
     m = _SIZE.match(value) if isinstance(value, str) else None
-    unit = m.group(2).lower() if m else None
+    unit = m.group(3).lower() if m else None
     if m is None or unit not in _UNITS:
         raise ValueError(f"{name}={value!r} is not a size: expected {_SIZE_FORM}")
-    if _UNITS[unit] == 1 and "." in m.group(1):
+    if m.group(1):
+        raise ValueError(_negative(value, name))
+    if _UNITS[unit] == 1 and "." in m.group(2):
         raise ValueError(f"{name}={value!r}: a number of bytes must be whole (or give a unit, "
                          f"e.g. '1.5GiB')")
-    return int(float(m.group(1)) * _UNITS[unit])
+    return int(float(m.group(2)) * _UNITS[unit])
+
+
+def _negative(value, name: str) -> str:
+    """What every option that takes a size or a fraction says of a negative one."""
+    return f"{name}={value!r}: cannot be negative"
 
 
 def _is_fraction(value: object) -> bool:
@@ -146,6 +153,9 @@ def parse_maximum(value: int | float | str | None, name: str) -> tuple[int | Non
     (``0.8``, ``"80%"``); ``None`` for no cap. Returns ``(bytes, fraction)``, one of them None."""
     if value is None:
         return None, None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0 or \
+            isinstance(value, str) and value.strip().startswith("-"):
+        raise ValueError(_negative(value, name))
     if _is_fraction(value):
         return None, parse_fraction(value, name)
     try:
