@@ -245,3 +245,18 @@ def test_out_of_memory_is_torchs_out_of_memory_error(extension_builds):
     assert raised is not None and raised.startswith("OOM emmpool: CUDA out of memory"), out
     # PyTorch's own sentences first, for the tools that read them
     assert "Tried to allocate 1024.00 MiB. GPU 0 has a total capacity of" in raised, out
+
+
+def test_graph_capture_beside_threads_that_allocate(extension_builds):
+    """A graph captured in each capture mode while CuPy and Numba threads allocate and free from
+    the same pool: every capture replays right and no thread meets an error. (On each library's
+    own pool, "global" captures fail and the other threads get "operation not permitted when
+    stream is capturing", as their allocators call cudaMalloc and cudaFree.)"""
+    require("cupy")
+    r, raised, out = scenario("capture_beside_threads", "extension", timeout=600)
+    assert raised is None, out
+    assert r["threads_done"] and r["thread_errors"] == [], r
+    for mode, m in r["modes"].items():
+        assert m["correct"] == m["captures"], (mode, r)
+    # the threads worked while captures ran (else this proves nothing)
+    assert r["overlapped"]["cupy"] > 0 and r["overlapped"]["numba"] > 0, r

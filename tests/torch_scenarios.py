@@ -512,11 +512,152 @@ def mixed_snapshot(torch, allocator):
            cupy=libraries.get(c.data.ptr), torch=libraries.get(t.data_ptr()))
 
 
+def capture_beside_threads(torch, allocator):
+    """A CUDA graph captured in each capture mode, again and again, while a CuPy thread and a
+    Numba thread allocate, compute and free on streams of their own, all from one pool (their
+    own pools under ``native``). Each thread's kernels and buffers are warmed up before the
+    first capture, so that only allocation and freeing can break a capture: in "global" mode
+    CUDA forbids other threads any call that could synchronize (cudaMalloc and cudaFree among
+    them) while the capture runs. Reports, per mode, the captures whose replays computed the
+    right values, and every error any thread met."""
+    import threading
+    import time
+
+    import numpy as np
+
+    if allocator != "native":
+        os.environ.setdefault("NUMBA_CUDA_MEMORY_MANAGER", "emmpool.plugin")
+    import cupy
+    from numba import cuda
+
+    if allocator != "native":
+        import emmpool
+
+        emmpool.use_for_cupy()
+    # Sizes in each of the pool's classes: small blocks, a mid block, growable pages (> 1 MiB).
+    sizes = (1_000, 150_000, 3_000_000)
+    capturing, stop = threading.Event(), threading.Event()
+    errors, overlapped = [], {"cupy": 0, "numba": 0}
+    ready = threading.Barrier(3)
+
+    @cuda.jit
+    def affine(out, k):
+        i = cuda.grid(1)
+        if i < out.size:
+            out[i] = 2.0 * i + k
+
+    def cupy_worker():
+        stream = cupy.cuda.Stream(non_blocking=True)
+        host = np.frombuffer(cupy.cuda.alloc_pinned_memory(max(sizes) * 4), np.float32,
+                             max(sizes))
+        k, warm = 0, False
+        with stream:
+            while not stop.is_set():
+                during = capturing.is_set()
+                for n in sizes:
+                    a = cupy.arange(n, dtype=cupy.float32) * 2 + k
+                    a.get(stream=stream, out=host[:n])
+                    stream.synchronize()
+                    if host[n - 1] != 2 * (n - 1) + k:
+                        errors.append(f"cupy: wrong value {host[n - 1]} at {n}")
+                    del a
+                overlapped["cupy"] += during or capturing.is_set()
+                k = (k + 1) % 7
+                if not warm:
+                    warm = True
+                    ready.wait()
+
+    def numba_worker():
+        raw = cupy.cuda.Stream(non_blocking=True)
+        stream = cuda.external_stream(raw.ptr)
+        host = cuda.pinned_array(max(sizes), np.float32)
+        k, warm = 0, False
+        while not stop.is_set():
+            during = capturing.is_set()
+            for n in sizes:
+                d = cuda.device_array(n, np.float32, stream=stream)
+                affine[(n + 255) // 256, 256, stream](d, k)
+                d.copy_to_host(host[:n], stream=stream)
+                stream.synchronize()
+                if host[n - 1] != 2 * (n - 1) + k:
+                    errors.append(f"numba: wrong value {host[n - 1]} at {n}")
+                del d
+            overlapped["numba"] += during or capturing.is_set()
+            k = (k + 1) % 7
+            if not warm:
+                warm = True
+                ready.wait()
+
+    def guarded(work, name):
+        def run():
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 - every error is the result
+                errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0]}")
+                if not ready.broken:
+                    ready.abort()
+                stop.set()
+        return run
+
+    threads = [threading.Thread(target=guarded(cupy_worker, "cupy")),
+               threading.Thread(target=guarded(numba_worker, "numba"))]
+    for t in threads:
+        t.start()
+    x = torch.randn(1 << 20, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up the graph's kernels outside the capture
+        for _ in range(3):
+            (x * 2 + 1).sum()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    try:
+        ready.wait(timeout=120)
+    except threading.BrokenBarrierError:
+        pass
+    per_mode = {}
+    for mode in ("global", "thread_local", "relaxed"):
+        correct, failed = 0, []
+        for attempt in range(7):
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, capture_error_mode=mode):
+                    capturing.set()
+                    y = x * 2 + 1
+                    z = torch.empty(3 << 20, device="cuda")  # a growable block, inside the graph
+                    z.fill_(3.0)
+                    time.sleep(0.005)  # the other threads run inside the capture
+                    out = y.sum() + z[:10].sum()
+                    capturing.clear()
+                for value in (1.0, -2.0):
+                    x.fill_(value)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    expected = (2 * value + 1) * x.numel() + 30.0
+                    if abs(out.item() - expected) > 1e-3 * abs(expected):
+                        raise AssertionError(f"replay gave {out.item()}, expected {expected}")
+                correct += 1
+            except Exception as e:  # noqa: BLE001 - a failed capture is the result
+                capturing.clear()
+                failed.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+                try:
+                    torch.cuda.synchronize()
+                except RuntimeError:
+                    pass
+            del graph
+        per_mode[mode] = {"captures": 7, "correct": correct, "failed": failed[:3]}
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    result(modes=per_mode, thread_errors=errors[:10], overlapped=overlapped,
+           threads_done=not any(t.is_alive() for t in threads))
+
+
 SCENARIOS = {f.__name__: f for f in (cudnn_benchmark, memory_stats, record_stream, cuda_graph,
                                      compiled, ipc, ipc_without_ptrace, memory_fraction,
                                      out_of_memory,
                                      reduce_overhead, shared_pool_graphs, mem_pool,
-                                     history_snapshot, mixed_snapshot)}
+                                     history_snapshot, mixed_snapshot, capture_beside_threads)}
 
 if __name__ == "__main__":
     name, allocator = sys.argv[1], sys.argv[2]
