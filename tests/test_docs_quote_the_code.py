@@ -1,12 +1,17 @@
 """The docs name the code as it is: every C++ name they quote (`class::member`,
 `namespace::name`) exists in cpp/, and every file they link to exists. A rename or a removal
-that leaves a doc behind fails here, not in a reader's head."""
+that leaves a doc behind fails here, not in a reader's head.
+
+A source distribution leaves some folders out (pyproject.toml's sdist.exclude: the recorded
+benchmark results, the CI scripts), and the tests run from one too: a link into such a folder
+is checked wherever the folder is there, and skipped where it is not."""
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -64,6 +69,51 @@ def test_every_cpp_name_the_docs_quote_exists():
     assert not missing, "names the code no longer has:\n" + "\n".join(missing)
 
 
+@functools.cache
+def sdist_excluded() -> tuple[str, ...]:
+    """The patterns a source distribution leaves out (pyproject.toml's
+    [tool.scikit-build] sdist.exclude, gitignore-style)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the one line, as pyproject.toml writes it
+        found = re.search(r"^sdist\.exclude\s*=\s*\[([^\]]*)\]", text, re.M)
+        return tuple(re.findall(r'"([^"]+)"', found.group(1))) if found else ()
+    build = tomllib.loads(text).get("tool", {}).get("scikit-build", {})
+    return tuple(build.get("sdist", {}).get("exclude", ()))
+
+
+def excluded_folder(target: Path) -> Path | None:
+    """The folder or file of the repository, left out of a source distribution, that holds
+    `target`; None if a source distribution has it. Patterns as gitignore reads them: one with
+    a slash at its start or inside is anchored at the root, one without matches a name at any
+    depth."""
+    try:
+        parts = PurePosixPath(target.resolve().relative_to(ROOT).as_posix()).parts
+    except ValueError:
+        return None  # outside the repository
+    for pattern in sdist_excluded():
+        pattern = pattern.rstrip("/")
+        anchored = "/" in pattern
+        wanted = PurePosixPath(pattern.lstrip("/")).parts
+        starts = [0] if anchored else range(len(parts))
+        for start in starts:
+            here = parts[start:start + len(wanted)]
+            if len(here) == len(wanted) and all(map(fnmatch.fnmatchcase, here, wanted)):
+                return ROOT.joinpath(*parts[:start + len(wanted)])
+    return None
+
+
+def link_is_broken(doc: Path, target: str) -> bool:
+    """Whether a relative link of `doc` leads nowhere. Into what a source distribution leaves
+    out, only where the repository has it (a folder that is absent is an sdist's)."""
+    path = doc.parent / target
+    if path.exists():
+        return False
+    left_out = excluded_folder(path)
+    return left_out is None or left_out.exists()
+
+
 def test_every_file_the_docs_link_to_exists():
     missing = []
     for doc in DOCS:
@@ -71,7 +121,7 @@ def test_every_file_the_docs_link_to_exists():
             for target in LINK.findall(line):
                 if target.startswith(("http", "mailto")):
                     continue
-                if not (doc.parent / target).exists():
+                if link_is_broken(doc, target):
                     missing.append(f"{doc.relative_to(ROOT)}:{number}: {target}")
     assert not missing, "links to nothing:\n" + "\n".join(missing)
 
@@ -82,3 +132,15 @@ def test_the_check_finds_what_it_is_for():
     assert not defined("device_pool::deallocate_tagged")
     assert not defined("device_pool::share_pages")  # pool_sharing's; its header names the pool
     assert not defined("detail::no_such_thing")
+
+    design = ROOT / "docs" / "design.md"
+    assert link_is_broken(design, "no_such_page.md")
+    assert not link_is_broken(design, "limits.md")
+    # what a source distribution leaves out, as pyproject.toml says
+    results = ROOT / "benchmarks" / "results"
+    assert excluded_folder(results / "H200" / "bench_core.md") == results
+    assert excluded_folder(ROOT / ".ci" / "gpu.py") == ROOT / ".ci"
+    assert excluded_folder(ROOT / "benchmarks" / "replay.py") is None
+    assert excluded_folder(ROOT / "docs" / "results.md") is None  # anchored: not any "results"
+    # a missing file there is a broken link wherever the repository has the folder
+    assert link_is_broken(design, "../benchmarks/results/no_such_run.md") == results.is_dir()
