@@ -26,9 +26,8 @@
  *   stream that could cover them wait for their fence are not mapped: the request waits for that
  *   stream's frees first (a step of the out-of-memory ladder, device_pool.cpp). Else a program
  *   whose frees run ahead of the GPU (PyTorch's, CuPy's) makes again, in pages that stay, the
- *   memory in flight (docs/design.md, growable segments, has what replays of the mixed
- *   programs' traces measured). Its own stream's only: what it asks for next runs after its
- *   earlier work anyway, so the wait costs the CPU's lead, never another stream's concurrency.
+ *   memory in flight. Its own stream's only: what it asks for next runs after its earlier work
+ *   anyway, so the wait costs the CPU's lead, never another stream's concurrency.
  * - Giving back: trim, the cap and the out-of-memory ladder unmap every wholly free page. A new
  *   peak of either kind of memory gives the other kind's back no more: the fixed segments serve
  *   small requests, the growable one the rest, and a program that mixes them would unmap and
