@@ -24,6 +24,10 @@ CPP = ROOT / "cpp"
 FOREIGN = ("std", "c10", "torch", "at", "cuda", "pybind11", "py", "rmm", "cupy", "numba")
 QUOTED = re.compile(r"`((?:[A-Za-z_][A-Za-z_0-9]*::)+[A-Za-z_~][A-Za-z_0-9]*)(?:\(\))?`")
 LINK = re.compile(r"\]\(((?:\.\./|\./)?[^)#:\s]+)(?:#[^)]*)?\)")
+# A link to this repository's own files by URL (where a source distribution has no copy): it is
+# checked as a path from the root.
+REPOSITORY = "https://github.com/emmpool/emmpool/blob/main/"
+REPO_LINK = re.compile(rf"\]\({re.escape(REPOSITORY)}([^)#\s]+)(?:#[^)]*)?\)")
 
 pytestmark = pytest.mark.skipif(not CPP.is_dir() or not (ROOT / "docs").is_dir(),
                                 reason=needs_repository("docs/ and cpp/"))
@@ -123,6 +127,9 @@ def test_every_file_the_docs_link_to_exists():
                     continue
                 if link_is_broken(doc, target):
                     missing.append(f"{doc.relative_to(ROOT)}:{number}: {target}")
+            for target in REPO_LINK.findall(line):
+                if link_is_broken(ROOT / "README.md", target):
+                    missing.append(f"{doc.relative_to(ROOT)}:{number}: {REPOSITORY}{target}")
     assert not missing, "links to nothing:\n" + "\n".join(missing)
 
 
@@ -145,3 +152,6 @@ def test_the_check_finds_what_it_is_for():
     assert excluded_folder(ROOT / "python" / "benchmarks" / "results" / "x.md") is None
     # a missing file there is a broken link wherever the repository has the folder
     assert link_is_broken(design, "../benchmarks/results/no_such_run.md") == results.is_dir()
+    # the repository's URL of a file is checked as that file
+    assert REPO_LINK.findall(f"[x]({REPOSITORY}benchmarks/results/H200/a.md#b)") == [
+        "benchmarks/results/H200/a.md"]
