@@ -118,6 +118,29 @@ def link_is_broken(doc: Path, target: str) -> bool:
     return left_out is None or left_out.exists()
 
 
+# In a comment: `A::b` with or without backquotes.
+NAMED = re.compile(r"\b((?:[A-Za-z_][A-Za-z_0-9]*::)+[A-Za-z_~][A-Za-z_0-9]*)")
+
+
+def ours(scope: str) -> bool:
+    """Whether cpp/ defines a class, struct or namespace of that name."""
+    declares = re.compile(rf"\b(?:class|struct|namespace|enum class)\s+{re.escape(scope)}\b[^;{{]*{{")
+    return any(declares.search(t) for t in sources().values())
+
+
+def test_every_name_of_ours_a_code_comment_gives_exists():
+    missing = []
+    for path in sorted(sources()):
+        text = path.read_text()
+        for comment in COMMENT.finditer(text):
+            for name in NAMED.findall(comment.group()):
+                name = name.removeprefix("emmpool::")
+                if "::" in name and ours(name.split("::")[-2]) and not defined(name):
+                    line = text.count("\n", 0, comment.start()) + 1
+                    missing.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not missing, "comments name what the code no longer has:\n" + "\n".join(missing)
+
+
 def test_every_file_the_docs_link_to_exists():
     missing = []
     for doc in DOCS:

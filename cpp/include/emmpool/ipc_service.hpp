@@ -15,12 +15,12 @@
  * that only the handles this process sends carry, and the pages as the sender numbers them
  * (the first page's address, the page size, the sender's descriptor numbers). The service
  * checks each against what the pool exported for the page mapped there now
- * (device_pool::duplicate_shared_pages), so an offer of a block freed since is refused, never
+ * (pool_sharing::duplicate_shared_pages), so an offer of a block freed since is refused, never
  * served with another block's pages. It also refuses a peer of another user (SO_PEERCRED).
  *
  * Leases. A receiver maps the pages, and the sender's pool would hand them to a new block as
  * soon as the sender frees its own: the receiver's writes would land in the new block. A lease
- * (lease()) holds the block (device_pool::hold) for as long as any copy of a pipe's write end
+ * (lease()) holds the block (pool_sharing::hold) for as long as any copy of a pipe's write end
  * is open, in any process (the sender's handle, a copy in flight, each receiver's handle and
  * mapping): the service watches the read end, and when the last writer is gone (closed, or its
  * process ended) it releases the hold. The kernel does the counting, so a receiver that dies

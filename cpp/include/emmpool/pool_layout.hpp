@@ -20,7 +20,7 @@ enum class block_status : std::uint8_t { free = 0, allocated = 1, waiting = 2 };
 /// from pages mapped on demand into one address reservation.
 enum class segment_type : std::uint8_t { small = 0, large = 1, growable = 2 };
 
-/// @brief One block of a pool's segments (device_pool::layout()). The blocks of a segment
+/// @brief One block of a pool's segments (pool_queries::layout()). The blocks of a segment
 /// tile it, in address order.
 struct layout_block {
   device_ptr segment;          ///< the segment's base
@@ -42,7 +42,7 @@ struct ipc_info {
 };
 
 /// @brief The pages under a block of the growable segment, for another process to map
-/// (device_pool::share_pages): one file descriptor per page, in address order. The descriptors
+/// (pool_sharing::share_pages): one file descriptor per page, in address order. The descriptors
 /// are the pool's, valid while the pages are (a page's goes when the page goes back to the
 /// driver): duplicate them to send them, never close them.
 struct shared_pages {
@@ -54,7 +54,7 @@ struct shared_pages {
 };
 
 /// @brief A change of the memory a pool holds from the driver, for a memory history
-/// (device_pool::take_segment_events()): a fixed segment made or released, or pages of the
+/// (pool_observers::take_segment_events()): a fixed segment made or released, or pages of the
 /// growable segment mapped or unmapped.
 struct segment_event {
   enum class kind : std::uint8_t { made = 0, released = 1, mapped = 2, unmapped = 3 };

@@ -50,7 +50,7 @@ struct block {
   stream_ref also_fence{stream_ref::none()};
   stream_ref freed_on{};      ///< the stream of the free, while waiting for also_fence
   stream_ref alloc_stream{};  ///< the stream named at allocation (legacy_stream: none)
-  /// Another process may use it (device_pool::hold): its free waits for the last release.
+  /// Another process may use it (pool_sharing::hold): its free waits for the last release.
   bool held{};
 };
 

@@ -111,7 +111,7 @@ class growable_space {
   /// @throws pool_error: a block of a growable segment has no legacy IPC handle.
   [[noreturn]] static void throw_no_ipc();
   /// The pages under live block `blk` of the segment, from `ptr` (inside it) on, as another
-  /// process maps them (device_pool::share_pages). @throws cuda_error where the driver cannot
+  /// process maps them (pool_sharing::share_pages). @throws cuda_error where the driver cannot
   /// export them (pages made without a shareable handle type)
   [[nodiscard]] shared_pages share(block const& blk, device_ptr ptr);
   /// Duplicates of the descriptors `fds` (the sending process's numbers, one per page from

@@ -1,7 +1,7 @@
 /**
  * @file detail/segment_log.hpp
  * @brief The optional record of the memory a pool takes from the driver and gives back
- * (device_pool::take_segment_events): what a memory history shows as segment_alloc,
+ * (pool_observers::take_segment_events): what a memory history shows as segment_alloc,
  * segment_free, segment_map and segment_unmap. Off, it costs one branch per segment made or
  * released. Not thread-safe: its pool's mutex.
  */

@@ -1,6 +1,6 @@
 /**
  * @file detail/trace_log.hpp
- * @brief The optional record of a pool's allocations and frees (device_pool::set_tracing,
+ * @brief The optional record of a pool's allocations and frees (pool_observers::set_tracing,
  * `python -m emmpool.trace`, the replay benchmark). Off, it costs its pool one branch per call.
  */
 #pragma once
