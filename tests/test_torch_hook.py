@@ -89,7 +89,7 @@ C_ENTRIES = textwrap.dedent(
     open_offer = fn("emmpool_ipc_open_offer", c.c_void_p, c.c_int, c.c_char_p, c.c_size_t,
                     c.c_char_p, c.c_int, c.c_uint64, c.c_uint64, c.POINTER(c.c_int32),
                     c.c_size_t, E)
-    assert abi() == 6
+    assert abi() == 7
 
     def snapshot():
         v = Stats()

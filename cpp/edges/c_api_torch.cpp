@@ -23,7 +23,8 @@
 #include <limits>
 #include <vector>
 
-// The header's enums are the core's, value for value.
+// The header's enums and constants are the core's, value for value.
+static_assert(EMMPOOL_BLOCK_ALIGNMENT == emmpool::block_alignment);
 static_assert(EMMPOOL_LIBRARIES == emmpool::alloc_tag_count);
 static_assert(EMMPOOL_LIBRARY_TORCH == static_cast<int>(emmpool::alloc_tag::torch));
 static_assert(EMMPOOL_LIBRARY_CUDA_CORE == static_cast<int>(emmpool::alloc_tag::cuda_core));

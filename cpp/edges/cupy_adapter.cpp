@@ -7,6 +7,7 @@
 #include "python_gil.hpp"
 
 #include <emmpool/detail/stream_key.hpp>
+#include <emmpool/round_up.hpp>
 
 #include <pybind11/pybind11.h>
 
@@ -111,9 +112,7 @@ PyObject* cupy_malloc(PyObject* self, PyObject* size)
   std::size_t const n = PyLong_AsSize_t(size);
   if (n == static_cast<std::size_t>(-1) && PyErr_Occurred() != nullptr) { return nullptr; }
   std::size_t const rounded =
-    n > SIZE_MAX - cupy_allocation_unit
-      ? n
-      : (n + cupy_allocation_unit - 1) / cupy_allocation_unit * cupy_allocation_unit;
+    n > SIZE_MAX - cupy_allocation_unit ? n : round_up(n, cupy_allocation_unit);
   PyObject* rounded_size = rounded == n ? (Py_INCREF(size), size) : PyLong_FromSize_t(rounded);
   if (rounded_size == nullptr) { return nullptr; }
   PyObject* mem = PyObject_CallOneArg(PyTuple_GET_ITEM(self, 0), rounded_size);

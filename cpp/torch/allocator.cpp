@@ -17,8 +17,8 @@
 // in the low bits of the DataPtr's context (blocks are 256-byte aligned), so the deleter needs
 // no lookup either. Beside it, each in its own file: the C entry points (entry_points.hpp),
 // private pools (private_pools.hpp), the memory history (history.hpp), snapshots
-// (snapshot.hpp) and tensors across processes (ipc.hpp). One translation unit: the build cache is keyed by these sources and the C
-// header (emmpool._torch).
+// (snapshot.hpp) and tensors across processes (ipc.hpp). One translation unit: the build cache
+// is keyed by these sources and the headers shipped beside them (emmpool._torch).
 //
 // emmpool's _core is never linked: its entry points are looked up with dlsym in the library
 // whose path install() is given.
@@ -42,6 +42,8 @@
 #include "ipc.hpp"
 #include "private_pools.hpp"
 #include "snapshot.hpp"
+
+#include <emmpool/round_up.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -482,7 +484,8 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   void count(int device, std::size_t size) noexcept
   {
     auto const d = static_cast<std::size_t>(device) & 63;
-    allocated_total_[d].fetch_add((size + 255) / 256 * 256, std::memory_order_relaxed);
+    allocated_total_[d].fetch_add(emmpool::round_up(size, EMMPOOL_BLOCK_ALIGNMENT),
+                                  std::memory_order_relaxed);
     requested_total_[d].fetch_add(size, std::memory_order_relaxed);
   }
 

@@ -8,6 +8,8 @@
 
 #include "entry_points.hpp"
 
+#include <emmpool/round_up.hpp>
+
 #include <c10/core/Device.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -61,7 +63,7 @@ class private_pools {
   void* allocate(std::size_t size, int device, MempoolId id, cudaStream_t stream)
   {
     check_size(size);
-    std::size_t const rounded = (size + 255) / 256 * 256;
+    std::size_t const rounded = emmpool::round_up(size, EMMPOOL_BLOCK_ALIGNMENT);
     std::shared_ptr<cca::CUDAAllocator> source;
     {
       std::lock_guard<std::mutex> lock{mutex_};

@@ -34,11 +34,12 @@ from ._config import ensure_configured, log
 
 EXTENSION = Path(__file__).with_name("torch_extension")
 SOURCE = EXTENSION / "allocator.cpp"
-INCLUDE = EXTENSION / "include"  # emmpool/torch_api.h: the C interface it shares with _core
+# emmpool/torch_api.h, the C interface it shares with _core, and the core's headers it includes
+INCLUDE = EXTENSION / "include"
 # What SOURCE includes: part of the build cache's key with it.
 HEADERS = (*(EXTENSION / f"{part}.hpp"
              for part in ("entry_points", "private_pools", "history", "snapshot", "ipc")),
-           INCLUDE / "emmpool" / "torch_api.h")
+           *(INCLUDE / "emmpool" / name for name in ("torch_api.h", "round_up.hpp")))
 CHOICES = _config.TORCH_ALLOCATORS
 # After PyTorch's own flags. No -std: PyTorch passes the standard its headers need (C++17 up to
 # 2.11, C++20 from 2.12; 2.14's headers fail in C++17), which one here would override

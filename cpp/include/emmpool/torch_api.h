@@ -24,7 +24,11 @@
 extern "C" {
 #endif
 
-#define EMMPOOL_TORCH_ABI_VERSION 6
+#define EMMPOOL_TORCH_ABI_VERSION 7
+
+/* Every block's address and size are a multiple of this: what the pool rounds a request up to
+ * (emmpool::block_alignment; emmpool/round_up.hpp rounds). */
+#define EMMPOOL_BLOCK_ALIGNMENT 256
 
 /* ---- kinds -------------------------------------------------------------------------------- */
 
