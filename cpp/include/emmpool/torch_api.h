@@ -9,10 +9,11 @@
  *
  * Conventions: a device is a CUDA ordinal; a stream a cudaStream_t as an opaque pointer; an
  * `emmpool_error*` may be NULL, else it receives what failed. No function throws across this
- * boundary (but a thread's end at interpreter exit: cpp/edges/caller_lock.hpp), and none holds
- * the caller's GIL while it waits for a pool's lock or the GPU. Functions that fill an array
- * take its room `n` and return how many entries there are (fill again with more room if that is
- * more than n), or, for queues (segment events, returned foreign blocks), how many they took.
+ * boundary (but a thread's end at interpreter exit: cpp/entry_points/caller_lock.hpp), and none
+ * holds the caller's GIL while it waits for a pool's lock or the GPU. Functions that fill an
+ * array take its room `n` and return how many entries there are (fill again with more room if
+ * that is more than n), or, for queues (segment events, returned foreign blocks), how many they
+ * took.
  */
 #ifndef EMMPOOL_TORCH_API_H
 #define EMMPOOL_TORCH_API_H
