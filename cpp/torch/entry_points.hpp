@@ -32,31 +32,12 @@ using MempoolId = c10::cuda::MempoolId_t;
 constexpr std::uintptr_t device_bits  = 0x3f;  // device index, < 64 (emmpool's registry)
 constexpr std::uintptr_t private_bit  = 0x80;  // a block of a graph / MemPool private pool
 constexpr std::uintptr_t context_bits = 0xff;
-void* const no_stream = reinterpret_cast<void*>(std::uintptr_t{1});  // CU_STREAM_LEGACY
 
-// emmpool's C entry points, typed by the header, found in _core's shared library.
-#define EMMPOOL_ENTRY_POINTS(X)                                                               \
-  X(emmpool_torch_abi_version) X(emmpool_library_name) X(emmpool_torch_allocate)             \
-  X(emmpool_torch_free) X(emmpool_torch_record_stream) X(emmpool_torch_stats_of)             \
-  X(emmpool_torch_reset_peaks) X(emmpool_torch_trim) X(emmpool_torch_largest_block)          \
-  X(emmpool_torch_ipc_handle) X(emmpool_torch_set_maximum) X(emmpool_torch_maximum)          \
-  X(emmpool_torch_reserve_outside) X(emmpool_torch_layout) X(emmpool_torch_watch_segments)   \
-  X(emmpool_ipc_share_pages) X(emmpool_ipc_open_pages) X(emmpool_ipc_close)                  \
-  X(emmpool_ipc_service) X(emmpool_ipc_open_offer)                                           \
-  X(emmpool_torch_segment_events) X(emmpool_private_create_or_incref)                        \
-  X(emmpool_private_use_count) X(emmpool_private_set_use_on_oom)                             \
-  X(emmpool_private_set_no_split) X(emmpool_private_begin) X(emmpool_private_end)            \
-  X(emmpool_private_release) X(emmpool_private_empty_cache) X(emmpool_private_take)          \
-  X(emmpool_private_allocate)                                                               \
-  X(emmpool_private_adopt_foreign) X(emmpool_private_allocate_on_oom)                        \
-  X(emmpool_private_record_stream) X(emmpool_private_free) X(emmpool_private_device_of)      \
-  X(emmpool_private_returned_foreign) X(emmpool_private_live_blocks_are)                     \
-  X(emmpool_private_live_blocks) X(emmpool_private_restore) X(emmpool_private_totals_of)     \
-  X(emmpool_private_blocks)
-
+// emmpool's C entry points, typed by the header, found in _core's shared library: a pointer
+// for each function the header lists (EMMPOOL_TORCH_FUNCTIONS).
 struct entry_points {
 #define EMMPOOL_POINTER(name) decltype(&::name) name{};
-  EMMPOOL_ENTRY_POINTS(EMMPOOL_POINTER)
+  EMMPOOL_TORCH_FUNCTIONS(EMMPOOL_POINTER)
 #undef EMMPOOL_POINTER
 };
 entry_points api;
@@ -87,7 +68,7 @@ void load_entry_points(std::string const& core_path)
           ": reinstall emmpool (the extension cache is keyed by its source)");
   }
 #define EMMPOOL_FIND(name) api.name = reinterpret_cast<decltype(&::name)>(find(#name));
-  EMMPOOL_ENTRY_POINTS(EMMPOOL_FIND)
+  EMMPOOL_TORCH_FUNCTIONS(EMMPOOL_FIND)
 #undef EMMPOOL_FIND
 }
 

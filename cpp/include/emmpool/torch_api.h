@@ -262,6 +262,57 @@ int emmpool_private_restore(emmpool_private_id id, const uint64_t* live, size_t 
 void emmpool_private_totals_of(int device, emmpool_private_totals* out);
 long emmpool_private_blocks(int device, emmpool_private_block* out, size_t n);
 
+/* ---- every function above, named once ------------------------------------------------------ */
+
+/* X(name) for each function of this interface, in the order above: the extension's table of
+ * pointers, which it fills with dlsym, is this list expanded (cpp/torch/entry_points.hpp). A
+ * function is added by its declaration above and its line here; the core defines it
+ * (cpp/entry_points/c_api_torch.cpp), and tests/test_torch_hook.py checks that the list and the
+ * declarations name the same functions. */
+#define EMMPOOL_TORCH_FUNCTIONS(X)                                                                 \
+  X(emmpool_torch_abi_version)                                                                     \
+  X(emmpool_library_name)                                                                          \
+  X(emmpool_torch_allocate)                                                                        \
+  X(emmpool_torch_free)                                                                            \
+  X(emmpool_torch_record_stream)                                                                   \
+  X(emmpool_torch_stats_of)                                                                        \
+  X(emmpool_torch_reset_peaks)                                                                     \
+  X(emmpool_torch_trim)                                                                            \
+  X(emmpool_torch_largest_block)                                                                   \
+  X(emmpool_torch_ipc_handle)                                                                      \
+  X(emmpool_torch_set_maximum)                                                                     \
+  X(emmpool_torch_maximum)                                                                         \
+  X(emmpool_torch_reserve_outside)                                                                 \
+  X(emmpool_torch_layout)                                                                          \
+  X(emmpool_ipc_share_pages)                                                                       \
+  X(emmpool_ipc_service)                                                                           \
+  X(emmpool_ipc_open_pages)                                                                        \
+  X(emmpool_ipc_open_offer)                                                                        \
+  X(emmpool_ipc_close)                                                                             \
+  X(emmpool_torch_watch_segments)                                                                  \
+  X(emmpool_torch_segment_events)                                                                  \
+  X(emmpool_private_create_or_incref)                                                              \
+  X(emmpool_private_use_count)                                                                     \
+  X(emmpool_private_set_use_on_oom)                                                                \
+  X(emmpool_private_set_no_split)                                                                  \
+  X(emmpool_private_begin)                                                                         \
+  X(emmpool_private_end)                                                                           \
+  X(emmpool_private_release)                                                                       \
+  X(emmpool_private_empty_cache)                                                                   \
+  X(emmpool_private_take)                                                                          \
+  X(emmpool_private_allocate)                                                                      \
+  X(emmpool_private_adopt_foreign)                                                                 \
+  X(emmpool_private_allocate_on_oom)                                                               \
+  X(emmpool_private_record_stream)                                                                 \
+  X(emmpool_private_free)                                                                          \
+  X(emmpool_private_device_of)                                                                     \
+  X(emmpool_private_returned_foreign)                                                              \
+  X(emmpool_private_live_blocks_are)                                                               \
+  X(emmpool_private_live_blocks)                                                                   \
+  X(emmpool_private_restore)                                                                       \
+  X(emmpool_private_totals_of)                                                                     \
+  X(emmpool_private_blocks)
+
 #ifdef __cplusplus
 }
 #endif
