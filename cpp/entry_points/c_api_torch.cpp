@@ -3,9 +3,9 @@
 // record_stream, IPC, the cache's largest block, empty_cache, the cap of
 // set_per_process_memory_fraction, the blocks and segment events of a memory snapshot and
 // history) and PyTorch's private pools (emmpool/private_pools.hpp). Each translates between
-// the header's C records and the core's types, and follows the entry points' rule: no
-// exception crosses the boundary, and the caller's GIL is let go of while a pool's lock or the
-// GPU may be waited for (pool_calls.hpp, caller_lock.hpp).
+// the header's C records and the core's types, and follows the entry points' rule through one
+// helper, guarded(): no exception crosses the boundary, and the caller's GIL is let go of while
+// a pool's lock or the GPU may be waited for (pool_calls.hpp, caller_lock.hpp).
 #include "c_api.hpp"
 #include "caller_lock.hpp"
 
@@ -63,15 +63,47 @@ void say(emmpool_error* error, emmpool_failure kind, char const* what) noexcept
 // The pool of a device only if it exists already: statistics, peaks and empty_cache must not
 // create pools (and with them CUDA contexts, initial reservations) on devices the program never
 // used, as torch.cuda.empty_cache() asks of every device.
-emmpool::device_pool* existing_pool_of(int device) noexcept
+emmpool::device_pool* existing_pool_of(int device)
 {
-  try {
-    for (auto* p : registry().pools()) {
-      if (p->device() == device) { return p; }
-    }
-  } catch (...) {
+  for (auto* p : registry().pools()) {
+    if (p->device() == device) { return p; }
   }
   return nullptr;
+}
+
+// Whether an entry point may wait for a pool's lock or the GPU: then the caller's lock (the
+// GIL) is let go of meanwhile. One that allocates from a device pool says no: pool_calls.hpp
+// lets go of it there itself, and takes it back to ask the out-of-memory hook, which a
+// thread's end at interpreter exit may interrupt (caller_lock.hpp).
+enum class waits : bool { no, yes };
+
+// The rule every entry point below follows, written once: body()'s result, or `failed` if it
+// threw, what it threw said in `error` (which may be null). No exception leaves but a thread's
+// end, which must pass: not noexcept.
+template <class Result, class Body>
+Result guarded(waits wait, Result failed, emmpool_error* error, Body&& body)
+{
+  auto run = [&]() -> Result {
+    try {
+      return body();
+    }
+    EMMPOOL_LET_THREAD_END
+    catch (...) {
+      report(error);
+    }
+    return failed;
+  };
+  return wait == waits::yes ? without_caller_lock(run) : run();
+}
+
+// guarded(), for an entry point that answers nothing: a failure is dropped.
+template <class Body>
+void guarded(waits wait, Body&& body)
+{
+  (void)guarded(wait, false, nullptr, [&] {
+    body();
+    return true;
+  });
 }
 
 emmpool::private_pool_id id_of(emmpool_private_id id) noexcept { return {id.first, id.second}; }
@@ -92,7 +124,9 @@ emmpool_private_block record_of(emmpool::private_block const& b) noexcept
 template <class T, class Row, class F>
 long fill(std::vector<T> const& items, Row* out, std::size_t n, F&& row_of) noexcept
 {
-  for (std::size_t i = 0; i < items.size() && i < n && out != nullptr; ++i) { out[i] = row_of(items[i]); }
+  for (std::size_t i = 0; i < items.size() && i < n && out != nullptr; ++i) {
+    out[i] = row_of(items[i]);
+  }
   return static_cast<long>(items.size());
 }
 
@@ -111,231 +145,164 @@ EMMPOOL_C_API char const* emmpool_library_name(int library)
 EMMPOOL_C_API void* emmpool_torch_allocate(std::size_t size, int device, void* stream,
                                            emmpool_error* error)
 {
-  try {
+  return guarded<void*>(waits::no, nullptr, error, [&] {
     return reinterpret_cast<void*>(emmpool::c_api::allocate_from(
       size, device, reinterpret_cast<stream_handle>(stream), emmpool::alloc_tag::torch));
-  }
-  EMMPOOL_LET_THREAD_END
-  catch (...) {
-    report(error);
-    return nullptr;
-  }
+  });
 }
 
 EMMPOOL_C_API int emmpool_torch_record_stream(void* ptr, int device, void* stream,
                                               emmpool_error* error)
 {
-  return without_caller_lock([&]() noexcept {
-    try {
-      registry().pool(device).record_stream(reinterpret_cast<device_ptr>(ptr),
-                                            reinterpret_cast<stream_handle>(stream));
-      return 0;
-    } catch (...) {
-      report(error);
-    }
-    return -1;
+  return guarded(waits::yes, -1, error, [&] {
+    registry().pool(device).record_stream(reinterpret_cast<device_ptr>(ptr),
+                                          reinterpret_cast<stream_handle>(stream));
+    return 0;
   });
 }
 
 EMMPOOL_C_API int emmpool_torch_stats_of(int device, emmpool_torch_stats* out)
 {
-  return without_caller_lock([&]() noexcept {
+  return guarded(waits::yes, -1, nullptr, [&] {
     auto* pool = existing_pool_of(device);
     if (pool == nullptr || out == nullptr) { return -1; }
-    try {
-      auto const s     = pool->stats();
-      auto const torch = static_cast<std::size_t>(emmpool::alloc_tag::torch);
-      *out = emmpool_torch_stats{s.bytes_in_use_by_tag[torch], s.bytes_in_use,
-                                 s.peak_bytes_in_use,          s.bytes_reserved,
-                                 s.peak_bytes_reserved,        s.allocations_by_tag[torch],
-                                 s.frees,                      s.blocks_in_use,
-                                 s.segments,                   s.segment_allocations,
-                                 s.segment_releases,           s.out_of_memory,
-                                 s.bytes_waiting,              s.bytes_free,
-                                 s.largest_free_block,         s.dormant_fences};
-      return 0;
-    } catch (...) {
-      return -1;
-    }
+    auto const s     = pool->stats();
+    auto const torch = static_cast<std::size_t>(emmpool::alloc_tag::torch);
+    *out = emmpool_torch_stats{s.bytes_in_use_by_tag[torch], s.bytes_in_use,
+                               s.peak_bytes_in_use,          s.bytes_reserved,
+                               s.peak_bytes_reserved,        s.allocations_by_tag[torch],
+                               s.frees,                      s.blocks_in_use,
+                               s.segments,                   s.segment_allocations,
+                               s.segment_releases,           s.out_of_memory,
+                               s.bytes_waiting,              s.bytes_free,
+                               s.largest_free_block,         s.dormant_fences};
+    return 0;
   });
 }
 
 EMMPOOL_C_API void emmpool_torch_reset_peaks(int device)
 {
-  without_caller_lock([&]() noexcept {
-    if (auto* pool = existing_pool_of(device)) {
-      try {
-        emmpool::pool_controls{*pool}.reset_peaks();
-      } catch (...) {
-      }
-    }
+  guarded(waits::yes, [&] {
+    if (auto* pool = existing_pool_of(device)) { emmpool::pool_controls{*pool}.reset_peaks(); }
   });
 }
 
 EMMPOOL_C_API std::size_t emmpool_torch_trim(int device)
 {
-  return without_caller_lock([&]() noexcept -> std::size_t {
-    if (auto* pool = existing_pool_of(device)) {
-      try {
-        return pool->trim();
-      } catch (...) {
-      }
-    }
-    return 0;
+  return guarded(waits::yes, std::size_t{0}, nullptr, [&]() -> std::size_t {
+    auto* pool = existing_pool_of(device);
+    return pool != nullptr ? pool->trim() : 0;
   });
 }
 
 EMMPOOL_C_API std::size_t emmpool_torch_largest_block(int device)
 {
-  return without_caller_lock([&]() noexcept -> std::size_t {
-    try {
-      auto& pool     = registry().pool(device);
-      auto const s   = pool.stats();
-      auto const mi  = registry().get_driver().memory_info_of(device);
-      auto const cap = emmpool::pool_controls{pool}.maximum_size();
-      std::size_t const headroom = cap > s.bytes_reserved ? cap - s.bytes_reserved : 0;
-      return std::max(s.largest_free_block, std::min(mi.free, headroom));
-    } catch (...) {
-      return 0;
-    }
+  return guarded(waits::yes, std::size_t{0}, nullptr, [&] {
+    auto& pool     = registry().pool(device);
+    auto const s   = pool.stats();
+    auto const mi  = registry().get_driver().memory_info_of(device);
+    auto const cap = emmpool::pool_controls{pool}.maximum_size();
+    std::size_t const headroom = cap > s.bytes_reserved ? cap - s.bytes_reserved : 0;
+    return std::max(s.largest_free_block, std::min(mi.free, headroom));
   });
 }
 
 EMMPOOL_C_API int emmpool_torch_ipc_handle(void* ptr, int device, unsigned char* handle,
                                            std::size_t* offset, emmpool_error* error)
 {
-  return without_caller_lock([&]() noexcept {
-    try {
-      auto const info =
-        emmpool::pool_sharing{registry().pool(device)}.ipc_handle(reinterpret_cast<device_ptr>(ptr));
-      if (!info) {
-        say(error, EMMPOOL_FAILED_INVALID_ARGUMENT, "the pointer is not a block of emmpool's pool");
-        return -1;
-      }
-      std::memcpy(handle, info->handle.data(), info->handle.size());
-      *offset = info->offset;
-      return 0;
-    } catch (...) {
-      report(error);
+  return guarded(waits::yes, -1, error, [&] {
+    auto const info = emmpool::pool_sharing{registry().pool(device)}.ipc_handle(
+      reinterpret_cast<device_ptr>(ptr));
+    if (!info) {
+      say(error, EMMPOOL_FAILED_INVALID_ARGUMENT, "the pointer is not a block of emmpool's pool");
+      return -1;
     }
-    return -1;
+    std::memcpy(handle, info->handle.data(), info->handle.size());
+    *offset = info->offset;
+    return 0;
   });
 }
 
 EMMPOOL_C_API int emmpool_torch_set_maximum(int device, std::size_t bytes, emmpool_error* error)
 {
-  return without_caller_lock([&]() noexcept {
-    try {
-      emmpool::pool_controls{registry().pool(device)}.set_maximum_size(bytes);
-      return 0;
-    } catch (...) {
-      report(error);
-    }
-    return -1;
+  return guarded(waits::yes, -1, error, [&] {
+    emmpool::pool_controls{registry().pool(device)}.set_maximum_size(bytes);
+    return 0;
   });
 }
 
 EMMPOOL_C_API std::size_t emmpool_torch_maximum(int device)
 {
-  return without_caller_lock([&]() noexcept -> std::size_t {
-    if (auto* pool = existing_pool_of(device)) {
-      try {
-        return emmpool::pool_controls{*pool}.maximum_size();
-      } catch (...) {
-      }
-    }
-    return std::numeric_limits<std::size_t>::max();
+  std::size_t const none = std::numeric_limits<std::size_t>::max();
+  return guarded(waits::yes, none, nullptr, [&] {
+    auto* pool = existing_pool_of(device);
+    return pool != nullptr ? emmpool::pool_controls{*pool}.maximum_size() : none;
   });
 }
 
 EMMPOOL_C_API int emmpool_torch_reserve_outside(int device, long long delta, emmpool_error* error)
 {
-  return without_caller_lock([&]() noexcept {
-    try {
-      auto& pool = registry().pool(device);
-      return emmpool::pool_controls{pool}.reserve_outside(static_cast<std::ptrdiff_t>(delta)) ? 0
-                                                                                        : 1;
-    } catch (...) {
-      report(error);
-    }
-    return -1;
+  return guarded(waits::yes, -1, error, [&] {
+    emmpool::pool_controls controls{registry().pool(device)};
+    return controls.reserve_outside(static_cast<std::ptrdiff_t>(delta)) ? 0 : 1;
   });
 }
 
 EMMPOOL_C_API long emmpool_torch_layout(int device, emmpool_layout_row* out, std::size_t n)
 {
-  return without_caller_lock([&]() noexcept -> long {
+  return guarded(waits::yes, -1L, nullptr, [&]() -> long {
     auto* pool = existing_pool_of(device);
     if (pool == nullptr) { return -1; }
-    try {
-      return fill(emmpool::pool_queries{*pool}.layout(), out, n, [](emmpool::layout_block const& b) {
-        emmpool_layout_row r{};
-        r.segment      = b.segment;
-        r.segment_size = b.segment_size;
-        r.ptr          = b.ptr;
-        r.size         = b.size;
-        r.stream       = b.stream;
-        r.state        = static_cast<std::uint8_t>(b.state);
-        r.library      = b.tag;
-        r.kind         = static_cast<std::uint8_t>(b.kind);
-        return r;
-      });
-    } catch (...) {
-      return -1;
-    }
+    return fill(emmpool::pool_queries{*pool}.layout(), out, n, [](emmpool::layout_block const& b) {
+      emmpool_layout_row r{};
+      r.segment      = b.segment;
+      r.segment_size = b.segment_size;
+      r.ptr          = b.ptr;
+      r.size         = b.size;
+      r.stream       = b.stream;
+      r.state        = static_cast<std::uint8_t>(b.state);
+      r.library      = b.tag;
+      r.kind         = static_cast<std::uint8_t>(b.kind);
+      return r;
+    });
   });
 }
 
 EMMPOOL_C_API int emmpool_ipc_share_pages(void* ptr, int device, emmpool_shared_pages* out,
                                            std::int32_t* fds, std::size_t n, emmpool_error* error)
 {
-  return without_caller_lock([&]() noexcept {
-    try {
-      auto const shared =
-        emmpool::pool_sharing{registry().pool(device)}.share_pages(reinterpret_cast<device_ptr>(ptr));
-      if (!shared) { return 1; }
-      *out = emmpool_shared_pages{shared->first_page, shared->page_size, shared->offset,
-                                  shared->block_size, shared->fds.size()};
-      for (std::size_t i = 0; i < shared->fds.size() && i < n && fds != nullptr; ++i) {
-        fds[i] = shared->fds[i];
-      }
-      return 0;
-    } catch (...) {
-      report(error);
+  return guarded(waits::yes, -1, error, [&] {
+    auto const shared = emmpool::pool_sharing{registry().pool(device)}.share_pages(
+      reinterpret_cast<device_ptr>(ptr));
+    if (!shared) { return 1; }
+    *out = emmpool_shared_pages{shared->first_page, shared->page_size, shared->offset,
+                                shared->block_size, shared->fds.size()};
+    for (std::size_t i = 0; i < shared->fds.size() && i < n && fds != nullptr; ++i) {
+      fds[i] = shared->fds[i];
     }
-    return -1;
+    return 0;
   });
 }
 
 EMMPOOL_C_API void* emmpool_ipc_open_pages(int device, std::int32_t const* fds, std::size_t n,
                                            std::uint64_t page_size, emmpool_error* error)
 {
-  return without_caller_lock([&]() noexcept -> void* {
-    try {
-      std::vector<int> const list(fds, fds + n);
-      return reinterpret_cast<void*>(registry().imports().open_pages(device, list, page_size));
-    } catch (...) {
-      report(error);
-    }
-    return nullptr;
+  return guarded<void*>(waits::yes, nullptr, error, [&] {
+    std::vector<int> const list(fds, fds + n);
+    return reinterpret_cast<void*>(registry().imports().open_pages(device, list, page_size));
   });
 }
 
 EMMPOOL_C_API long emmpool_ipc_service(char* address, std::size_t n, unsigned char* secret,
                                         emmpool_error* error)
 {
-  return without_caller_lock([&]() noexcept -> long {
-    try {
-      auto& service   = registry().service();
-      auto const name = service.address();
-      auto const key  = service.secret();
-      std::memcpy(address, name.data(), std::min(n, name.size()));
-      std::memcpy(secret, key.data(), key.size());
-      return static_cast<long>(name.size());
-    } catch (...) {
-      report(error);
-    }
-    return -1;
+  return guarded(waits::yes, -1L, error, [&] {
+    auto& service   = registry().service();
+    auto const name = service.address();
+    auto const key  = service.secret();
+    std::memcpy(address, name.data(), std::min(n, name.size()));
+    std::memcpy(secret, key.data(), key.size());
+    return static_cast<long>(name.size());
   });
 }
 
@@ -345,167 +312,115 @@ EMMPOOL_C_API void* emmpool_ipc_open_offer(int device, char const* address,
                                            std::uint64_t page_size, std::int32_t const* fds,
                                            std::size_t n, emmpool_error* error)
 {
-  return without_caller_lock([&]() noexcept -> void* {
-    try {
-      emmpool::page_offer offer;
-      offer.address.assign(address, address_size);
-      std::memcpy(offer.secret.data(), secret, offer.secret.size());
-      offer.device     = sender_device;
-      offer.first_page = first_page;
-      offer.page_size  = page_size;
-      offer.fds.assign(fds, fds + n);
-      return reinterpret_cast<void*>(registry().imports().open_offer(device, offer));
-    } catch (...) {
-      report(error);
-    }
-    return nullptr;
+  return guarded<void*>(waits::yes, nullptr, error, [&] {
+    emmpool::page_offer offer;
+    offer.address.assign(address, address_size);
+    std::memcpy(offer.secret.data(), secret, offer.secret.size());
+    offer.device     = sender_device;
+    offer.first_page = first_page;
+    offer.page_size  = page_size;
+    offer.fds.assign(fds, fds + n);
+    return reinterpret_cast<void*>(registry().imports().open_offer(device, offer));
   });
 }
 
 EMMPOOL_C_API void emmpool_ipc_close(void* base)
 {
-  without_caller_lock([&]() noexcept {
-    try {
-      registry().imports().close(reinterpret_cast<device_ptr>(base));
-    } catch (...) {
-    }
-  });
+  guarded(waits::yes, [&] { registry().imports().close(reinterpret_cast<device_ptr>(base)); });
 }
 
 EMMPOOL_C_API void emmpool_torch_watch_segments(int on)
 {
-  without_caller_lock([&]() noexcept {
-    try {
-      registry().set_segment_events(on != 0);
-    } catch (...) {
-    }
-  });
+  guarded(waits::yes, [&] { registry().set_segment_events(on != 0); });
 }
 
 EMMPOOL_C_API long emmpool_torch_segment_events(int device, emmpool_segment_event* out,
                                                 std::size_t n)
 {
-  return without_caller_lock([&]() noexcept -> long {
+  return guarded(waits::yes, -1L, nullptr, [&]() -> long {
     auto* pool = existing_pool_of(device);
     if (pool == nullptr) { return -1; }
-    try {
-      auto const events = emmpool::pool_observers{*pool}.take_segment_events(out == nullptr ? 0 : n);
-      return fill(events, out, n, [](emmpool::segment_event const& e) {
-        emmpool_segment_event r{};
-        r.address = e.address;
-        r.size    = e.size;
-        r.action  = static_cast<std::uint8_t>(e.what);
-        r.kind    = static_cast<std::uint8_t>(e.type);
-        r.library = e.tag;
-        return r;
-      });
-    } catch (...) {
-      return -1;
-    }
+    auto const events = emmpool::pool_observers{*pool}.take_segment_events(out == nullptr ? 0 : n);
+    return fill(events, out, n, [](emmpool::segment_event const& e) {
+      emmpool_segment_event r{};
+      r.address = e.address;
+      r.size    = e.size;
+      r.action  = static_cast<std::uint8_t>(e.what);
+      r.kind    = static_cast<std::uint8_t>(e.type);
+      r.library = e.tag;
+      return r;
+    });
   });
 }
 
 // ---- private pools --------------------------------------------------------------------------
 
+// Those that may give blocks back to a device pool (end, release, empty_cache, free) do so
+// after a device synchronization: they wait.
+
 EMMPOOL_C_API void emmpool_private_create_or_incref(int device, emmpool_private_id id)
 {
-  try {
-    registry().privates().create_or_incref(device, id_of(id));
-  } catch (...) {
-  }
+  guarded(waits::no, [&] { registry().privates().create_or_incref(device, id_of(id)); });
 }
 
 EMMPOOL_C_API int emmpool_private_use_count(emmpool_private_id id)
 {
-  try {
-    return registry().privates().use_count(id_of(id));
-  } catch (...) {
-    return 0;
-  }
+  return guarded(waits::no, 0, nullptr, [&] { return registry().privates().use_count(id_of(id)); });
 }
 
 EMMPOOL_C_API int emmpool_private_set_use_on_oom(emmpool_private_id id, int on,
                                                  emmpool_error* error)
 {
-  try {
+  return guarded(waits::no, -1, error, [&] {
     registry().privates().set_use_on_oom(id_of(id), on != 0);
     return 0;
-  } catch (...) {
-    report(error);
-    return -1;
-  }
+  });
 }
 
 EMMPOOL_C_API int emmpool_private_set_no_split(emmpool_private_id id, emmpool_error* error)
 {
-  try {
+  return guarded(waits::no, -1, error, [&] {
     registry().privates().set_no_split(id_of(id));
     return 0;
-  } catch (...) {
-    report(error);
-    return -1;
-  }
+  });
 }
 
 EMMPOOL_C_API int emmpool_private_begin(int device, emmpool_private_id id, emmpool_error* error)
 {
-  return without_caller_lock([&]() noexcept {
-    try {
-      registry().privates().begin(device, id_of(id));
-      return 0;
-    } catch (...) {
-      report(error);
-    }
-    return -1;
+  return guarded(waits::yes, -1, error, [&] {
+    registry().privates().begin(device, id_of(id));
+    return 0;
   });
 }
 
 EMMPOOL_C_API void emmpool_private_end(int device, emmpool_private_id id)
 {
-  without_caller_lock([&]() noexcept {
-    try {
-      registry().privates().end(device, id_of(id));
-    } catch (...) {
-    }
-  });
+  guarded(waits::yes, [&] { registry().privates().end(device, id_of(id)); });
 }
 
-// Release, empty_cache and free may give blocks back after a device synchronization.
 EMMPOOL_C_API void emmpool_private_release(emmpool_private_id id)
 {
-  without_caller_lock([&]() noexcept {
-    try {
-      registry().privates().release(id_of(id));
-    } catch (...) {
-    }
-  });
+  guarded(waits::yes, [&] { registry().privates().release(id_of(id)); });
 }
 
 EMMPOOL_C_API void emmpool_private_empty_cache(emmpool_private_id id)
 {
-  without_caller_lock([&]() noexcept {
-    try {
-      registry().privates().empty_cache(id_of(id));
-    } catch (...) {
-    }
-  });
+  guarded(waits::yes, [&] { registry().privates().empty_cache(id_of(id)); });
 }
 
 EMMPOOL_C_API void* emmpool_private_take(emmpool_private_id id, std::size_t size, void* stream)
 {
-  try {
-    auto const p = registry().privates().take(id_of(id), size,
-                                              reinterpret_cast<stream_handle>(stream));
+  return guarded<void*>(waits::no, nullptr, nullptr, [&]() -> void* {
+    auto const p =
+      registry().privates().take(id_of(id), size, reinterpret_cast<stream_handle>(stream));
     return p ? reinterpret_cast<void*>(*p) : nullptr;
-  } catch (...) {
-    return nullptr;
-  }
+  });
 }
 
 EMMPOOL_C_API void* emmpool_private_allocate(emmpool_private_id id, std::size_t size, int device,
                                              void* stream, emmpool_error* error)
 {
-  try {
+  return guarded<void*>(waits::no, nullptr, error, [&] {
     auto& privates = registry().privates();
     auto const s   = reinterpret_cast<stream_handle>(stream);
     if (auto const p = privates.take(id_of(id), size, s)) { return reinterpret_cast<void*>(*p); }
@@ -521,127 +436,96 @@ EMMPOOL_C_API void* emmpool_private_allocate(emmpool_private_id id, std::size_t 
       throw;
     }
     return reinterpret_cast<void*>(p);
-  }
-  EMMPOOL_LET_THREAD_END
-  catch (...) {
-    report(error);
-    return nullptr;
-  }
+  });
 }
 
 EMMPOOL_C_API int emmpool_private_adopt_foreign(emmpool_private_id id, void* ptr, std::size_t size,
                                                 int device, void* stream, emmpool_error* error)
 {
-  try {
+  return guarded(waits::no, -1, error, [&] {
     registry().privates().adopt(id_of(id), reinterpret_cast<device_ptr>(ptr), size, device,
                                 reinterpret_cast<stream_handle>(stream), true);
     return 0;
-  } catch (...) {
-    report(error);
-    return -1;
-  }
+  });
 }
 
 EMMPOOL_C_API void* emmpool_private_allocate_on_oom(std::size_t size, int device, void* stream)
 {
-  try {
+  return guarded<void*>(waits::no, nullptr, nullptr, [&]() -> void* {
     auto const p = registry().privates().take_on_oom(size, device,
                                                      reinterpret_cast<stream_handle>(stream));
     return p ? reinterpret_cast<void*>(*p) : nullptr;
-  } catch (...) {
-    return nullptr;
-  }
+  });
 }
 
 EMMPOOL_C_API void emmpool_private_record_stream(void* ptr)
 {
-  try {
-    registry().privates().record_stream(reinterpret_cast<device_ptr>(ptr));
-  } catch (...) {
-  }
+  guarded(waits::no,
+          [&] { registry().privates().record_stream(reinterpret_cast<device_ptr>(ptr)); });
 }
 
 EMMPOOL_C_API void emmpool_private_free(void* ptr)
 {
-  without_caller_lock([&]() noexcept {
-    try {
-      registry().privates().free(reinterpret_cast<device_ptr>(ptr));
-    } catch (...) {
-    }
-  });
+  guarded(waits::yes, [&] { registry().privates().free(reinterpret_cast<device_ptr>(ptr)); });
 }
 
 EMMPOOL_C_API int emmpool_private_device_of(void* ptr)
 {
-  try {
+  return guarded(waits::no, -1, nullptr, [&] {
     auto& privates = registry().privates();
     if (!privates.owns(reinterpret_cast<device_ptr>(ptr))) { return -1; }
     return privates.device_of(reinterpret_cast<device_ptr>(ptr)).value_or(-1);
-  } catch (...) {
-    return -1;
-  }
+  });
 }
 
 EMMPOOL_C_API long emmpool_private_returned_foreign(emmpool_private_block* out, std::size_t n)
 {
-  try {
+  return guarded(waits::no, 0L, nullptr, [&] {
     return fill(registry().privates().take_returned_foreign(out == nullptr ? 0 : n), out, n,
                 record_of);
-  } catch (...) {
-    return 0;
-  }
+  });
 }
 
 EMMPOOL_C_API int emmpool_private_live_blocks_are(emmpool_private_id id, std::uint64_t const* ptrs,
                                                   std::size_t n)
 {
-  try {
+  return guarded(waits::no, 0, nullptr, [&] {
     std::vector<device_ptr> const expected(ptrs, ptrs + n);
     return registry().privates().live_blocks_are(id_of(id), expected) ? 1 : 0;
-  } catch (...) {
-    return 0;
-  }
+  });
 }
 
 EMMPOOL_C_API long emmpool_private_live_blocks(emmpool_private_id id, std::uint64_t* out,
                                                std::size_t n)
 {
-  try {
+  return guarded(waits::no, -1L, nullptr, [&] {
     return fill(registry().privates().live_blocks(id_of(id)), out, n,
                 [](device_ptr p) { return static_cast<std::uint64_t>(p); });
-  } catch (...) {
-    return -1;
-  }
+  });
 }
 
 EMMPOOL_C_API int emmpool_private_restore(emmpool_private_id id, std::uint64_t const* live,
                                           std::size_t n, emmpool_error* error)
 {
-  try {
+  return guarded(waits::no, -1, error, [&] {
     registry().privates().restore(id_of(id), std::vector<device_ptr>(live, live + n));
     return 0;
-  } catch (...) {
-    report(error);
-    return -1;
-  }
+  });
 }
 
 EMMPOOL_C_API void emmpool_private_totals_of(int device, emmpool_private_totals* out)
 {
   if (out == nullptr) { return; }
   *out = emmpool_private_totals{};
-  try {
+  guarded(waits::no, [&] {
     auto const t = registry().privates().totals(device);
     *out         = emmpool_private_totals{t.cached_bytes, t.cached_blocks, t.foreign_bytes};
-  } catch (...) {
-  }
+  });
 }
 
 EMMPOOL_C_API long emmpool_private_blocks(int device, emmpool_private_block* out, std::size_t n)
 {
-  try {
+  return guarded(waits::no, -1L, nullptr, [&] {
     return fill(registry().privates().blocks_of(device), out, n, record_of);
-  } catch (...) {
-    return -1;
-  }
+  });
 }
