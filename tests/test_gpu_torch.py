@@ -102,6 +102,18 @@ def test_memory_stats(extension_builds):
     assert 0 < r["free"] <= r["total"], r
 
 
+def test_accumulated_stats_start_again_at_reset(extension_builds):
+    r, raised, out = scenario("accumulated_stats", "extension")
+    assert raised is None, out
+    assert all(v for k, v in r.items() if k != "stats"), r
+
+
+def test_profiler_reports_a_blocks_size_at_its_allocation_and_free(extension_builds):
+    r, raised, out = scenario("profiler_sizes", "extension")
+    assert raised is None, out
+    assert r["allocation_reported"] and r["free_reported"], r
+
+
 def test_memory_stats_pluggable_raises_pytorchs_error():
     _, raised, out = scenario("memory_stats", "pluggable")
     assert raised is not None and "does not yet support getDeviceStats" in raised, out
@@ -233,10 +245,11 @@ def test_snapshot_names_every_library(extension_builds):
 
 def test_native_allocator_passes_the_same_scenarios():
     """The scenarios' own checks hold under PyTorch's allocator (so that they can fail)."""
-    for name in ("cuda_graph", "shared_pool_graphs", "mem_pool", "history_snapshot"):
+    for name in ("cuda_graph", "shared_pool_graphs", "mem_pool", "history_snapshot",
+                 "accumulated_stats", "profiler_sizes"):
         r, raised, out = scenario(name, "native")
         assert raised is None, out
-        assert all(v for k, v in r.items() if k != "actions"), (name, r)
+        assert all(v for k, v in r.items() if k not in ("actions", "stats", "sizes")), (name, r)
 
 
 def test_out_of_memory_is_torchs_out_of_memory_error(extension_builds):

@@ -31,10 +31,12 @@ C_ENTRIES = textwrap.dedent(
         _fields_ = [("kind", c.c_int32), ("message", c.c_char * 512)]
     class Stats(c.Structure):
         _fields_ = [(n, c.c_uint64) for n in (
-            "torch_bytes_in_use bytes_in_use peak_bytes_in_use bytes_reserved "
-            "peak_bytes_reserved torch_allocations frees blocks_in_use segments "
-            "segment_allocations segment_releases out_of_memory bytes_waiting bytes_free "
-            "largest_free_block dormant_fences").split()]
+            "allocated_bytes peak_allocated_bytes reserved_bytes peak_reserved_bytes "
+            "inactive_bytes blocks_in_use segments").split()]
+    class Accumulated(c.Structure):
+        _fields_ = [(n, c.c_uint64) for n in (
+            "allocated_bytes freed_bytes requested_bytes requested_freed_bytes allocations "
+            "frees segment_allocations segment_releases out_of_memory dormant_fences").split()]
     class Row(c.Structure):
         _fields_ = [("segment", c.c_uint64), ("segment_size", c.c_uint64), ("ptr", c.c_uint64),
                     ("size", c.c_uint64), ("stream", c.c_uint64), ("state", c.c_uint8),
@@ -46,9 +48,10 @@ C_ENTRIES = textwrap.dedent(
         _fields_ = [("first", c.c_uint64), ("second", c.c_uint64)]
     class Pages(c.Structure):
         _fields_ = [(n, c.c_uint64) for n in "first_page page_size offset block_size pages".split()]
-    class Totals(c.Structure):
-        _fields_ = [("cached_bytes", c.c_uint64), ("cached_blocks", c.c_uint64),
-                    ("foreign_bytes", c.c_uint64)]
+    class Block(c.Structure):
+        _fields_ = [("ptr", c.c_uint64), ("size", c.c_uint64), ("stream", c.c_uint64),
+                    ("pool", Id), ("device", c.c_int32), ("live", c.c_uint8),
+                    ("foreign", c.c_uint8), ("reserved_", c.c_uint8 * 2)]
     E = c.POINTER(Error)
 
     def fn(name, restype, *argtypes):
@@ -59,8 +62,12 @@ C_ENTRIES = textwrap.dedent(
     allocate = fn("emmpool_torch_allocate", c.c_void_p, c.c_size_t, c.c_int, c.c_void_p, E)
     free = fn("emmpool_torch_free", None, c.c_void_p, c.c_size_t, c.c_int, c.c_void_p)
     record = fn("emmpool_torch_record_stream", c.c_int, c.c_void_p, c.c_int, c.c_void_p, E)
+    block_size = fn("emmpool_torch_block_size", c.c_size_t, c.c_void_p, c.c_int)
     stats_of = fn("emmpool_torch_stats_of", c.c_int, c.c_int, c.POINTER(Stats))
+    accumulated_of = fn("emmpool_torch_accumulated_of", c.c_int, c.c_int,
+                        c.POINTER(Accumulated))
     reset_peaks = fn("emmpool_torch_reset_peaks", None, c.c_int)
+    reset_accumulated = fn("emmpool_torch_reset_accumulated", None, c.c_int)
     trim = fn("emmpool_torch_trim", c.c_size_t, c.c_int)
     largest = fn("emmpool_torch_largest_block", c.c_size_t, c.c_int)
     ipc = fn("emmpool_torch_ipc_handle", c.c_int, c.c_void_p, c.c_int, c.c_char_p,
@@ -72,14 +79,18 @@ C_ENTRIES = textwrap.dedent(
     outside = fn("emmpool_torch_reserve_outside", c.c_int, c.c_int, c.c_longlong, E)
     watch = fn("emmpool_torch_watch_segments", None, c.c_int)
     events = fn("emmpool_torch_segment_events", c.c_long, c.c_int, c.POINTER(Event), c.c_size_t)
+    p_create = fn("emmpool_private_create_or_incref", None, c.c_int, Id)
     p_begin = fn("emmpool_private_begin", c.c_int, c.c_int, Id, E)
     p_end = fn("emmpool_private_end", None, c.c_int, Id)
     p_allocate = fn("emmpool_private_allocate", c.c_void_p, Id, c.c_size_t, c.c_int, c.c_void_p, E)
+    p_take = fn("emmpool_private_take", c.c_void_p, Id, c.c_size_t, c.c_int, c.c_void_p)
+    p_adopt = fn("emmpool_private_adopt_foreign", c.c_int, Id, c.c_void_p, c.c_size_t, c.c_int,
+                 c.c_void_p, E)
     p_free = fn("emmpool_private_free", None, c.c_void_p)
     p_release = fn("emmpool_private_release", None, Id)
     p_device = fn("emmpool_private_device_of", c.c_int, c.c_void_p)
     p_live = fn("emmpool_private_live_blocks", c.c_long, Id, c.POINTER(c.c_uint64), c.c_size_t)
-    p_totals = fn("emmpool_private_totals_of", None, c.c_int, c.POINTER(Totals))
+    p_returned = fn("emmpool_private_returned_foreign", c.c_long, c.POINTER(Block), c.c_size_t)
     share_pages = fn("emmpool_ipc_share_pages", c.c_int, c.c_void_p, c.c_int,
                      c.POINTER(Pages), c.POINTER(c.c_int32), c.c_size_t, E)
     open_pages = fn("emmpool_ipc_open_pages", c.c_void_p, c.c_int, c.POINTER(c.c_int32),
@@ -96,15 +107,27 @@ C_ENTRIES = textwrap.dedent(
         assert stats_of(0, c.byref(v)) == 0
         return v
 
+    def accumulated():
+        v = Accumulated()
+        assert accumulated_of(0, c.byref(v)) == 0
+        return v
+
+    def in_use():  # every library's blocks, as the pool counts them
+        return emmpool.stats(0)["bytes_in_use"]
+
     MiB = 1 << 20
     s = host.create_stream()
     why = Error()
+    assert stats_of(1, c.byref(Stats())) == -1  # no pool there, and none made
     watch(1)
-    p = allocate(3 * MiB, 0, s, c.byref(why))
+    p = allocate(3 * MiB - 100, 0, s, c.byref(why))
     assert p, why.message
-    v = snapshot()
-    assert v.torch_bytes_in_use == 3 * MiB and v.bytes_in_use == 3 * MiB, v
-    assert v.bytes_reserved >= 3 * MiB and v.torch_allocations == 1
+    v, a = snapshot(), accumulated()
+    assert v.allocated_bytes == 3 * MiB == v.peak_allocated_bytes and v.blocks_in_use == 1, v
+    assert v.reserved_bytes >= 3 * MiB and v.inactive_bytes == v.reserved_bytes - 3 * MiB
+    assert a.allocations == 1 and a.allocated_bytes == 3 * MiB and a.freed_bytes == 0
+    assert a.requested_bytes == 3 * MiB - 100  # as asked; the rest as the pool rounds
+    assert block_size(p, 0) == 3 * MiB and block_size(p + 256, 0) == 0
     # the segment made for it, as a memory history reads it
     got = (Event * 8)()
     n = events(0, got, 8)
@@ -117,7 +140,7 @@ C_ENTRIES = textwrap.dedent(
     # the cap (512 MiB): refused with the reason, kind 0 = out of memory
     q = allocate(1 << 30, 0, s, c.byref(why))
     assert q is None and why.kind == 0 and b"out of memory" in why.message, why.message
-    assert v.largest_free_block <= largest(0) <= 512 * MiB, largest(0)
+    assert emmpool.stats(0)["largest_free_block"] <= largest(0) <= 512 * MiB, largest(0)
     # record_stream: a pool block is accepted, another pointer refused with the reason
     other = host.create_stream()
     assert record(p, 0, other, c.byref(why)) == 0, why.message
@@ -173,7 +196,7 @@ C_ENTRIES = textwrap.dedent(
     assert set_max(0, 512 * MiB, c.byref(why)) == 0
     # another allocator's bytes count against the cap: what passes it is refused, counting
     # nothing; the pool cannot grow into what they hold, nor be capped below it
-    held = 512 * MiB - snapshot().bytes_reserved - 50 * MiB  # leaves the pool 50 MiB
+    held = 512 * MiB - snapshot().reserved_bytes - 50 * MiB  # leaves the pool 50 MiB
     assert outside(0, held + 51 * MiB, c.byref(why)) == 1
     assert outside(0, held, c.byref(why)) == 0
     assert allocate(100 * MiB, 0, s, c.byref(why)) is None and why.kind == 0
@@ -191,19 +214,50 @@ C_ENTRIES = textwrap.dedent(
     assert b and p_device(b) == 0 and p_device(p) == -1
     live = (c.c_uint64 * 4)()
     assert p_live(graph, live, 4) == 1 and live[0] == b
+    assert block_size(b, 0) == MiB and snapshot().allocated_bytes == 4 * MiB
     p_end(0, graph)
-    p_free(b)  # free within its pool: cached, to PyTorch's statistics
-    t = Totals()
-    p_totals(0, c.byref(t))
-    assert t.cached_bytes == MiB and t.cached_blocks == 1 and t.foreign_bytes == 0
-    in_use = snapshot().bytes_in_use
+    # free within its pool: still the pool's allocation, but PyTorch's cache, out of its bytes
+    # and blocks in use and into its frees; taken again, in use again
+    v, a, held = snapshot(), accumulated(), in_use()
+    p_free(b)
+    w, f = snapshot(), accumulated()
+    assert in_use() == held and w.allocated_bytes == v.allocated_bytes - MiB, (v, w)
+    assert w.blocks_in_use == v.blocks_in_use - 1 and f.frees == a.frees + 1
+    assert f.freed_bytes == a.freed_bytes + MiB
+    assert p_take(graph, MiB, 0, s) == b and snapshot().allocated_bytes == v.allocated_bytes
+    assert accumulated().allocated_bytes == a.allocated_bytes + MiB
+    p_free(b)
     p_release(graph)
-    assert snapshot().bytes_in_use == in_use - MiB and p_device(b) == -1
+    assert in_use() == held - MiB and p_device(b) == -1
+    assert snapshot().allocated_bytes == w.allocated_bytes
+    # a MemPool's own allocator's block: reserved as PyTorch counts, sized by the private pools,
+    # handed back to be deleted once its pool is released
+    mem_pool, foreign = Id(2, 0), 0x6000_0000_0000  # no address of the host driver
+    reserved = snapshot().reserved_bytes
+    p_create(0, mem_pool)
+    assert p_adopt(mem_pool, foreign, 2 * MiB, 0, s, c.byref(why)) == 0, why.message
+    assert block_size(foreign, 0) == 2 * MiB and p_device(foreign) == 0
+    assert snapshot().reserved_bytes == reserved + 2 * MiB
+    p_free(foreign)
+    p_release(mem_pool)
+    back = (Block * 4)()
+    assert p_returned(back, 4) == 1 and back[0].ptr == foreign and back[0].foreign == 1
+    assert snapshot().reserved_bytes == reserved and block_size(foreign, 0) == 0
     free(p, 0, 0, s)
     v = snapshot()
-    assert v.torch_bytes_in_use == 0 and v.peak_bytes_in_use >= 3 * MiB, v
+    assert v.allocated_bytes == 0 and v.peak_allocated_bytes >= 3 * MiB, v
     reset_peaks(0)
-    assert snapshot().peak_bytes_in_use == 0
+    assert snapshot().peak_allocated_bytes == 0
+    # the accumulated counts start again; the pool's own go on
+    allocations = emmpool.stats(0)["allocations"]
+    reset_accumulated(0)
+    assert all(getattr(accumulated(), n) == 0 for n, _ in Accumulated._fields_)
+    q = allocate(MiB, 0, s, c.byref(why))
+    free(q, 0, 0, s)
+    a = accumulated()
+    assert a.allocations == 1 and a.allocated_bytes == MiB == a.freed_bytes, a
+    assert a.requested_bytes == MiB == a.requested_freed_bytes and a.frees == 1, a
+    assert emmpool.stats(0)["allocations"] == allocations + 1
     while events(0, got, 8) == 8:  # what the calls above made and released
         pass
     host.complete_all_events()

@@ -90,6 +90,44 @@ def memory_stats(torch, allocator):
            summary_ok=bool(torch.cuda.memory_summary()))
 
 
+def accumulated_stats(torch, allocator):
+    """reset_accumulated_memory_stats(), then one allocation and its free: the accumulated
+    counts are that block's alone."""
+    MiB = 1 << 20
+    torch.cuda.init()
+    torch.empty(MiB, device="cuda")  # what a first use allocates, before the reset
+    torch.cuda.reset_accumulated_memory_stats()
+    y = torch.empty(MiB + 100, dtype=torch.uint8, device="cuda")
+    del y
+    s = torch.cuda.memory_stats()
+    allocated, freed = s["allocated_bytes.all.allocated"], s["allocated_bytes.all.freed"]
+    requested = (s["requested_bytes.all.allocated"], s["requested_bytes.all.freed"])
+    result(one_allocation=s["allocation.all.allocated"] == 1,
+           one_free=s["allocation.all.freed"] == 1,
+           bytes_as_the_pool_rounds=MiB + 100 <= allocated == freed < MiB + 1024,
+           bytes_as_requested=requested == (MiB + 100, MiB + 100),
+           stats={k: v for k, v in s.items() if k.endswith((".all.allocated", ".all.freed"))})
+
+
+def profiler_sizes(torch, allocator):
+    """torch.profiler's memory records (profile_memory=True): a block's allocation and its free
+    are reported with one size, the block's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n = (3 << 20) + 100
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        y = torch.empty(n, dtype=torch.uint8, device="cuda")
+        del y
+    sizes = [getattr(e, "device_memory_usage", 0) or getattr(e, "cuda_memory_usage", 0)
+             for e in prof.events()]
+    sizes = [size for size in sizes if size]
+    block = max(sizes, default=0)
+    result(allocation_reported=n <= block < n + 1024, free_reported=-block in sizes,
+           sizes=sizes)
+
+
 def record_stream(torch, allocator):
     """A block used on a side stream and declared with record_stream must not be handed out
     again while that stream's work runs: the next allocation of its size on the default stream
@@ -653,7 +691,8 @@ def capture_beside_threads(torch, allocator):
            threads_done=not any(t.is_alive() for t in threads))
 
 
-SCENARIOS = {f.__name__: f for f in (cudnn_benchmark, memory_stats, record_stream, cuda_graph,
+SCENARIOS = {f.__name__: f for f in (cudnn_benchmark, memory_stats, accumulated_stats,
+                                     profiler_sizes, record_stream, cuda_graph,
                                      compiled, ipc, ipc_without_ptrace, memory_fraction,
                                      out_of_memory,
                                      reduce_overhead, shared_pool_graphs, mem_pool,

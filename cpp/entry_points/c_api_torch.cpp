@@ -8,6 +8,7 @@
 // a pool's lock or the GPU may be waited for (pool_calls.hpp, caller_lock.hpp).
 #include "c_api.hpp"
 #include "caller_lock.hpp"
+#include "torch_accumulated.hpp"
 
 #include <emmpool/pool_controls.hpp>
 #include <emmpool/pool_observers.hpp>
@@ -121,6 +122,54 @@ emmpool_private_block record_of(emmpool::private_block const& b) noexcept
   return r;
 }
 
+// PyTorch's view of a device pool (emmpool/torch_api.h says what each field counts): its
+// statistics now, and its counts since it began, of which torch_accumulated keeps the baseline.
+struct torch_view {
+  emmpool_torch_stats now;
+  emmpool_torch_accumulated ever;
+};
+
+torch_view view_of(emmpool::device_pool& pool)
+{
+  auto const s      = pool.stats();
+  auto const cached = registry().privates().totals(pool.device());
+  auto const torch  = static_cast<std::size_t>(emmpool::alloc_tag::torch);
+  auto const handed = emmpool::torch_accumulated::handed_on(pool.device());
+  auto const less   = [](std::uint64_t a, std::uint64_t b) { return a > b ? a - b : 0; };
+  // The free blocks private pools keep leave PyTorch's bytes and blocks in use for its frees.
+  std::uint64_t const in_use        = less(s.bytes_in_use_by_tag[torch], cached.cached_bytes);
+  std::uint64_t const cached_blocks = std::min<std::uint64_t>(s.blocks_in_use,
+                                                              cached.cached_blocks);
+  std::uint64_t const reserved      = s.bytes_reserved + cached.foreign_bytes;
+  torch_view v{};
+  v.now.allocated_bytes      = in_use;
+  v.now.peak_allocated_bytes = std::max<std::uint64_t>(s.peak_bytes_in_use, in_use);
+  v.now.reserved_bytes       = reserved;
+  v.now.peak_reserved_bytes  = std::max<std::uint64_t>(s.peak_bytes_reserved, reserved);
+  v.now.inactive_bytes       = less(s.bytes_reserved, s.bytes_in_use);
+  v.now.blocks_in_use        = s.blocks_in_use - cached_blocks;
+  v.now.segments             = s.segments;
+  // What was freed is what was handed out, less what is still in use.
+  v.ever.allocated_bytes       = handed.bytes;
+  v.ever.freed_bytes           = less(handed.bytes, in_use);
+  v.ever.requested_bytes       = handed.requested;
+  v.ever.requested_freed_bytes = less(handed.requested, in_use);
+  v.ever.allocations           = s.allocations_by_tag[torch];
+  v.ever.frees                 = s.frees + cached_blocks;
+  v.ever.segment_allocations   = s.segment_allocations;
+  v.ever.segment_releases      = s.segment_releases;
+  v.ever.out_of_memory         = s.out_of_memory;
+  v.ever.dormant_fences        = s.dormant_fences;
+  return v;
+}
+
+// A block handed to PyTorch: counted (torch_accumulated) and passed on.
+void* handed_to_torch(void* p, std::size_t requested, int device) noexcept
+{
+  if (p != nullptr) { emmpool::torch_accumulated::count(device, requested); }
+  return p;
+}
+
 template <class T, class Row, class F>
 long fill(std::vector<T> const& items, Row* out, std::size_t n, F&& row_of) noexcept
 {
@@ -146,8 +195,9 @@ EMMPOOL_C_API void* emmpool_torch_allocate(std::size_t size, int device, void* s
                                            emmpool_error* error)
 {
   return guarded<void*>(waits::no, nullptr, error, [&] {
-    return reinterpret_cast<void*>(emmpool::c_api::allocate_from(
-      size, device, reinterpret_cast<stream_handle>(stream), emmpool::alloc_tag::torch));
+    auto const p = emmpool::c_api::allocate_from(
+      size, device, reinterpret_cast<stream_handle>(stream), emmpool::alloc_tag::torch);
+    return handed_to_torch(reinterpret_cast<void*>(p), size, device);
   });
 }
 
@@ -161,21 +211,38 @@ EMMPOOL_C_API int emmpool_torch_record_stream(void* ptr, int device, void* strea
   });
 }
 
+EMMPOOL_C_API std::size_t emmpool_torch_block_size(void* ptr, int device)
+{
+  return guarded(waits::yes, std::size_t{0}, nullptr, [&]() -> std::size_t {
+    auto const p = reinterpret_cast<device_ptr>(ptr);
+    if (auto* pool = existing_pool_of(device)) {
+      auto const extent = emmpool::pool_queries{*pool}.live_extent(p);
+      if (extent && extent->first == p) { return extent->second; }
+    }
+    // Else a block of a MemPool's own allocator, which only the private pools know.
+    for (auto const& b : registry().privates().blocks_of(device)) {
+      if (b.ptr == p) { return b.size; }
+    }
+    return 0;
+  });
+}
+
 EMMPOOL_C_API int emmpool_torch_stats_of(int device, emmpool_torch_stats* out)
 {
   return guarded(waits::yes, -1, nullptr, [&] {
     auto* pool = existing_pool_of(device);
     if (pool == nullptr || out == nullptr) { return -1; }
-    auto const s     = pool->stats();
-    auto const torch = static_cast<std::size_t>(emmpool::alloc_tag::torch);
-    *out = emmpool_torch_stats{s.bytes_in_use_by_tag[torch], s.bytes_in_use,
-                               s.peak_bytes_in_use,          s.bytes_reserved,
-                               s.peak_bytes_reserved,        s.allocations_by_tag[torch],
-                               s.frees,                      s.blocks_in_use,
-                               s.segments,                   s.segment_allocations,
-                               s.segment_releases,           s.out_of_memory,
-                               s.bytes_waiting,              s.bytes_free,
-                               s.largest_free_block,         s.dormant_fences};
+    *out = view_of(*pool).now;
+    return 0;
+  });
+}
+
+EMMPOOL_C_API int emmpool_torch_accumulated_of(int device, emmpool_torch_accumulated* out)
+{
+  return guarded(waits::yes, -1, nullptr, [&] {
+    auto* pool = existing_pool_of(device);
+    if (pool == nullptr || out == nullptr) { return -1; }
+    *out = emmpool::torch_accumulated::since_reset(device, view_of(*pool).ever);
     return 0;
   });
 }
@@ -184,6 +251,15 @@ EMMPOOL_C_API void emmpool_torch_reset_peaks(int device)
 {
   guarded(waits::yes, [&] {
     if (auto* pool = existing_pool_of(device)) { emmpool::pool_controls{*pool}.reset_peaks(); }
+  });
+}
+
+EMMPOOL_C_API void emmpool_torch_reset_accumulated(int device)
+{
+  guarded(waits::yes, [&] {
+    if (auto* pool = existing_pool_of(device)) {
+      emmpool::torch_accumulated::reset(device, view_of(*pool).ever);
+    }
   });
 }
 
@@ -408,12 +484,13 @@ EMMPOOL_C_API void emmpool_private_empty_cache(emmpool_private_id id)
   guarded(waits::yes, [&] { registry().privates().empty_cache(id_of(id)); });
 }
 
-EMMPOOL_C_API void* emmpool_private_take(emmpool_private_id id, std::size_t size, void* stream)
+EMMPOOL_C_API void* emmpool_private_take(emmpool_private_id id, std::size_t size, int device,
+                                         void* stream)
 {
   return guarded<void*>(waits::no, nullptr, nullptr, [&]() -> void* {
     auto const p =
       registry().privates().take(id_of(id), size, reinterpret_cast<stream_handle>(stream));
-    return p ? reinterpret_cast<void*>(*p) : nullptr;
+    return p ? handed_to_torch(reinterpret_cast<void*>(*p), size, device) : nullptr;
   });
 }
 
@@ -423,7 +500,9 @@ EMMPOOL_C_API void* emmpool_private_allocate(emmpool_private_id id, std::size_t 
   return guarded<void*>(waits::no, nullptr, error, [&] {
     auto& privates = registry().privates();
     auto const s   = reinterpret_cast<stream_handle>(stream);
-    if (auto const p = privates.take(id_of(id), size, s)) { return reinterpret_cast<void*>(*p); }
+    if (auto const p = privates.take(id_of(id), size, s)) {
+      return handed_to_torch(reinterpret_cast<void*>(*p), size, device);
+    }
     // A new block of the device's pool, by the entry points' rule (the out-of-memory hook
     // included). No stream is named: nothing is recorded on a capturing stream.
     auto const p = emmpool::c_api::allocate_from(size, device, emmpool::legacy_stream,
@@ -435,7 +514,7 @@ EMMPOOL_C_API void* emmpool_private_allocate(emmpool_private_id id, std::size_t 
                               emmpool::alloc_tag::torch);
       throw;
     }
-    return reinterpret_cast<void*>(p);
+    return handed_to_torch(reinterpret_cast<void*>(p), size, device);
   });
 }
 
@@ -445,6 +524,7 @@ EMMPOOL_C_API int emmpool_private_adopt_foreign(emmpool_private_id id, void* ptr
   return guarded(waits::no, -1, error, [&] {
     registry().privates().adopt(id_of(id), reinterpret_cast<device_ptr>(ptr), size, device,
                                 reinterpret_cast<stream_handle>(stream), true);
+    (void)handed_to_torch(ptr, size, device);
     return 0;
   });
 }
@@ -454,7 +534,7 @@ EMMPOOL_C_API void* emmpool_private_allocate_on_oom(std::size_t size, int device
   return guarded<void*>(waits::no, nullptr, nullptr, [&]() -> void* {
     auto const p = registry().privates().take_on_oom(size, device,
                                                      reinterpret_cast<stream_handle>(stream));
-    return p ? reinterpret_cast<void*>(*p) : nullptr;
+    return p ? handed_to_torch(reinterpret_cast<void*>(*p), size, device) : nullptr;
   });
 }
 
@@ -510,16 +590,6 @@ EMMPOOL_C_API int emmpool_private_restore(emmpool_private_id id, std::uint64_t c
   return guarded(waits::no, -1, error, [&] {
     registry().privates().restore(id_of(id), std::vector<device_ptr>(live, live + n));
     return 0;
-  });
-}
-
-EMMPOOL_C_API void emmpool_private_totals_of(int device, emmpool_private_totals* out)
-{
-  if (out == nullptr) { return; }
-  *out = emmpool_private_totals{};
-  guarded(waits::no, [&] {
-    auto const t = registry().privates().totals(device);
-    *out         = emmpool_private_totals{t.cached_bytes, t.cached_blocks, t.foreign_bytes};
   });
 }
 

@@ -43,19 +43,14 @@
 #include "private_pools.hpp"
 #include "snapshot.hpp"
 
-#include <emmpool/round_up.hpp>
-
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
-#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -102,7 +97,6 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     }
     bool is_private = false;
     void* p = allocate_or_oom_pool(size, device, stream, &is_private);
-    count(device, size);
     return {p, context_of(p, device, is_private), &delete_block, where};
   }
 
@@ -146,44 +140,30 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
 
   void free_block(void* ctx)
   {
-    void* p = pointer_of(ctx);
-    if (C10_UNLIKELY(profiled_.load(std::memory_order_acquire) != 0)) { profiler_freed(p, device_of(ctx)); }
+    void* p          = pointer_of(ctx);
+    int const device = device_of(ctx);
+    // The profiler is told of every free while it listens, as PyTorch's allocator tells it, with
+    // the size the pool gave the block (asked before the block goes).
+    std::size_t const profiled =
+      C10_UNLIKELY(c10::memoryProfilingEnabled()) ? api.emmpool_torch_block_size(p, device) : 0;
     if (C10_UNLIKELY(history_.on())) {
       auto const context = history_.gather(RecordContext::ALL);
-      history_.freed(device_of(ctx), p, nullptr, {0, 0}, context);
+      history_.freed(device, p, nullptr, {0, 0}, context);
     }
     if (is_private(ctx)) {
       pools_.free(p);
     } else {
       relaxed_while relaxed{pools_.active()};
       // PyTorch passes the allocation's stream; emmpool remembers it (c_api.cpp)
-      api.emmpool_torch_free(p, 0, device_of(ctx), nullptr);
+      api.emmpool_torch_free(p, 0, device, nullptr);
     }
-    if (C10_UNLIKELY(history_.on())) { history_.take_segment_events(device_of(ctx)); }
+    if (C10_UNLIKELY(history_.on())) { history_.take_segment_events(device); }
+    if (C10_UNLIKELY(profiled != 0)) {
+      report_to_profiler(p, -static_cast<std::int64_t>(profiled), device);
+    }
   }
 
   // ---- the cache, statistics, the cap
-
-  // The pool's statistics as PyTorch counts: the free blocks that private pools keep are
-  // emmpool's allocations but PyTorch's cache, so they leave PyTorch's bytes in use and live
-  // blocks for the frees. The private pools' totals, or nothing if the device has no pool.
-  std::optional<emmpool_private_totals> pytorch_stats(int device, emmpool_torch_stats& v)
-  {
-    if (api.emmpool_torch_stats_of(device, &v) != 0) { return std::nullopt; }
-    auto const privates      = pools_.totals(device);
-    auto const cached_blocks = std::min<std::uint64_t>(v.blocks_in_use, privates.cached_blocks);
-    v.torch_bytes_in_use -= std::min<std::uint64_t>(v.torch_bytes_in_use, privates.cached_bytes);
-    v.blocks_in_use -= cached_blocks;
-    v.frees += cached_blocks;
-    return privates;
-  }
-
-  // PyTorch's bytes in use on a device.
-  std::size_t pytorch_bytes(int device)
-  {
-    emmpool_torch_stats v{};
-    return pytorch_stats(device, v) ? v.torch_bytes_in_use : 0;
-  }
 
   // torch.cuda.empty_cache(): every pool returns its wholly free segments ({0, 0}); a
   // MemPool's id: that pool's free blocks, once nobody uses it.
@@ -203,56 +183,50 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     *largest_block = api.emmpool_torch_largest_block(device);
   }
 
+  // The pool's statistics as PyTorch reports its own (emmpool/torch_api.h says what each
+  // counts), field for field.
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override
   {
-    emmpool_torch_stats v{};
     c10::CachingDeviceAllocator::DeviceStats s;
-    auto const privates = pytorch_stats(device, v);
-    if (!privates) { return s; }
+    emmpool_torch_stats now{};
+    emmpool_torch_accumulated total{};
+    if (api.emmpool_torch_stats_of(device, &now) != 0 ||
+        api.emmpool_torch_accumulated_of(device, &total) != 0) {
+      return s;
+    }
     auto i64 = [](std::uint64_t x) { return static_cast<std::int64_t>(x); };
     // [0]: all pools (PyTorch keeps a small and a large pool; emmpool has one)
     auto& allocated     = s.allocated_bytes[0];
-    allocated.current   = i64(v.torch_bytes_in_use);  // PyTorch's blocks
-    allocated.peak      = std::max(i64(v.peak_bytes_in_use), allocated.current);  // every library's
-    // Accumulated (since resetAccumulatedStats): counted here, at each allocation; what was freed
-    // since is what was allocated since, less what the bytes in use grew by.
-    auto const d = static_cast<std::size_t>(device) & 63;
-    auto const total     = allocated_total_[d].load(std::memory_order_relaxed);
-    auto const requested = requested_total_[d].load(std::memory_order_relaxed);
-    auto const grown     = i64(v.torch_bytes_in_use) - in_use_at_reset_[d].load(std::memory_order_relaxed);
-    allocated.allocated  = i64(total);
-    allocated.freed      = std::max<std::int64_t>(0, i64(total) - grown);
+    allocated.current   = i64(now.allocated_bytes);
+    allocated.peak      = i64(now.peak_allocated_bytes);
+    allocated.allocated = i64(total.allocated_bytes);
+    allocated.freed     = i64(total.freed_bytes);
     s.active_bytes[0]    = allocated;
     s.requested_bytes[0] = allocated;
-    s.requested_bytes[0].allocated = i64(requested);
-    s.requested_bytes[0].freed     = std::max<std::int64_t>(0, i64(requested) - grown);
-    // with the blocks of MemPools made with another allocator, as PyTorch counts them
-    s.reserved_bytes[0].current = i64(v.bytes_reserved + privates->foreign_bytes);
-    s.reserved_bytes[0].peak    = std::max(i64(v.peak_bytes_reserved), s.reserved_bytes[0].current);
+    s.requested_bytes[0].allocated = i64(total.requested_bytes);
+    s.requested_bytes[0].freed     = i64(total.requested_freed_bytes);
+    s.reserved_bytes[0].current = i64(now.reserved_bytes);
+    s.reserved_bytes[0].peak    = i64(now.peak_reserved_bytes);
     // reserved_bytes.allocated/freed (bytes ever reserved, released) are not counted: left 0
-    s.inactive_split_bytes[0].current =
-      i64(v.bytes_reserved > v.bytes_in_use ? v.bytes_reserved - v.bytes_in_use : 0);
-    s.allocation[0].current   = i64(v.blocks_in_use);
-    s.allocation[0].allocated = i64(v.torch_allocations);
-    s.allocation[0].freed     = i64(v.frees);
+    s.inactive_split_bytes[0].current = i64(now.inactive_bytes);
+    s.allocation[0].current   = i64(now.blocks_in_use);
+    s.allocation[0].allocated = i64(total.allocations);
+    s.allocation[0].freed     = i64(total.frees);
     s.active[0]               = s.allocation[0];
-    s.segment[0].current      = i64(v.segments);
-    s.segment[0].allocated    = i64(v.segment_allocations);
-    s.segment[0].freed        = i64(v.segment_releases);
-    s.num_ooms                = i64(v.out_of_memory);
-    s.num_sync_all_streams    = i64(v.dormant_fences);
-    s.num_device_alloc        = i64(v.segment_allocations);
-    s.num_device_free         = i64(v.segment_releases);
+    s.segment[0].current      = i64(now.segments);
+    s.segment[0].allocated    = i64(total.segment_allocations);
+    s.segment[0].freed        = i64(total.segment_releases);
+    s.num_ooms                = i64(total.out_of_memory);
+    s.num_sync_all_streams    = i64(total.dormant_fences);
+    s.num_device_alloc        = i64(total.segment_allocations);
+    s.num_device_free         = i64(total.segment_releases);
     return s;
   }
 
   void resetPeakStats(c10::DeviceIndex device) override { api.emmpool_torch_reset_peaks(device); }
   void resetAccumulatedStats(c10::DeviceIndex device) override
   {
-    auto const d = static_cast<std::size_t>(device) & 63;
-    allocated_total_[d].store(0, std::memory_order_relaxed);
-    requested_total_[d].store(0, std::memory_order_relaxed);
-    in_use_at_reset_[d].store(static_cast<std::int64_t>(pytorch_bytes(device)), std::memory_order_relaxed);
+    api.emmpool_torch_reset_accumulated(device);
   }
 
   // torch.cuda.set_per_process_memory_fraction(): the cap of emmpool's pool on that device,
@@ -441,8 +415,9 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
       std::lock_guard<std::mutex> lock{observers_mutex_};
       observers = observers_;
     }
-    std::size_t const allocated = pytorch_bytes(device);
-    for (auto const& observer : observers) { observer(device, allocated, total, free); }
+    emmpool_torch_stats now{};
+    (void)api.emmpool_torch_stats_of(device, &now);
+    for (auto const& observer : observers) { observer(device, now.allocated_bytes, total, free); }
   }
 
  private:
@@ -472,56 +447,29 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     } else {
       p = allocate_or_oom_pool(size, device, stream, is_private);
     }
-    count(device, size);
     if (C10_UNLIKELY(history_.on())) {
       history_.take_segment_events(device);  // before the block: its segment came first
       history_.allocated(device, p, size, stream, id, context);
     }
-    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) { profiler_allocated(p, size, device); }
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+      // the size the pool gave the block, which its free reports too
+      auto const block = api.emmpool_torch_block_size(p, device);
+      if (block != 0) { report_to_profiler(p, static_cast<std::int64_t>(block), device); }
+    }
     return p;
   }
 
-  void count(int device, std::size_t size) noexcept
-  {
-    auto const d = static_cast<std::size_t>(device) & 63;
-    allocated_total_[d].fetch_add(emmpool::round_up(size, EMMPOOL_BLOCK_ALIGNMENT),
-                                  std::memory_order_relaxed);
-    requested_total_[d].fetch_add(size, std::memory_order_relaxed);
-  }
-
-  // torch.profiler's memory timeline (profile_memory=True): each allocation and free reported
-  // with the pool's totals, as PyTorch's allocator reports them. A free's size is remembered
-  // from its allocation, for the blocks allocated while the profiler listened.
-  void profiler_allocated(void* p, std::size_t size, int device)
-  {
-    {
-      std::lock_guard<std::mutex> lock{profiled_mutex_};
-      profiled_sizes_[p] = size;
-      profiled_.store(profiled_sizes_.size(), std::memory_order_release);
-    }
-    report_to_profiler(p, static_cast<std::int64_t>(size), device);
-  }
-
-  void profiler_freed(void* p, int device)
-  {
-    std::size_t size = 0;
-    {
-      std::lock_guard<std::mutex> lock{profiled_mutex_};
-      auto it = profiled_sizes_.find(p);
-      if (it == profiled_sizes_.end()) { return; }
-      size = it->second;
-      profiled_sizes_.erase(it);
-      profiled_.store(profiled_sizes_.size(), std::memory_order_release);
-    }
-    report_to_profiler(p, -static_cast<std::int64_t>(size), device);
-  }
-
+  // torch.profiler's memory timeline (profile_memory=True): an allocation (size > 0) or a free
+  // (size < 0) with PyTorch's bytes in use and reserved after it, as PyTorch's allocator
+  // reports them.
   void report_to_profiler(void* p, std::int64_t size, int device)
   {
-    emmpool_torch_stats v{};
-    (void)api.emmpool_torch_stats_of(device, &v);
-    c10::reportMemoryUsageToProfiler(p, size, v.torch_bytes_in_use, v.bytes_reserved,
-                                     c10::Device{c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)});
+    emmpool_torch_stats now{};
+    (void)api.emmpool_torch_stats_of(device, &now);
+    c10::reportMemoryUsageToProfiler(
+      p, size, static_cast<std::int64_t>(now.allocated_bytes),
+      static_cast<std::int64_t>(now.reserved_bytes),
+      c10::Device{c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)});
   }
 
   private_pools pools_;
@@ -529,12 +477,6 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   ipc_opened ipc_;
   std::mutex observers_mutex_;
   std::vector<cca::OutOfMemoryObserver> observers_;
-  std::atomic<std::uint64_t> allocated_total_[64]{};
-  std::atomic<std::uint64_t> requested_total_[64]{};
-  std::atomic<std::int64_t> in_use_at_reset_[64]{};  // PyTorch's bytes in use at the last reset
-  std::atomic<std::size_t> profiled_{0};
-  std::mutex profiled_mutex_;
-  std::unordered_map<void*, std::size_t> profiled_sizes_;
 };
 
 // Never destroyed (a leaked shared_ptr holds it): tensors may be freed during interpreter exit.

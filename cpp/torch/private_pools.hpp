@@ -63,7 +63,6 @@ class private_pools {
   void* allocate(std::size_t size, int device, MempoolId id, cudaStream_t stream)
   {
     check_size(size);
-    std::size_t const rounded = emmpool::round_up(size, EMMPOOL_BLOCK_ALIGNMENT);
     std::shared_ptr<cca::CUDAAllocator> source;
     {
       std::lock_guard<std::mutex> lock{mutex_};
@@ -74,11 +73,11 @@ class private_pools {
     // PyTorch's allocator relaxes it around cudaMalloc.
     c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
     if (source) {
-      if (void* p = api.emmpool_private_take(private_id(id), rounded, stream)) { return p; }
-      return allocate_outside(*source, id, rounded, size, device, stream);
+      if (void* p = api.emmpool_private_take(private_id(id), size, device, stream)) { return p; }
+      return allocate_outside(*source, id, size, device, stream);
     }
     emmpool_error error{EMMPOOL_FAILED_OTHER, {}};
-    void* p = api.emmpool_private_allocate(private_id(id), rounded, device, stream, &error);
+    void* p = api.emmpool_private_allocate(private_id(id), size, device, stream, &error);
     if (p == nullptr) { fail(error, size, device); }
     return p;
   }
@@ -198,13 +197,6 @@ class private_pools {
     return delta;
   }
 
-  emmpool_private_totals totals(int device)
-  {
-    emmpool_private_totals t{};
-    api.emmpool_private_totals_of(device, &t);
-    return t;
-  }
-
   std::vector<emmpool_private_block> blocks_of(int device)
   {
     return rows_of<emmpool_private_block>([device](emmpool_private_block* out, std::size_t n) {
@@ -228,11 +220,13 @@ class private_pools {
 
   // A block of a MemPool made with another allocator: that allocator's memory, counted
   // against emmpool's cap on the device first (PyTorch's allocator counts such a pool's
-  // segments against its memory fraction too).
-  static void* allocate_outside(cca::CUDAAllocator& source, MempoolId id, std::size_t rounded,
-                                std::size_t size, int device, cudaStream_t stream)
+  // segments against its memory fraction too). Of the size emmpool's own block would have, which
+  // the private pool records: a later request it serves fits.
+  static void* allocate_outside(cca::CUDAAllocator& source, MempoolId id, std::size_t size,
+                                int device, cudaStream_t stream)
   {
-    auto const n = static_cast<long long>(rounded);
+    std::size_t const rounded = emmpool::round_up(size, EMMPOOL_BLOCK_ALIGNMENT);
+    auto const n              = static_cast<long long>(rounded);
     emmpool_error error{};
     int const counted = api.emmpool_torch_reserve_outside(device, n, &error);
     if (counted == 1) {

@@ -82,25 +82,36 @@ typedef struct emmpool_error {
   char message[EMMPOOL_ERROR_LENGTH];
 } emmpool_error;
 
-/* A device pool's statistics, as PyTorch's allocator interface needs them. */
+/* A device pool now, as PyTorch's allocator reports it (c10's DeviceStats: current and peak
+ * values). The free blocks PyTorch's private pools keep are the pool's allocations but PyTorch's
+ * cache: they are not among PyTorch's bytes and blocks in use. Bytes are as the pool rounds
+ * them. */
 typedef struct emmpool_torch_stats {
-  uint64_t torch_bytes_in_use;  /* PyTorch's blocks */
-  uint64_t bytes_in_use;        /* every library's */
-  uint64_t peak_bytes_in_use;
-  uint64_t bytes_reserved;
-  uint64_t peak_bytes_reserved;
-  uint64_t torch_allocations;
-  uint64_t frees;               /* every library's */
-  uint64_t blocks_in_use;
+  uint64_t allocated_bytes;       /* PyTorch's blocks in use */
+  uint64_t peak_allocated_bytes;  /* the pool's peak: every library's blocks */
+  uint64_t reserved_bytes;        /* with what MemPools' own allocators hold, as PyTorch counts */
+  uint64_t peak_reserved_bytes;
+  uint64_t inactive_bytes;        /* reserved, in no library's use */
+  uint64_t blocks_in_use;         /* every library's */
   uint64_t segments;
+} emmpool_torch_stats;
+
+/* What a device pool counted since PyTorch last reset its accumulated statistics
+ * (emmpool_torch_reset_accumulated), as PyTorch's allocator reports it (c10's DeviceStats:
+ * "allocated" and "freed" values, counts). The reset is PyTorch's alone: the pool's own
+ * statistics, which every library shares, go on. */
+typedef struct emmpool_torch_accumulated {
+  uint64_t allocated_bytes;        /* of PyTorch's blocks, private pools' included */
+  uint64_t freed_bytes;
+  uint64_t requested_bytes;        /* the same blocks, as PyTorch asked for them */
+  uint64_t requested_freed_bytes;
+  uint64_t allocations;            /* PyTorch's blocks from the pool */
+  uint64_t frees;                  /* every library's, and PyTorch's blocks private pools keep */
   uint64_t segment_allocations;
   uint64_t segment_releases;
   uint64_t out_of_memory;
-  uint64_t bytes_waiting;
-  uint64_t bytes_free;
-  uint64_t largest_free_block;
-  uint64_t dormant_fences;      /* device synchronizations for frees of streams maybe gone */
-} emmpool_torch_stats;
+  uint64_t dormant_fences;         /* device synchronizations for frees of streams maybe gone */
+} emmpool_torch_accumulated;
 
 /* One block of a pool's segments; the blocks of a segment tile it, in address order. */
 typedef struct emmpool_layout_row {
@@ -151,12 +162,6 @@ typedef struct emmpool_shared_pages {
   uint64_t pages;       /* how many descriptors there are */
 } emmpool_shared_pages;
 
-typedef struct emmpool_private_totals {
-  uint64_t cached_bytes;  /* free blocks the pools keep: emmpool's allocations, PyTorch's cache */
-  uint64_t cached_blocks;
-  uint64_t foreign_bytes; /* held by blocks of pools' own allocators */
-} emmpool_private_totals;
-
 /* ---- the device pools --------------------------------------------------------------------- */
 
 int emmpool_torch_abi_version(void);
@@ -170,10 +175,18 @@ void* emmpool_torch_allocate(size_t size, int device, void* stream, emmpool_erro
 void emmpool_torch_free(void* ptr, size_t size, int device, void* stream);
 /* tensor.record_stream(stream). 0 done; -1 failed. */
 int emmpool_torch_record_stream(void* ptr, int device, void* stream, emmpool_error* error);
+/* The size of PyTorch's block at ptr on `device` as the pool holds it (a private pool's block
+ * too, whatever allocated it); 0 if ptr is none. What the profiler reports for the block's
+ * allocation and its free. */
+size_t emmpool_torch_block_size(void* ptr, int device);
 /* 0 done; -1 if the device has no pool yet (none is made: statistics must not create a
  * context on a device the program never used). */
 int emmpool_torch_stats_of(int device, emmpool_torch_stats* out);
+/* 0 done; -1 if the device has no pool yet. */
+int emmpool_torch_accumulated_of(int device, emmpool_torch_accumulated* out);
 void emmpool_torch_reset_peaks(int device);
+/* What emmpool_torch_accumulated_of counts starts again from 0. */
+void emmpool_torch_reset_accumulated(int device);
 /* torch.cuda.empty_cache(): wait for pending frees, return wholly free memory. Bytes released. */
 size_t emmpool_torch_trim(int device);
 /* The largest block the pool could hand out at once (cuDNN's benchmark mode sizes its
@@ -234,9 +247,9 @@ void emmpool_private_end(int device, emmpool_private_id id);
 void emmpool_private_release(emmpool_private_id id);
 /* id {0, 0}: every pool nobody uses. */
 void emmpool_private_empty_cache(emmpool_private_id id);
-/* A block of pool `id` that it freed on `stream` (of at least `size` bytes, at most twice);
- * NULL if none. */
-void* emmpool_private_take(emmpool_private_id id, size_t size, void* stream);
+/* A block of pool `id` on `device` that it freed on `stream` (of at least `size` bytes, at most
+ * twice); NULL if none. */
+void* emmpool_private_take(emmpool_private_id id, size_t size, int device, void* stream);
 /* A block of pool `id`: one it freed on `stream`, else a new one of the device's pool. */
 void* emmpool_private_allocate(emmpool_private_id id, size_t size, int device, void* stream,
                                emmpool_error* error);
@@ -259,7 +272,6 @@ long emmpool_private_live_blocks(emmpool_private_id id, uint64_t* out, size_t n)
 /* Pool `id`'s live blocks become exactly live[0..n). 0 / -1 (pool gone, block left it). */
 int emmpool_private_restore(emmpool_private_id id, const uint64_t* live, size_t n,
                             emmpool_error* error);
-void emmpool_private_totals_of(int device, emmpool_private_totals* out);
 long emmpool_private_blocks(int device, emmpool_private_block* out, size_t n);
 
 /* ---- every function above, named once ------------------------------------------------------ */
@@ -275,8 +287,11 @@ long emmpool_private_blocks(int device, emmpool_private_block* out, size_t n);
   X(emmpool_torch_allocate)                                                                        \
   X(emmpool_torch_free)                                                                            \
   X(emmpool_torch_record_stream)                                                                   \
+  X(emmpool_torch_block_size)                                                                      \
   X(emmpool_torch_stats_of)                                                                        \
+  X(emmpool_torch_accumulated_of)                                                                  \
   X(emmpool_torch_reset_peaks)                                                                     \
+  X(emmpool_torch_reset_accumulated)                                                               \
   X(emmpool_torch_trim)                                                                            \
   X(emmpool_torch_largest_block)                                                                   \
   X(emmpool_torch_ipc_handle)                                                                      \
@@ -310,7 +325,6 @@ long emmpool_private_blocks(int device, emmpool_private_block* out, size_t n);
   X(emmpool_private_live_blocks_are)                                                               \
   X(emmpool_private_live_blocks)                                                                   \
   X(emmpool_private_restore)                                                                       \
-  X(emmpool_private_totals_of)                                                                     \
   X(emmpool_private_blocks)
 
 #ifdef __cplusplus
