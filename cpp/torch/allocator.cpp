@@ -16,7 +16,7 @@
 // The allocation path: the C entry point, with no lock or map of our own. A block's device rides
 // in the low bits of the DataPtr's context (blocks are 256-byte aligned), so the deleter needs
 // no lookup either. Beside it, each in its own file: the C entry points (entry_points.hpp),
-// private pools (private_pools.hpp), the memory history (history.hpp), snapshots
+// private pools (pool_routes.hpp), the memory history (history.hpp), snapshots
 // (snapshot.hpp) and tensors across processes (ipc.hpp). One translation unit: the build cache
 // is keyed by these sources and the headers shipped beside them (emmpool._torch).
 //
@@ -40,7 +40,7 @@
 #include "entry_points.hpp"
 #include "history.hpp"
 #include "ipc.hpp"
-#include "private_pools.hpp"
+#include "pool_routes.hpp"
 #include "snapshot.hpp"
 
 #include <algorithm>
@@ -90,7 +90,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     c10::Device const where{c10::DeviceType::CUDA, device};
     if (size == 0) { return {nullptr, nullptr, &delete_block, where}; }
     cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    if (C10_UNLIKELY(pools_.active() || history_.on() || c10::memoryProfilingEnabled())) {
+    if (C10_UNLIKELY(routes_.active() || history_.on() || c10::memoryProfilingEnabled())) {
       bool is_private = false;
       void* p = allocate_slow(size, device, stream, &is_private);
       return {p, context_of(p, device, is_private), &delete_block, where};
@@ -126,7 +126,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   void raw_delete(void* ptr) override
   {
     if (ptr == nullptr) { return; }
-    if (int const device = pools_.device_of(ptr); C10_UNLIKELY(device >= 0)) {
+    if (int const device = routes_.device_of(ptr); C10_UNLIKELY(device >= 0)) {
       free_block(context_of(ptr, device, true));
       return;
     }
@@ -151,9 +151,9 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
       history_.freed(device, p, nullptr, {0, 0}, context);
     }
     if (is_private(ctx)) {
-      pools_.free(p);
+      routes_.free(p);
     } else {
-      relaxed_while relaxed{pools_.active()};
+      relaxed_while relaxed{routes_.active()};
       // PyTorch passes the allocation's stream; emmpool remembers it (c_api.cpp)
       api.emmpool_torch_free(p, 0, device, nullptr);
     }
@@ -169,7 +169,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   // MemPool's id: that pool's free blocks, once nobody uses it.
   void emptyCache(MempoolId mempool_id) override
   {
-    pools_.empty_cache(mempool_id);
+    routes_.empty_cache(mempool_id);
     if (mempool_id != MempoolId{0, 0}) { return; }
     int const n = device_count();
     for (int d = 0; d < n; ++d) {
@@ -266,7 +266,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     // PyTorch's own allocator; a private (graph) block keeps its memory until its pool goes.
     if (data.get_deleter() != &delete_block || data.get_context() == nullptr) { return; }
     if (is_private(data.get_context())) {
-      pools_.record_stream(pointer_of(data.get_context()));
+      routes_.record_stream(pointer_of(data.get_context()));
       return;
     }
     emmpool_error error{};
@@ -279,27 +279,27 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
 
   cca::ShareableHandle shareIpcHandle(void* ptr) override { return share_block(ptr); }
 
-  std::shared_ptr<void> getIpcDevPtr(std::string handle) override { return ipc_.open(handle); }
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override { return opened_.open(handle); }
 
-  // ---- private pools (private_pools.hpp)
+  // ---- private pools (pool_routes.hpp)
 
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId mempool_id,
                            std::function<bool(cudaStream_t)> filter) override
   {
-    pools_.begin(device, mempool_id, std::move(filter));
+    routes_.begin(device, mempool_id, std::move(filter));
   }
   void endAllocateToPool(c10::DeviceIndex device, MempoolId mempool_id) override
   {
-    pools_.end(device, mempool_id);
+    routes_.end(device, mempool_id);
   }
-  void releasePool(c10::DeviceIndex, MempoolId mempool_id) override { pools_.release(mempool_id); }
+  void releasePool(c10::DeviceIndex, MempoolId mempool_id) override { routes_.release(mempool_id); }
 #if EMMPOOL_TORCH_AT_LEAST(2, 11)
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId mempool_id,
                           std::shared_ptr<cca::CUDAAllocator> allocator) override
   {
     // MemPool() passes the current allocator (this one): its blocks are emmpool's as any.
     if (allocator.get() == this) { allocator = nullptr; }
-    pools_.create_or_incref(device, mempool_id, std::move(allocator));
+    routes_.create_or_incref(device, mempool_id, std::move(allocator));
   }
 #else
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId mempool_id,
@@ -308,43 +308,43 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     // Not owned: the MemPool that passes it keeps it alive for as long as the pool.
     std::shared_ptr<cca::CUDAAllocator> other;
     if (allocator != nullptr && allocator != this) { other.reset(allocator, [](cca::CUDAAllocator*) {}); }
-    pools_.create_or_incref(device, mempool_id, std::move(other));
+    routes_.create_or_incref(device, mempool_id, std::move(other));
   }
 #endif
   int getPoolUseCount(c10::DeviceIndex, MempoolId mempool_id) override
   {
-    return pools_.use_count(mempool_id);
+    return routes_.use_count(mempool_id);
   }
 #if EMMPOOL_TORCH_AT_LEAST(2, 11)
   void setUseOnOOM(c10::DeviceIndex, MempoolId mempool_id, bool use_on_oom) override
   {
-    pools_.set_use_on_oom(mempool_id, use_on_oom);
+    routes_.set_use_on_oom(mempool_id, use_on_oom);
   }
 #else
   void setUseOnOOM(c10::DeviceIndex, MempoolId mempool_id) override
   {
-    pools_.set_use_on_oom(mempool_id, true);
+    routes_.set_use_on_oom(mempool_id, true);
   }
 #endif
 #if EMMPOOL_TORCH_AT_LEAST(2, 10)
-  void setNoSplit(c10::DeviceIndex, MempoolId mempool_id) override { pools_.set_no_split(mempool_id); }
+  void setNoSplit(c10::DeviceIndex, MempoolId mempool_id) override { routes_.set_no_split(mempool_id); }
 #endif
   bool checkPoolLiveAllocations(c10::DeviceIndex, MempoolId mempool_id,
                                 const std::unordered_set<void*>& expected) override
   {
-    return pools_.live_blocks_are(mempool_id, expected);
+    return routes_.live_blocks_are(mempool_id, expected);
   }
   std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
                                                           MempoolId id) override
   {
-    return pools_.checkpoint(device, id);
+    return routes_.checkpoint(device, id);
   }
   cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex,
                                               std::shared_ptr<cca::AllocatorState> state) override
   {
-    auto const* pps = dynamic_cast<private_pool_state const*>(state.get());
+    auto const* pps = dynamic_cast<pool_checkpoint const*>(state.get());
     if (pps == nullptr) { raise("emmpool: setCheckpointPoolState: not a checkpoint of emmpool's"); }
-    return pools_.restore(*pps);
+    return routes_.restore(*pps);
   }
 
   // ---- history and snapshots (history.hpp, snapshot.hpp)
@@ -382,12 +382,12 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
 #if EMMPOOL_TORCH_AT_LEAST(2, 11)
   cca::SnapshotInfo snapshot(MempoolId mempool_id, bool include_traces) override
   {
-    return build_snapshot(pools_, history_, mempool_id, include_traces);
+    return build_snapshot(history_, mempool_id, include_traces);
   }
 #else
   cca::SnapshotInfo snapshot(MempoolId mempool_id) override
   {
-    return build_snapshot(pools_, history_, mempool_id, true);
+    return build_snapshot(history_, mempool_id, true);
   }
 #endif
 
@@ -424,11 +424,11 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   // From emmpool, or, if that is out of memory, from a MemPool made with use_on_oom.
   void* allocate_or_oom_pool(std::size_t size, int device, cudaStream_t stream, bool* is_private)
   {
-    relaxed_while relaxed{pools_.active()};
+    relaxed_while relaxed{routes_.active()};
     try {
       return allocate_or_throw(size, device, stream);
     } catch (c10::OutOfMemoryError const&) {
-      void* p = pools_.allocate_on_oom(size, device, stream);
+      void* p = routes_.allocate_on_oom(size, device, stream);
       if (p == nullptr) { throw; }
       if (is_private != nullptr) { *is_private = true; }
       return p;
@@ -441,8 +441,8 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     auto const context = history_.on() ? history_.gather(RecordContext::STATE) : nullptr;
     MempoolId id{0, 0};
     void* p = nullptr;
-    if (pools_.active() && pools_.pool_for(device, stream, &id)) {
-      p           = pools_.allocate(size, device, id, stream);
+    if (routes_.active() && routes_.pool_for(device, stream, &id)) {
+      p           = routes_.allocate(size, device, id, stream);
       *is_private = true;
     } else {
       p = allocate_or_oom_pool(size, device, stream, is_private);
@@ -472,9 +472,9 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
       c10::Device{c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)});
   }
 
-  private_pools pools_;
+  pool_routes routes_;
   memory_history history_;
-  ipc_opened ipc_;
+  opened_handles opened_;
   std::mutex observers_mutex_;
   std::vector<cca::OutOfMemoryObserver> observers_;
 };

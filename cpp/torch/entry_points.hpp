@@ -183,6 +183,13 @@ std::vector<emmpool_layout_row> layout_of(int device)
   });
 }
 
+std::vector<emmpool_private_block> private_blocks_of(int device)
+{
+  return rows_of<emmpool_private_block>([device](emmpool_private_block* out, std::size_t n) {
+    return api.emmpool_private_blocks(device, out, n);
+  });
+}
+
 // A queue the core keeps (segment events, returned foreign blocks): taken in chunks.
 template <class Row, class Take>
 std::vector<Row> drain(Take&& take)

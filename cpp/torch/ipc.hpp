@@ -169,7 +169,7 @@ std::vector<int> take_descriptors(share_header const& header, char const* fds)
 
 // Handles opened from other processes, each opened once per process (CUDA requires it for
 // legacy handles) and closed when the last tensor over it dies.
-class ipc_opened {
+class opened_handles {
  public:
   std::shared_ptr<void> open(std::string const& handle)
   {

@@ -12,7 +12,6 @@
 
 #include "entry_points.hpp"
 #include "history.hpp"
-#include "private_pools.hpp"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime_api.h>
@@ -36,8 +35,7 @@ int device_count()
   return std::min(n, 64);
 }
 
-cca::SnapshotInfo build_snapshot(private_pools& pools, memory_history& history, MempoolId only,
-                                 bool include_traces)
+cca::SnapshotInfo build_snapshot(memory_history& history, MempoolId only, bool include_traces)
 {
   using cca::BlockInfo;
   using cca::SegmentInfo;
@@ -47,7 +45,7 @@ cca::SnapshotInfo build_snapshot(private_pools& pools, memory_history& history, 
   for (int d = 0; d < devices; ++d) {
     auto const rows = layout_of(d);
     std::unordered_map<std::uint64_t, emmpool_private_block> privates;
-    for (auto const& b : pools.blocks_of(d)) { privates.emplace(b.ptr, b); }
+    for (auto const& b : private_blocks_of(d)) { privates.emplace(b.ptr, b); }
 
     SegmentInfo piece;
     bool open = false;

@@ -38,7 +38,7 @@ SOURCE = EXTENSION / "allocator.cpp"
 INCLUDE = EXTENSION / "include"
 # What SOURCE includes: part of the build cache's key with it.
 HEADERS = (*(EXTENSION / f"{part}.hpp"
-             for part in ("entry_points", "private_pools", "history", "snapshot", "ipc")),
+             for part in ("entry_points", "pool_routes", "history", "snapshot", "ipc")),
            *(INCLUDE / "emmpool" / name for name in ("torch_api.h", "round_up.hpp")))
 CHOICES = _config.TORCH_ALLOCATORS
 # After PyTorch's own flags. No -std: PyTorch passes the standard its headers need (C++17 up to

@@ -1,9 +1,10 @@
-// PyTorch's private pools (CUDA graphs, torch.compile's cudagraph trees, torch.cuda.MemPool)
-// as PyTorch asks for them, translated to emmpool's (emmpool/private_pools.hpp: which block
-// serves what, when blocks go back, checkpoints; tested over the host driver). What stays
-// here is what only PyTorch's types can say: which allocation goes to which pool (the filters
-// PyTorch passes to beginAllocateToPool), the allocators of MemPools made with their own, and
-// the checkpoint object cudagraph trees keep. Part of the one translation unit allocator.cpp.
+// Which private pool (a CUDA graph's, a cudagraph tree's, a torch.cuda.MemPool's) each of
+// PyTorch's requests goes to, and PyTorch's private-pool calls passed on to emmpool's
+// (emmpool/private_pools.hpp: which block serves what, when blocks go back, checkpoints; tested
+// over the host driver). What stays here is what only PyTorch's types can say: which
+// allocation goes to which pool (the filters PyTorch passes to beginAllocateToPool), the
+// allocators of MemPools made with their own, and the checkpoint object cudagraph trees keep.
+// Part of the one translation unit allocator.cpp.
 #pragma once
 
 #include "entry_points.hpp"
@@ -30,19 +31,14 @@ namespace {
 
 void delete_block(void* ctx);  // the allocator's deleter (raw_deleter()), defined with it
 
-std::string pool_name(MempoolId id)
-{
-  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
-}
-
 // A pool's live blocks, as cudagraph trees checkpoint them.
-struct private_pool_state final : cca::AllocatorState {
+struct pool_checkpoint final : cca::AllocatorState {
   int device{};
   MempoolId id{};
   std::vector<std::uint64_t> live;
 };
 
-class private_pools {
+class pool_routes {
  public:
   // Whether any pool is being allocated to (one atomic load on the allocation path).
   bool active() const noexcept { return active_.load(std::memory_order_acquire) != 0; }
@@ -51,7 +47,7 @@ class private_pools {
   bool pool_for(int device, cudaStream_t stream, MempoolId* id)
   {
     std::lock_guard<std::mutex> lock{mutex_};
-    for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
+    for (auto it = begun_.rbegin(); it != begun_.rend(); ++it) {
       if (it->device == device && it->filter(stream)) {
         *id = it->id;
         return true;
@@ -121,18 +117,18 @@ class private_pools {
     emmpool_error error{};
     if (api.emmpool_private_begin(device, private_id(id), &error) != 0) { raise(error.message); }
     std::lock_guard<std::mutex> lock{mutex_};
-    routes_.push_back(route{device, id, std::move(filter)});
-    active_.store(static_cast<int>(routes_.size()), std::memory_order_release);
+    begun_.push_back(route{device, id, std::move(filter)});
+    active_.store(static_cast<int>(begun_.size()), std::memory_order_release);
   }
 
   void end(int device, MempoolId id)
   {
     {
       std::lock_guard<std::mutex> lock{mutex_};
-      auto it = std::find_if(routes_.begin(), routes_.end(),
+      auto it = std::find_if(begun_.begin(), begun_.end(),
                              [&](route const& r) { return r.device == device && r.id == id; });
-      if (it != routes_.end()) { routes_.erase(it); }
-      active_.store(static_cast<int>(routes_.size()), std::memory_order_release);
+      if (it != begun_.end()) { begun_.erase(it); }
+      active_.store(static_cast<int>(begun_.size()), std::memory_order_release);
     }
     api.emmpool_private_end(device, private_id(id));
     delete_returned();
@@ -167,9 +163,9 @@ class private_pools {
     return api.emmpool_private_live_blocks_are(private_id(id), ptrs.data(), ptrs.size()) == 1;
   }
 
-  std::shared_ptr<private_pool_state> checkpoint(int device, MempoolId id)
+  std::shared_ptr<pool_checkpoint> checkpoint(int device, MempoolId id)
   {
-    auto state    = std::make_shared<private_pool_state>();
+    auto state    = std::make_shared<pool_checkpoint>();
     state->device = device;
     state->id     = id;
     state->live   = live_blocks(id);
@@ -179,7 +175,7 @@ class private_pools {
   // The pool's live blocks become exactly the checkpoint's: every block live now is freed
   // (ptrs_freed), every block live then is allocated again and handed back as a DataPtr with
   // the allocator's deleter (dataptrs_allocd), which cudagraph trees give to their storages.
-  cca::CheckpointDelta restore(private_pool_state const& state)
+  cca::CheckpointDelta restore(pool_checkpoint const& state)
   {
     cca::CheckpointDelta delta;
     for (auto p : live_blocks(state.id)) { delta.ptrs_freed.push_back(reinterpret_cast<void*>(p)); }
@@ -195,13 +191,6 @@ class private_pools {
                                          where);
     }
     return delta;
-  }
-
-  std::vector<emmpool_private_block> blocks_of(int device)
-  {
-    return rows_of<emmpool_private_block>([device](emmpool_private_block* out, std::size_t n) {
-      return api.emmpool_private_blocks(device, out, n);
-    });
   }
 
  private:
@@ -272,8 +261,8 @@ class private_pools {
   }
 
   std::mutex mutex_;
-  std::atomic<int> active_{0};
-  std::vector<route> routes_;
+  std::atomic<int> active_{0};  // begun_.size()
+  std::vector<route> begun_;     // pools being allocated to, the newest last
   // The allocators of MemPools made with their own: kept for as long as the process may
   // return a block to one (a pool's id is never reused).
   std::map<MempoolId, std::shared_ptr<cca::CUDAAllocator>> allocators_;
