@@ -73,8 +73,8 @@ void free_on(void* ptr, int device, stream_handle stream, alloc_tag tag)
 /// (a stream like any other to the pool); the per-thread handle the pool maps itself.
 EMMPOOL_C_API void* emmpool_torch_malloc(std::size_t size, int device, void* stream)
 {
-  return emmpool::c_api::allocate_tagged(size, device, reinterpret_cast<emmpool::stream_handle>(stream),
-                                         emmpool::alloc_tag::torch);
+  return emmpool::c_api::allocate_tagged(
+    size, device, reinterpret_cast<emmpool::stream_handle>(stream), emmpool::alloc_tag::torch);
 }
 
 /// PyTorch: void free(void* ptr, size_t size, int device, cudaStream_t stream). PyTorch passes

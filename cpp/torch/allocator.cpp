@@ -111,7 +111,8 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
     c10::DeviceIndex device = 0;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
     bool is_private = false;
-    return allocate_slow(size, device, c10::cuda::getCurrentCUDAStream(device).stream(), &is_private);
+    cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    return allocate_slow(size, device, stream, &is_private);
   }
 
   void* raw_alloc_with_stream(std::size_t size, cudaStream_t stream) override
@@ -307,7 +308,9 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   {
     // Not owned: the MemPool that passes it keeps it alive for as long as the pool.
     std::shared_ptr<cca::CUDAAllocator> other;
-    if (allocator != nullptr && allocator != this) { other.reset(allocator, [](cca::CUDAAllocator*) {}); }
+    if (allocator != nullptr && allocator != this) {
+      other.reset(allocator, [](cca::CUDAAllocator*) {});
+    }
     routes_.create_or_incref(device, mempool_id, std::move(other));
   }
 #endif
@@ -327,7 +330,10 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   }
 #endif
 #if EMMPOOL_TORCH_AT_LEAST(2, 10)
-  void setNoSplit(c10::DeviceIndex, MempoolId mempool_id) override { routes_.set_no_split(mempool_id); }
+  void setNoSplit(c10::DeviceIndex, MempoolId mempool_id) override
+  {
+    routes_.set_no_split(mempool_id);
+  }
 #endif
   bool checkPoolLiveAllocations(c10::DeviceIndex, MempoolId mempool_id,
                                 const std::unordered_set<void*>& expected) override
@@ -394,7 +400,10 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   void pushCompileContext(std::string& md) override { history_.push_compile_context(md); }
   void popCompileContext() override { history_.pop_compile_context(); }
 #if EMMPOOL_TORCH_AT_LEAST(2, 10)
-  void setUserMetadata(const std::string& metadata) override { history_.set_user_metadata(metadata); }
+  void setUserMetadata(const std::string& metadata) override
+  {
+    history_.set_user_metadata(metadata);
+  }
   std::string getUserMetadata() override { return history_.user_metadata(); }
 #endif
 

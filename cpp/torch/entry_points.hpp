@@ -21,8 +21,9 @@
 #include <vector>
 
 // The CUDAAllocator interface changes between PyTorch releases; what differs is guarded by this.
-#define EMMPOOL_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+#define EMMPOOL_TORCH_AT_LEAST(major, minor)           \
+  (TORCH_VERSION_MAJOR > (major) ||                     \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 namespace {
 
@@ -82,8 +83,14 @@ MempoolId mempool_id(emmpool_private_id id)
           static_cast<MempoolId::second_type>(id.second)};
 }
 
-void* pointer_of(void* ctx) { return reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(ctx) & ~context_bits); }
-int device_of(void* ctx) { return static_cast<int>(reinterpret_cast<std::uintptr_t>(ctx) & device_bits); }
+void* pointer_of(void* ctx)
+{
+  return reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(ctx) & ~context_bits);
+}
+int device_of(void* ctx)
+{
+  return static_cast<int>(reinterpret_cast<std::uintptr_t>(ctx) & device_bits);
+}
 bool is_private(void* ctx) { return (reinterpret_cast<std::uintptr_t>(ctx) & private_bit) != 0; }
 
 void* context_of(void* ptr, int device, bool private_block)
@@ -125,7 +132,8 @@ std::string format_size(std::size_t bytes)
                             ". GPU " + std::to_string(device) + " has a total capacity of " +
                             format_size(total) + " of which " + format_size(free) +
                             " is free. " + error.message +
-                            " (EMMPOOL_MAXIMUM_POOL_SIZE caps the pool; emmpool.stats() shows what it holds)";
+                            " (EMMPOOL_MAXIMUM_POOL_SIZE caps the pool; emmpool.stats() shows "
+                            "what it holds)";
     TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
   }
   raise("emmpool: allocation of " + std::to_string(size) + " bytes on device " +

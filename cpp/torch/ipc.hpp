@@ -180,9 +180,9 @@ class opened_handles {
     }
     c10::DeviceIndex device = 0;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
-    auto sp  = handle.size() >= 2 && handle[1] == expandable_handle && handle.size() != CUDA_IPC_HANDLE_SIZE
-                 ? open_pages(handle, device)
-                 : open_cuda_malloc(handle, device);
+    bool const pages = handle.size() >= 2 && handle[1] == expandable_handle &&
+                       handle.size() != CUDA_IPC_HANDLE_SIZE;
+    auto sp = pages ? open_pages(handle, device) : open_cuda_malloc(handle, device);
     opened_[handle] = sp;
     return sp;
   }

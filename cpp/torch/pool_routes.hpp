@@ -230,7 +230,9 @@ class pool_routes {
       (void)api.emmpool_torch_reserve_outside(device, -n, nullptr);
       throw;
     }
-    if (api.emmpool_private_adopt_foreign(private_id(id), p, rounded, device, stream, &error) != 0) {
+    int const adopted =
+      api.emmpool_private_adopt_foreign(private_id(id), p, rounded, device, stream, &error);
+    if (adopted != 0) {
       source.raw_delete(p);
       (void)api.emmpool_torch_reserve_outside(device, -n, nullptr);
       raise(std::string{"emmpool: "} + error.message);

@@ -94,7 +94,8 @@ cca::SnapshotInfo build_snapshot(memory_history& history, MempoolId only, bool i
     for (auto const& r : rows) {
       bool const new_segment = r.segment != segment;
       segment                = r.segment;
-      if (auto it = privates.find(r.ptr); it != privates.end() && r.state == EMMPOOL_BLOCK_ALLOCATED) {
+      auto const it = privates.find(r.ptr);
+      if (it != privates.end() && r.state == EMMPOOL_BLOCK_ALLOCATED) {
         // A private pool's block: a segment of that pool (live, or free within the pool).
         private_segment(it->second, r);
         shown[r.ptr] = true;
@@ -132,7 +133,9 @@ cca::SnapshotInfo build_snapshot(memory_history& history, MempoolId only, bool i
   }
   out.device_traces.resize(static_cast<std::size_t>(devices));
   if (include_traces) {
-    for (int d = 0; d < devices; ++d) { out.device_traces[static_cast<std::size_t>(d)] = history.trace(d); }
+    for (int d = 0; d < devices; ++d) {
+      out.device_traces[static_cast<std::size_t>(d)] = history.trace(d);
+    }
   }
   out.config_metadata = cca::AllocatorConfigInfo{};
   out.config_metadata.last_allocator_settings = "emmpool";
