@@ -156,8 +156,9 @@ def overlay(src: Path, build_dir: Path, into: Path) -> None:
         shutil.copy2(so, pkg)
     shutil.copytree(src / "cpp" / "torch", pkg / "torch_extension")
     (pkg / "torch_extension" / "include" / "emmpool").mkdir(parents=True)
-    shutil.copy2(src / "cpp" / "include" / "emmpool" / "torch_api.h",
-                 pkg / "torch_extension" / "include" / "emmpool")
+    for header in ("torch_api.h", "round_up.hpp"):  # what CMakeLists.txt installs with it
+        shutil.copy2(src / "cpp" / "include" / "emmpool" / header,
+                     pkg / "torch_extension" / "include" / "emmpool")
 
 
 def failed_tests(m: Mutant, src: Path, build_dir: Path, site: Path) -> list[str]:

@@ -1,4 +1,4 @@
-// The Python side of the out-of-memory hook (cpp/edges/out_of_memory_hook.hpp): the user's
+// The Python side of the out-of-memory hook (cpp/entry_points/out_of_memory_hook.hpp): the user's
 // callbacks, per device, and the error one of them raised, chained to the OutOfMemoryError it
 // leads to. Glue only.
 #pragma once

@@ -1,5 +1,5 @@
 """Type stubs for emmpool._core (cpp/bindings/module.cpp; its CuPy functions:
-cpp/edges/cupy_adapter.cpp). Keep in step with the bindings."""
+cpp/entry_points/cupy_adapter.cpp). Keep in step with the bindings."""
 
 from typing import Any, Callable
 

@@ -1,7 +1,7 @@
 """The ``use_for_*`` family's work: each library made to allocate from emmpool's pools.
 
 Numba gets emmpool's memory manager class (:mod:`emmpool.plugin`); CuPy and PyTorch plain C entry
-points of emmpool._core (CuPy: cpp/edges/cupy_adapter.cpp, PyTorch: cpp/edges/c_api.cpp), so that
+points of emmpool._core (CuPy: cpp/entry_points/cupy_adapter.cpp, PyTorch: cpp/entry_points/c_api.cpp), so that
 no Python runs per allocation; RMM a callback resource (cuda.core's resource is
 :mod:`emmpool.cuda_core`). None of these libraries is needed by emmpool itself: each install
 says what to install where it is missing.
