@@ -20,7 +20,7 @@ worker). Tests that only one run reached before the timeout are counted apart as
 not as regressions. Both runs share one CuPy kernel cache, so that each kernel is compiled once
 (the cache is content-addressed and written atomically).
 
-The selection takes longer than one 10-minute call: ``--part K/N`` runs part K of N (both runs
+The selection takes longer than one run's time budget: ``--part K/N`` runs part K of N (both runs
 keep the tests whose id hashes to K-1 modulo N: every test is in exactly one part, whatever the
 machine), reported as ``<label>-cupy-suite-partKofN.txt``. ``--merge`` then reads the parts'
 outputs (each RUN a --out folder of this script, or an OUTDIR of .ci/gpu.py, its logs.tar.gz

@@ -6,7 +6,7 @@
     python3 .ci/gpu.py --dry-run [options]     the plan: each step and its commands, nothing run
 
 Standard library only, no network: the GPU host needs Python 3.10+, pip, a C++ compiler,
-CMake and the CUDA headers; what it lacks travels as wheels in .whl/ (.ci/gpu-wheels).
+CMake and the CUDA headers; bring the wheels it lacks in .whl/ (.ci/gpu-wheels).
 
 OUTDIR (default: $OUT if set, else ./gpu-out) must be empty or hold an earlier run (summary.txt
 and logs.tar.gz; it is then cleared). Each step logs to OUTDIR/logs/<step>.txt; a failed step
@@ -17,7 +17,7 @@ reports and, room permitting, other small benchmark outputs; the last thing prin
 verdicts, the head of the suite reports, the bench_numba table, the failing steps'
 diagnostics and summary.txt.
 
-The whole run keeps to --budget seconds (570: a 10-minute call): each step's timeout is cut to
+The whole run keeps to a time budget, --budget seconds (570): each step's timeout is cut to
 what is left (less --reserve for the comparisons and the packing), and a step is skipped, saying
 so, when too little is left. Steps whose needs are missing (a GPU, a library, carried tests) are
 skipped with the reason. --cuda 12 runs the CUDA 12 stack of .whl/cu12/ (.ci/gpu-wheels cu12-*)
@@ -80,8 +80,8 @@ CU12_CUPY_SUBSET = ("tests/cupy_tests/creation_tests", "tests/cupy_tests/manipul
 # pip, quiet and offline: the GPU host has no network.
 PIP_ENV = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1",
            "PIP_ROOT_USER_ACTION": "ignore", "PYTHONUNBUFFERED": "1"}
-LOOSE_FILES = 7  # files kept beside logs.tar.gz: a device call brings back 8
-LOGS_LIMIT = 16_000_000  # bytes of one file a device call brings back
+LOOSE_FILES = 7  # files kept beside logs.tar.gz, read first; everything is in the tarball
+LOGS_LIMIT = 16_000_000  # bytes of logs.tar.gz past which copying it back from a host gets slow
 
 
 class UsageError(Exception):
@@ -276,7 +276,7 @@ def parse_mode(text: str) -> dict[str, str | None]:
 
 
 def mode_file_name(mode: str) -> str:
-    """compare-<mode>.txt without '+', which a device call does not bring back."""
+    """compare-<mode>.txt without '+', which some tools that copy files back refuse in names."""
     return mode.replace("+", "_")
 
 
@@ -318,7 +318,7 @@ _RUNNING: set = set()  # the Jobs not finished yet
 
 def stop_all(signum=None, frame=None) -> None:
     """Kill every running Job's process group: each runs in a session of its own, which would
-    outlive the runner stopped from outside (a call's time limit, Ctrl-C) and hold the GPU."""
+    outlive the runner stopped from outside (a time limit, Ctrl-C) and hold the GPU."""
     for job in list(_RUNNING):
         try:
             os.killpg(job.proc.pid, signal.SIGKILL)
@@ -585,11 +585,11 @@ class Runner:
             return None if shutil.which(need) else f"no {need} on PATH"
         if need == ".cupy-tests":
             return None if (REPO / ".cupy-tests/tests").is_dir() else \
-                "no .cupy-tests/tests (bash .ci/gpu-cupy-tests CUPY_CHECKOUT, then carry it)"
+                "no .cupy-tests/tests (bash .ci/gpu-cupy-tests CUPY_CHECKOUT, then bring it)"
         if need == ".torch-tests":
             return None if (REPO / ".torch-tests/test_cuda.py").is_file() else \
                 "no .torch-tests/test_cuda.py (bash .ci/gpu-torch-tests PYTORCH_CHECKOUT, " \
-                "then carry it)"
+                "then bring it)"
         if need == ".baseline":
             return None if glob.glob(str(REPO / ".baseline/*/pyproject.toml")) else \
                 "no .baseline/NAME (bash .ci/gpu-baseline REV NAME)"
@@ -1180,8 +1180,8 @@ class Runner:
         shutil.move(str(tarball), self.outdir / "logs.tar.gz")
         size = (self.outdir / "logs.tar.gz").stat().st_size
         if size > LOGS_LIMIT:
-            print(f"WARNING: logs.tar.gz is {size} bytes, over what a device call brings back "
-                  f"({LOGS_LIMIT})")
+            print(f"WARNING: logs.tar.gz is {size} bytes, more than {LOGS_LIMIT}: slow to copy "
+                  f"back from a host")
         print()
         for path in self.compares:
             if path.is_file():
@@ -1247,7 +1247,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     time_ = ap.add_argument_group("time")
     time_.add_argument("--budget", type=int, default=570,
-                       help="seconds the whole run may take [570: a 10-minute call]")
+                       help="seconds the whole run may take: its time budget [570]")
     time_.add_argument("--reserve", type=int, default=25,
                        help="seconds kept for the comparisons and the packing [25]")
     steps = ap.add_argument_group("steps")

@@ -167,7 +167,7 @@ def preflight(python: str) -> tuple[str | None, dict]:
     p = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
         why = (p.stderr.strip().splitlines() or ["?"])[-1]
-        return why + " (psutil and expecttest: bash .ci/gpu-wheels torch, carry .whl)", {}
+        return why + " (psutil and expecttest: bash .ci/gpu-wheels torch, bring .whl)", {}
     info = json.loads(p.stdout.strip().splitlines()[-1])
     return (None if info["gpus"] else "no CUDA GPU"), info
 

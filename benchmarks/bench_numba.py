@@ -926,7 +926,7 @@ def parent_main(args):
     def runs_in(rnd, name, every_round):
         if rounds[name] and ("skipped" in rounds[name][0] or "failed" in rounds[name][0]):
             return False
-        # an anchor runs in the first rounds only, so that five or more fit one device call
+        # an anchor runs in the first rounds only, so that five or more rounds fit one step's budget
         return every_round or rnd < anchor_rounds
 
     for rnd in range(args.rounds):

@@ -336,7 +336,7 @@ class Gpu:
             import pynvml
         except ImportError:
             raise SystemExit(f"{NAME} measures memory through NVML: pip install nvidia-ml-py "
-                             "(on a host without network, carry its wheel)") from None
+                             "(on a host without network, bring its wheel)") from None
         self.nvml = pynvml
         try:
             pynvml.nvmlInit()
