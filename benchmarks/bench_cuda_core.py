@@ -2,21 +2,10 @@
 
     python benchmarks/bench_cuda_core.py --out DIR [--rounds 5]
 
-What is timed, per size (4 KiB, where launch cost dominates, and 64 MiB):
-
-- ``launch``: a Numba kernel launched over a NumPy array, ``inc[grid, block](host)``: numba-cuda
-  allocates the device copy through cuda.core's ``Device.allocate``, copies in, launches,
-  copies out, and frees (the idiom the plugin brings into emmpool's pool);
-- ``allocate``: ``Device.allocate(n, stream)`` + ``Buffer.close()`` on Numba's default stream,
-  the allocation path alone;
-- ``memalloc`` (reference): ``cuda.device_array(n)`` + ``del`` through the plugin, Numba's EMM
-  path, which the allocation path should not be slower than.
-
-Each round is a child process with the plugin installed (``NUMBA_CUDA_MEMORY_MANAGER``); the
-resource of numba's cuda.core Device is swapped between blocks (outside the timing), taking
-turns A B, B A, ..., so that the two resources meet the same drift of the host; a round's ratio
-is the median of block ratios, a cell the median over rounds, with the lowest and highest
-round. Writes DIR/bench_cuda_core.json and DIR/bench_cuda_core.md.
+A child process per round times, at 4 KiB and 64 MiB, a Numba kernel launched over a NumPy array
+(``launch``), ``Device.allocate`` + ``Buffer.close`` (``allocate``) and ``cuda.device_array`` +
+``del`` (``memalloc``), the Device's memory resource swapped between blocks: benchmarks/README.md
+says more. Writes DIR/bench_cuda_core.json and DIR/bench_cuda_core.md.
 """
 
 from __future__ import annotations
@@ -29,9 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = str(Path(__file__).resolve().parent)
-sys.path.insert(0, HERE)
-import cpus  # noqa: E402
+import cpus
+import harness
 
 SIZES = [4 << 10, 64 << 20]
 
@@ -157,12 +145,9 @@ def main(argv=None) -> int:
     pinned = cpus.pin_near_gpu(args.cpus)
     rounds = [run_round(args.turns) for _ in range(args.rounds)]
     merged = merge(rounds)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_cuda_core.json").write_text(
-        json.dumps({"cpus": pinned, "rounds": rounds, "merged": merged}, indent=1))
-    text = table(merged, args.rounds)
-    (args.out / "bench_cuda_core.md").write_text(text)
-    print(text)
+    harness.write_results(args.out, "bench_cuda_core",
+                          {"cpus": pinned, "rounds": rounds, "merged": merged},
+                          table(merged, args.rounds))
     return 0
 
 

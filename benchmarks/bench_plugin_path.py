@@ -3,29 +3,13 @@
 
     python benchmarks/bench_plugin_path.py [--rounds 7] [--ops 2000] [--blocks 15] [--json FILE]
 
-Times, in ns per allocation + free, what Numba's ``cuda.device_array`` + ``del`` costs in the
-plugin (``memalloc``, the ``MemoryPointer`` it returns, the finalizer that frees the block),
-over the host driver (``_core.HostDriver``, events complete at once: an idle GPU). Numba's
-``MemoryPointer`` needs no GPU to be made, so every variant makes the very objects Numba makes
-on a GPU (``MemoryPointer`` + ``weakref.finalize``); only the array around it is left out.
-
-Variants (one op: ``m = mgr.memalloc(n); del m``):
-
-- ``floor``: a ``memalloc`` that returns ``MemoryPointer(ctx, ptr, n, finalizer=noop)`` over one
-  address, as benchmarks/anchors.py's ``nothing`` manager: Numba's own per-array work;
-- ``pybind11``: the plugin's ``memalloc`` before the C entry points (pybind11's
-  ``DevicePool.allocate`` + a ``functools.partial`` of ``DevicePool.deallocate`` as finalizer),
-  kept here, verbatim but for the names, to compare;
-- ``emmpool``: the plugin's ``memalloc`` as installed (once bound, the manager's own, in C:
-  ``NumbaEntryPoints.memalloc_for``; so no Python frame, where the floor's is one).
-
-And the pool calls alone (no ``MemoryPointer``): ``pybind11 pair`` (allocate + a partial of
-deallocate, called) and ``entry pair`` (the C entry points: allocate + the finalizer, called).
-
-Rounds are interleaved (each round runs every variant once, in a rotating order); a round's
-figure is the fastest of its timed blocks (the code is CPU-bound: a loaded host only ever adds);
-the table quotes the median over rounds, the best round next to it, and the floor of every round
-is in the JSON. Ratios matter: this runs on a CPU, not the GPU hosts of bench_numba.py.
+ns per allocation + free (one op: ``m = mgr.memalloc(n); del m``) over the host driver
+(``_core.HostDriver``, events complete at once: an idle GPU). Numba's ``MemoryPointer`` needs no
+GPU to be made, so every variant makes the very objects Numba makes on a GPU (``MemoryPointer`` +
+``weakref.finalize``); only the array around it is left out. The variants (``floor``,
+``pybind11``, ``emmpool``, and the pool's calls alone: ``pybind11 pair``, ``entry pair``) and
+what the table quotes: benchmarks/README.md. Ratios matter: this runs on a CPU, not the GPU hosts
+of bench_numba.py.
 """
 
 from __future__ import annotations

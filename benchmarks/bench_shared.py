@@ -1,43 +1,31 @@
 """cupy.empty and torch.empty + del through emmpool, against each library's own allocator.
 
-    python benchmarks/bench_shared.py --out DIR
+    python benchmarks/bench_shared.py --out DIR [--rounds R] [--cpus N]
 
-One child process per configuration (an allocator is fixed at a library's first allocation):
-
-- ``own``: the library's own pool (CuPy's MemoryPool, PyTorch's caching allocator), the target;
-- ``floor``: the library's C-function allocator path with C functions that do nothing (libc's
-  ``memset`` called with a length of 0 and returning its first argument: a fixed address for
-  CuPy, the size itself for PyTorch; nothing touches the memory of an ``empty``), i.e. what
-  CuPy's CFunctionAllocator and PyTorch's CUDAPluggableAllocator cost by themselves;
-- ``emmpool``: ``emmpool.use_for_cupy()`` / ``use_for_torch()``;
-- ``emmpool@NAME``: an earlier build of emmpool (``EMMCI_BENCH_BASELINES``, baselines.py);
-- ``emmpool-direct`` (CuPy): the same C functions without the hook's C wrapper (the size rounded to 512 bytes, and the null check where CuPy needs it).
-
-Reports, per configuration and size, the median ns per empty()+del over timed blocks (the best
-round of those), and the ratio to the library's own pool. Every process runs on the same few CPUs near the GPU (``--cpus``, see cpus.py), and each
-round measures the sizes in another order (a round's first size must not always be the same
-one). Writes DIR/bench_shared.json and DIR/bench_shared.md.
+One child process per configuration and round (an allocator is fixed at a library's first
+allocation): own, floor, emmpool, emmpool@NAME and, for CuPy, emmpool-direct. benchmarks/README.md
+says what each is and what the table quotes. Writes DIR/bench_shared.json and DIR/bench_shared.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import baselines
+import cpus
+import harness
+
 HERE = str(Path(__file__).resolve().parent)
-sys.path.insert(0, HERE)
-import baselines  # noqa: E402
-import cpus  # noqa: E402
 
 SIZES = [256, 1 << 16, 1 << 22, 1 << 26]
 
 CHILD = r"""
-import ctypes, json, statistics, sys, time
+import ctypes, statistics, sys, time
 lib, alloc, sizes = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3].split(",")]
 libc = ctypes.CDLL("libc.so.6")
 if alloc.startswith("emmpool"):
@@ -89,7 +77,7 @@ if alloc.startswith("emmpool"):
     import emmpool
     s = emmpool.stats(0)
     out["stats"] = {k: s[k] for k in ("same_stream_reuses", "batches_closed", "allocations")}
-print("RESULT " + json.dumps(out))
+import harness; harness.emit(out)
 """
 
 CONFIGS = {
@@ -121,7 +109,6 @@ def main() -> None:
                     help="pin every process to this many CPUs near the GPU; 0: no pinning "
                          "(default 4)")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     pinned = cpus.pin_near_gpu(args.cpus)  # the children inherit it
     # Interleaved rounds (own, floor, emmpool, ... then again): a drift of clocks or host load
     # over the minute lands on every configuration alike; each cell is the best round.
@@ -138,13 +125,9 @@ def main() -> None:
                     [sys.executable, "-c", CHILD, lib, alloc, order], capture_output=True,
                     text=True, timeout=300, env=env,
                 )
-                line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
                 rounds.setdefault(f"{lib}/{alloc}", []).append(
-                    json.loads(line[0][7:]) if line else {"error": p.stderr[-500:]}
-                )
+                    harness.result_of(p.stdout) or {"error": p.stderr[-500:]})
     results = {key: _merge(rs) for key, rs in rounds.items()}
-    (args.out / "bench_shared.json").write_text(
-        json.dumps({"cpus": pinned, "rounds": args.rounds, **results}, indent=1))
     sizes = [str(n) for n in SIZES]
     rows = ["| allocator | 256 B | 64 KiB | 4 MiB | 64 MiB | emmpool stats |",
             "|---|---:|---:|---:|---:|---|"]
@@ -164,8 +147,8 @@ def main() -> None:
              f"each; medians in the JSON) of the median of 9 timed blocks; {where}. In "
              "parentheses: ratio to the library's own pool.\n\n")
     table += "\n".join(rows) + "\n"
-    (args.out / "bench_shared.md").write_text(table)
-    print(table)
+    harness.write_results(args.out, "bench_shared",
+                          {"cpus": pinned, "rounds": args.rounds, **results}, table)
 
 
 if __name__ == "__main__":

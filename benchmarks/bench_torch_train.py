@@ -1,41 +1,13 @@
 """Real training with PyTorch's caching allocator ("native") and with emmpool, in the same run.
 
-    python benchmarks/bench_torch_train.py --out DIR [--quick]
+    python benchmarks/bench_torch_train.py --out DIR [--quick] [--models resnet18,transformer]
+        [--compile MODE] [--expandable] [--pluggable] [--trace]
 
-Models: a torchvision ResNet-18 (batch 64, 64x64 images, 100 classes, SGD with momentum, fp32)
-and a small transformer language model (6 encoder layers, d_model 512, 8 heads, sequence 128,
-batch 32, AdamW, bf16 autocast). Each configuration runs in its own child process (an allocator
-is fixed at PyTorch's first CUDA allocation), and rounds interleave the configurations, each
-round in the other order. Per child: warm-up steps, then timed steps (one synchronize at the
-end of each step: ms/step is the median), the losses of every step (seeded: native and emmpool
-must agree), and PyTorch's peak reserved bytes (torch.cuda.max_memory_reserved; for emmpool
-answered from emmpool's pool, which holds PyTorch's memory alone here) plus, for emmpool,
-emmpool.stats()'s own peak.
-
-Configurations: ``native``; ``emmpool`` (emmpool.use_for_torch(), the allocator extension);
-``emmpool@NAME`` for each earlier build in EMMCI_BENCH_BASELINES (baselines.py: the same
-extension, built from that tree); with ``--pluggable`` also ``emmpool-pluggable`` (PyTorch's
-CUDAPluggableAllocator over emmpool, the fallback). cuDNN: deterministic algorithms, benchmark mode off by default (``--cudnn-benchmark``
-turns it on: the pluggable allocator then fails, see README).
-
-``--compile MODE``: the models run under ``torch.compile(model, mode=MODE)`` (e.g.
-``reduce-overhead``: CUDA graph trees over the allocator's private pools; each step starts with
-``torch.compiler.cudagraph_mark_step_begin()``), warm-up steps include the compilation (in
-the child, TORCHINDUCTOR_COMPILE_THREADS=1: no compile workers beside the timed steps), and the
-results go to DIR/bench_torch_compile.{json,md}. ``--expandable``: also ``native-expandable``,
-PyTorch's allocator with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
-
-Writes DIR/bench_torch_train.json and DIR/bench_torch_train.md. ``--quick``: 2 rounds of fewer
-steps (< 2 minutes on an H100); the full run: 3 rounds (about 4 minutes).
-
-``--trace``: instead, one emmpool child per model records every allocation and free
-(emmpool.trace, with a mark at each step's synchronize) into DIR/trace-<model>.csv, and
-``python -m emmpool replay`` replays each trace on PyTorch's caching allocator and on emmpool
-(the CUDA driver, and the host driver as an idle GPU and as one a step behind) into
-DIR/trace-replay.md. The request sequence does not depend on the allocator, so PyTorch's replay
-peak should be the training run's; emmpool's policy can then be tried on the trace without a
-GPU (``python -m emmpool replay DIR/trace-transformer.csv --backends emmpool-host
-emmpool-host-behind``).
+Each configuration (native, emmpool, emmpool@NAME, ...) runs in its own child process (an
+allocator is fixed at PyTorch's first CUDA allocation), rounds interleaving them, each round in
+the other order. benchmarks/README.md says what the models are and what is measured. Writes
+DIR/bench_torch_train.{json,md} (DIR/bench_torch_compile.* with --compile); with --trace,
+DIR/trace-<model>.csv and DIR/trace-replay.md instead.
 """
 
 from __future__ import annotations
@@ -49,10 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = str(Path(__file__).resolve().parent)
-sys.path.insert(0, HERE)
-import baselines  # noqa: E402
-import cpus  # noqa: E402
+import baselines
+import cpus
+import harness
 
 MODELS = ("resnet18", "transformer", "llama")
 
@@ -145,8 +116,22 @@ def make_llama(torch, wrap):
 MAKERS = {"resnet18": make_resnet, "transformer": make_transformer, "llama": make_llama}
 
 
-def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: bool,
-          trace_to: Path | None = None, compile_mode: str | None = None) -> None:
+def compiler(torch, mode: str | None):
+    """wrap(model): the model, or with `mode` its torch.compile'd self (made once)."""
+    compiled = {}
+
+    def wrap(m):
+        if mode is None:
+            return m
+        if id(m) not in compiled:
+            compiled[id(m)] = torch.compile(m, mode=mode)
+        return compiled[id(m)]
+
+    return wrap
+
+
+def child(model: str, config: str, warmup: int, steps: int, trace_to: Path | None = None,
+          compile_mode: str | None = None) -> None:
     import torch
 
     how = None
@@ -162,17 +147,8 @@ def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: boo
         emmpool.trace.start()  # before the model's first allocation: the whole lifetime
     torch.manual_seed(0)
     torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = cudnn_benchmark
-    compiled = {}
-
-    def wrap(m):  # the model, or its torch.compile'd self (made once)
-        if compile_mode is None:
-            return m
-        if id(m) not in compiled:
-            compiled[id(m)] = torch.compile(m, mode=compile_mode)
-        return compiled[id(m)]
-
-    step = MAKERS[model](torch, wrap)
+    torch.backends.cudnn.benchmark = False
+    step = MAKERS[model](torch, compiler(torch, compile_mode))
     losses, times = [], []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -209,7 +185,7 @@ def child(model: str, config: str, warmup: int, steps: int, cudnn_benchmark: boo
             out["peak_reserved"] = s["peak_bytes_reserved"]
     if trace_to is not None:
         out["trace_rows"] = emmpool.trace.write_csv(trace_to, emmpool.trace.stop())
-    print("RESULT " + json.dumps(out), flush=True)
+    harness.emit(out)
 
 
 # ------------------------------------------------------------------------------------------
@@ -226,7 +202,7 @@ def compile_env() -> dict[str, str]:
 def run_child(model, config, args, trace_to: Path | None = None,
               env: dict[str, str] | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", model, config, "--warmup", str(args.warmup),
-           "--steps", str(args.steps)] + (["--cudnn-benchmark"] if args.cudnn_benchmark else [])
+           "--steps", str(args.steps)]
     if args.compile:
         cmd += ["--compile", args.compile]
         env = {**compile_env(), **(env or {})}
@@ -236,10 +212,8 @@ def run_child(model, config, args, trace_to: Path | None = None,
         cmd += ["--trace-to", str(trace_to)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                        env={**os.environ, **env} if env else None)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    return {"model": model, "config": config, "error": (p.stdout + p.stderr)[-1500:]}
+    return harness.result_of(p.stdout) or {"model": model, "config": config,
+                                           "error": (p.stdout + p.stderr)[-1500:]}
 
 
 def summarize(runs: list[dict], configs: list[str]) -> tuple[list[dict], str]:
@@ -292,7 +266,8 @@ REPLAY_BACKENDS = ("torch", "emmpool-fixed", "emmpool-host", "emmpool-host-behin
 
 
 def trace_and_replay(args, models) -> None:
-    """--trace: a traced emmpool child per model, then each trace replayed (module docstring)."""
+    """--trace: a traced emmpool child per model, then each trace replayed
+    (benchmarks/README.md)."""
     args.out.mkdir(parents=True, exist_ok=True)
     report = ["# bench_torch_train --trace", ""]
     for model in models:
@@ -323,19 +298,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="resnet18,transformer",
                     help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--pluggable", action="store_true", help="also the CUDAPluggableAllocator")
-    ap.add_argument("--cudnn-benchmark", action="store_true")
     ap.add_argument("--compile", metavar="MODE", help="torch.compile(model, mode=MODE)")
     ap.add_argument("--expandable", action="store_true",
                     help="also PyTorch's allocator with expandable segments")
     ap.add_argument("--cpus", type=int, default=8, help="pin to this many CPUs near the GPU")
     ap.add_argument("--trace", action="store_true",
-                    help="record and replay each model's allocation trace (see above)")
+                    help="record and replay each model's allocation trace (README.md)")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--trace-to", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(*args.child, args.warmup, args.steps, args.cudnn_benchmark, args.trace_to,
-              args.compile)
+        child(*args.child, args.warmup, args.steps, args.trace_to, args.compile)
         return
     if args.out is None:
         ap.error("--out DIR is required")
@@ -374,15 +347,12 @@ def main(argv: list[str] | None = None) -> None:
     head = (f"# {name}\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
             f"{'torch.compile(mode=' + repr(args.compile) + '), ' if args.compile else ''}"
             f"{rounds} rounds x (warm-up {args.warmup} + {args.steps} steps), cuDNN benchmark "
-            f"{'on' if args.cudnn_benchmark else 'off'}, CPUs pinned: {pinned or 'no'}, "
+            f"off, CPUs pinned: {pinned or 'no'}, "
             f"{time.time() - t0:.0f} s\n\n")
-    print("\n" + head + table, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.md").write_text(head + table + "\n")
-    (args.out / f"{name}.json").write_text(json.dumps(
-        {"rows": rows, "runs": runs, "rounds": rounds, "warmup": args.warmup,
-         "steps": args.steps, "device": torch.cuda.get_device_name(0),
-         "torch": torch.__version__, "compile": args.compile}, indent=1))
+    harness.write_results(args.out, name, {
+        "rows": rows, "runs": runs, "rounds": rounds, "warmup": args.warmup,
+        "steps": args.steps, "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__, "compile": args.compile}, head + table + "\n")
 
 
 if __name__ == "__main__":

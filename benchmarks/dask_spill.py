@@ -5,58 +5,13 @@ emmpool's spilling against dask-cuda's RMM setups and against no setup, each cap
         [--setups emmpool rmm-pool@0.75 rmm-pool rmm-async none emmpool@0.75]
 
 Needs dask, distributed, dask-cuda, CuPy, numba-cuda, nvidia-ml-py (and RMM for the rmm setups).
-One worker per GPU, one thread each. Every setup may use CAP bytes of device memory per GPU
-(16 GiB by default), and every setup's workers get ``device_memory_limit`` = CAP, above which
-dask-cuda's DeviceHostFile moves the data a worker keeps to host memory, least recently used
-first (``NAME@F``: the setup with ``device_memory_limit`` = F x CAP):
-
-- ``emmpool``: ``emmpool.dask.EmmPool(maximum_pool_size=CAP, numba=True, cupy=True, rmm=True,
-  spill=True)``: an allocation that finds the pool full moves the worker's least recently used
-  device data to host and is tried again (emmpool.dask.DeviceSpiller); and ``rmm=True``: RMM on
-  the same pool, since where RMM imports, distributed receives CuPy arrays, and dask-cuda brings
-  them back from host, into ``rmm.DeviceBuffer``s;
-- ``rmm-pool``: dask-cuda's ``rmm_pool_size`` = ``rmm_maximum_pool_size`` = CAP, CuPy on RMM
-  (``rmm_allocator_external_lib_list``), Numba on RMM's EMM plugin;
-- ``rmm-async``: dask-cuda's ``rmm_async`` (RMM's CudaAsyncMemoryResource) with
-  ``rmm_maximum_pool_size`` = CAP (its limiting adaptor) and ``rmm_release_threshold`` = CAP,
-  CuPy and Numba on RMM as above;
-- ``none``: no allocator setup (CuPy's default pool, Numba's own allocator): the
-  device_memory_limit is the only cap.
-
-The RMM setups spill through the DeviceHostFile alone: dask-cuda 26.10 has no JIT-unspill
-(ProxifyHostFile, whose RMM failure callback spilled on out-of-memory), so an allocation that
-finds RMM's memory full fails its task. The limit counts what workers keep, not what a running
-task holds besides (its output as it is made, temporaries, data arriving from the other
-worker): at a limit equal to the cap, that has no room unless something spills on demand, and
-``rmm-pool@0.75`` shows what dask-cuda's setup needs instead.
-
-The job, on an n x n float64 array in k x k chunks of C x C (288 MiB at C = 6144), n = k C
-chosen so that the data is SCALE x CAP per GPU: X[i, j] = i - j (CuPy, per chunk), Y = 2 X + 1
-by a Numba kernel into an array Numba allocates (map_blocks), Z = Y * Y (CuPy), the transpose
-shuffle S = Z + Z.T (chunk (i, j) needs Z's chunk (j, i), computed on either worker), S
-persisted: it alone is SCALE times what the devices may hold. Then every chunk of S is checked
-on its worker against the closed form S[i, j] = 8 (i - j)**2 + 2, every element and the sum;
-the client receives NumPy only, so it makes no CUDA context.
-
-Reported per setup: the wall time of the job (persist, then check), its outcome (tasks that
-failed: the task stream's erred tasks, each with its own exception; a timeout; a stall: tasks
-failed and none finished for 15 s, as when a worker runs out of memory receiving a task's input,
-which leaves that task waiting), the peak device memory of each GPU during the job (NVML's used
-memory, every process on it, the workers' CUDA contexts included, sampled every 5 ms by this
-process, above its value before the setup started; the JSON also has the peak over the setup's
-whole life, the cluster's start and close included), the allocator's own peak where it says
-(emmpool's peak reserved; RMM's pool is CAP from the start), and the bytes moved between device
-and host during the job: every move of the DeviceHostFile's device buffer, by its limit or by
-emmpool's spiller (zict's callbacks), emmpool's share apart. They are read while the job's
-result is still held: a worker that lets go of spilled data reads it back to device first.
-
+benchmarks/README.md says what the setups are, what the job computes and what is reported.
 Each setup runs in a child process of its own (an allocator is fixed per process), which this
-process kills with its workers at ``--setup-timeout`` or at the run's deadline
-(``--time-limit``, or EMMCI_BENCH_DEADLINE, which .ci/gpu.py sets); a setup that would start
-too close to the deadline is reported skipped. An unreported warm-up (``none``, a small job)
-takes the run's cold caches first (``--no-warmup`` skips it). Writes DIR/dask_spill.md (also
-printed) and DIR/dask_spill.json, and each setup's log under DIR/dask_spill-logs/. Exit status
-1 where an emmpool setup did not finish with 0 failed tasks, or a setup's results are wrong.
+process kills with its workers at ``--setup-timeout`` or at the run's deadline (``--time-limit``,
+or EMMCI_BENCH_DEADLINE); a setup that would start too close to the deadline is reported
+skipped. Writes DIR/dask_spill.md (also printed), DIR/dask_spill.json and each setup's log under
+DIR/dask_spill-logs/. Exit status 1 where an emmpool setup did not finish with 0 failed tasks,
+or a setup's results are wrong.
 """
 
 from __future__ import annotations
@@ -66,10 +21,7 @@ import datetime
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -77,7 +29,9 @@ from pathlib import Path
 import numpy as np
 
 import dask_workload
+import harness
 from dask_workload import A, B, PeakSampler, RmmForNumba
+from harness import gib
 
 SETUPS = ("emmpool", "rmm-pool", "rmm-async", "none")
 # every setup at device_memory_limit = the cap, and the RMM pool and emmpool at 3/4 of it
@@ -353,7 +307,8 @@ def run_setup(job: dict) -> dict:
 
 
 def child_main(job_file: Path) -> int:
-    job = json.loads(job_file.read_text())
+    spec = json.loads(job_file.read_text())
+    job = {**spec["job"], "result": spec["result"]}
     try:
         run_setup(job)
     except Exception as e:  # noqa: BLE001 - the setup's outcome, reported
@@ -365,72 +320,19 @@ def child_main(job_file: Path) -> int:
 
 
 def _run_child(job: dict, timeout: float, log: Path) -> dict:
-    """Run a setup in a child process (its own process group: its workers go with it), killed
-    `timeout` seconds after it starts; its result, or the reason there is none."""
-    with tempfile.TemporaryDirectory() as tmp:
-        job = {**job, "result": str(Path(tmp) / "result.json")}
-        job_file = Path(tmp) / "job.json"
-        job_file.write_text(json.dumps(job))
-        with open(log, "w") as out:
-            child = subprocess.Popen([sys.executable, __file__, "--child", str(job_file)],
-                                     stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-            try:
-                rc = child.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
-                rc = None
-        if Path(job["result"]).is_file():
-            result = json.loads(Path(job["result"]).read_text())
-        else:
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
-            why = (f"killed at the setup's time limit ({timeout:.0f} s)" if rc is None
-                   else f"exited {rc} without a result: {tail[0][:200]}")
-            result = {"setup": job["setup"], "error": why, "timed_out": rc is None}
+    """Run a setup in a child process (its workers go with it at its time limit); its result,
+    or the reason there is none."""
+    result, rc = harness.run_script(__file__, job, timeout, log)
+    if result is None:
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        why = (f"killed at the setup's time limit ({timeout:.0f} s)" if rc is None
+               else f"exited {rc} without a result: {tail[0][:200]}")
+        result = {"setup": job["setup"], "error": why, "timed_out": rc is None}
     return result
 
 
 # ---------------------------------------------------------------------------------------------
 # The parent: NVML, the setups in turn, the table.
-
-
-def _gpus(devices: list[int] | None) -> tuple[list[int], dict]:
-    """The GPUs to use (every GPU if None) and each one's NVML handle, UUID and name."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    devices = devices if devices is not None else list(range(pynvml.nvmlDeviceGetCount()))
-    nvml = {}
-    for d in devices:
-        h = pynvml.nvmlDeviceGetHandleByIndex(d)
-        uuid, name = pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetName(h)
-        nvml[d] = {"handle": h, "uuid": uuid if isinstance(uuid, str) else uuid.decode(),
-                   "name": name if isinstance(name, str) else name.decode(),
-                   "total": pynvml.nvmlDeviceGetMemoryInfo(h).total}
-    return devices, nvml
-
-
-class JobPeakSampler(PeakSampler):
-    """dask_workload's PeakSampler, keeping each sample's time too: the peak within the job
-    (persist and check), apart from the cluster's start and close."""
-
-    def __init__(self, handles: list, period: float = 0.005):
-        self.samples: list[tuple[float, list[int]]] = []
-        super().__init__(handles, period)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._period):
-            used = [self._used(h) for h in self._handles]
-            self.samples.append((time.time(), used))
-            self._peak = [max(p, u) for p, u in zip(self._peak, used)]
-
-    def peak_within(self, start: float, end: float) -> list[int] | None:
-        """The peak above the baseline of the samples taken from `start` to `end` (time.time())."""
-        window = [used for t, used in self.samples if start <= t <= end]
-        if not window:
-            return None
-        return [max(u[i] for u in window) - b for i, b in enumerate(self.baseline)]
 
 
 def _used(nvml: dict) -> dict[int, int]:
@@ -466,7 +368,7 @@ def run_setups(specs: list[str], job: dict, args, nvml: dict, idle: dict,
                 continue
         print(f"[dask_spill] {spec} (at most {timeout:.0f} s) ...", flush=True)
         _settle(nvml, idle)
-        sampler = JobPeakSampler([v["handle"] for v in nvml.values()])
+        sampler = PeakSampler([v["handle"] for v in nvml.values()])
         name = job.get("label", "") + spec.replace("@", "_at_")
         log = args.out / "dask_spill-logs" / f"{name}.txt"
         t = time.perf_counter()
@@ -480,8 +382,8 @@ def run_setups(specs: list[str], job: dict, args, nvml: dict, idle: dict,
             in_job = sampler.peak_within(r["job_start"], r["job_end"])
             r["peak"] = dict(zip(nvml, in_job)) if in_job else None
         print(f"[dask_spill] {spec}: {outcome(r)}, wall {_s(r.get('wall_s'))} s, peak in the "
-              f"job {', '.join(_gib(p) for p in (r.get('peak') or {}).values())} GiB, in the "
-              f"setup's life {', '.join(_gib(p) for p in peaks)} GiB", flush=True)
+              f"job {', '.join(gib(p) for p in (r.get('peak') or {}).values())} GiB, in the "
+              f"setup's life {', '.join(gib(p) for p in peaks)} GiB", flush=True)
         results.append(r)
     return results
 
@@ -498,9 +400,6 @@ def outcome(r: dict) -> str:
         return "FAILED: " + r["error"][:120]
     return "ok" if r.get("result_ok") else "WRONG"
 
-
-def _gib(n) -> str:
-    return "-" if n is None else f"{n / GiB:.2f}"
 
 
 def _s(t) -> str:
@@ -519,9 +418,9 @@ def _allocator_peak(r: dict, cap: int) -> str:
     if name == "emmpool" and r.get("emmpool"):
         peak = max(p.get("peak_bytes_reserved", 0) for pools in r["emmpool"].values()
                    for p in pools.values())
-        return f"{_gib(peak)} reserved"
+        return f"{gib(peak)} reserved"
     if name == "rmm-pool":
-        return f"{_gib(cap)} (the pool)"
+        return f"{gib(cap)} (the pool)"
     return "-"
 
 
@@ -533,10 +432,10 @@ def markdown(results: list[dict], header: dict, job: dict) -> str:
         f"## Dask with more data than the GPUs may hold, {gpus} × {header['gpu']} "
         f"(LocalCUDACluster), {header['date']}",
         "",
-        f"Every setup may use {_gib(cap)} GiB per GPU (its allocator's limit, and "
-        f"device_memory_limit {_gib(cap)} GiB, or F × that for NAME@F). The job: "
+        f"Every setup may use {gib(cap)} GiB per GPU (its allocator's limit, and "
+        f"device_memory_limit {gib(cap)} GiB, or F × that for NAME@F). The job: "
         f"X[i, j] = i − j, "
-        f"{n:,}² float64 ({_gib(data)} GiB, {data / (cap * gpus):.2f}× the cap of {gpus} GPUs) "
+        f"{n:,}² float64 ({gib(data)} GiB, {data / (cap * gpus):.2f}× the cap of {gpus} GPUs) "
         f"in {blocks}×{blocks} chunks of {chunk * chunk * 8 / 2**20:,.0f} MiB (CuPy); Y = 2X + 1 "
         f"(Numba kernel); Z = Y·Y (CuPy); S = Z + Zᵀ (transpose shuffle), persisted; every "
         f"chunk of S checked on its worker against 8(i − j)² + 2. dask-cuda 26.10 has no "
@@ -562,11 +461,11 @@ def markdown(results: list[dict], header: dict, job: dict) -> str:
             continue
         peaks = r.get("peak") or {}
         oom = _moved_total(r, "oom_spilled_bytes") if r["setup"].startswith("emmpool") else None
-        cells = [r["setup"], _gib(r.get("device_memory_limit")), outcome(r),
+        cells = [r["setup"], gib(r.get("device_memory_limit")), outcome(r),
                  str(r.get("tasks_failed", "-")), _s(r.get("wall_s")), _s(r.get("persist_s")),
-                 _s(r.get("check_s")), ", ".join(_gib(p) for p in peaks.values()) or "-",
-                 _allocator_peak(r, cap), _gib(_moved_total(r, "to_host_bytes")), _gib(oom),
-                 _gib(_moved_total(r, "to_device_bytes")), _s(r.get("cluster_start_s"))]
+                 _s(r.get("check_s")), ", ".join(gib(p) for p in peaks.values()) or "-",
+                 _allocator_peak(r, cap), gib(_moved_total(r, "to_host_bytes")), gib(oom),
+                 gib(_moved_total(r, "to_device_bytes")), _s(r.get("cluster_start_s"))]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *goals(results)]
     notes = []
@@ -608,7 +507,7 @@ def goals(results: list[dict]) -> list[str]:
             their_peak = max((o.get("peak") or {0: 0}).values())
             lines.append(
                 f"  - against {o['setup']}: wall {r['wall_s']:.1f} s vs {o['wall_s']:.1f} s "
-                f"{'✓' if wall else '✗'}; peak {_gib(mine_peak)} vs {_gib(their_peak)} GiB "
+                f"{'✓' if wall else '✗'}; peak {gib(mine_peak)} vs {gib(their_peak)} GiB "
                 f"{'✓' if mine_peak <= their_peak else '✗'}")
     return lines
 
@@ -651,21 +550,17 @@ def main(argv: list[str] | None = None) -> int:
             parse_setup(spec)
     except ValueError as e:
         p.error(str(e))
-    start = time.time()
-    deadline = None
-    if args.time_limit is not None:
-        deadline = start + args.time_limit
-    elif os.environ.get("EMMCI_BENCH_DEADLINE"):
-        deadline = float(os.environ["EMMCI_BENCH_DEADLINE"])
+    deadline = harness.Deadline(args.time_limit, now=time.time()).at
     (args.out / "dask_spill-logs").mkdir(parents=True, exist_ok=True)
     # CUDA numbers GPUs fastest first, NVML by PCI bus: one order for both (the children and
     # their workers inherit it), so that CUDA_VISIBLE_DEVICES and NVML's indices agree.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    devices, nvml = _gpus([int(d) for d in args.devices.split(",")] if args.devices else None)
+    devices, nvml = dask_workload.gpus([int(d) for d in args.devices.split(",")]
+                                       if args.devices else None)
     blocks = sizes(cap, len(devices), args.scale, args.chunk)
     job = {"devices": devices, "cap": cap, "blocks": blocks, "chunk": args.chunk}
     header = {"gpu": next(iter(nvml.values()))["name"] if nvml else "?",
-              "versions": dask_workload._versions(), "date": datetime.date.today().isoformat()}
+              "versions": dask_workload.versions(), "date": datetime.date.today().isoformat()}
 
     idle = _used(nvml)
     warmup = None
@@ -676,13 +571,10 @@ def main(argv: list[str] | None = None) -> int:
         small = {**job, "blocks": 2, "chunk": 1024, "label": "warmup-"}
         [warmup] = run_setups(["none"], small, args, nvml, idle, deadline)
     results = run_setups(args.setups, job, args, nvml, idle, deadline)
-    text = markdown(results, header, job)
-    (args.out / "dask_spill.md").write_text(text)
-    (args.out / "dask_spill.json").write_text(json.dumps(
-        {"header": header, "job": job, "warmup": warmup,
-         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-         "results": results}, indent=1, default=str))
-    print(text)
+    harness.write_results(args.out, "dask_spill", {"header": header, "job": job,
+                                                   "warmup": warmup, "args": vars(args),
+                                                   "results": results},
+                          markdown(results, header, job))
     bad = [r for r in results if (r["setup"].startswith("emmpool") and outcome(r) != "ok")
            or (r.get("check_s") is not None and not r.get("result_ok"))]
     return 1 if bad else 0

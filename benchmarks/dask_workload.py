@@ -4,43 +4,15 @@ setup and against no pool setup, in one run.
     python benchmarks/dask_workload.py --out DIR [--devices 0,1] [--rounds 5]
 
 Needs dask, distributed, dask-cuda, CuPy, numba-cuda, nvidia-ml-py (and RMM for the rmm setups).
-One worker per GPU, each seeing its own GPU as device 0 (CUDA_VISIBLE_DEVICES). The workload,
-per round: a Dask array of CuPy chunks (cupy.arange), a Numba kernel over each chunk through
-map_blocks (y = 2x + 1, written into an array Numba allocates), and a CuPy check of every element
-of y and of its sum against the closed form; the client receives NumPy only, so it makes no
-CUDA context. Each setup runs in a cluster of its own (an allocator is fixed per process):
-
-- ``emmpool``: ``client.register_plugin(emmpool.dask.EmmPool(numba=True, cupy=True))``;
-- ``rmm``: dask-cuda's ``rmm_pool_size`` with ``rmm_allocator_external_lib_list=["cupy"]``, and
-  Numba on RMM's EMM plugin (a worker plugin here: dask-cuda sets no Numba manager) -- one pool;
-- ``rmm-cupy``: the same dask-cuda setup alone, as dask-cuda does it: Numba keeps its own
-  allocator (a cuMemAlloc per array) next to RMM's pool;
-- ``none``: no setup: CuPy's default memory pool and Numba's default allocator.
-
-Measured per setup: the cluster's start (plugins included), the wall time of each round (the
-first includes Numba's compilation on every worker), and per worker the time its tasks ran
-(distributed's task stream). Memory, per GPU: NVML's used memory of the device -- every
-process's memory on it, the worker's CUDA context included -- sampled every 5 ms by a thread of
-this process from before the cluster starts until it has closed; the table gives its peak minus
-its value before the start. A pool reserved at start (RMM's rmm_pool_size) counts in full.
-Next to it, where the allocator says: emmpool's peak reserved bytes (emmpool.stats), the bytes
-CuPy's default pool holds at the end (none), RMM's pool size as configured.
-
-Before the setups, an unreported warm-up cluster (the ``none`` setup, one round) takes the run's
-cold start, so that it does not land on the first setup (``--no-warmup`` skips it).
-
-Checked, else the exit status is 1: every round's results; under emmpool, that each worker has
-one pool, on its device 0, that served Numba and CuPy, and that the workers' devices are
-distinct GPUs -- the one their CUDA_VISIBLE_DEVICES puts first (by UUID, Numba's against NVML's).
-Writes DIR/dask_workload.md (also printed) and DIR/dask_workload.json.
+benchmarks/README.md says what runs, what is measured and what is checked. Writes
+DIR/dask_workload.md (also printed) and DIR/dask_workload.json; exit status 1 where a check
+fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata as md
-import json
 import os
 import sys
 import threading
@@ -52,6 +24,12 @@ import numpy as np
 from distributed import WorkerPlugin
 from numba import cuda  # makes no CUDA context: the client never launches or allocates
 
+import harness
+from harness import gib
+
+# emmpool: its worker plugin for Numba and CuPy; rmm: dask-cuda's rmm_pool_size with CuPy on RMM
+# and Numba on RMM's EMM plugin (one pool); rmm-cupy: dask-cuda's setup as it is, Numba on its own
+# allocator beside RMM's pool; none: CuPy's default pool and Numba's default allocator.
 SETUPS = ("emmpool", "rmm", "rmm-cupy", "none")
 A, B = 2.0, 1.0  # y = A x + B
 
@@ -143,8 +121,25 @@ def one_round(client, elements: int, chunk: int) -> tuple[float, bool]:
     return wall, bool(result[:, 0].sum() == expected_sum and not result[:, 1].any())
 
 
+def gpus(devices: list[int] | None) -> tuple[list[int], dict]:
+    """The GPUs to use (every GPU if None) and each one's NVML handle, UUID, name and memory."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    devices = devices if devices is not None else list(range(pynvml.nvmlDeviceGetCount()))
+    nvml = {}
+    for d in devices:
+        h = pynvml.nvmlDeviceGetHandleByIndex(d)
+        uuid, name = pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetName(h)
+        nvml[d] = {"handle": h, "uuid": uuid if isinstance(uuid, str) else uuid.decode(),
+                   "name": name if isinstance(name, str) else name.decode(),
+                   "total": pynvml.nvmlDeviceGetMemoryInfo(h).total}
+    return devices, nvml
+
+
 class PeakSampler:
-    """NVML's used memory of some GPUs, sampled by a thread: the peak above the first sample."""
+    """NVML's used memory of some GPUs, sampled by a thread with each sample's time: the peak
+    above the first sample, over the whole run or within a part of it."""
 
     def __init__(self, handles: list, period: float = 0.005):
         import pynvml
@@ -153,20 +148,28 @@ class PeakSampler:
         self._handles = handles
         self._period = period
         self.baseline = [self._used(h) for h in handles]
-        self._peak = list(self.baseline)
+        self.samples: list[tuple[float, list[int]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self._period):
-            for i, h in enumerate(self._handles):
-                self._peak[i] = max(self._peak[i], self._used(h))
+            self.samples.append((time.time(), [self._used(h) for h in self._handles]))
 
     def stop(self) -> list[int]:
+        """The peak of the whole run above the baseline, per GPU."""
         self._stop.set()
         self._thread.join()
-        return [p - b for p, b in zip(self._peak, self.baseline)]
+        peaks = self.peak_within(-float("inf"), float("inf")) or [0] * len(self.baseline)
+        return [max(p, 0) for p in peaks]
+
+    def peak_within(self, start: float, end: float) -> list[int] | None:
+        """The peak above the baseline of the samples taken from `start` to `end` (time.time())."""
+        window = [used for t, used in self.samples if start <= t <= end]
+        if not window:
+            return None
+        return [max(u[i] for u in window) - b for i, b in enumerate(self.baseline)]
 
 
 def run_setup(name: str, args, nvml: dict) -> dict:
@@ -247,9 +250,6 @@ def run_setup(name: str, args, nvml: dict) -> dict:
             "problems": problems}
 
 
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f}"
-
 
 def markdown(results: list[dict], header: dict, args) -> str:
     n, chunk = args.elements, args.chunk
@@ -275,10 +275,10 @@ def markdown(results: list[dict], header: dict, args) -> str:
         later = r["rounds_s"][1:] or r["rounds_s"]
         for i, (address, w) in enumerate(sorted(r["workers"].items())):
             if "emmpool" in w:
-                own = "emmpool peak reserved " + _gib(
+                own = "emmpool peak reserved " + gib(
                     w["emmpool"].get(0, {}).get("peak_bytes_reserved"))
             elif "cupy_pool_bytes_at_end" in w:
-                own = "CuPy pool holds at end " + _gib(w["cupy_pool_bytes_at_end"])
+                own = "CuPy pool holds at end " + gib(w["cupy_pool_bytes_at_end"])
             elif r["setup"].startswith("rmm"):
                 own = f"rmm_pool_size {args.rmm_pool_size}"
             else:
@@ -286,7 +286,7 @@ def markdown(results: list[dict], header: dict, args) -> str:
             setup = [r["setup"], f"{r['cluster_start_s']:.1f}", f"{r['rounds_s'][0]:.2f}",
                      f"{min(later):.2f}", "ok" if r["results_ok"] else "WRONG"]
             worker = [f"{address} → GPU {w['gpu']}", f"{w['task_time_s']:.2f}",
-                      _gib(w["nvml_peak_above_baseline"]), own]
+                      gib(w["nvml_peak_above_baseline"]), own]
             cells = (setup if i == 0 else [""] * len(setup)) + worker
             lines.append("| " + " | ".join(cells) + " |")
     for r in results:
@@ -300,16 +300,10 @@ def markdown(results: list[dict], header: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _versions() -> str:
-    names = ["emmpool", "dask", "distributed", "dask-cuda", "cupy-cuda13x", "numba-cuda",
-             "rmm-cu13"]
-    found = []
-    for name in names:
-        try:
-            found.append(f"{name} {md.version(name)}")
-        except md.PackageNotFoundError:
-            pass
-    return ", ".join(found)
+def versions() -> str:
+    return ", ".join(f"{k} {v}" for k, v in harness.versions(
+        ("emmpool", "dask", "distributed", "dask-cuda", "cupy-cuda13x", "numba-cuda",
+         "rmm-cu13")).items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,23 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.elements % args.chunk or args.elements > 2**26:
         p.error("--elements must be a multiple of --chunk and at most 2**26 (exact sums)")
-    args.out.mkdir(parents=True, exist_ok=True)
     # CUDA numbers GPUs fastest first, NVML by PCI bus: one order for both (the workers inherit
     # it), so that CUDA_VISIBLE_DEVICES and NVML's indices name the same GPUs.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
 
-    import pynvml
-
-    pynvml.nvmlInit()
-    args.devices = ([int(d) for d in args.devices.split(",")] if args.devices else
-                    list(range(pynvml.nvmlDeviceGetCount())))
-    nvml = {}
-    for d in args.devices:
-        h = pynvml.nvmlDeviceGetHandleByIndex(d)
-        uuid, name = pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetName(h)
-        nvml[d] = {"handle": h, "uuid": uuid if isinstance(uuid, str) else uuid.decode(),
-                   "name": name if isinstance(name, str) else name.decode()}
-    header = {"gpu": nvml[args.devices[0]]["name"], "versions": _versions(),
+    args.devices, nvml = gpus([int(d) for d in args.devices.split(",")] if args.devices else None)
+    header = {"gpu": nvml[args.devices[0]]["name"], "versions": versions(),
               "date": datetime.date.today().isoformat()}
 
     if args.warmup:
@@ -368,13 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{', '.join(f'{t:.2f}' for t in r['rounds_s'])} s", flush=True)
         print(f"[dask_workload] {name}: problems: {r['problems'] or 'none'}", flush=True)
         results.append(r)
-    text = markdown(results, header, args)
-    (args.out / "dask_workload.md").write_text(text)
-    (args.out / "dask_workload.json").write_text(json.dumps(
-        {"header": header, "args": {k: (str(v) if isinstance(v, Path) else v)
-                                    for k, v in vars(args).items()},
-         "results": results}, indent=1, default=str))
-    print(text)
+    harness.write_results(args.out, "dask_workload", {"header": header, "args": vars(args),
+                                                      "results": results},
+                          markdown(results, header, args))
     return 1 if any(r["problems"] for r in results) else 0
 
 

@@ -1,25 +1,12 @@
 """Page maps, unmaps and creations per step of a PyTorch-like training loop over the host driver
 (no GPU), or over the CUDA driver with --cuda: emmpool's growable segments under several limits
-on the free pages they keep (growable_free_limit: 0 moves every free page a request needs, the
-default keeps some, a large one keeps all), and at the default limit with pages larger than the
-driver's 2 MiB (growable_page_size: fewer driver calls, coarser returns); fixed segments for
-reference.
-
-The loop: parameters and optimizer state held throughout; per step a batch shape drawn anew
-(sequence length and batch size change every step, as in torch_training.py), activations
-allocated layer by layer (forward, with a temporary per layer), then per layer in reverse a
-gradient allocated and the activation freed (backward), then the optimizer's temporaries. The
-GPU keeps up (every fence completes at once). A new page costs a cuMemCreate + cuMemMap +
-cuMemSetAccess and its return a cuMemUnmap + cuMemRelease; a page moved under another block
-costs a cuMemUnmap + cuMemMap + cuMemSetAccess. Over the CUDA driver the milliseconds per step
-say what each costs there.
+on the free pages they keep, and with pages larger than the driver's 2 MiB; fixed segments for
+reference. benchmarks/README.md says what the loop allocates and what each page move costs.
 
     python benchmarks/growable_steps.py [--steps 200] [--seed 1] [--out FILE.json|DIR] [--cuda]
 
---cuda: the same over the CUDA driver on device 0 (no kernels: fences complete at once), with
-milliseconds per step: what each page map/unmap costs there. With --out DIR (as .ci/gpu.py runs
-benchmarks) it writes DIR/growable_steps.json and .md, over the CUDA driver where a GPU with
-virtual memory management is usable, else the host driver.
+With --out DIR (as .ci/gpu.py runs benchmarks) it writes DIR/growable_steps.json and .md, over
+the CUDA driver where a GPU with virtual memory management is usable, else the host driver.
 """
 
 from __future__ import annotations

@@ -7,91 +7,14 @@ problem fits in a given amount of memory, and what each costs in time.
     python benchmarks/mixed_programs.py --out DIR --quick           # a smoke test
     python benchmarks/mixed_programs.py --merge A.json B.json --out DIR
 
-Programs (mixed_workloads.py; each has one integer scale that its memory grows with, about
-linearly, and batches of 0.6, 1.0, 0.35 and 0.8 times the scale's in turn):
-
-- a ``cupy_torch``: a CuPy phase of large temporaries (batched matmul and solve, FFT), then a
-  PyTorch MLP's forward, backward and AdamW step on its output (DLPack), repeated;
-- b ``numba_cupy_torch``: CuPy preprocessing and Numba kernels (arrays from Numba's allocator,
-  launched on CuPy arrays) of variable-size batches feeding a PyTorch training step;
-- c ``rapids``: tables in rmm.DeviceBuffers (what cuDF and distributed allocate), a Numba UDF
-  over them, CuPy's sort, gather and group-by, buffers freed and allocated again.
-
-Setups, each installed before any library's first CUDA allocation:
-
-- ``separate``: each library's own: CuPy's MemoryPool, PyTorch's caching allocator, Numba's
-  manager (cuMemAlloc per array), RMM's default resource (cudaMalloc per buffer);
-- ``separate-expandable``: the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  (checked in PyTorch's snapshot; not run where the program has no PyTorch);
-- ``rmm-pool``: RMM everywhere over RMM's PoolMemoryResource: CuPy through
-  ``rmm.allocators.cupy.rmm_cupy_allocator`` (a Python call per allocation), Numba through
-  ``rmm.allocators.numba.RMMNumbaManager``, PyTorch through
-  ``rmm.allocators.torch.rmm_torch_allocator`` (a CUDAPluggableAllocator over RMM's current
-  resource). The pool starts empty (``--rmm-initial-pool``, 0) with no maximum, and grows by the
-  larger of the request and its size: RMM's default initial size, half the free memory, would
-  make its peak that half whatever the program needs;
-- ``rmm-async``: the same over RMM's CudaAsyncMemoryResource (the driver's stream-ordered pool;
-  RMM keeps what it reserved: its release threshold is the largest value);
-- ``torch-under-cupy``: CuPy allocating from PyTorch's caching allocator
-  (``cupy.cuda.memory.PythonFunctionAllocator`` over ``torch.cuda.caching_allocator_alloc`` /
-  ``caching_allocator_delete``, as pytorch-pfn-extras' ``use_torch_mempool_in_cupy``); Numba and
-  RMM keep their own (no standard bridge puts Numba on PyTorch's pool);
-- ``emmpool`` (EMMPOOL_SEGMENTS=fixed) and ``emmpool-growable`` (EMMPOOL_SEGMENTS=growable,
-  emmpool's default):
-  ``emmpool.use_for_numba()``, ``use_for_cupy()``, ``use_for_torch()`` and
-  ``rmm.mr.set_current_device_resource(emmpool.rmm_resource())``, for the libraries used.
-
-Measured per program and setup:
-
-- peak GPU memory of the process: NVML's per-process used memory
-  (nvmlDeviceGetComputeRunningProcesses) where NVML reports the child's pid, else the device's
-  used memory above its value before the child started (the results say which); sampled by a
-  thread of this process every ``--sample-ms`` (2) ms, contexts, library handles and kernels'
-  code included; the largest over the rounds;
-- the allocators' own peak reserved, summed over the libraries that cache: CuPy's pool
-  (total_bytes, read after every step: CuPy keeps no peak), PyTorch's max_memory_reserved (which
-  holds CuPy's blocks too under torch-under-cupy), RMM's pool size, the high-water mark of the
-  CUDA pool behind RMM's async resource, emmpool's peak_bytes_reserved (every library). Numba's
-  own manager and RMM's default resource cache nothing and are not counted;
-- time per step: each child warms up (``--warmup-cycles``: every kernel compiled or loaded, the
-  pools filled) and then times ``--cycles`` cycles of steps, one device synchronization per
-  step; a round's figure is the median over its cycles of a cycle's time per step; the table
-  gives the median and the best of the rounds, each against the fastest setup's;
-- the largest scale that completes when only B bytes (``--budget-gib``) of the device are left
-  to the program: a probe child makes the CUDA context, then one driver allocation of all free
-  memory but B (the same for every setup: B is what the program, its libraries' handles and
-  kernels included, may use beyond the context), then installs the setup and runs one cycle of
-  steps at the probed scale. Every library's out-of-memory error is an "oom"; any other failure
-  is an error, which stops the search and is never taken for a fit. The search starts where the
-  timing run's peak predicts, grows by ``--grow`` until a probe fails, then bisects, at most
-  ``--probes`` probes a setup; its resolution is reported;
-- a check: every step's value (a loss, or for program c sums over the shuffled columns) is
-  compared with the first setup's (separate's, where it ran), relative difference at most
-  1e-4.
-
-Why a child per (program, setup, round): an allocator is fixed per process, and rounds run the
-setups in turn (round 1: every setup, round 2: every setup, ...), so that a drift of the host's
-speed over the minutes of the run falls on every setup alike; each round starts at another
-setup. The children start from a zygote (``--start fork``, the default): a process that imports
-the libraries once (seconds for every child otherwise; the JSON says how long) and never
-initializes CUDA,
-forking one child per job, so that each child starts with no CUDA state, as a fresh interpreter
-does; where an import initialized CUDA or started a thread, forking would be unsafe and the
-children are started as ``python mixed_programs.py --child JOB`` instead (``--start exec``
-always does that). Capacity searches of several setups run at once on ``--devices`` (one search
-per GPU of the same kind); timing uses the first device only.
-
-This file runs the children and searches; mixed_workloads.py is what runs in a child (the
-programs, the setups, the zygote), mixed_report.py the tables, goals and pictures from the JSON.
-Writes DIR/mixed_programs.json (every round and probe, each setup's memory over time in its
-first round, the environment),
-DIR/mixed_programs.md (the tables, also printed) and DIR/mixed_programs_<program>.png (used
-memory over time, one line per setup; where matplotlib is installed). ``--merge`` writes the
-same from the JSON of one or several runs (say, the timing and the capacity halves of the
-matrix), pictures included, on any machine.
-Exit status 1 where a check differs, PyTorch's segments were not expandable under
-separate-expandable, an emmpool setup failed, or the run stopped early (SIGTERM, an error: what
-ran is written all the same).
+benchmarks/README.md says what the programs and the setups are, what is measured and how. This
+file runs the timing rounds and the capacity searches, a child process per program, setup and
+round and per probe (mixed_children.py starts them); mixed_workloads.py is what runs in a child,
+mixed_report.py makes the tables, goals and pictures from the JSON. Writes
+DIR/mixed_programs.json, DIR/mixed_programs.md (also printed) and DIR/mixed_programs_<program>.png
+(with matplotlib). Exit status 1 where a check differs, PyTorch's segments were not expandable
+under separate-expandable, an emmpool setup failed, or the run stopped early (SIGTERM, an error:
+what ran is written all the same).
 """
 
 from __future__ import annotations
@@ -107,19 +30,18 @@ import queue
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import cpus  # noqa: E402
-import mixed_report as report  # noqa: E402
-import mixed_workloads as work  # noqa: E402  (imports no GPU library)
-from mixed_report import NAME, GiB, MiB, ms_per_step, summarize_timing  # noqa: E402
+import cpus
+import harness
+import mixed_report as report
+import mixed_workloads as work  # imports no GPU library
+from mixed_children import make_launcher
+from mixed_report import NAME, GiB, MiB, ms_per_step, summarize_timing
 
 # ---------------------------------------------------------------------------------------------
 # Options
@@ -194,11 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a smoke test: scale 1, one round, 2 cycles, B = 2 GiB, 3 probes")
     p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                    help="merge these runs' mixed_programs.json into --out instead of running")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--zygote", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child or args.zygote:
-        return args
     if args.out is None:
         p.error("--out DIR is required")
     try:
@@ -440,198 +358,6 @@ def summarize_samples(samples: list, baseline: int, bin_s: float = 0.02) -> dict
 
 
 # ---------------------------------------------------------------------------------------------
-# Children: forked from a zygote, or fresh interpreters
-
-
-class ForkUnsafe(RuntimeError):
-    """The zygote found forking unsafe after its imports (CUDA initialized, threads)."""
-
-
-def _tail(path: Path, lines: int = 12) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _result_or_error(result_path: Path, log: Path, code: int | None, timed_out: bool,
-                     job: dict) -> dict:
-    """The child's result; or, where it wrote none, an error saying how it ended (`code`: its
-    exit code, negative for a signal, as subprocess reports it)."""
-    if result_path.is_file():
-        try:
-            result = json.loads(result_path.read_text())
-        except ValueError:
-            result = None
-        if result is not None:
-            if result.get("outcome") != "ok":
-                result["log_tail"] = _tail(log)
-            return result
-    if timed_out:
-        why = "killed at its time limit"
-    elif code is not None and code < 0:
-        why = f"killed by signal {-code} ({signal.Signals(-code).name})"
-    else:
-        why = f"exited ({code}) without a result"
-    return {"program": job["program"], "setup": job["setup"], "kind": job["kind"],
-            "scale": job["scale"], "outcome": "error", "error": why, "log_tail": _tail(log)}
-
-
-class ExecLauncher:
-    """Each child a fresh interpreter: ``python mixed_programs.py --child JOBFILE``."""
-
-    mode = "exec"
-
-    def __init__(self, device_uuid: str, workdir: Path):
-        self.uuid, self.workdir = device_uuid, workdir
-        self.count = 0
-
-    def run(self, job: dict, timeout: float, on_start=None) -> dict:
-        self.count += 1
-        base = self.workdir / f"exec-{self.uuid[-6:]}-{self.count}"
-        result, log = base.with_suffix(".result.json"), base.with_suffix(".log")
-        spec = base.with_suffix(".job.json")
-        spec.write_text(json.dumps({"job": job, "result": str(result)}))
-        env = dict(os.environ)
-        for key, value in {**work.setup_environment(job["setup"]),
-                           **_device_environment(self.uuid)}.items():
-            if value is None:
-                env.pop(key, None)
-            else:
-                env[key] = value
-        with open(log, "w") as out:
-            child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child",
-                                      str(spec)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-            timed_out = False
-            try:
-                if on_start:
-                    on_start(child.pid)
-                status = child.wait(timeout)
-            except subprocess.TimeoutExpired:
-                _kill_group(child.pid)
-                status = child.wait()
-                timed_out = True
-            except BaseException:   # the run was stopped: the child goes with it
-                _kill_group(child.pid)
-                child.wait()
-                raise
-        return _result_or_error(result, log, status, timed_out, job)
-
-    def close(self) -> None:
-        pass
-
-
-class ForkLauncher:
-    """Children forked from a zygote (``mixed_programs.py --zygote``) that imported the
-    libraries once and never initialized CUDA."""
-
-    mode = "fork"
-
-    def __init__(self, device_uuid: str, workdir: Path, ready_timeout: float = 900.0):
-        self.uuid, self.workdir = device_uuid, workdir
-        self.count = 0
-        self.current = None   # the child running now
-        log = workdir / f"zygote-{device_uuid[-6:]}.log"
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--zygote"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
-            start_new_session=True)
-        self.lines: queue.Queue = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        message = self._next(ready_timeout)
-        if message is None or "ready" not in message:
-            self.close()
-            raise ForkUnsafe(f"the zygote did not start: {_tail(log, 5)}")
-        self.info = message["ready"]
-        if self.info.get("fork_unsafe"):
-            self.close()
-            raise ForkUnsafe(self.info["fork_unsafe"])
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                self.lines.put(json.loads(line))
-            except ValueError:
-                continue   # a library's own output
-        self.lines.put(None)
-
-    def _next(self, timeout: float):
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            return {"timeout": True}
-
-    def run(self, job: dict, timeout: float, on_start=None) -> dict:
-        self.count += 1
-        base = self.workdir / f"fork-{self.uuid[-6:]}-{self.count}"
-        result, log = base.with_suffix(".result.json"), base.with_suffix(".log")
-        env = {**work.setup_environment(job["setup"]), **_device_environment(self.uuid)}
-        self.proc.stdin.write(json.dumps({"job": job, "result": str(result), "log": str(log),
-                                          "env": env}) + "\n")
-        self.proc.stdin.flush()
-        started = self._next(60)
-        if not started or "started" not in started:
-            return {**{k: job[k] for k in ("program", "setup", "kind", "scale")},
-                    "outcome": "error", "error": f"the zygote did not fork: {started}"}
-        pid = self.current = started["started"]
-        if on_start:
-            on_start(pid)
-        exited = self._next(timeout)
-        timed_out = bool(exited and exited.get("timeout"))
-        if timed_out:
-            _kill_group(pid)
-            exited = self._next(60)
-        self.current = None
-        if exited is None:
-            return {**{k: job[k] for k in ("program", "setup", "kind", "scale")},
-                    "outcome": "error", "error": "the zygote died", "log_tail": _tail(log)}
-        status = exited.get("status")
-        code = os.waitstatus_to_exitcode(status) if status is not None else None
-        return _result_or_error(result, log, code, timed_out, job)
-
-    def close(self) -> None:
-        """End the zygote, and a child still running (the run was stopped)."""
-        if self.current is not None:
-            _kill_group(self.current)
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self._reader.join(10)
-        self.proc.stdout.close()
-        self._log.close()
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _device_environment(uuid: str) -> dict:
-    """The child sees the GPU it is given as device 0."""
-    return {"CUDA_VISIBLE_DEVICES": uuid, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-
-
-def make_launcher(mode: str, uuid: str, workdir: Path, notes: list):
-    if mode == "fork":
-        try:
-            return ForkLauncher(uuid, workdir)
-        except ForkUnsafe as e:
-            notes.append(f"children started as fresh interpreters: forking was unsafe ({e})")
-    return ExecLauncher(uuid, workdir)
-
-
-# ---------------------------------------------------------------------------------------------
 # The run
 
 
@@ -641,17 +367,6 @@ class Stopped(BaseException):
 
 def _stop(signum, frame):
     raise Stopped(f"signal {signal.Signals(signum).name}")
-
-
-class Deadline:
-    def __init__(self, limit: float | None):
-        env = os.environ.get("EMMCI_BENCH_DEADLINE")
-        self.at = (time.time() + limit if limit is not None
-                   else float(env) if env else None)
-
-    def allows(self, seconds: float) -> bool:
-        """Whether work of about `seconds` would end before the deadline."""
-        return self.at is None or time.time() + seconds < self.at
 
 
 def job_of(args, program: str, setup: str, kind: str, scale: int) -> dict:
@@ -897,24 +612,14 @@ def _keep_first_timeline(rounds: list) -> None:
                 kept = True
 
 
-def versions() -> dict:
-    from importlib import metadata
-
-    names = ["emmpool", "cupy-cuda13x", "cupy-cuda12x", "cupy", "torch", "numba-cuda", "numba",
-             "rmm-cu13", "rmm-cu12", "cuda-bindings", "numpy", "nvidia-ml-py", "matplotlib"]
-    found = {}
-    for name in names:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
+VERSIONS = ("emmpool", "cupy-cuda13x", "cupy-cuda12x", "cupy", "torch", "numba-cuda", "numba",
+            "rmm-cu13", "rmm-cu12", "cuda-bindings", "numpy", "nvidia-ml-py", "matplotlib")
 
 
 def run(args) -> dict:
     """Every phase; the run's document (what the JSON holds)."""
     t_run = time.perf_counter()
-    deadline = Deadline(args.time_limit)
+    deadline = harness.Deadline(args.time_limit)
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     gpus = [Gpu(d) for d in args.devices]
     kinds = {g.name for g in gpus}
@@ -968,12 +673,12 @@ def run(args) -> dict:
             _keep_first_timeline(entry.get("timing", {}).get("rounds", []))
     sources = {r["memory"].get("source") for p in results.values() for e in p.values()
                for r in e.get("timing", {}).get("rounds", []) if r.get("memory")}
-    children = child_costs(results)
+    costs = child_costs(results)
     run_info = {
         "gpu": gpu.name, "gpu_total": gpu.total, "driver": gpu.driver,
         "devices": [g.index for g in gpus], "host": platform.node(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(), "versions": versions(),
+        "python": platform.python_version(), "versions": harness.versions(VERSIONS),
         "start": launcher.mode, "zygote": getattr(launcher, "info", None), "cpus": pinned,
         "budget": args.budget, "rounds": rounds_run, "rounds_asked": args.rounds,
         "cycles": args.cycles, "warmup_cycles": args.warmup_cycles,
@@ -983,7 +688,7 @@ def run(args) -> dict:
                                                                              if s),
         "phases": [p for p, on in (("timing", not args.capacity_only),
                                    ("capacity", not args.skip_capacity)) if on],
-        "notes": notes, "wall_s": time.perf_counter() - t_run, "children": children,
+        "notes": notes, "wall_s": time.perf_counter() - t_run, "children": costs,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                  if k not in ("child", "zygote", "merge")},
     }
@@ -996,10 +701,6 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.child:
-        return work.child_main(args.child)
-    if args.zygote:
-        return work.zygote_main()
     t = time.perf_counter()
     if args.merge:
         try:

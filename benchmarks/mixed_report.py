@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 
 import mixed_workloads as work
+from harness import gib
 
 NAME = "mixed_programs"
 GiB = 1 << 30
@@ -193,9 +194,6 @@ def goals(table: dict) -> list:
     return lines
 
 
-def _gib(n) -> str:
-    return "-" if n is None else f"{n / GiB:.2f}"
-
 
 def _x(v, digits=2) -> str:
     return "" if v is None else f" ({v:.{digits}f}×)"
@@ -226,10 +224,10 @@ def allocator_cell(row: dict) -> str:
     if not a:
         return "-"
     counted = a.get("counted", {})
-    parts = [f"{k} {_gib(v)}" for k, v in counted.items()]
+    parts = [f"{k} {gib(v)}" for k, v in counted.items()]
     text = " + ".join(parts)
     if len(parts) > 1:
-        text += f" = {_gib(a.get('total'))}"
+        text += f" = {gib(a.get('total'))}"
     return text
 
 
@@ -303,7 +301,7 @@ def markdown(doc: dict, pictures: dict) -> str:
     if budget and any("capacity" in r.get("phases", []) for r in runs.values()):
         intro.append(
             f"Largest scale in B: the largest scale that completes one cycle of steps with "
-            f"B = {_gib(budget)} GiB of the device left beyond the CUDA context (±: the "
+            f"B = {gib(budget)} GiB of the device left beyond the CUDA context (±: the "
             "search's bracket; × the separate setup's).")
     lines += ["", " ".join(intro)] if intro else []
     lines += setups_table(doc)
@@ -343,7 +341,7 @@ def markdown(doc: dict, pictures: dict) -> str:
             if row.get("failure"):
                 check += f"; a round failed: {row['failure'][:80]}"
             lines.append(
-                f"| {setup} | {check} | {_gib(row.get('peak'))}{_x(row.get('x_separate_peak'))}"
+                f"| {setup} | {check} | {gib(row.get('peak'))}{_x(row.get('x_separate_peak'))}"
                 f" | {allocator_cell(row)} | {ms}{_x(row.get('x_fastest'), 3)} | "
                 f"{best}{_x(row.get('x_fastest_best'), 3)} | {capacity_cell(row)} |")
         probes = [(s, (r.get("capacity") or {}).get("probes")) for s, r in rows.items()]
@@ -467,7 +465,7 @@ def merge_docs(docs: list) -> dict:
                     have["not_run"] = entry["not_run"]
     if len(budgets) > 1:
         raise ValueError("capacity searches with different budgets B cannot be merged: "
-                         + ", ".join(_gib(b) for b in sorted(budgets)))
+                         + ", ".join(gib(b) for b in sorted(budgets)))
     if replaced:
         last = list(merged["runs"])[-1]
         merged["runs"][last].setdefault("notes", []).append(

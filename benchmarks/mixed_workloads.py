@@ -1,24 +1,17 @@
-"""The child side of mixed_programs.py: the three programs, the allocator setups, and one job
-(a timing run, a capacity probe or a warm-up) in a process of its own.
+"""What runs in a child of mixed_programs.py: the three programs, the allocator setups, and one
+job (a timing run, a capacity probe or a warm-up) in a process of its own.
 
 Importing this module imports no GPU library and touches no GPU (the parent imports it for the
 programs' names and each setup's environment); each library is imported where a job needs it.
-
-A job runs in a fresh process: either forked from a zygote (``python mixed_programs.py
---zygote``, which imports the libraries once and never initializes CUDA, so that every child
-starts with no CUDA state at all, as a fresh interpreter does, without paying the imports
-again), or started as ``python mixed_programs.py --child JOBFILE``. Either way the order is:
-the setup's environment variables, the CUDA context (the device's primary context, which every
-library then shares), the filler allocation of a capacity probe, the setup installed in every
-library the program uses, then the program. No library allocates before its setup is in place.
+A job runs in a fresh process (mixed_children.py starts it), in this order: the setup's
+environment variables, the CUDA context (the device's primary context, which every library then
+shares), the filler allocation of a capacity probe, the setup installed in every library the
+program uses, then the program. No library allocates before its setup is in place.
 """
 
 from __future__ import annotations
 
-import gc
-import json
 import os
-import sys
 import time
 import traceback
 
@@ -753,131 +746,6 @@ def run_job(job: dict) -> dict:
         traceback.print_exc()
     out["marks"]["end"] = time.time()
     return out
-
-
-def apply_environment(env: dict) -> None:
-    for key, value in env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-def child_main(job_file: str) -> int:
-    """``--child JOBFILE``: run the job in this fresh interpreter (its environment is set by
-    the parent) and write its result where the job file says."""
-    spec = json.loads(open(job_file).read())
-    result = run_job(spec["job"])
-    with open(spec["result"], "w") as f:
-        json.dump(result, f)
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# The zygote: imports once, forks a fresh child per job.
-
-PRELOAD = ("numpy", "cupy", "torch", "torch.utils.cpp_extension", "numba.cuda", "rmm",
-           "rmm.mr", "rmm.allocators.cupy", "rmm.allocators.numba", "cuda.bindings.driver",
-           "emmpool", "emmpool.plugin", "emmpool.hooks", "emmpool._torch")
-
-
-def _cuda_initialized() -> bool:
-    """Whether CUDA's driver was initialized in this process (a fork would then be unsafe).
-    Every driver call before cuInit answers CUDA_ERROR_NOT_INITIALIZED."""
-    try:
-        from cuda.bindings import driver as cu
-
-        err, _ = cu.cuDeviceGetCount()
-    except Exception:  # noqa: BLE001 - no driver here: nothing was initialized
-        return False
-    return err != cu.CUresult.CUDA_ERROR_NOT_INITIALIZED
-
-
-def _threads() -> list:
-    """The names of this process's threads (Linux), the main one first."""
-    try:
-        tasks = sorted(os.listdir("/proc/self/task"), key=lambda t: t != str(os.getpid()))
-    except OSError:
-        return ["main"]
-    names = []
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:
-            names.append("?")
-    return names
-
-
-def preload() -> dict:
-    """Import what the children use and say whether forking is safe: no CUDA initialized, one
-    thread. emmpool's PyTorch extension is not loaded here: each child loads it (from PyTorch's
-    build cache, once a warm-up child built it), as a program does, and a module loaded twice in
-    one process image would not be."""
-    import importlib
-
-    t0 = time.perf_counter()
-    loaded, missing = [], {}
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-            loaded.append(name)
-        except Exception as e:  # noqa: BLE001 - a library missing here: its setups say so
-            missing[name] = f"{type(e).__name__}: {e}"[:200]
-    info = {"import_s": time.perf_counter() - t0, "loaded": loaded, "missing": missing,
-            "threads": _threads(),
-            "cuda_initialized": _cuda_initialized()}
-    unsafe = []
-    if info["cuda_initialized"]:
-        unsafe.append("CUDA was initialized by an import")
-    if len(info["threads"]) > 1:
-        unsafe.append(f"threads besides the main one after the imports: "
-                      f"{', '.join(info['threads'][1:])}")
-    info["fork_unsafe"] = "; ".join(unsafe) or None
-    return info
-
-
-def zygote_main() -> int:
-    """``--zygote``: preload, say so on stdout, then for each job line on stdin fork a child
-    (its own process group, its output to the job's log) and report its pid and exit status.
-
-    NumPy's OpenBLAS starts its threads when it loads, and a fork copies none of them: the
-    zygote asks it for one (OPENBLAS_NUM_THREADS=1, before NumPy loads), so that it forks with
-    no thread but its own. The programs do no BLAS work on the host."""
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    info = preload()
-    gc.collect()
-    gc.freeze()   # the imports' objects stay out of the children's collections (no copy-on-write)
-    print(json.dumps({"ready": info}), flush=True)
-    if info["fork_unsafe"]:
-        return 0
-    for line in sys.stdin:
-        spec = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.setpgid(0, 0)
-                fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                sys.stdout = os.fdopen(1, "w", buffering=1)
-                sys.stderr = os.fdopen(2, "w", buffering=1)
-                apply_environment(spec["env"])
-                result = run_job(spec["job"])
-                with open(spec["result"], "w") as f:
-                    json.dump(result, f)
-                code = 0
-            except BaseException:  # noqa: BLE001 - the parent reads the log
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        print(json.dumps({"started": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"exited": pid, "status": status}), flush=True)
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import bench_torch_train
+import cpus
+import harness
 
 # What cudagraph trees and torch.cuda.graph call on the allocator (torch._C, looked up per call).
 ALLOCATOR_CALLS = ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_beginAllocateToPool",
@@ -65,8 +66,6 @@ def child(config: str, model: str, compile_mode: str | None, warmup: int, steps:
           profiled: int) -> dict:
     import torch
 
-    import bench_torch_train
-
     if config == "emmpool":
         import emmpool
 
@@ -82,16 +81,7 @@ def child(config: str, model: str, compile_mode: str | None, warmup: int, steps:
     count_calls(torch, counts)
     torch.manual_seed(0)
     torch.backends.cudnn.deterministic = True
-    compiled = {}
-
-    def wrap(m):
-        if compile_mode is None:
-            return m
-        if id(m) not in compiled:
-            compiled[id(m)] = torch.compile(m, mode=compile_mode)
-        return compiled[id(m)]
-
-    step = bench_torch_train.MAKERS[model](torch, wrap)
+    step = bench_torch_train.MAKERS[model](torch, bench_torch_train.compiler(torch, compile_mode))
 
     def one(i):
         if compile_mode is not None:
@@ -179,13 +169,9 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        res = child(args.child, args.model, args.compile or None, args.warmup, args.steps,
-                    args.profiled)
-        print("RESULT " + json.dumps(res), flush=True)
+        harness.emit(child(args.child, args.model, args.compile or None, args.warmup,
+                           args.steps, args.profiled))
         return
-    import bench_torch_train
-    import cpus
-
     cpus.pin_near_gpu(8)
     results = []
     for config in args.configs.split(","):
@@ -194,11 +180,11 @@ def main() -> None:
                "--profiled", str(args.profiled)]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                            env={**os.environ, **bench_torch_train.compile_env()})
-        line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
+        result = harness.result_of(p.stdout)
+        if result is None:
             print(f"{config} failed:\n{(p.stdout + p.stderr)[-3000:]}", flush=True)
             continue
-        results.append(json.loads(line[len("RESULT "):]))
+        results.append(result)
     text = report(results, args)
     print(text, flush=True)
     if args.out:

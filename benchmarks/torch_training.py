@@ -28,8 +28,11 @@ round) and DIR/torch_training.md (the table, also printed).
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+
+import harness
 
 CONFIGS = {
     "torch": {},
@@ -95,15 +98,9 @@ def child(name, steps, warmup):
     print(json.dumps(out))
 
 
-def _median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
 def summarize(runs):
     """One configuration's rounds: medians, with the range of time and peak."""
-    s = {k: _median([r[k] for r in runs]) for k in ("seconds_per_step", "peak_reserved",
+    s = {k: statistics.median([r[k] for r in runs]) for k in ("seconds_per_step", "peak_reserved",
                                                       "peak_in_use")}
     s["seconds_range"] = [min(r["seconds_per_step"] for r in runs),
                           max(r["seconds_per_step"] for r in runs)]
@@ -111,7 +108,7 @@ def summarize(runs):
                                 max(r["peak_reserved"] for r in runs)]
     for k in COUNTERS:
         if runs[0].get(f"{k}_per_step") is not None:
-            s[f"{k}_per_step"] = _median([r[f"{k}_per_step"] for r in runs])
+            s[f"{k}_per_step"] = statistics.median([r[f"{k}_per_step"] for r in runs])
     return s
 
 
@@ -183,11 +180,6 @@ def main(argv=None):
             results[name] = {"status": "error", "reason": errors[name]}
         else:
             results[name] = {"status": "ok", **summarize(runs[name]), "rounds": runs[name]}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "torch_training.json"), "w") as f:
-        json.dump({"benchmark": "torch_training", "steps": args.steps, "warmup": args.warmup,
-                   "rounds": args.rounds, "torch": torch.__version__, "results": results},
-                  f, indent=2)
     ok = [r["seconds_per_step"] for r in results.values() if r["status"] == "ok"]
     fastest = min(ok) if ok else 1.0
     lines = [f"PyTorch training loop, {args.steps} steps ({args.warmup} untimed), batch 16..512 "
@@ -200,10 +192,10 @@ def main(argv=None):
             lines.append(f"| {name} | error: {r['reason'][-300:]!r} | | | | | |")
             continue
         lines.append(_cells(name, r, fastest))
-    table = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "torch_training.md"), "w") as f:
-        f.write(table)
-    print(table, end="")
+    harness.write_results(args.out, "torch_training", {
+        "benchmark": "torch_training", "steps": args.steps, "warmup": args.warmup,
+        "rounds": args.rounds, "torch": torch.__version__, "results": results},
+        "\n".join(lines) + "\n", indent=2)
     return 1 if errors else 0
 
 

@@ -33,6 +33,12 @@ def bench_numba(monkeypatch):
     return bench_numba
 
 
+@pytest.fixture
+def numba_cases(bench_numba):
+    """bench_numba's child side: the cases and their timing."""
+    return bench_numba.numba_cases
+
+
 def fake_children(bench_numba, monkeypatch, seconds):
     """Every child sleeps `seconds` and reports 10 us per op (the floor) or 11 (the others)."""
     ran = []
@@ -42,7 +48,7 @@ def fake_children(bench_numba, monkeypatch, seconds):
         time.sleep(seconds)
         us = 10.0 if name == bench_numba.FLOOR else 11.0
         return {"manager": name, "gpu": "fake GPU", "versions": {}, "checks": {},
-                "cases": {c: {"us_per_op": us} for c in bench_numba.CASES},
+                "cases": {c: {"us_per_op": us} for c in bench_numba.numba_cases.CASES},
                 "wall_s": seconds}
 
     monkeypatch.setattr(bench_numba, "_run_child", run_child)
@@ -86,7 +92,8 @@ def test_without_a_limit_every_round_runs(bench_numba, monkeypatch, tmp_path):
     assert "stopped after" not in (tmp_path / "bench_numba_process.md").read_text()
 
 
-def test_pool_counters_are_per_timed_op_and_noted(bench_numba, monkeypatch, tmp_path):
+def test_pool_counters_are_per_timed_op_and_noted(bench_numba, numba_cases, monkeypatch,
+                                                  tmp_path):
     # _measure: the counters' change over the timed blocks only (not warm-up or calibration),
     # divided by the timed ops.
     done = {"ops": 0}
@@ -97,16 +104,16 @@ def test_pool_counters_are_per_timed_op_and_noted(bench_numba, monkeypatch, tmp_
     def counters():  # one fence per five ops
         return {"batches_closed": done["ops"] // 5}
 
-    knobs = dict(bench_numba.QUICK, warmup_s=0.0, budget=0.01)
-    c = bench_numba._measure(run, lambda: None, knobs, counters)
+    knobs = dict(numba_cases.QUICK, warmup_s=0.0, budget=0.01)
+    c = numba_cases._measure(run, lambda: None, knobs, counters)
     timed = c["ops_per_block"] * c["blocks"]
     assert done["ops"] > 1.2 * timed  # warm-up and calibration ran ops too: not counted
     assert c["pool_per_op"]["batches_closed"] == pytest.approx(0.2, abs=1.0 / timed)
-    assert "pool_per_op" not in bench_numba._measure(run, lambda: None, knobs)
+    assert "pool_per_op" not in numba_cases._measure(run, lambda: None, knobs)
 
     # The markdown notes them for the managers that report them.
     def run_child(name, extra_env, args, guests=None):
-        cases = {k: {"us_per_op": 10.0} for k in bench_numba.CASES}
+        cases = {k: {"us_per_op": 10.0} for k in numba_cases.CASES}
         if name == "emmpool":
             cases["churn"]["pool_per_op"] = {"batches_closed": 0.25, "fence_queries": 0.0}
             cases["alloc_axpy"]["pool_per_op"] = {"batches_closed": 0.0}
@@ -136,7 +143,7 @@ def test_pool_counters_are_emmpools_alone_and_per_op(monkeypatch):
     assert pool_counters.per_op(before, read(), 4) == {"fence_waits": 2.0}
 
 
-def test_paired_blocks_take_turns_and_ratios_are_block_by_block(bench_numba, monkeypatch):
+def test_paired_blocks_take_turns_and_ratios_are_block_by_block(numba_cases, monkeypatch):
     # Three managers, the floor first: blocks in the order A B C, C B A, ... with the manager
     # switched in before each, and each ratio the block's time over the floor's block of the
     # same turn, so that a host that slows down half-way changes no ratio.
@@ -155,7 +162,7 @@ def test_paired_blocks_take_turns_and_ratios_are_block_by_block(bench_numba, mon
     def switch(name):
         current["name"] = name
 
-    knobs = dict(bench_numba.QUICK, warmup_s=0.0, repeats=4)
+    knobs = dict(numba_cases.QUICK, warmup_s=0.0, repeats=4)
     ticks = iter(range(10**6))
 
     def fake_clock():
@@ -165,8 +172,8 @@ def test_paired_blocks_take_turns_and_ratios_are_block_by_block(bench_numba, mon
         return clock["t"]
 
     runs = {n: make_run(n) for n in cost}
-    monkeypatch.setattr(bench_numba.time, "perf_counter", fake_clock)
-    out = bench_numba._measure_paired(runs, switch, lambda: None, knobs)
+    monkeypatch.setattr(numba_cases.time, "perf_counter", fake_clock)
+    out = numba_cases._measure_paired(runs, switch, lambda: None, knobs)
     timed = log[-12:]
     assert timed == ["nothing", "emmpool", "cupy-pool", "cupy-pool", "emmpool", "nothing"] * 2
     assert "ratio_to_floor" not in out["nothing"]
@@ -192,7 +199,7 @@ def test_paired_rounds_quote_the_median_ratio_within_processes(bench_numba, monk
         speed = next(speeds) if name == "emmpool" else 1.0
         paired = [bench_numba.FLOOR, name] + [g for g in guests if g != bench_numba.FLOOR]
         cases = {}
-        for case in bench_numba.CASES:
+        for case in bench_numba.numba_cases.CASES:
             cell = {bench_numba.FLOOR: {"us_per_op": 10.0 * speed}}
             cell[name] = {"us_per_op": 10.4 * speed, "ratio_to_floor": 1.04}
             for g in paired[2:]:
@@ -226,15 +233,15 @@ def test_paired_mode_needs_emmpool(bench_numba, tmp_path):
                           "--managers", "nothing", "cupy-pool"])
 
 
-def test_a_case_that_raises_is_recorded_as_its_error(bench_numba, capsys):
+def test_a_case_that_raises_is_recorded_as_its_error(numba_cases, capsys):
     # One case's failure must not stop the child's other cases: the error is its cell.
     def fails():
         raise RuntimeError("out of memory")
 
-    failed = bench_numba._timed_case("emmpool churn", fails)
+    failed = numba_cases._timed_case("emmpool churn", fails)
     assert failed == {"error": "RuntimeError: out of memory"}
     ok = {"us_per_op": 1.5, "blocks": 7, "ops_per_block": 100}
-    assert bench_numba._timed_case("emmpool churn", lambda: ok) is ok
+    assert numba_cases._timed_case("emmpool churn", lambda: ok) is ok
     err = capsys.readouterr().err
     assert "[bench]   emmpool churn: RuntimeError: out of memory" in err
     assert "[bench]   emmpool churn: 1.50 us/op (7 x 100 ops)" in err
@@ -298,9 +305,10 @@ def fake_setups(dask_spill, monkeypatch, outcomes):
                 "job_end": 2.0, **r}
 
     gpu = {"handle": None, "name": "fake GPU", "uuid": "GPU-0", "total": 80 << 30}
-    monkeypatch.setattr(dask_spill, "_gpus", lambda devices: ([0, 1], {0: gpu, 1: gpu}))
+    monkeypatch.setattr(dask_spill.dask_workload, "gpus",
+                        lambda devices: ([0, 1], {0: gpu, 1: gpu}))
     monkeypatch.setattr(dask_spill, "_used", lambda nvml: {0: 0, 1: 0})
-    monkeypatch.setattr(dask_spill, "JobPeakSampler", Sampler)
+    monkeypatch.setattr(dask_spill, "PeakSampler", Sampler)
     monkeypatch.setattr(dask_spill, "_run_child", run_child)
     monkeypatch.delenv("EMMCI_BENCH_DEADLINE", raising=False)
     return ran
@@ -419,7 +427,7 @@ def test_dask_spill_waits_until_tasks_fail_and_nothing_moves(dask_spill, monkeyp
 
 
 def test_dask_spill_peak_within_the_job(dask_spill):
-    sampler = object.__new__(dask_spill.JobPeakSampler)  # no NVML: samples set by hand
+    sampler = object.__new__(dask_spill.PeakSampler)  # no NVML: samples set by hand
     sampler.baseline = [100, 200]
     sampler.samples = [(1.0, [900, 200]), (2.0, [300, 700]), (3.0, [150, 250])]
     assert sampler.peak_within(1.5, 3.0) == [200, 500]
@@ -444,6 +452,13 @@ def report(mixed):
     import mixed_report
 
     return mixed_report
+
+
+@pytest.fixture
+def children(mixed):
+    import mixed_children
+
+    return mixed_children
 
 
 def test_mixed_options_defaults_quick_and_errors(mixed, capsys):
@@ -911,15 +926,15 @@ def test_mixed_programs_compute_the_same_twice_on_the_cpu(tmp_path):
         assert first == second, program
 
 
-def test_mixed_zygote_forks_fresh_children_with_their_setup(mixed, tmp_path):
+def test_mixed_zygote_forks_fresh_children_with_their_setup(children, tmp_path):
     # The zygote imports what it can here, forks one child per job into its own process, with
     # the setup's environment; without a GPU the child's CUDA context fails, as an error (not
     # out of memory), and its log says why.
     from tests.conftest import gpu_unavailable_reason
 
     try:
-        launcher = mixed.ForkLauncher("GPU-test-uuid", tmp_path, ready_timeout=300)
-    except mixed.ForkUnsafe as e:
+        launcher = children.ForkLauncher("GPU-test-uuid", tmp_path, ready_timeout=300)
+    except children.ForkUnsafe as e:
         if gpu_unavailable_reason() is None:  # a GPU host: an import started CUDA's threads
             pytest.skip(f"the zygote cannot fork here ({e}); the benchmark starts each job in "
                         "a fresh process (tests/test_gpu_mixed_programs.py)")
@@ -946,7 +961,7 @@ def test_mixed_zygote_forks_fresh_children_with_their_setup(mixed, tmp_path):
     assert launcher.proc.returncode == 0
 
 
-def test_mixed_fresh_children_that_hang_crash_or_say_nothing(mixed, monkeypatch, tmp_path):
+def test_mixed_fresh_children_that_hang_crash_or_say_nothing(children, monkeypatch, tmp_path):
     script = tmp_path / "child.py"
     script.write_text(
         "import os, signal, sys, time\n"
@@ -954,8 +969,8 @@ def test_mixed_fresh_children_that_hang_crash_or_say_nothing(mixed, monkeypatch,
         "if how == 'hang': time.sleep(60)\n"
         "if how == 'crash': os.kill(os.getpid(), signal.SIGSEGV)\n"
         "sys.exit(3)\n")
-    monkeypatch.setattr(mixed, "__file__", str(script))
-    launcher = mixed.ExecLauncher("GPU-x", tmp_path)
+    monkeypatch.setattr(children, "__file__", str(script))
+    launcher = children.ExecLauncher("GPU-x", tmp_path)
     job = {"program": "rapids", "setup": "separate", "kind": "probe", "scale": 2}
     expected = {"hang": "killed at its time limit", "crash": "killed by signal 11 (SIGSEGV)",
                 "quiet": "exited (3) without a result"}
