@@ -169,6 +169,13 @@ class LogResult:
     def _set(self, tid: str, status: str) -> None:
         self.outcomes[tid] = _worse(self.outcomes.get(tid), status)
 
+    def _set_status(self, tid: str, match: re.Match) -> None:
+        """A test's status line (_STATUS), with the reason of a skip."""
+        status = _status_name(match.group(1))
+        self._set(tid, status)
+        if status == "skipped":
+            self.skip_reasons[tid] = match.group(1)[len("skipped"):].strip()
+
     def parse(self, text: str) -> "LogResult":
         pending = None  # test id whose status has not been seen yet
         for raw in text.splitlines():
@@ -197,10 +204,7 @@ class LogResult:
                 if tid not in self.outcomes:
                     self.outcomes[tid] = None
                 if sm:
-                    status = _status_name(sm.group(1))
-                    self._set(tid, status)
-                    if status == "skipped":
-                        self.skip_reasons[tid] = sm.group(1)[len("skipped"):].strip()
+                    self._set_status(tid, sm)
                     pending = None
                 else:
                     pending = tid  # docstring line, or the test's own output, comes first
@@ -213,15 +217,11 @@ class LogResult:
                     tail = line.rsplit(" ... ", 1)[1]
                 elif line.endswith(" ..."):
                     tail = ""
-                if tail is not None:
-                    sm = _STATUS.match(tail)
-                    if sm:
-                        status = _status_name(sm.group(1))
-                        self._set(pending, status)
-                        if status == "skipped":
-                            self.skip_reasons[pending] = sm.group(1)[len("skipped"):].strip()
-                        pending = None
-                        continue
+                sm = _STATUS.match(tail) if tail is not None else None
+                if sm:
+                    self._set_status(pending, sm)
+                    pending = None
+                    continue
             m = _BLOCK.match(line)
             if m:
                 kind = {"UNEXPECTED SUCCESS": "unexpected success"}.get(m.group(1), m.group(1))

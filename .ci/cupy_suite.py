@@ -14,18 +14,10 @@ used it).
 
 Written to --out: ``cupy-<run>.log`` (pytest -v: one line per test, so a run cut short by
 --timeout still counts what it ran), ``cupy-part.json`` (what ran: the part, the subset, each
-run's exit status), and ``<label>-cupy-suite.txt``: counts per run and every test that passes
-with CuPy's pool and does not pass with emmpool (a regression: failed, errored, or crashed its
-worker). Tests that only one run reached before the timeout are counted apart as "not reached",
-not as regressions. Both runs share one CuPy kernel cache, so that each kernel is compiled once
-(the cache is content-addressed and written atomically).
-
-The selection takes longer than one run's time budget: ``--part K/N`` runs part K of N (both runs
-keep the tests whose id hashes to K-1 modulo N: every test is in exactly one part, whatever the
-machine), reported as ``<label>-cupy-suite-partKofN.txt``. ``--merge`` then reads the parts'
-outputs (each RUN a --out folder of this script, or an OUTDIR of .ci/gpu.py, its logs.tar.gz
-holding logs/cupy-suite/) and writes ``<label>-cupy-suite.txt`` over all of them: which parts
-ran, whether each ran to its end, and the comparison by test name over every part.
+run's exit status), and ``<label>-cupy-suite.txt`` (``-partKofN`` with ``--part K/N``), which
+docs/gpu-testing.md explains, as it does the parts and ``--merge`` (each RUN a --out folder of
+this script, or an OUTDIR of .ci/gpu.py). Both runs share one CuPy kernel cache, so that each
+kernel is compiled once (the cache is content-addressed and written atomically).
 
 Exit status 0 only when there is no regression, both runs ran (to their end, for --merge: every
 part, each complete), and every emmpool worker used emmpool.

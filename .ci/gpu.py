@@ -7,22 +7,14 @@
 
 Standard library only, no network: the GPU host needs Python 3.10+, pip, a C++ compiler,
 CMake and the CUDA headers; bring the wheels it lacks in .whl/ (.ci/gpu-wheels).
-
-OUTDIR (default: $OUT if set, else ./gpu-out) must be empty or hold an earlier run (summary.txt
-and logs.tar.gz; it is then cleared). Each step logs to OUTDIR/logs/<step>.txt; a failed step
-does not stop the run; summary.txt has one line per step (exit status or "-" when skipped, with
-the reason; seconds; a note). At the end OUTDIR holds at most 8 files: logs.tar.gz (everything),
-summary.txt, the compare-<mode>.txt verdicts, bench_numba.md, the CuPy and PyTorch suite
-reports and, room permitting, other small benchmark outputs; the last thing printed is the
-verdicts, the head of the suite reports, the bench_numba table, the failing steps'
-diagnostics and summary.txt.
+docs/gpu-testing.md says what a run does, what it leaves in OUTDIR (logs.tar.gz, summary.txt and
+at most 6 other files, OUTDIR empty or an earlier run's before) and how to read it.
 
 The whole run keeps to a time budget, --budget seconds (570): each step's timeout is cut to
 what is left (less --reserve for the comparisons and the packing), and a step is skipped, saying
-so, when too little is left. Steps whose needs are missing (a GPU, a library, carried tests) are
-skipped with the reason. --cuda 12 runs the CUDA 12 stack of .whl/cu12/ (.ci/gpu-wheels cu12-*)
-from a site directory of its own, ahead of the host's CUDA 13 packages: Numba's suite, CuPy's
-suite and tests/test_gpu_cuda_core.py under it.
+so, when too little is left. A failed step does not stop the run. Steps whose needs are missing
+(a GPU, a library, a test tree brought with the checkout) are skipped with the reason;
+gpu_plan.py lists the steps, gpu_steps.py says what each does.
 
 Environment variables the runner sets for what it runs (EMMCI_*, never EMMPOOL_*, which are
 emmpool's own): EMMCI_BENCH_DEADLINE (a benchmark stops between rounds before its timeout),
@@ -34,121 +26,32 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import dataclasses
-import datetime
 import glob
 import os
 import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
-REPO = Path(__file__).resolve().parent.parent
-CI = REPO / ".ci"
-TAG = "[.ci/gpu]"  # prefixes the runner's lines in suite logs: compare_numba.py reads rc= there
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_*.py, also when imported
+from gpu_jobs import TAG, Job, describe_env, stop_all, tail, with_env  # noqa: E402
+from gpu_plan import (CI, CU12_PYTEST_PATHS, DEFAULT_BENCHES, REPO, SANITIZER_MARKERS,  # noqa: E402
+                      SETUP,
+                      STEP_NAMES, STEPS, Budget, Step, UsageError, chosen_steps, parse_mode,
+                      step_seconds)
+from gpu_steps import Steps  # noqa: E402
 
-DEFAULT_BENCHES = ("bench_numba", "bench_cuda_core", "bench_pinned", "replay", "bench_shared",
-                   "bench_torch_train", "bench_torch_compile", "torch_training", "growable_steps")
-# Numba's tests that start subprocesses break under numba.runtests -m: run serially.
-SERIAL_TESTS = ("numba.cuda.tests.cudapy.test_ipc", "numba.cuda.tests.cudadrv.test_init",
-                "numba.cuda.tests.cudapy.test_multiprocessing",
-                "numba.cuda.tests.cudapy.test_multithreads",
-                "numba.cuda.tests.cudapy.test_caching.TestMultiprocessCache")
-# The modes not given the full suite run these: what touches the memory manager.
-TARGETED_TESTS = ("numba.cuda.tests.cudapy.test_ipc", "numba.cuda.tests.cudadrv.test_host_alloc",
-                  "numba.cuda.tests.cudadrv.test_emm_plugins",
-                  "numba.cuda.tests.cudadrv.test_deallocations",
-                  "numba.cuda.tests.cudadrv.test_cuda_memory",
-                  "numba.cuda.tests.cudadrv.test_pinned")
-# compute-sanitizer sees each allocation only in passthrough mode; it supports neither CUDA IPC
-# nor a fork after CUDA was used.
-SANITIZER_MARKERS = "gpu and passthrough and not ipc and not fork"
-# Under --cuda 12: emmpool's cuda.core path (and RMM's, where rmm-cu12 travels: rmm-cu13 would
-# not import over cuda-bindings 12), and the parts of CuPy's suite that need no CUDA library
-# beyond NVRTC (no cuBLAS, cuSOLVER, ...).
-CU12_PYTEST_PATHS = ("tests/test_gpu_cuda_core.py", "tests/test_gpu_rmm.py")
-CU12_CUPY_SUBSET = ("tests/cupy_tests/creation_tests", "tests/cupy_tests/manipulation_tests",
-                    "tests/cupy_tests/indexing_tests", "tests/cupy_tests/cuda_tests/test_stream.py")
 # pip, quiet and offline: the GPU host has no network.
 PIP_ENV = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1",
            "PIP_ROOT_USER_ACTION": "ignore", "PYTHONUNBUFFERED": "1"}
 LOOSE_FILES = 7  # files kept beside logs.tar.gz, read first; everything is in the tarball
 LOGS_LIMIT = 16_000_000  # bytes of logs.tar.gz past which copying it back from a host gets slow
-
-
-class UsageError(Exception):
-    """Bad options or OUTDIR: said in one sentence, exit status 2."""
-
-
-# ---- the steps ------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Step:
-    name: str
-    needs: tuple[str, ...]  # requirements (Runner.unmet), checked in order
-    budget: str  # seconds: a number, or the options holding them ("a+b": phases in turn)
-    what: str
-    cuda: tuple[str, ...] = ("13", "12")  # the --cuda runs it belongs to
-    setup: bool = False  # runs whatever --only says: the other steps stand on it
-    default: bool = True  # chosen without --only (results: with --results)
-
-
-STEPS = (
-    Step("wheels", (), "120", "install .whl/*.whl and .whl/*.site.tar.xz into a site directory "
-         "put first on PYTHONPATH (--cuda 12: .whl/cu12/ into one of its own, ahead of it)",
-         setup=True),
-    Step("env", (), "150", "GPUs, driver, toolchain, package versions and a Numba smoke test: "
-         "logs/env.txt", setup=True),
-    Step("cuda12", (), "180", "the CUDA 12 stack in force: cuda.bindings 12 imported, where "
-         "cudart, NVRTC, NVVM and nvJitLink load from, a kernel compiled to PTX",
-         cuda=("12",), setup=True),
-    Step("build", (), "400", "pip install --no-build-isolation --no-deps . (into "
-         "/tmp/emmpool-site where site-packages is read-only); import it from elsewhere",
-         setup=True),
-    Step("torch-ext", ("build", "gpu", "torch"), "300",
-         "compile emmpool's PyTorch allocator extension once, up front", cuda=("13",)),
-    Step("baselines", ("build", "benchmarks", ".baseline"), "200",
-         "build each .baseline/NAME (.ci/gpu-baseline) to time beside this build, per baseline",
-         cuda=("13",)),
-    Step("pytest", ("build", "gpu"), "pytest_timeout",
-         "tests/ with the GPU tests, from a temporary directory (the installed emmpool)"),
-    Step("sanitizer", ("build", "gpu", "compute-sanitizer"), "sanitizer_timeout",
-         f"compute-sanitizer memcheck over pytest -m '{SANITIZER_MARKERS}'", cuda=("13",)),
-    Step("cupy-suite", ("build", "gpu", "cupy", ".cupy-tests"), "cupy_timeout",
-         "CuPy's own tests, CuPy's pool vs emmpool, compared by name (.ci/cupy_suite.py)"),
-    Step("torch-suite", ("build", "gpu", "torch", ".torch-tests"), "torch_suite_timeout",
-         "PyTorch's test_cuda.py, its allocator vs emmpool's (.ci/torch_suite.py)",
-         cuda=("13",)),
-    Step("bench-core", ("gpu", "cmake"), "240",
-         "the C++ micro-benchmark bench_core, pinned to a CPU near the GPU", cuda=("13",)),
-    Step("cli", ("build", "gpu", "numba-cuda"), "180",
-         "python -m emmpool info, selftest, bench", cuda=("13",)),
-    Step("bench", ("build", "gpu"), "bench_timeout",
-         "benchmarks/<name>.py --out OUTDIR for each of --benches (the timeout is each one's)",
-         cuda=("13",)),
-    Step("numba-suite", ("build", "gpu", "numba-cuda"), "serial_timeout+suite_timeout",
-         "Numba's CUDA suite, default manager vs the plugin in each --numba-modes mode "
-         "(serial phase, then parallel), compared by .ci/compare_numba.py"),
-    Step("mlir", ("build", "gpu", "numba-cuda-mlir", "mlir-tests"), "mlir_timeout",
-         "numba-cuda-mlir's suite, its default manager vs the plugin, after a check that "
-         "kernel-argument copies come from emmpool", cuda=("13",)),
-    Step("results", (), "60", "copy the run's results into benchmarks/results/<GPU>/ "
-         "(.ci/gpu-results; with --results)", default=False),
-)
-STEP_NAMES = tuple(s.name for s in STEPS)
-SETUP = tuple(s.name for s in STEPS if s.setup)
-
-
-def step_seconds(step: Step, args: argparse.Namespace) -> int:
-    return sum(int(part) if part.isdigit() else int(getattr(args, part))
-               for part in step.budget.split("+"))
 
 
 def split_names(text: str, known: tuple[str, ...], what: str) -> list[str]:
@@ -158,47 +61,6 @@ def split_names(text: str, known: tuple[str, ...], what: str) -> list[str]:
     if bad:
         raise UsageError(f"unknown {what} {', '.join(bad)}: expected {', '.join(known)}")
     return names
-
-
-def chosen_steps(only: list[str] | None, skip: list[str], cuda: str,
-                 results: bool) -> dict[str, str | None]:
-    """Each step -> None when it runs, else why not ("not chosen (--only)", ...)."""
-    out: dict[str, str | None] = {}
-    for step in STEPS:
-        if cuda not in step.cuda:
-            out[step.name] = f"not part of a --cuda {cuda} run"
-        elif step.name in skip:
-            out[step.name] = "--skip"
-        elif step.name == "results":
-            out[step.name] = None if results else "without --results"
-        elif only is not None and step.name not in only and not step.setup:
-            out[step.name] = "not chosen (--only)"
-        elif only is None and not step.default:
-            out[step.name] = "not chosen"
-        else:
-            out[step.name] = None
-    return out
-
-
-# ---- time ------------------------------------------------------------------------------------
-class Budget:
-    """The run's seconds: each step gets what it asks, cut to what is left after the reserve."""
-
-    def __init__(self, total: float, reserve: float, clock: Callable[[], float] = time.monotonic):
-        self.total, self.reserve, self.clock = total, reserve, clock
-        self.start = clock()
-
-    def elapsed(self) -> float:
-        return self.clock() - self.start
-
-    def left(self) -> float:
-        return self.total - self.elapsed() - self.reserve
-
-    def grant(self, want: float, minimum: float = 20) -> int:
-        """Seconds for a step that wants `want`; 0 (skip it) when fewer than `minimum` (or all
-        it wants, if less) are left."""
-        seconds = int(min(want, self.left()))
-        return seconds if seconds >= min(minimum, want) and seconds > 0 else 0
 
 
 # ---- what comes back -------------------------------------------------------------------------
@@ -251,35 +113,6 @@ def compare_digest(text: str, limit: int = 15) -> list[str]:
     return [line[:240] for line in out]
 
 
-# ---- Numba suite modes -----------------------------------------------------------------------
-def parse_mode(text: str) -> dict[str, str | None]:
-    """A plugin mode of Numba's suite runs -> the environment it sets (None: unset).
-
-    "<mode>" is EMMPOOL_MODE (pool, passthrough); "<mode>-<pinned>" sets EMMPOOL_PINNED too
-    (pool, numba); "...+growable" sets EMMPOOL_SEGMENTS=growable. "default" is Numba's own
-    manager, with emmpool's variables unset."""
-    if text == "default":
-        return {"NUMBA_CUDA_MEMORY_MANAGER": None, "EMMPOOL_MODE": None, "EMMPOOL_PINNED": None,
-                "EMMPOOL_SEGMENTS": None}
-    env: dict[str, str | None] = {"NUMBA_CUDA_MEMORY_MANAGER": "emmpool.plugin"}
-    mode = text
-    if mode.endswith("+growable"):
-        env["EMMPOOL_SEGMENTS"] = "growable"
-        mode = mode[: -len("+growable")]
-    base, dash, pinned = mode.partition("-")
-    if base not in ("pool", "passthrough") or (dash and pinned not in ("pool", "numba")):
-        raise UsageError(f"Numba suite mode {text!r}: expected pool or passthrough, then "
-                         f"optionally -pool or -numba (pinned memory), then optionally +growable")
-    env["EMMPOOL_MODE"] = base
-    env["EMMPOOL_PINNED"] = pinned or None
-    return env
-
-
-def mode_file_name(mode: str) -> str:
-    """compare-<mode>.txt without '+', which some tools that copy files back refuse in names."""
-    return mode.replace("+", "_")
-
-
 def parse_bench_args(items: list[str], benches: list[str]) -> dict[str, list[str]]:
     """--bench-args NAME='ARGS' (repeatable) -> {NAME: [ARG, ...]}."""
     out: dict[str, list[str]] = {}
@@ -312,134 +145,6 @@ def parse_part(text: str | None) -> tuple[int, int] | None:
     return int(m[1]), int(m[2])
 
 
-# ---- processes -------------------------------------------------------------------------------
-_RUNNING: set = set()  # the Jobs not finished yet
-
-
-def stop_all(signum=None, frame=None) -> None:
-    """Kill every running Job's process group: each runs in a session of its own, which would
-    outlive the runner stopped from outside (a time limit, Ctrl-C) and hold the GPU."""
-    for job in list(_RUNNING):
-        try:
-            os.killpg(job.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if signum is not None:
-        sys.exit(128 + signum)
-
-
-class Job:
-    """A command in a process group of its own, its output into a log, stopped at its timeout
-    (SIGTERM, then SIGKILL after `grace` seconds): exit status 124, or 137 when it had to be
-    killed, as timeout(1) says."""
-
-    def __init__(self, argv: list[str], *, log: Path, timeout: float, cwd: Path, env: dict,
-                 name: str | None = None, append: bool = False, grace: float = 10):
-        self.argv, self.log_path, self.timeout, self.cwd, self.env = argv, log, timeout, cwd, env
-        self.name, self.append, self.grace = name, append, grace
-        self.rc: int | None = None
-        self.timed_out = False
-
-    def start(self) -> "Job":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log = open(self.log_path, "ab" if self.append else "wb")
-        if self.name:
-            self._say(f"{self.name}: {describe_env(self.env)}timeout {int(self.timeout)}s: "
-                      f"{shlex.join(self.argv)}")
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, cwd=self.cwd, env=self.env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-        _RUNNING.add(self)
-        return self
-
-    def _say(self, text: str) -> None:
-        self.log.write(f"{TAG} {text}\n".encode())
-        self.log.flush()
-
-    def poll(self) -> int | None:
-        if self.rc is None:
-            rc = self.proc.poll()
-            if rc is None and time.monotonic() - self.t0 > self.timeout:
-                rc = self._stop()
-            if rc is not None:
-                self._finish(rc)
-        return self.rc
-
-    def wait(self) -> int:
-        while self.poll() is None:
-            time.sleep(0.2)
-        return self.rc
-
-    def _stop(self) -> int:
-        self.timed_out = True
-        for sig, patience in ((signal.SIGTERM, self.grace), (signal.SIGKILL, 30)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=patience)
-                return 124 if sig == signal.SIGTERM else 137
-            except subprocess.TimeoutExpired:
-                continue
-        return 137
-
-    def _finish(self, rc: int) -> None:
-        _RUNNING.discard(self)
-        self.rc = rc
-        self.seconds = round(time.monotonic() - self.t0)
-        if self.name:
-            self.log.write(b"\n")  # a test cut off leaves its line open
-            self._say(f"{self.name}: rc={rc} after {self.seconds}s"
-                      + (" (timeout)" if self.timed_out else ""))
-        self.log.close()
-
-
-def wait_all(jobs: list[Job]) -> None:
-    while any(job.poll() is None for job in jobs):
-        time.sleep(0.5)
-
-
-def describe_env(env: dict) -> str:
-    shown = [f"{k}={env[k]}" for k in ("NUMBA_CUDA_MEMORY_MANAGER", "EMMPOOL_MODE",
-                                       "EMMPOOL_PINNED", "EMMPOOL_SEGMENTS") if env.get(k)]
-    return " ".join(shown) + " " if shown else "default manager "
-
-
-def with_env(env: dict, changes: dict[str, str | None]) -> dict:
-    out = dict(env)
-    for key, value in changes.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = value
-    return out
-
-
-def extract(archive: Path, dest: Path) -> None:
-    """Unpack a tarball (any compression tarfile reads) into dest, members kept inside it."""
-    with tarfile.open(archive) as tar:
-        if hasattr(tarfile, "tar_filter"):  # Python >= 3.10.12 / 3.11.4
-            tar.extractall(dest, filter="tar")
-        else:  # pragma: no cover - older patch releases
-            tar.extractall(dest)
-
-
-def tail(path: Path, n: int, width: int = 240) -> list[str]:
-    if not path.is_file():
-        return []
-    return [line[:width] for line in path.read_text(errors="replace").splitlines()[-n:]]
-
-
-def first_match(path: Path, pattern: str, last: bool = False) -> str:
-    if not path.is_file():
-        return ""
-    found = [line for line in path.read_text(errors="replace").splitlines()
-             if re.search(pattern, line)]
-    return (found[-1] if last else found[0]) if found else ""
-
-
 # ---- probes run in child processes (the runner itself never touches CUDA) ---------------------
 GPU_PROBE = r"""
 import ctypes, sys
@@ -457,46 +162,21 @@ if n.value == 0:
 print(n.value)
 """
 
-VERSIONS = r"""
-import importlib, importlib.metadata as md, sys
-print("python", sys.version.split()[0], sys.executable)
-for d in ["numba", "numba-cuda", "numba-cuda-mlir", "ml-dtypes", "llvmlite", "numpy",
-          "cuda-bindings", "cuda-core", "cuda-python", "cuda-pathfinder", "cupy-cuda13x",
-          "cupy-cuda12x", "torch", "rmm-cu13", "rmm-cu12", "pybind11", "scikit-build-core",
-          "pytest", "pytest-xdist", "filecheck", "cffi", "pycparser"]:
-    try:
-        print(f"{d:20s} {md.version(d)}")
-    except md.PackageNotFoundError:
-        print(f"{d:20s} -")
-for m in ["numpy", "numba", "numba.cuda", "cuda.bindings"]:
-    try:
-        print(f"{m} from {importlib.import_module(m).__file__}")
-    except Exception as e:
-        print(f"{m}: import failed: {e!r}")
-try:
-    import numpy as np
-    from numba import cuda
-    @cuda.jit
-    def k(a):
-        i = cuda.grid(1)
-        if i < a.size:
-            a[i] += 1
-    a = cuda.to_device(np.zeros(64))
-    k[1, 64](a)
-    assert a.copy_to_host().sum() == 64
-    print("numba cuda jit smoke test: OK on", getattr(cuda.get_current_device(), "name", "?"))
-except Exception as e:
-    print("numba cuda jit smoke test: FAILED", repr(e))
-"""
-
 # The requirements that are a module to import (in a child, with the run's PYTHONPATH).
 MODULES = {"torch": "torch", "cupy": "cupy", "numba-cuda": "numba.cuda",
            "numba-cuda-mlir": "numba_cuda_mlir"}
 TOOLS = ("compute-sanitizer", "cmake")
+# The requirements that are trees brought with the checkout: what shows one, how to make it.
+FILES = {".cupy-tests": (".cupy-tests/tests",
+                         "bash .ci/gpu-cupy-tests CUPY_CHECKOUT, then bring it"),
+         ".torch-tests": (".torch-tests/test_cuda.py",
+                          "bash .ci/gpu-torch-tests PYTORCH_CHECKOUT, then bring it"),
+         ".baseline": (".baseline/*/pyproject.toml", "bash .ci/gpu-baseline REV NAME"),
+         "mlir-tests": (".whl/numba-cuda-mlir-tests-*.tar.gz", "bash .ci/gpu-wheels mlir")}
 
 
 # ---- the run ---------------------------------------------------------------------------------
-class Runner:
+class Runner(Steps):
     def __init__(self, args: argparse.Namespace, outdir: Path, dry: bool):
         self.args, self.outdir, self.dry = args, outdir, dry
         self.logs = outdir / "logs"
@@ -562,44 +242,35 @@ class Runner:
 
     def _probe(self, need: str) -> str | None:
         if need == "gpu":
-            p = subprocess.run(self.python("-c", GPU_PROBE), capture_output=True, text=True,
-                               timeout=120, cwd=self.work, env=self.env)
-            why = (p.stderr.strip().splitlines() or ["?"])[-1]
-            return None if p.returncode == 0 else f"no GPU: {why}"
+            why = self._fails(GPU_PROBE, timeout=120)
+            return why and f"no GPU: {why}"
         if need == "cupy" and self.args.cuda == "12":
             # The host's cupy-cuda13x imports too, and would run on CUDA 13: not this run's
             site = os.path.realpath(self.args.site + "-cu12") + os.sep
-            code = (f"import cupy, os, sys; f = os.path.realpath(cupy.__file__); sys.exit(None "
-                    f"if f.startswith({site!r}) else f'the CUDA 12 site has no cupy-cuda12x "
-                    f"(bash .ci/gpu-wheels cu12-cupy): cupy is {{f}}')")
-            p = subprocess.run(self.python("-c", code), capture_output=True, text=True,
-                               timeout=300, cwd=self.work, env=self.env)
-            return None if p.returncode == 0 else \
-                (p.stderr.strip().splitlines() or ["?"])[-1][:200]
+            why = self._fails(f"import cupy, os, sys; f = os.path.realpath(cupy.__file__); "
+                              f"sys.exit(None if f.startswith({site!r}) else f'the CUDA 12 site "
+                              f"has no cupy-cuda12x (bash .ci/gpu-wheels cu12-cupy): cupy is "
+                              f"{{f}}')")
+            return why and why[:200]
         if need in MODULES:
-            p = subprocess.run(self.python("-c", f"import {MODULES[need]}"), capture_output=True,
-                               text=True, timeout=300, cwd=self.work, env=self.env)
-            why = (p.stderr.strip().splitlines() or ["?"])[-1][:160]
-            return None if p.returncode == 0 else f"{MODULES[need]} does not import ({why})"
+            why = self._fails(f"import {MODULES[need]}")
+            return why and f"{MODULES[need]} does not import ({why[:160]})"
         if need in TOOLS:
             return None if shutil.which(need) else f"no {need} on PATH"
-        if need == ".cupy-tests":
-            return None if (REPO / ".cupy-tests/tests").is_dir() else \
-                "no .cupy-tests/tests (bash .ci/gpu-cupy-tests CUPY_CHECKOUT, then bring it)"
-        if need == ".torch-tests":
-            return None if (REPO / ".torch-tests/test_cuda.py").is_file() else \
-                "no .torch-tests/test_cuda.py (bash .ci/gpu-torch-tests PYTORCH_CHECKOUT, " \
-                "then bring it)"
-        if need == ".baseline":
-            return None if glob.glob(str(REPO / ".baseline/*/pyproject.toml")) else \
-                "no .baseline/NAME (bash .ci/gpu-baseline REV NAME)"
+        if need in FILES:
+            pattern, how = FILES[need]
+            return None if glob.glob(str(REPO / pattern)) else f"no {pattern} ({how})"
         if need == "benchmarks":
             return None if any(self.why_not[s] is None for s in ("bench", "bench-core")) \
                 else "no benchmark step chosen"
-        if need == "mlir-tests":
-            return None if self.mlir_tarball() else \
-                "no .whl/numba-cuda-mlir-tests-*.tar.gz (bash .ci/gpu-wheels mlir)"
         raise AssertionError(need)
+
+    def _fails(self, code: str, timeout: float = 300) -> str | None:
+        """None where `code` runs in a child Python with the run's environment; else the last
+        line it wrote to stderr."""
+        p = subprocess.run(self.python("-c", code), capture_output=True, text=True,
+                           timeout=timeout, cwd=self.work, env=self.env)
+        return None if p.returncode == 0 else (p.stderr.strip().splitlines() or ["?"])[-1]
 
     # -- the run --
     def run(self) -> int:
@@ -634,504 +305,26 @@ class Runner:
         self.pack_and_print()
         return 0
 
+    def grant(self, want: float, minimum: float = 20) -> int:
+        """Seconds for work that wants `want` (0: too few are left); in a dry run, all of it."""
+        return int(want) if self.dry else self.budget.grant(want, minimum)
+
     def timed(self, step: Step, want: float | None = None, minimum: float = 20) -> int:
         """The step's seconds (0: skipped, recorded so)."""
-        seconds = self.budget.grant(self.seconds_of(step) if want is None else want, minimum)
-        if self.dry:
-            return int(self.seconds_of(step) if want is None else want)
+        seconds = self.grant(self.seconds_of(step) if want is None else want, minimum)
         if seconds == 0:
             self.record(step.name, "-", 0, f"skipped (budget: {int(self.budget.left())}s left)")
         return seconds
 
-    # -- setup steps --
-    def step_wheels(self, step: Step) -> int | str:
-        groups = [(REPO / ".whl", Path(self.args.site))]
-        if self.args.cuda == "12":
-            groups.insert(0, (REPO / ".whl/cu12", Path(self.args.site + "-cu12")))
-        t, rc, names, sites = time.monotonic(), 0, [], []
-        log = self.logs / "wheels.txt"
-        for folder, site in groups:
-            wheels = sorted(folder.glob("*.whl"))
-            packed = sorted(folder.glob("*.site.tar.xz"))
-            if not wheels and not packed:
-                continue
-            names += [w.name.split("-")[0] + "-" + w.name.split("-")[1] for w in wheels]
-            names += [p.name[: -len(".site.tar.xz")] for p in packed]
-            if not self.dry:
-                site.mkdir(parents=True, exist_ok=True)
-            if wheels:
-                rc = rc or self.sh(self.python("-m", "pip", "install", "-q", "--no-index",
-                                               "--no-deps", "--no-compile", "--no-cache-dir",
-                                               "--upgrade", "--target", str(site),
-                                               *map(str, wheels)),
-                                   log, self.timed(step), append=True)
-            for archive in packed:
-                if self.dry:
-                    print(f"    unpack {archive.relative_to(REPO)} into {site}")
-                    continue
-                try:
-                    extract(archive, site)
-                except (OSError, tarfile.TarError) as e:
-                    with open(log, "a") as f:
-                        f.write(f"{archive}: {e}\n")
-                    rc = rc or 1
-            if folder.name == "cu12":
-                # Loaded first by every Python process of the run: the CUDA 12 libraries carried,
-                # which cuda-pathfinder would otherwise find in the host's CUDA 13 wheels first.
-                if self.dry:
-                    print(f"    copy .ci/cu12_sitecustomize.py to {site}/sitecustomize.py")
-                else:
-                    shutil.copy(CI / "cu12_sitecustomize.py", site / "sitecustomize.py")
-            sites.append(str(site))
-        if not names:
-            self.record(step.name, "-", 0, "skipped (no .whl/*.whl or .whl/*.site.tar.xz"
-                        + (" or .whl/cu12/" if self.args.cuda == "12" else "") + ")")
-            return "-"
-        if rc == 0:
-            self.env["PYTHONPATH"] = os.pathsep.join(
-                sites + ([self.env["PYTHONPATH"]] if self.env.get("PYTHONPATH") else []))
-        self.record(step.name, rc, time.monotonic() - t, " ".join(names)[:200])
-        if rc != 0:
-            print("\n".join(tail(log, 20)))
-        return rc
-
-    def step_env(self, step: Step) -> int:
-        t = time.monotonic()
-        log = self.logs / "env.txt"
+    def finish(self, name: str, rc: int, t: float, log: Path | None = None, note: str = "",
+               show: int = 15) -> None:
+        """The line in summary.txt of work started at `t`, and where it failed the last `show`
+        lines of its log; nothing in a dry run."""
         if self.dry:
-            print(f"    nvidia-smi -L; nvidia-smi --query-gpu=...; nvcc --version; "
-                  f"cmake --version; package versions and a Numba smoke test  # into "
-                  f"{log.relative_to(self.outdir)}")
-            return 0
-        with open(log, "w") as f:
-            f.write(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}"
-                    f"   host: {socket.gethostname()}   nproc: {os.cpu_count()}\n")
-        for title, argv in (
-                ("nvidia-smi -L", ["nvidia-smi", "-L"]),
-                (None, ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,memory.used",
-                        "--format=csv"]),
-                ("nvcc", ["nvcc", "--version"]), ("cmake", ["cmake", "--version"])):
-            with open(log, "a") as f:
-                if title:
-                    f.write(f"## {title}\n")
-                try:
-                    p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-                    out = (p.stdout + p.stderr).splitlines()
-                except (OSError, subprocess.TimeoutExpired) as e:
-                    out = [f"{argv[0]}: {e}"]
-                if argv[0] == "nvcc":
-                    out = out[-2:]
-                elif argv[0] == "cmake":
-                    out = out[:1]
-                f.write("\n".join(out) + "\n")
-        with open(log, "a") as f:
-            f.write(f"## python\nPYTHONPATH={self.env.get('PYTHONPATH', '')}\n")
-        self.sh(self.python("-c", VERSIONS), log, self.timed(step, minimum=1), cwd=self.work,
-                append=True)
-        gpu = self.unmet("gpu")
-        with open(log, "a") as f:
-            f.write(f"gpu probe: {gpu or 'OK'}\n")
-        note = f"{first_match(log, r'^GPU 0')[:60] or gpu}; {first_match(log, 'smoke test')}"
-        self.record(step.name, 0, time.monotonic() - t, note)
-        return 0
-
-    def step_cuda12(self, step: Step) -> int:
-        t, log = time.monotonic(), self.logs / "cuda12.txt"
-        rc = self.sh(self.python(str(CI / "cu12_check.py"), "--site", self.args.site + "-cu12"),
-                     log, self.timed(step, minimum=1), cwd=self.work)
-        if not self.dry:
-            self.record(step.name, rc, time.monotonic() - t,
-                        first_match(log, r"^CUDA 12 stack:", last=True)[:200]
-                        or "see logs/cuda12.txt")
-            if rc != 0:
-                print("\n".join(tail(log, 25)))
-        return rc
-
-    def step_build(self, step: Step) -> int:
-        t, log = time.monotonic(), self.logs / "build.txt"
-        pip = self.python("-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps",
-                          "--no-index")
-        purelib = subprocess.run(self.python("-c", "import sysconfig; print(sysconfig.get_paths()"
-                                             "['purelib'])"), capture_output=True, text=True,
-                                 env=self.env).stdout.strip()
-        rc = 1
-        writable = bool(purelib) and os.access(purelib, os.W_OK)
-        if writable or self.dry:
-            if not self.dry:
-                log.write_text(f"## pip install into {purelib}\n")
-            rc = self.sh(pip + ["."], log, self.timed(step, minimum=1), append=True)
-        if rc != 0 and (not writable or re.search(
-                r"Permission denied|Errno 13|Read-only file system|not writ",
-                log.read_text(errors="replace"))):
-            with open(log, "a") as f:
-                f.write("## fallback: pip install --target /tmp/emmpool-site\n")
-            rc = self.sh(pip + ["--target", "/tmp/emmpool-site", "."], log,
-                         self.timed(step, minimum=1), append=True)
-            if rc == 0:
-                self.env["PYTHONPATH"] = os.pathsep.join(
-                    ["/tmp/emmpool-site"] + ([self.env["PYTHONPATH"]]
-                                              if self.env.get("PYTHONPATH") else []))
-        if self.dry:
-            return 0
-        if rc != 0:
-            self.record(step.name, rc, time.monotonic() - t, "see logs/build.txt")
-            return rc
-        p = subprocess.run(self.python("-c", "import emmpool, emmpool.plugin; "
-                                       "print(emmpool.__file__)"),
-                           capture_output=True, text=True, cwd=self.work, env=self.env)
-        imported = (p.stdout + p.stderr).strip().splitlines()[-1:] or ["?"]
-        with open(log, "a") as f:
-            f.write(f"## import check from {self.work}: {imported[0]}\n")
-        with open(self.logs / "env.txt", "a") as f:
-            f.write(f"emmpool imported from: {imported[0]}\n")
-        rc = 0 if imported[0].endswith(os.path.join("emmpool", "__init__.py")) else 99
-        self.record(step.name, rc, time.monotonic() - t, f"emmpool: {imported[0]}"[:200])
-        return rc
-
-    # -- work steps --
-    def step_torch_ext(self, step: Step) -> int | str:
-        seconds = self.timed(step)
-        if not seconds:
-            return "-"
-        t, log = time.monotonic(), self.logs / "torch-ext.txt"
-        rc = self.sh(self.python("-c", "import emmpool._torch as t, torch; "
-                                 "m = t.build_extension(verbose=True); "
-                                 "print('torch', torch.__version__, 'extension', m.__file__)"),
-                     log, seconds, cwd=self.work)
-        if not self.dry:
-            self.record(step.name, rc, time.monotonic() - t, " ".join(tail(log, 1))[:120])
-            if rc != 0:
-                print("\n".join(tail(log, 15)))
-        return rc
-
-    def step_baselines(self, step: Step) -> int:
-        names = []
-        for project in sorted(REPO.glob(".baseline/*/pyproject.toml")):
-            src, name = project.parent, project.parent.name
-            seconds = self.budget.grant(self.seconds_of(step), 60) if not self.dry else 200
-            if not seconds:
-                self.record(f"baseline-{name}", "-", 0, "skipped (budget)")
-                continue
-            t, log = time.monotonic(), self.logs / f"baseline-{name}.txt"
-            site, bench = self.work / f"baseline-{name}", self.work / f"baseline-{name}-bench"
-            rc = self.sh(self.python("-m", "pip", "install", "-v", "--no-build-isolation",
-                                     "--no-deps", "--no-index", "--target", str(site), str(src)),
-                         log, seconds)
-            rc = rc or self.sh(["cmake", "-S", str(src), "-B", str(bench), "-G", "Ninja",
-                                "-DCMAKE_BUILD_TYPE=Release", "-DEMMPOOL_BUILD_PYTHON=OFF",
-                                "-DEMMPOOL_BUILD_BENCHMARKS=ON"], log, seconds, append=True)
-            rc = rc or self.sh(["cmake", "--build", str(bench)], log, seconds, append=True)
-            rev = (src / "BASELINE_REV").read_text()[:12] if (src / "BASELINE_REV").exists() \
-                else ""
-            if not self.dry:
-                self.record(f"baseline-{name}", rc, time.monotonic() - t, rev)
-            if rc == 0:
-                names.append(f"{name}={site}")
-                self.baselines.append((name, bench))
-            elif not self.dry:
-                print("\n".join(tail(log, 15)))
-        if names:
-            self.env["EMMCI_BENCH_BASELINES"] = " ".join(names)
-        return 0
-
-    def step_pytest(self, step: Step) -> int | str:
-        seconds = self.timed(step)
-        if not seconds:
-            return "-"
-        t, log = time.monotonic(), self.logs / "pytest.txt"
-        paths = self.args.pytest_paths or ("tests",)
-        if self.args.cuda == "12" and not self.args.pytest_paths:
-            rmm = any((REPO / ".whl/cu12").glob("rmm_cu12-*"))
-            paths = [p for p in CU12_PYTEST_PATHS if rmm or "rmm" not in p]
-        cwd = self.work / "pytest"
-        if not self.dry:
-            cwd.mkdir(exist_ok=True)
-        # --durations and each failure as it happens (tests/conftest.py): a run cut short by
-        # its timeout still says what failed, and where time went
-        rc = self.sh(self.python("-m", "pytest", "-ra", "-p", "no:cacheprovider",
-                                 "--durations=20", "--rootdir", str(REPO),
-                                 *self.args.pytest_args, *(str(REPO / p) for p in paths)),
-                     log, seconds, cwd=cwd, env=dict(self.env, EMMCI_TEST_REPORT_AT_ONCE="1"))
-        if not self.dry:
-            self.record(step.name, rc, time.monotonic() - t, pytest_line(log))
-        return rc
-
-    def step_sanitizer(self, step: Step) -> int | str:
-        seconds = self.timed(step)
-        if not seconds:
-            return "-"
-        t, log, memlogs = time.monotonic(), self.logs / "sanitizer-pytest.txt", \
-            self.logs / "sanitizer"
-        cwd = self.work / "sanitizer"
-        if not self.dry:
-            cwd.mkdir(exist_ok=True)
-            memlogs.mkdir(exist_ok=True)
-        # Every process is instrumented (the tests run scenarios in child interpreters); one
-        # with a memory error exits 86, failing its test. API errors are not reported: the tests
-        # provoke out-of-memory on purpose, the pool asks the driver about pointers a reset may
-        # have invalidated, and cuda-bindings probes entry points.
-        rc = self.sh(["compute-sanitizer", "--tool", "memcheck", "--report-api-errors", "no",
-                      "--target-processes", "all", "--error-exitcode", "86",
-                      "--log-file", str(memlogs / "memcheck.%p.log"),
-                      *self.python("-m", "pytest", "-ra", "-p", "no:cacheprovider", "--rootdir",
-                                   str(REPO), *self.args.sanitizer_args, str(REPO / "tests"))],
-                     log, seconds, cwd=cwd)
-        if not self.dry:
-            texts = [p.read_text(errors="replace") for p in memlogs.glob("memcheck.*.log")]
-            summaries = [int(n) for text in texts
-                         for n in re.findall(r"ERROR SUMMARY: (\d+)", text)]
-            self.record(step.name, rc, time.monotonic() - t,
-                        f"memcheck: {len(summaries)} processes, {sum(summaries)} errors; "
-                        + pytest_line(log))
-        return rc
-
-    def suite_script(self, step: Step, script: str, extra: list[str]) -> int | str:
-        """.ci/cupy_suite.py or .ci/torch_suite.py: its report into OUTDIR."""
-        seconds = self.timed(step, minimum=60)
-        if not seconds:
-            return "-"
-        t, out, log = time.monotonic(), self.logs / step.name, self.logs / f"{step.name}.txt"
-        rc = self.sh(self.python(str(CI / script), "--out", str(out),
-                                 "--timeout", str(max(30, seconds - 30)), *extra),
-                     log, seconds + 60)
-        if self.dry:
-            return 0
-        for report in out.glob(f"*{step.name}*.txt"):
-            shutil.copy(report, self.outdir / report.name)
-        self.record(step.name, rc, time.monotonic() - t,
-                    first_match(log, r"^(NOT RUN|NO TESTS RAN|REGRESSIONS)")[:90])
-        return rc
-
-    def step_cupy_suite(self, step: Step) -> int | str:
-        extra = ["--tests", str(REPO / ".cupy-tests"), "--jobs", str(self.jobs)]
-        if self.args.cupy_part:
-            extra += ["--part", "{}/{}".format(*self.args.cupy_part)]
-        if self.args.cuda == "12" and "--subset" not in self.args.cupy_args:
-            extra += ["--subset", *CU12_CUPY_SUBSET]
-        return self.suite_script(step, "cupy_suite.py", extra + self.args.cupy_args)
-
-    def step_torch_suite(self, step: Step) -> int | str:
-        # its two runs take turns: some tests take half the GPU's memory
-        return self.suite_script(step, "torch_suite.py",
-                                 ["--tests", str(REPO / ".torch-tests"),
-                                  *self.args.torch_suite_args])
-
-    def step_bench_core(self, step: Step) -> int | str:
-        seconds = self.timed(step, minimum=60)
-        if not seconds:
-            return "-"
-        t, log, build = time.monotonic(), self.logs / "bench-core.txt", self.work / "bench-build"
-        rc = self.sh(["cmake", "-S", str(REPO), "-B", str(build), "-G", "Ninja",
-                      "-DCMAKE_BUILD_TYPE=Release", "-DEMMPOOL_BUILD_PYTHON=OFF",
-                      "-DEMMPOOL_BUILD_BENCHMARKS=ON"], self.logs / "bench-core-build.txt",
-                     seconds)
-        rc = rc or self.sh(["cmake", "--build", str(build)], self.logs / "bench-core-build.txt",
-                           seconds, append=True)
-        if rc != 0:
-            if not self.dry:
-                self.record(step.name, rc, time.monotonic() - t, "see logs/bench-core-build.txt")
-                print("\n".join(tail(self.logs / "bench-core-build.txt", 15)))
-            return rc
-        # One CPU near the GPU for every run (benchmarks/cpus.py): unpinned, runs of one binary
-        # differed 1.7x as the process landed on one CPU or another.
-        cpu = "" if self.dry else subprocess.run(
-            self.python(str(REPO / "benchmarks/cpus.py"), "1"), capture_output=True, text=True,
-            env=self.env).stdout.strip()
-        pin = ["taskset", "-c", cpu] if cpu and shutil.which("taskset") else []
-        if not self.dry:
-            log.write_text(f"bench_core CPUs: {cpu or 'not pinned'}\n")
-        binary = build / "benchmarks" / "bench_core"
-        rc = self.sh(pin + [str(binary), "--out", str(self.outdir / "bench_core.json")], log, 120,
-                     append=True)
-        # Earlier builds, interleaved with this one: this, each earlier, this, each earlier
-        if self.baselines:
-            (self.logs / "bench").mkdir(exist_ok=True)
-            for r in (1, 2, 3):
-                for name, tree in [("", build)] + self.baselines:
-                    out = self.logs / "bench" / f"bench_core{'@' + name if name else ''}-r{r}.json"
-                    rc = self.sh(pin + [str(tree / "benchmarks" / "bench_core"), "--out",
-                                        str(out)], log, 120, append=True) or rc
-        if not self.dry:
-            self.record(step.name, rc, time.monotonic() - t)
-        return rc
-
-    def step_cli(self, step: Step) -> int | str:
-        seconds = self.timed(step)
-        if not seconds:
-            return "-"
-        t, log = time.monotonic(), self.logs / "cli.txt"
-        rc = 0
-        for argv in (["info"], ["selftest"], ["bench", "--out", str(self.outdir)]):
-            rc = rc or self.sh(self.python("-m", "emmpool", *argv), log,
-                               max(1, seconds - (time.monotonic() - t)), cwd=self.work,
-                               append=True)
-        if not self.dry:
-            self.record(step.name, rc, time.monotonic() - t)
-            if rc != 0:
-                print("\n".join(tail(log, 20)))
-        return rc
-
-    def step_bench(self, step: Step) -> int:
-        worst = 0
-        for name in self.args.benches:
-            seconds = self.budget.grant(self.args.bench_timeout) if not self.dry \
-                else self.args.bench_timeout
-            if not seconds:
-                self.record(f"bench-{name}", "-", 0, "skipped (budget)")
-                continue
-            t, log = time.monotonic(), self.logs / f"bench-{name}.txt"
-            # a benchmark that reads the deadline (bench_numba) stops between rounds and writes
-            # what it has, rather than losing everything to the timeout
-            env = dict(self.env, EMMCI_BENCH_DEADLINE=str(int(time.time() + seconds - 15)))
-            rc = self.sh(self.python(str(REPO / "benchmarks" / f"{name}.py"), "--out",
-                                     str(self.outdir), *self.args.bench_args.get(name, [])),
-                         log, seconds, env=env)
-            if not self.dry:
-                self.record(f"bench-{name}", rc, time.monotonic() - t)
-                if rc != 0:
-                    print("\n".join(tail(log, 15)))
-            worst = worst or rc
-        return worst
-
-    # -- Numba's suite --
-    def step_numba_suite(self, step: Step) -> int | str:
-        modes = self.args.numba_modes
-        full = [m for m in modes if m in self.args.full_modes]
-        targeted = [m for m in modes if m not in self.args.full_modes]
-        cwd_root = self.work / "numba-suite"
-        serial = ["-v", *SERIAL_TESTS]
-
-        def run(name: str, mode: str, seconds: int, argv: list[str]) -> Job | None:
-            if seconds < 20:
-                self.record(f"suite-{name}", "-", 0, "skipped (budget)")
-                return None
-            cwd = cwd_root / name
-            if not self.dry:
-                cwd.mkdir(parents=True, exist_ok=True)
-            job = self.start(self.python("-m", "numba.runtests", *argv),
-                             self.logs / f"suite-{name}.txt", seconds, cwd=cwd,
-                             env=with_env(self.env, parse_mode(mode)), name=name)
-            if job is not None and self.args.suite_sequential:
-                job.wait()
-            return job
-
-        def phase(runs: list[tuple[str, str, list[str]]], want: int, minimum: int) -> bool:
-            seconds = self.budget.grant(want, minimum) if not self.dry else want
-            if not seconds:
-                return False
-            jobs = [run(name, mode, seconds if self.dry else self.budget.grant(want, minimum),
-                        argv) for name, mode, argv in runs]
-            jobs = [j for j in jobs if j is not None]
-            wait_all(jobs)
-            for job in jobs:
-                self.record(f"suite-{job.name}", job.rc, job.seconds, suite_note(job.log_path))
-            return True
-
-        serial_runs = []
-        if full:
-            serial_runs += [("default-serial", "default", serial)]
-            serial_runs += [(f"{m}-serial", m, serial) for m in full]
-        if targeted:
-            serial_runs += [("default-targeted", "default", ["-v", *TARGETED_TESTS])]
-            serial_runs += [(f"{m}-targeted", m, ["-v", *TARGETED_TESTS]) for m in targeted]
-        if serial_runs and not phase(serial_runs, self.args.serial_timeout, 20):
-            self.record("suite-serial-phase", "-", 0, "skipped (budget)")
-        if full:
-            parallel = ["-m", str(self.jobs), "-v", *self.args.suite_tests]
-            runs = [("default-parallel", "default", parallel)]
-            runs += [(f"{m}-parallel", m, parallel) for m in full]
-            if not phase(runs, self.args.suite_timeout, min(self.args.suite_timeout, 60)):
-                self.record("suite-parallel-phase", "-", 0,
-                            f"skipped (budget: {int(self.budget.left())}s left)")
-        worst = 0
-        for mode in modes:
-            kind = "full" if mode in full else "targeted"
-            base = ["default-parallel", "default-serial"] if kind == "full" \
-                else ["default-targeted"]
-            plugin = [f"{mode}-parallel", f"{mode}-serial"] if kind == "full" \
-                else [f"{mode}-targeted"]
-            rc = self.compare(f"compare-{mode}", mode, f"{mode}: {kind} suite",
-                              [self.logs / f"suite-{r}.txt" for r in base],
-                              [self.logs / f"suite-{r}.txt" for r in plugin],
-                              self.outdir / f"compare-{mode_file_name(mode)}.txt")
-            worst = worst or rc
-        return worst
-
-    def compare(self, name: str, mode: str, label: str, base: list[Path], plugin: list[Path],
-                out: Path) -> int:
-        t = time.monotonic()
-        argv = self.python(str(CI / "compare_numba.py"), "--mode", parse_mode(mode)[
-            "EMMPOOL_MODE"] or mode, "--label", label, "--all", *self.args.compare_args,
-                           "--base", *map(str, base), "--plugin", *map(str, plugin))
-        if self.dry:
-            print(f"    $ {shlex.join(argv)} > {out.relative_to(self.outdir)}")
-            return 0
-        with open(out, "w") as f:
-            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=self.env,
-                                timeout=300).returncode
-        self.compares.append(out)
-        self.record(name, rc, time.monotonic() - t, first_match(out, "^RESULT:")[:90])
-        return rc
-
-    # -- numba-cuda-mlir's suite --
-    def mlir_tarball(self) -> Path | None:
-        found = sorted(REPO.glob(".whl/numba-cuda-mlir-tests-*.tar.gz"),
-                       key=lambda p: [int(x) if x.isdigit() else x for x in
-                                      re.split(r"(\d+)", p.name)])
-        return found[-1] if found else None
-
-    def step_mlir(self, step: Step) -> int | str:
-        seconds = self.timed(step, self.args.mlir_timeout + 45, minimum=90)
-        if not seconds:
-            return "-"
-        t, logs, mode = time.monotonic(), self.logs / "mlir", self.args.mlir_mode
-        suite = self.work / "mlir-suite"
-        tarball = self.mlir_tarball()
-        version = "?"
-        if not self.dry:
-            logs.mkdir(exist_ok=True)
-            suite.mkdir(exist_ok=True)
-            extract(tarball, suite)
-            version = subprocess.run(self.python("-c", "import numba_cuda_mlir as m; "
-                                                 "print(m.__version__)"), capture_output=True,
-                                     text=True, cwd=self.work, env=self.env).stdout.strip()
-        tests_version = tarball.name[len("numba-cuda-mlir-tests-"):-len(".tar.gz")] \
-            if tarball else "?"
-        # Each manager allocates once and is the one expected; under the plugin, a kernel
-        # launched over a NumPy array copies it through emmpool (cuda.core's Device.allocate).
-        check = logs / "manager-check.txt"
-        rc = 0
-        for manager in ("default", mode):
-            env = with_env(self.env, parse_mode(manager))
-            rc = rc or self.sh(self.python(str(CI / "numba_mlir_check.py")), check, 120,
-                               cwd=self.work, env=env, append=True)
-        if rc != 0 and not self.dry:
-            self.record(step.name, 2, time.monotonic() - t,
-                        "manager check failed: see logs/mlir/manager-check.txt")
-            print("\n".join(tail(check, 20)))
-            return 2
-        # As the package's CI runs its suite, but: -o addopts= drops its reruns of failed tests
-        # (a rerun could hide a failure the plugin causes), and a module that fails to import
-        # is reported while the rest still run.
-        jobs = self.args.mlir_jobs or max(1, min(8, (os.cpu_count() or 2) // 2))
-        argv = self.python("-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=",
-                           "-rfE", "-W", "ignore::UserWarning", "--continue-on-collection-errors",
-                           "-n", str(jobs), "--dist", "loadscope", "--ignore=tests/benchmarks",
-                           "--ignore=tests/doc_examples", "--ignore=tests/test_symbol_isolation.py",
-                           *self.args.mlir_pytest_args, *self.args.mlir_tests)
-        runs = [self.start(argv, logs / f"mlir-{run}.txt", seconds - 45, cwd=suite,
-                           env=with_env(self.env, parse_mode(run)), name=f"mlir {run}")
-                for run in ("default", mode)]
-        wait_all([j for j in runs if j is not None])
-        rc = self.compare("compare-mlir", mode, f"numba-cuda-mlir {version}, {mode}",
-                          [logs / "mlir-default.txt"], [logs / f"mlir-{mode}.txt"],
-                          self.outdir / f"compare-mlir-{mode}.txt")
-        if not self.dry:
-            note = first_match(self.outdir / f"compare-mlir-{mode}.txt", "^RESULT:")[:90]
-            if tests_version != version:
-                note = f"tests of {tests_version}, package {version}; " + note
-            self.record(step.name, rc, time.monotonic() - t, note)
-        return rc
+            return
+        self.record(name, rc, time.monotonic() - t, note)
+        if rc != 0 and log is not None and show:
+            print("\n".join(tail(log, show)))
 
     # -- the end --
     def diagnostics(self) -> list[str]:
@@ -1207,24 +400,6 @@ class Runner:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
-def pytest_line(log: Path) -> str:
-    line = first_match(log, r"^=+ .*(passed|failed|error|skipped|no tests ran).* =+$", last=True)
-    return line.strip("= ")
-
-
-def suite_note(log: Path) -> str:
-    """"Ran N tests in S; OK|FAILED (...)" of a numba.runtests log, or how far it got."""
-    ran = first_match(log, r"^Ran \d+ tests? in", last=True)
-    if not ran:
-        text = log.read_text(errors="replace") if log.is_file() else ""
-        return f"INCOMPLETE: {len(re.findall(TEST_LINE, text))} test lines"
-    return f"{ran}; {first_match(log, FINAL_LINE, last=True)}"
-
-
-TEST_LINE = r" \.\.\. "  # numba.runtests -v: "test_x (mod.Class.test_x) ... ok"
-FINAL_LINE = r"^(OK|FAILED)( \(|$)"
-
-
 # ---- options ---------------------------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
@@ -1262,15 +437,11 @@ def parser() -> argparse.ArgumentParser:
     steps.add_argument("--sanitizer-args", default=f"-m '{SANITIZER_MARKERS}'", metavar="'ARGS'",
                        help=f"pytest arguments of the sanitizer step [-m '{SANITIZER_MARKERS}']")
     steps.add_argument("--sanitizer-timeout", type=int, default=240, metavar="S")
-    steps.add_argument("--cupy-args", default="", metavar="'ARGS'",
-                       help="extra arguments of .ci/cupy_suite.py (e.g. \"--subset tests/...\")")
     steps.add_argument("--cupy-part", metavar="K/N",
                        help="run part K of N of CuPy's selection (merge the parts with "
                             "python3 .ci/cupy_suite.py --merge OUTDIR ...)")
     steps.add_argument("--cupy-timeout", type=int, default=360, metavar="S",
                        help="both runs of CuPy's suite, at once [360]")
-    steps.add_argument("--torch-suite-args", default="", metavar="'ARGS'",
-                       help="extra arguments of .ci/torch_suite.py (e.g. \"--jobs 2\")")
     steps.add_argument("--torch-suite-timeout", type=int, default=480, metavar="S",
                        help="both runs of test_cuda.py, in turn [480]")
     steps.add_argument("--benches", metavar="NAME[,NAME]", default=",".join(DEFAULT_BENCHES),
@@ -1286,8 +457,6 @@ def parser() -> argparse.ArgumentParser:
     steps.add_argument("--full-modes", default="pool", metavar="MODE[,MODE]",
                        help="those of them run over the whole suite (the others: the tests "
                             "that touch the memory manager) [pool]")
-    steps.add_argument("--suite-tests", default="numba.cuda.tests", metavar="'TESTS'",
-                       help="what the parallel runs run [numba.cuda.tests]")
     steps.add_argument("--suite-jobs", type=int, default=0, metavar="N",
                        help="processes of each parallel run [min(16, CPUs)]")
     steps.add_argument("--suite-timeout", type=int, default=420, metavar="S",
@@ -1297,16 +466,10 @@ def parser() -> argparse.ArgumentParser:
     steps.add_argument("--suite-sequential", action="store_true",
                        help="the runs of a phase one after another (cleaner, about twice the "
                             "time) rather than at once")
-    steps.add_argument("--compare-args", default="", metavar="'ARGS'",
-                       help="extra arguments of compare_numba.py (\"--expect-fail 'PATTERN'\")")
-    steps.add_argument("--mlir-mode", choices=("pool", "passthrough"), default="pool")
     steps.add_argument("--mlir-timeout", type=int, default=300, metavar="S",
                        help="each of numba-cuda-mlir's two runs, at once [300]")
     steps.add_argument("--mlir-jobs", type=int, default=0, metavar="N",
                        help="pytest-xdist workers per run [half the CPUs, at most 8]")
-    steps.add_argument("--mlir-tests", default="tests", metavar="'PATHS'",
-                       help="what its runs run, relative to its suite's root [tests]")
-    steps.add_argument("--mlir-pytest-args", default="", metavar="'ARGS'")
     return ap
 
 
@@ -1332,10 +495,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if extra:
         raise UsageError(f"--full-modes {extra[0]}: not one of --numba-modes")
     args.pytest_paths = [p.strip() for p in args.pytest_paths.split(",") if p.strip()]
-    for name in ("pytest_args", "sanitizer_args", "cupy_args", "torch_suite_args",
-                 "compare_args", "mlir_pytest_args", "suite_tests", "mlir_tests"):
-        setattr(args, name, shell_words(getattr(args, name),
-                                        "--" + name.replace("_", "-")))
+    for name in ("pytest_args", "sanitizer_args"):
+        setattr(args, name, shell_words(getattr(args, name), "--" + name.replace("_", "-")))
     args.cupy_part = parse_part(args.cupy_part)
     return args
 

@@ -5,24 +5,10 @@ emmpool's, compared by test name.
     python3 .ci/torch_suite.py [--tests .torch-tests] [--out DIR] [--timeout S] [--jobs N]
                                [--test-timeout S] [-k EXPR] [--concurrent]
 
-The test file comes from PyTorch's repository at (or as near as can be had to) the release
-installed here: ``bash .ci/gpu-torch-tests`` puts it and PyTorch's pytest.ini into .torch-tests/.
-The runs load a small pytest plugin (.ci/emmpool_torch_suite_plugin.py, no conftest.py): in the
-emmpool run it calls ``emmpool.use_for_torch()`` at configure time in every process, before
-test_cuda.py is imported, and in both runs it records which allocator PyTorch reported and how
-many allocations went through emmpool (proof of which allocator each run used).
-
-Selection: -k EXPR [DEFAULT_K: the memory, CUDA graph, MemPool, snapshot, allocator and stream
-tests: about 185 of the carried test_cuda.py's 290-odd, 25 of them @serialTest]. Each run is a
-pytest-xdist run, so that a test that crashes its process costs that test only: with --jobs 1
-[default] one worker; with --jobs N the tests not marked @serialTest on N workers, then the
-@serialTest ones on one (without pytest-xdist: one plain pytest process, which a crash ends).
-The two runs take turns (the native one first, at most half of --timeout; the emmpool run the
-rest) unless --concurrent, which runs both at once, each for --timeout: some tests take half the
-GPU's memory or set the per-process memory fraction, so at once is faster but noisier.
-PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF are removed from both runs' environment (what the
-tests expect of PyTorch's allocator depends on them); the CUDA-only variants of the
-device-generic test classes are instantiated (PYTORCH_TESTING_DEVICE_ONLY_FOR=cuda).
+The test file comes from PyTorch's repository (``bash .ci/gpu-torch-tests`` puts it and
+PyTorch's pytest.ini into .torch-tests/). docs/gpu-testing.md ("PyTorch's suite") says how the
+two runs are made: the plugin that installs emmpool and records each process's allocator, the
+selection, the workers, the turns and the environment.
 
 Written to --out: ``torch-<run>.log`` (pytest -v, one line a test, so a run cut short still
 counts what it ran), the plugin's records, and ``torch-suite.txt``: counts per run, every test

@@ -34,6 +34,16 @@ def gpu():
     return load("gpu_runner", "gpu.py")
 
 
+@pytest.fixture(scope="module")
+def plan(gpu):
+    return sys.modules["gpu_plan"]  # what gpu.py imported: the steps and the modes
+
+
+@pytest.fixture(scope="module")
+def jobs(gpu):
+    return sys.modules["gpu_jobs"]  # the commands it runs
+
+
 # ---- time ------------------------------------------------------------------------------------
 class Clock:
     def __init__(self):
@@ -118,7 +128,7 @@ def test_options_are_parsed_into_what_the_steps_use(gpu):
     assert args.sanitizer_args == ["-m", "gpu and passthrough and not ipc and not fork"]
 
 
-def test_each_numba_suite_mode_sets_its_environment(gpu):
+def test_each_numba_suite_mode_sets_its_environment(gpu, plan):
     assert gpu.parse_mode("default") == {"NUMBA_CUDA_MEMORY_MANAGER": None, "EMMPOOL_MODE": None,
                                          "EMMPOOL_PINNED": None, "EMMPOOL_SEGMENTS": None}
     assert gpu.parse_mode("pool") == {"NUMBA_CUDA_MEMORY_MANAGER": "emmpool.plugin",
@@ -130,7 +140,7 @@ def test_each_numba_suite_mode_sets_its_environment(gpu):
                        gpu.parse_mode("pool"))
     assert env == {"EMMPOOL_SEGMENTS": "growable", "X": "1", "EMMPOOL_MODE": "pool",
                    "NUMBA_CUDA_MEMORY_MANAGER": "emmpool.plugin"}  # the caller's segments kept
-    assert gpu.mode_file_name("pool+growable") == "pool_growable"
+    assert plan.mode_file_name("pool+growable") == "pool_growable"
 
 
 # ---- what comes back -------------------------------------------------------------------------
@@ -189,14 +199,14 @@ def test_a_command_past_its_timeout_is_stopped_and_says_so(gpu, tmp_path):
     assert lines[-1].endswith("s (timeout)")  # what compare_numba.py reads (rc=124)
 
 
-def test_a_runner_stopped_from_outside_takes_its_running_commands_with_it(gpu, tmp_path):
+def test_a_runner_stopped_from_outside_takes_its_running_commands_with_it(gpu, jobs, tmp_path):
     job = gpu.Job([sys.executable, "-c", "import time; time.sleep(60)"], log=tmp_path / "x.txt",
                   timeout=120, cwd=tmp_path, env=dict(os.environ)).start()
-    assert job in gpu._RUNNING
+    assert job in jobs._RUNNING
     gpu.stop_all()  # what the runner's exit and signal handlers call
     assert job.proc.wait(timeout=10) == -9
     job.poll()
-    assert job not in gpu._RUNNING
+    assert job not in jobs._RUNNING
 
 
 # ---- whole runs here, without a GPU ----------------------------------------------------------
