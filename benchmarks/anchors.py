@@ -1,18 +1,7 @@
-"""Anchor EMM plugins that bracket emmpool in the Numba benchmark.
+"""Anchor EMM plugins that bracket emmpool in the Numba benchmark (ANCHORS, at the end, names
+them as benchmarks/README.md's table of managers does; each class says what it is).
 
-* ``CudaMallocManager`` -- one ``cuMemAlloc`` per allocation and one
-  ``cuMemFree`` when Numba drops it: what a naive plugin costs (the driver
-  allocator, including the implicit synchronisation inside ``cuMemFree``).
-* ``CupyPoolManager`` -- CuPy's default memory pool, wired up the way the
-  well-known CuPy/RMM EMM examples do it: a mature Python-level pool.
-* ``CupyPinnedPoolManager`` -- the same, plus CuPy's pinned-memory pool for
-  ``memhostalloc`` (the pinned benchmark's pool anchor).
-* ``NothingManager`` -- the floor: hands out pointers into one buffer made
-  once, so every allocation costs only Numba's own bookkeeping (context
-  lookup, ``MemoryPointer`` + ``weakref.finalize``, ``DeviceNDArray``).  All
-  its allocations alias each other; it is only fit for timing.
-
-All three follow Numba's EMM contract (numba-cuda ``cudadrv/driver.py``):
+All follow Numba's EMM contract (numba-cuda ``cudadrv/driver.py``):
 
 * ``__init__`` must not touch CUDA: ``set_memory_manager`` instantiates the
   class once with ``context=None`` just to read ``interface_version``.
@@ -99,7 +88,8 @@ class _AnchorBase(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
 
 
 class CudaMallocManager(_AnchorBase):
-    """One ``cuMemAlloc`` per ``memalloc``, ``cuMemFree`` in the finalizer."""
+    """One ``cuMemAlloc`` per ``memalloc``, ``cuMemFree`` in the finalizer: what a naive plugin
+    costs (the driver's allocator, the implicit synchronisation inside ``cuMemFree`` included)."""
 
     def initialize(self):
         # Nothing to prepare: each allocation goes straight to the driver.
@@ -174,7 +164,9 @@ class CupyPinnedPoolManager(CupyPoolManager):
 
 
 class NothingManager(_AnchorBase):
-    """The floor: no allocation work at all per ``memalloc``.
+    """The floor: no allocation work at all per ``memalloc``, so that an allocation costs only
+    Numba's own bookkeeping (context lookup, ``MemoryPointer`` + ``weakref.finalize``,
+    ``DeviceNDArray``). All its allocations alias each other: it is only fit for timing.
 
     ``initialize`` makes one 256 MiB buffer; every request that fits gets a
     pointer to its start.  A larger request grows the buffer once (to at

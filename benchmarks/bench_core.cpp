@@ -227,37 +227,22 @@ result measure(std::string name, std::string what, std::size_t size, bool quick,
 
 // ---- the CUDA driver, loaded here for the baselines -------------------------------------------
 
+// The driver entry points the baselines call, in one list (X-macro, as the core's
+// cpp/src/cuda_driver_api.inc): a field per function and a dlsym per function at load time.
+// Names are cuda.h's, which its macros map to the current ABI version (cuMemAlloc ->
+// cuMemAlloc_v2, ...).
+#define BENCH_CUDA_API(X)                                                                       \
+  X(cuInit) X(cuDeviceGet) X(cuDeviceGetName) X(cuDriverGetVersion) X(cuDevicePrimaryCtxRetain) \
+  X(cuCtxSetCurrent) X(cuStreamSynchronize) X(cuMemAlloc) X(cuMemFree) X(cuMemAllocAsync)        \
+  X(cuMemFreeAsync) X(cuDeviceGetDefaultMemPool) X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo)     \
+  X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventQuery) X(cuMemHostAlloc)          \
+  X(cuMemFreeHost) X(cuMemHostGetDevicePointer) X(cuStreamWriteValue32)
+
 struct cuda_api {
   void* handle = nullptr;
-  decltype(&::cuInit) init{};
-  decltype(&::cuDeviceGet) device_get{};
-  decltype(&::cuDeviceGetName) device_get_name{};
-  decltype(&::cuDriverGetVersion) driver_get_version{};
-  decltype(&::cuDevicePrimaryCtxRetain) primary_ctx_retain{};
-  decltype(&::cuCtxSetCurrent) ctx_set_current{};
-  decltype(&::cuStreamSynchronize) stream_synchronize{};
-  decltype(&::cuMemAlloc) mem_alloc{};
-  decltype(&::cuMemFree) mem_free{};
-  decltype(&::cuMemAllocAsync) mem_alloc_async{};
-  decltype(&::cuMemFreeAsync) mem_free_async{};
-  decltype(&::cuDeviceGetDefaultMemPool) default_mem_pool{};
-  decltype(&::cuMemPoolSetAttribute) mem_pool_set_attribute{};
-  decltype(&::cuMemPoolTrimTo) mem_pool_trim_to{};
-  decltype(&::cuEventCreate) event_create{};
-  decltype(&::cuEventDestroy) event_destroy{};
-  decltype(&::cuEventRecord) event_record{};
-  decltype(&::cuEventQuery) event_query{};
-  decltype(&::cuMemHostAlloc) mem_host_alloc{};
-  decltype(&::cuMemFreeHost) mem_free_host{};
-  decltype(&::cuMemHostGetDevicePointer) mem_host_get_device_pointer{};
-  decltype(&::cuStreamWriteValue32) stream_write_value32{};
-
-  template <class F>
-  void sym(F& f, char const* name)
-  {
-    f = reinterpret_cast<F>(::dlsym(handle, name));
-    if (f == nullptr) { throw std::runtime_error{std::string{"libcuda.so.1 lacks "} + name}; }
-  }
+#define BENCH_CUDA_FIELD(fn) decltype(&::fn) fn{};
+  BENCH_CUDA_API(BENCH_CUDA_FIELD)
+#undef BENCH_CUDA_FIELD
 
   void load()
   {
@@ -266,28 +251,13 @@ struct cuda_api {
       char const* why = ::dlerror();
       throw std::runtime_error{std::string{"dlopen(libcuda.so.1) failed: "} + (why ? why : "?")};
     }
-    sym(init, "cuInit");
-    sym(device_get, "cuDeviceGet");
-    sym(device_get_name, "cuDeviceGetName");
-    sym(driver_get_version, "cuDriverGetVersion");
-    sym(primary_ctx_retain, "cuDevicePrimaryCtxRetain");
-    sym(ctx_set_current, "cuCtxSetCurrent");
-    sym(stream_synchronize, "cuStreamSynchronize");
-    sym(mem_alloc, "cuMemAlloc_v2");
-    sym(mem_free, "cuMemFree_v2");
-    sym(mem_alloc_async, "cuMemAllocAsync");
-    sym(mem_free_async, "cuMemFreeAsync");
-    sym(default_mem_pool, "cuDeviceGetDefaultMemPool");
-    sym(mem_pool_set_attribute, "cuMemPoolSetAttribute");
-    sym(mem_pool_trim_to, "cuMemPoolTrimTo");
-    sym(event_create, "cuEventCreate");
-    sym(event_destroy, "cuEventDestroy_v2");
-    sym(event_record, "cuEventRecord");
-    sym(event_query, "cuEventQuery");
-    sym(mem_host_alloc, "cuMemHostAlloc");
-    sym(mem_free_host, "cuMemFreeHost");
-    sym(mem_host_get_device_pointer, "cuMemHostGetDevicePointer_v2");
-    sym(stream_write_value32, "cuStreamWriteValue32_v2");
+#define BENCH_CUDA_LOAD(fn)                                                                 \
+  fn = reinterpret_cast<decltype(fn)>(::dlsym(handle, EMMPOOL_STRINGIFY(fn)));              \
+  if (fn == nullptr) {                                                                      \
+    throw std::runtime_error{std::string{"libcuda.so.1 lacks "} + EMMPOOL_STRINGIFY(fn)};   \
+  }
+    BENCH_CUDA_API(BENCH_CUDA_LOAD)
+#undef BENCH_CUDA_LOAD
   }
 };
 
@@ -343,19 +313,19 @@ std::string gpu_benchmarks(options const& o, std::vector<result>& out)
 {
   cuda_api cu;
   cu.load();
-  cu_check(cu.init(0), "cuInit");
+  cu_check(cu.cuInit(0), "cuInit");
   CUdevice dev{};
-  cu_check(cu.device_get(&dev, o.device), "cuDeviceGet");
+  cu_check(cu.cuDeviceGet(&dev, o.device), "cuDeviceGet");
   char name[256] = {};
-  cu_check(cu.device_get_name(name, sizeof name, dev), "cuDeviceGetName");
+  cu_check(cu.cuDeviceGetName(name, sizeof name, dev), "cuDeviceGetName");
   int version = 0;
-  cu.driver_get_version(&version);
+  cu.cuDriverGetVersion(&version);
   CUcontext ctx{};
-  cu_check(cu.primary_ctx_retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  cu_check(cu.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
   // Current on this thread, as under Numba/CuPy/PyTorch: the pool then never pushes a context.
-  cu_check(cu.ctx_set_current(ctx), "cuCtxSetCurrent");
+  cu_check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
   auto* const legacy = CU_STREAM_LEGACY;
-  auto fence         = [&] { cu_check(cu.stream_synchronize(legacy), "cuStreamSynchronize"); };
+  auto fence         = [&] { cu_check(cu.cuStreamSynchronize(legacy), "cuStreamSynchronize"); };
 
   auto& pool = emmpool::pool_registry::instance().pool(o.device);
   bench_pool(out, "emmpool pool (process-wide, CUDA)", pool, o.quick, fence);
@@ -369,12 +339,12 @@ std::string gpu_benchmarks(options const& o, std::vector<result>& out)
   }
 
   CUmemoryPool mempool{};
-  cu_check(cu.default_mem_pool(&mempool, dev), "cuDeviceGetDefaultMemPool");
+  cu_check(cu.cuDeviceGetDefaultMemPool(&mempool, dev), "cuDeviceGetDefaultMemPool");
   for (bool keep : {false, true}) {
     // Default: release threshold 0 (the driver may return memory at each synchronization);
     // then the usual tuning, a threshold of "never".
     cuuint64_t threshold = keep ? ~cuuint64_t{0} : 0;
-    cu_check(cu.mem_pool_set_attribute(mempool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold),
+    cu_check(cu.cuMemPoolSetAttribute(mempool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold),
              "cuMemPoolSetAttribute");
     std::string const label = keep ? "cuMemAllocAsync (release threshold max)"
                                    : "cuMemAllocAsync (default mem pool)";
@@ -382,57 +352,57 @@ std::string gpu_benchmarks(options const& o, std::vector<result>& out)
       out.push_back(measure(label, "cuMemAllocAsync+cuMemFreeAsync, legacy stream", n, o.quick,
                             [&] {
                               CUdeviceptr p{};
-                              cu_check(cu.mem_alloc_async(&p, n, legacy), "cuMemAllocAsync");
-                              cu_check(cu.mem_free_async(p, legacy), "cuMemFreeAsync");
+                              cu_check(cu.cuMemAllocAsync(&p, n, legacy), "cuMemAllocAsync");
+                              cu_check(cu.cuMemFreeAsync(p, legacy), "cuMemFreeAsync");
                             },
                             fence));
     }
-    cu_check(cu.mem_pool_trim_to(mempool, 0), "cuMemPoolTrimTo");
+    cu_check(cu.cuMemPoolTrimTo(mempool, 0), "cuMemPoolTrimTo");
   }
   std::size_t const n = 64 * KiB;
   out.push_back(measure("cuMemAlloc/cuMemFree", "cuMemAlloc+cuMemFree", n, o.quick,
                         [&] {
                           CUdeviceptr p{};
-                          cu_check(cu.mem_alloc(&p, n), "cuMemAlloc");
-                          cu_check(cu.mem_free(p), "cuMemFree");
+                          cu_check(cu.cuMemAlloc(&p, n), "cuMemAlloc");
+                          cu_check(cu.cuMemFree(p), "cuMemFree");
                         },
                         fence));
   // What one of the pool's fences costs (reuse_rule.hpp: an event recorded on the legacy
   // stream, then queried), which a Numba pair pays whenever its request misses the free lists:
   // once per five pairs at 4 MiB (five such blocks per 20 MiB segment).
   CUevent event{};
-  cu_check(cu.event_create(&event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+  cu_check(cu.cuEventCreate(&event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
   out.push_back(measure("one fence of the pool", "cuEventRecord+cuEventQuery, legacy stream", 0,
                         o.quick,
                         [&] {
-                          cu_check(cu.event_record(event, legacy), "cuEventRecord");
-                          (void)cu.event_query(event);  // CUDA_SUCCESS on an idle GPU
+                          cu_check(cu.cuEventRecord(event, legacy), "cuEventRecord");
+                          (void)cu.cuEventQuery(event);  // CUDA_SUCCESS on an idle GPU
                         },
                         fence));
   // Its parts, and the one stream-ordered alternative that needs no query (a counter the GPU
   // writes into pinned host memory, read by a plain load): on an H200 a write cost 4.6 records
   // (results/H200/bench_core.md), so the fence stays an event.
   out.push_back(measure("a fence's record", "cuEventRecord, legacy stream", 0, o.quick,
-                        [&] { cu_check(cu.event_record(event, legacy), "cuEventRecord"); },
+                        [&] { cu_check(cu.cuEventRecord(event, legacy), "cuEventRecord"); },
                         fence));
   fence();
   out.push_back(measure("a fence's query", "cuEventQuery of a completed event", 0, o.quick,
-                        [&] { (void)cu.event_query(event); }, fence));
+                        [&] { (void)cu.cuEventQuery(event); }, fence));
   void* word = nullptr;
-  cu_check(cu.mem_host_alloc(&word, 64, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE),
+  cu_check(cu.cuMemHostAlloc(&word, 64, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE),
            "cuMemHostAlloc");
   CUdeviceptr word_dev{};
-  cu_check(cu.mem_host_get_device_pointer(&word_dev, word, 0), "cuMemHostGetDevicePointer");
+  cu_check(cu.cuMemHostGetDevicePointer(&word_dev, word, 0), "cuMemHostGetDevicePointer");
   cuuint32_t count = 0;
   out.push_back(measure("a counter fence (not used)",
                         "cuStreamWriteValue32 to pinned host memory, legacy stream", 0, o.quick,
                         [&] {
-                          cu_check(cu.stream_write_value32(legacy, word_dev, ++count, 0),
+                          cu_check(cu.cuStreamWriteValue32(legacy, word_dev, ++count, 0),
                                    "cuStreamWriteValue32");
                         },
                         fence));
-  cu.mem_free_host(word);
-  cu.event_destroy(event);
+  cu.cuMemFreeHost(word);
+  cu.cuEventDestroy(event);
   auto const s = pool.stats();
   std::printf("process-wide pool after the run: %s (%llu batches closed)\n",
               emmpool::pool_queries{pool}.describe().c_str(), static_cast<unsigned long long>(s.batches_closed));

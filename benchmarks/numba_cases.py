@@ -422,14 +422,17 @@ def child_main(name, knobs, suite="device", guests=None):
     list of other managers' names) the in-process pairing: `name` installed, the guests made
     beside it on the same context, and the cases timed by _run_paired_cases."""
     result = {"manager": name, "versions": versions(), "cases": {}, "checks": {}}
+    code = _run_manager(name, knobs, suite, guests, result)
+    try:
+        harness.emit(result)
+    except (TypeError, ValueError):  # e.g. non-string keys in stats()
+        result["emmpool_stats"] = repr(result.get("emmpool_stats"))
+        harness.emit(result)
+    return code
 
-    def emit():
-        try:
-            harness.emit(result)
-        except (TypeError, ValueError):  # e.g. non-string keys in stats()
-            result["emmpool_stats"] = repr(result.get("emmpool_stats"))
-            harness.emit(result)
 
+def _run_manager(name, knobs, suite, guests, result):
+    """child_main's work, into `result`; the child's exit status."""
     # Plugin import and installation.  An ImportError means "not available
     # here" (no CuPy, emmpool not built) and is reported as skipped; any other
     # error is a broken plugin and is reported as failed.
@@ -439,12 +442,10 @@ def child_main(name, knobs, suite="device", guests=None):
             cuda.set_memory_manager(mgr_cls)
     except ImportError as e:
         result["skipped"] = f"{type(e).__name__}: {e}"
-        emit()
         return 0
     except Exception as e:
         traceback.print_exc()
         result["failed"] = f"plugin setup: {type(e).__name__}: {e}"
-        emit()
         return 1
 
     try:
@@ -479,9 +480,7 @@ def child_main(name, knobs, suite="device", guests=None):
     except Exception as e:
         traceback.print_exc()
         result["failed"] = f"{type(e).__name__}: {e}"
-        emit()
         return 1
-    emit()
     return 0
 
 

@@ -2,10 +2,10 @@
 
     python benchmarks/profile_kernel_loop.py [--manager emmpool|nothing|cupy-pool] [--n 3000]
 
-Runs bench_numba's alloc_axpy loop in this process with the chosen manager and reports the mean
-host time of each phase (allocation, launch, free) and, for emmpool, the driver work the pool
-did (segments, batches). A diagnostic, not a benchmark: bench_numba.py gives the comparable
-figures.
+Runs bench_numba's alloc_axpy loop (its kernel, each manager installed as bench_numba does) in
+this process and reports the mean host time of each phase (allocation, launch, free) and, for
+emmpool, the driver work the pool did (segments, batches). A diagnostic, not a benchmark:
+bench_numba.py gives the comparable figures.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+
+import numba_cases
 
 
 def main() -> None:
@@ -28,27 +28,13 @@ def main() -> None:
 
     from numba import cuda
 
-    if args.manager == "emmpool":
-        import emmpool
-
-        emmpool.use_for_numba()
-    else:
-        sys.path.insert(0, str(Path(__file__).parent))
-        import anchors
-
-        cuda.set_memory_manager(anchors.ANCHORS[args.manager])
-
-    n = 1 << 20
-
-    @cuda.jit
-    def axpy(out, a, x, y):
-        i = cuda.grid(1)
-        if i < out.size:
-            out[i] = a * x[i] + y[i]
-
+    manager = numba_cases._load_manager(args.manager)  # as bench_numba's children install it
+    if manager is not None:  # numba-default: Numba's own
+        cuda.set_memory_manager(manager)
+    n = numba_cases.AXPY_N
     x = cuda.to_device(np.ones(n))
     y = cuda.to_device(np.ones(n))
-    launch = axpy[(n + 255) // 256, 256]
+    launch = numba_cases._axpy[(n + 255) // 256, 256]
     for _ in range(200):  # warm-up and compile
         out = cuda.device_array(n, np.float64)
         launch(out, 2.0, x, y)

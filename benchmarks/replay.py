@@ -26,8 +26,6 @@ Writes DIR/replay.json (everything) and DIR/replay.md (the table, also printed).
 
 import argparse
 import datetime
-import json
-import os
 import platform
 import sys
 import traceback
@@ -35,6 +33,8 @@ import traceback
 import numpy as np
 
 from emmpool import replay  # the replay engine and its backends (python/emmpool/replay.py)
+
+import harness
 
 SEED = 20240601
 LIVE = 256
@@ -90,7 +90,6 @@ def main(argv=None):
             results[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}",
                              "traceback": traceback.format_exc()}
 
-    os.makedirs(args.out, exist_ok=True)
     doc = {
         "benchmark": "replay",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -101,9 +100,6 @@ def main(argv=None):
         "numpy": np.__version__,
         "results": results,
     }
-    with open(os.path.join(args.out, "replay.json"), "w") as f:
-        json.dump(doc, f, indent=2)
-
     lines = [
         f"Fragmentation replay: {args.live} live, {args.ops} ops, sizes log-uniform "
         f"{MIN_BYTES} B - {MAX_BYTES >> 20} MiB, seed {args.seed}",
@@ -118,10 +114,7 @@ def main(argv=None):
                          f"| {r['ratio']:.3f} | {r['seconds']:.2f} |")
         else:
             lines.append(f"| {name} | {r['status']}: {r['reason']} | | | |")
-    table = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "replay.md"), "w") as f:
-        f.write(table)
-    print(table, end="")
+    harness.write_results(args.out, "replay", doc, "\n".join(lines) + "\n", indent=2)
     return 1 if any(r["status"] == "error" for r in results.values()) else 0
 
 
