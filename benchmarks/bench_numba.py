@@ -58,7 +58,6 @@ def _run_child(name, extra_env, args, guests=None):
     return result
 
 
-
 def _fmt_us(us):
     if us < 10:
         return f"{us:.2f}"
@@ -263,7 +262,6 @@ def _merge_paired(rounds):
     return managers
 
 
-
 def parent_main(args):
     knobs = dict(QUICK if args.quick else FULL)
     if args.budget is not None:
@@ -371,7 +369,6 @@ def parent_main(args):
           f"benchmarks/results/<GPU>/, written by .ci/gpu-results)")
     ran = [r for r in managers.values() if "skipped" not in r]
     return 1 if any("failed" in r for r in ran) else 0
-
 
 
 def main(argv=None):

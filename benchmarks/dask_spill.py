@@ -30,8 +30,10 @@ import numpy as np
 
 import dask_workload
 import harness
-from dask_workload import A, B, PeakSampler, RmmForNumba
+import nvml
+from dask_workload import A, B, RmmForNumba
 from harness import gib
+from nvml import MiB, PeakSampler
 
 SETUPS = ("emmpool", "rmm-pool", "rmm-async", "none")
 # every setup at device_memory_limit = the cap, and the RMM pool and emmpool at 3/4 of it
@@ -335,25 +337,7 @@ def _run_child(job: dict, timeout: float, log: Path) -> dict:
 # The parent: NVML, the setups in turn, the table.
 
 
-def _used(nvml: dict) -> dict[int, int]:
-    """NVML's used memory of each GPU."""
-    import pynvml
-
-    return {d: pynvml.nvmlDeviceGetMemoryInfo(v["handle"]).used for d, v in nvml.items()}
-
-
-def _settle(nvml: dict, idle: dict, timeout: float = 20.0) -> None:
-    """Wait until the GPUs' used memory is back near its value before the first setup (an
-    exited child's memory is given back by the driver shortly after)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        used = _used(nvml)
-        if all(used[d] <= idle[d] + 256 * 2**20 for d in nvml):
-            return
-        time.sleep(0.25)
-
-
-def run_setups(specs: list[str], job: dict, args, nvml: dict, idle: dict,
+def run_setups(specs: list[str], job: dict, args, gpus: list, idle: list,
                deadline: float | None) -> list:
     """Each setup in turn, in a child, once the GPUs' used memory is back near `idle`; a setup
     that would start too close to the deadline is skipped."""
@@ -367,8 +351,9 @@ def run_setups(specs: list[str], job: dict, args, nvml: dict, idle: dict,
                 results.append({"setup": spec, "skipped": f"{max(timeout, 0):.0f} s left"})
                 continue
         print(f"[dask_spill] {spec} (at most {timeout:.0f} s) ...", flush=True)
-        _settle(nvml, idle)
-        sampler = PeakSampler([v["handle"] for v in nvml.values()])
+        for gpu, used in zip(gpus, idle):  # an exited child's memory goes back shortly after
+            gpu.settle(used, timeout=20.0, slack=256 * MiB)
+        sampler = PeakSampler(gpus)
         name = job.get("label", "") + spec.replace("@", "_at_")
         log = args.out / "dask_spill-logs" / f"{name}.txt"
         t = time.perf_counter()
@@ -377,10 +362,11 @@ def run_setups(specs: list[str], job: dict, args, nvml: dict, idle: dict,
         finally:
             peaks = sampler.stop()
         r["child_s"] = time.perf_counter() - t
-        r["peak_whole"] = dict(zip(nvml, peaks))  # the child's whole life
+        devices = [g.index for g in gpus]
+        r["peak_whole"] = dict(zip(devices, peaks))  # the child's whole life
         if "job_start" in r and "job_end" in r:
             in_job = sampler.peak_within(r["job_start"], r["job_end"])
-            r["peak"] = dict(zip(nvml, in_job)) if in_job else None
+            r["peak"] = dict(zip(devices, in_job)) if in_job else None
         print(f"[dask_spill] {spec}: {outcome(r)}, wall {_s(r.get('wall_s'))} s, peak in the "
               f"job {', '.join(gib(p) for p in (r.get('peak') or {}).values())} GiB, in the "
               f"setup's life {', '.join(gib(p) for p in peaks)} GiB", flush=True)
@@ -399,7 +385,6 @@ def outcome(r: dict) -> str:
     if r.get("error"):
         return "FAILED: " + r["error"][:120]
     return "ok" if r.get("result_ok") else "WRONG"
-
 
 
 def _s(t) -> str:
@@ -555,22 +540,22 @@ def main(argv: list[str] | None = None) -> int:
     # CUDA numbers GPUs fastest first, NVML by PCI bus: one order for both (the children and
     # their workers inherit it), so that CUDA_VISIBLE_DEVICES and NVML's indices agree.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    devices, nvml = dask_workload.gpus([int(d) for d in args.devices.split(",")]
-                                       if args.devices else None)
+    gpus = nvml.gpus([int(d) for d in args.devices.split(",")] if args.devices else None)
+    devices = [g.index for g in gpus]
     blocks = sizes(cap, len(devices), args.scale, args.chunk)
     job = {"devices": devices, "cap": cap, "blocks": blocks, "chunk": args.chunk}
-    header = {"gpu": next(iter(nvml.values()))["name"] if nvml else "?",
+    header = {"gpu": gpus[0].name if gpus else "?",
               "versions": dask_workload.versions(), "date": datetime.date.today().isoformat()}
 
-    idle = _used(nvml)
+    idle = [g.used() for g in gpus]
     warmup = None
     if args.warmup:
         # The first setup of a run would pay what the later ones find warm (CuPy's kernel cache
         # on disk, the driver's first contexts, imports): a small job takes it, unreported.
         print("[dask_spill] warm-up (none, a small job, not reported) ...", flush=True)
         small = {**job, "blocks": 2, "chunk": 1024, "label": "warmup-"}
-        [warmup] = run_setups(["none"], small, args, nvml, idle, deadline)
-    results = run_setups(args.setups, job, args, nvml, idle, deadline)
+        [warmup] = run_setups(["none"], small, args, gpus, idle, deadline)
+    results = run_setups(args.setups, job, args, gpus, idle, deadline)
     harness.write_results(args.out, "dask_spill", {"header": header, "job": job,
                                                    "warmup": warmup, "args": vars(args),
                                                    "results": results},

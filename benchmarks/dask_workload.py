@@ -15,7 +15,6 @@ import argparse
 import datetime
 import os
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -25,7 +24,9 @@ from distributed import WorkerPlugin
 from numba import cuda  # makes no CUDA context: the client never launches or allocates
 
 import harness
+import nvml
 from harness import gib
+from nvml import PeakSampler
 
 # emmpool: its worker plugin for Numba and CuPy; rmm: dask-cuda's rmm_pool_size with CuPy on RMM
 # and Numba on RMM's EMM plugin (one pool); rmm-cupy: dask-cuda's setup as it is, Numba on its own
@@ -121,58 +122,7 @@ def one_round(client, elements: int, chunk: int) -> tuple[float, bool]:
     return wall, bool(result[:, 0].sum() == expected_sum and not result[:, 1].any())
 
 
-def gpus(devices: list[int] | None) -> tuple[list[int], dict]:
-    """The GPUs to use (every GPU if None) and each one's NVML handle, UUID, name and memory."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    devices = devices if devices is not None else list(range(pynvml.nvmlDeviceGetCount()))
-    nvml = {}
-    for d in devices:
-        h = pynvml.nvmlDeviceGetHandleByIndex(d)
-        uuid, name = pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetName(h)
-        nvml[d] = {"handle": h, "uuid": uuid if isinstance(uuid, str) else uuid.decode(),
-                   "name": name if isinstance(name, str) else name.decode(),
-                   "total": pynvml.nvmlDeviceGetMemoryInfo(h).total}
-    return devices, nvml
-
-
-class PeakSampler:
-    """NVML's used memory of some GPUs, sampled by a thread with each sample's time: the peak
-    above the first sample, over the whole run or within a part of it."""
-
-    def __init__(self, handles: list, period: float = 0.005):
-        import pynvml
-
-        self._used = lambda h: pynvml.nvmlDeviceGetMemoryInfo(h).used
-        self._handles = handles
-        self._period = period
-        self.baseline = [self._used(h) for h in handles]
-        self.samples: list[tuple[float, list[int]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._period):
-            self.samples.append((time.time(), [self._used(h) for h in self._handles]))
-
-    def stop(self) -> list[int]:
-        """The peak of the whole run above the baseline, per GPU."""
-        self._stop.set()
-        self._thread.join()
-        peaks = self.peak_within(-float("inf"), float("inf")) or [0] * len(self.baseline)
-        return [max(p, 0) for p in peaks]
-
-    def peak_within(self, start: float, end: float) -> list[int] | None:
-        """The peak above the baseline of the samples taken from `start` to `end` (time.time())."""
-        window = [used for t, used in self.samples if start <= t <= end]
-        if not window:
-            return None
-        return [max(u[i] for u in window) - b for i, b in enumerate(self.baseline)]
-
-
-def run_setup(name: str, args, nvml: dict) -> dict:
+def run_setup(name: str, args, gpus: list) -> dict:
     """One setup in a cluster of its own: timings, per-worker figures and checks."""
     from dask_cuda import LocalCUDACluster
     from distributed import Client, get_task_stream
@@ -188,7 +138,7 @@ def run_setup(name: str, args, nvml: dict) -> dict:
                            "rmm_allocator_external_lib_list": ["cupy"]}
         if name == "rmm":
             plugins = [RmmForNumba()]
-    sampler = PeakSampler([nvml[d]["handle"] for d in args.devices])
+    sampler = PeakSampler(gpus)
     t0 = time.perf_counter()
     try:
         with LocalCUDACluster(CUDA_VISIBLE_DEVICES=args.devices, n_workers=len(args.devices),
@@ -214,7 +164,7 @@ def run_setup(name: str, args, nvml: dict) -> dict:
                 task_time[task["worker"]] = task_time.get(task["worker"], 0.0) + (
                     ss["stop"] - ss["start"])
     peak_by_gpu = dict(zip(args.devices, peaks))
-    by_uuid = {v["uuid"]: d for d, v in nvml.items()}
+    by_uuid = {g.uuid: g.index for g in gpus}
     workers, problems = {}, []
     for address, dev in sorted(devices.items()):
         gpu = by_uuid.get(dev["uuid"])
@@ -248,7 +198,6 @@ def run_setup(name: str, args, nvml: dict) -> dict:
             "results_ok": all(ok for _, ok in rounds), "workers": workers,
             "summary": emmpool.dask.summary(pool_stats) if pool_stats is not None else None,
             "problems": problems}
-
 
 
 def markdown(results: list[dict], header: dict, args) -> str:
@@ -324,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     # it), so that CUDA_VISIBLE_DEVICES and NVML's indices name the same GPUs.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
 
-    args.devices, nvml = gpus([int(d) for d in args.devices.split(",")] if args.devices else None)
-    header = {"gpu": nvml[args.devices[0]]["name"], "versions": versions(),
+    gpus = nvml.gpus([int(d) for d in args.devices.split(",")] if args.devices else None)
+    args.devices = [g.index for g in gpus]
+    header = {"gpu": gpus[0].name, "versions": versions(),
               "date": datetime.date.today().isoformat()}
 
     if args.warmup:
@@ -334,14 +284,14 @@ def main(argv: list[str] | None = None) -> int:
         # on whichever setup runs first. Its figures are not reported.
         print("[dask_workload] warm-up (none, 1 round, not reported) ...", flush=True)
         try:
-            run_setup("none", argparse.Namespace(**{**vars(args), "rounds": 1}), nvml)
+            run_setup("none", argparse.Namespace(**{**vars(args), "rounds": 1}), gpus)
         except Exception:  # noqa: BLE001 - the setups below report their own failures
             traceback.print_exc()
     results = []
     for name in args.setups:
         print(f"[dask_workload] {name} ...", flush=True)
         try:
-            r = run_setup(name, args, nvml)
+            r = run_setup(name, args, gpus)
         except Exception as e:  # noqa: BLE001 - reported; the other setups still run
             traceback.print_exc()
             r = {"setup": name, "error": f"{type(e).__name__}: {e}".replace("\n", " ")[:300]}

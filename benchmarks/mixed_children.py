@@ -217,7 +217,6 @@ def child_main(job_file: str) -> int:
     return 0
 
 
-
 PRELOAD = ("numpy", "cupy", "torch", "torch.utils.cpp_extension", "numba.cuda", "rmm",
            "rmm.mr", "rmm.allocators.cupy", "rmm.allocators.numba", "cuda.bindings.driver",
            "emmpool", "emmpool.plugin", "emmpool.hooks", "emmpool._torch")

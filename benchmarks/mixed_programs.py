@@ -41,7 +41,8 @@ import harness
 import mixed_report as report
 import mixed_workloads as work  # imports no GPU library
 from mixed_children import make_launcher
-from mixed_report import NAME, GiB, MiB, ms_per_step, summarize_timing
+from mixed_report import NAME, GiB, ms_per_step, summarize_timing
+from nvml import Gpu
 
 # ---------------------------------------------------------------------------------------------
 # Options
@@ -243,56 +244,7 @@ def predict_start(budget: int, timing: dict | None, bytes_per_scale: int) -> int
 
 
 # ---------------------------------------------------------------------------------------------
-# NVML
-
-
-class Gpu:
-    """One GPU seen through NVML (never through CUDA: this process makes no context)."""
-
-    def __init__(self, index: int):
-        try:
-            import pynvml
-        except ImportError:
-            raise SystemExit(f"{NAME} measures memory through NVML: pip install nvidia-ml-py "
-                             "(on a host without network, bring its wheel)") from None
-        self.nvml = pynvml
-        try:
-            pynvml.nvmlInit()
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        except pynvml.NVMLError as e:
-            raise SystemExit(f"{NAME} needs an NVIDIA GPU and its driver (NVML, GPU {index}): "
-                             f"{e}") from None
-        self.index = index
-        self.name = _text(pynvml.nvmlDeviceGetName(self.handle))
-        self.uuid = _text(pynvml.nvmlDeviceGetUUID(self.handle))
-        self.total = int(pynvml.nvmlDeviceGetMemoryInfo(self.handle).total)
-        self.driver = _text(pynvml.nvmlSystemGetDriverVersion())
-
-    def used(self) -> int:
-        return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
-
-    def process_used(self, pid: int) -> int | None:
-        """NVML's used memory of process `pid` on this GPU; None where NVML does not list it
-        (another PID namespace, say) or says nothing."""
-        for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
-            if p.pid == pid:
-                value = p.usedGpuMemory
-                return int(value) if value is not None else None
-        return None
-
-    def settle(self, idle: int, timeout: float = 15.0) -> int:
-        """Wait until the used memory is back near `idle` (an exited child's memory goes back
-        shortly after it exits); return it."""
-        end = time.monotonic() + timeout
-        while True:
-            used = self.used()
-            if used <= idle + 64 * MiB or time.monotonic() > end:
-                return used
-            time.sleep(0.05)
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+# The memory a child uses, sampled
 
 
 class MemorySampler:
@@ -381,8 +333,6 @@ def job_of(args, program: str, setup: str, kind: str, scale: int) -> dict:
 
 def _say(text: str) -> None:
     print(f"[{NAME}] {text}", flush=True)
-
-
 
 
 def run_timed(launcher, gpu: Gpu, idle: int, job: dict, args) -> dict:

@@ -194,7 +194,6 @@ def goals(table: dict) -> list:
     return lines
 
 
-
 def _x(v, digits=2) -> str:
     return "" if v is None else f" ({v:.{digits}f}×)"
 

@@ -164,7 +164,7 @@ def _code_is_oom(code) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Where a program runs: the GPU (CuPy, PyTorch on CUDA, Numba, RMM), or, for the tests of the
-# programs' own logic, the CPU (NumPy, PyTorch on the CPU, Numba's CUDA simulator, host buffers).
+# programs' own logic, the CPU.
 
 
 class GpuEnv:
@@ -212,39 +212,26 @@ class GpuEnv:
         return int(self.torch.cuda.max_memory_reserved())
 
 
-class HostBuffer:
-    """A stand-in for rmm.DeviceBuffer in the CPU check: bytes with an array view."""
+class CpuEnv(GpuEnv):
+    """The same on the CPU: NumPy for CuPy, PyTorch on the CPU, Numba's CUDA simulator, NumPy
+    arrays for RMM's buffers."""
 
-    def __init__(self, size: int):
-        import numpy
-
-        self.array = numpy.empty(size, numpy.uint8)
-
-
-class CpuEnv:
     def __init__(self, libs: tuple):
         import numpy
         import torch
         from numba import cuda
 
-        self.xp = numpy
-        self.libs = libs
-        self.torch = torch
-        self.cuda = cuda
-        self.rmm = None
+        self.xp, self.libs, self.torch, self.cuda, self.rmm = numpy, libs, torch, cuda, None
         self.device = "cpu"
 
     def sync(self) -> None:
         pass
 
     def buffer(self, nbytes: int):
-        return HostBuffer(nbytes)
-
-    def view(self, buf, dtype):
-        return buf.array.view(dtype)
+        return self.xp.empty(nbytes, self.xp.uint8)
 
     def numba_view(self, buf, dtype):
-        return buf.array.view(dtype)
+        return buf.view(dtype)
 
     def from_numba(self, array):
         return array.copy_to_host()

@@ -79,7 +79,6 @@ def _axpy(out, a, x, y):
         out[i] = a * x[i] + y[i]
 
 
-
 def _import_emmpool_plugin():
     try:
         import emmpool.plugin
@@ -135,7 +134,6 @@ def _warm_up_and_calibrate(run, sync, knobs):
     per_op = dt / n
     ops = int(knobs["budget"] / knobs["repeats"] / max(per_op, 1e-9))
     return max(knobs["min_ops"], min(ops, MAX_OPS_PER_BLOCK))
-
 
 
 def _measure(run, sync, knobs, counters=None):

@@ -3,25 +3,11 @@
 
     python benchmarks/replay.py --out DIR [--backends NAME ...] [--write-trace FILE]
 
-The trace (generated once, here, with numpy's RNG and a fixed seed): fill 256 live blocks,
-then 40,000 operations, each freeing a random live block and allocating a new one; sizes are
-log-uniform in [256 B, 64 MiB]. Every backend replays the same trace; the result is
-
-    ratio = peak reserved bytes / peak live bytes (the sum of requested sizes)
-
-Backends (each skipped, with the reason, where it cannot run):
-  emmpool-host  emmpool's DevicePool over HostDriver (events complete at once: an idle GPU).
-                Runs without a GPU. Segments as EMMPOOL_SEGMENTS says (default fixed), growable
-                pages as EMMPOOL_GROWABLE_PAGE_SIZE and EMMPOOL_GROWABLE_FREE_LIMIT say.
-  emmpool       emmpool's DevicePool over the CUDA driver; reserved = peak_bytes_reserved
-                (growable segments: bytes of pages mapped). Segments as EMMPOOL_SEGMENTS says.
-  emmpool-host-fixed, emmpool-host-growable, emmpool-fixed, emmpool-growable: the same with
-                the segments named (the default run: these, CuPy and PyTorch).
-  cupy          cupy.cuda.MemoryPool; reserved = total_bytes(), sampled after every malloc.
-  torch         PyTorch's caching allocator; reserved = torch.cuda.max_memory_reserved().
-
-Writes DIR/replay.json (everything) and DIR/replay.md (the table, also printed).
-`--write-trace FILE` also writes the trace as text, for `bench_core --replay --trace FILE`.
+One trace (numpy's RNG, a fixed seed) replayed on every backend; the result is peak reserved
+bytes / peak live bytes (the sum of requested sizes). benchmarks/README.md says what the trace is
+and what each backend is; a backend that cannot run here is skipped, with the reason. Writes
+DIR/replay.json (everything) and DIR/replay.md (the table, also printed); `--write-trace FILE`
+also writes the trace as text, for `bench_core --replay --trace FILE`.
 """
 
 import argparse

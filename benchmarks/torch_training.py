@@ -3,26 +3,10 @@
 
     python benchmarks/torch_training.py --out DIR [--steps N] [--rounds R] [--free-limits SIZE ...]
 
-The loop (fixed seed): a 6-layer MLP (4096 wide) and a small conv net trained with Adam on
-batches whose size changes every step (16..512, uniformly drawn), the shifting shapes that
-fragment a caching allocator; activations, gradients and optimizer state all come from the
-allocator under test. Each configuration runs in a fresh process (an allocator is chosen
-before PyTorch's first CUDA allocation):
-
-  torch                 PyTorch's own caching allocator; peak = torch.cuda.max_memory_reserved()
-  torch-expandable      the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  emmpool-fixed         emmpool.use_for_torch(), EMMPOOL_SEGMENTS=fixed; peak = peak_bytes_reserved
-  emmpool-growable      the same with EMMPOOL_SEGMENTS=growable
-  emmpool-growable-free-SIZE
-                        growable, keeping up to SIZE of mapped free pages
-                        (EMMPOOL_GROWABLE_FREE_LIMIT): one per `--free-limits SIZE ...`
-
-Also reported: peak bytes in use (what the tensors needed), time per step once the first
---warmup steps have run, and emmpool's page maps, unmaps and fence waits per timed step. One run
-of a configuration varies by up to a quarter in time and peak (kernel choices and when frees
-complete differ from process to process): each runs --rounds times, interleaved with the
-others, and the medians are reported with their ranges. Writes DIR/torch_training.json (every
-round) and DIR/torch_training.md (the table, also printed).
+Configurations (each in a fresh process, --rounds times, interleaved): torch, torch-expandable,
+emmpool-fixed, emmpool-growable, and emmpool-growable-free-SIZE for each of --free-limits;
+benchmarks/README.md says what the loop is and what is reported. Writes DIR/torch_training.json
+(every round) and DIR/torch_training.md (the table, also printed).
 """
 
 import argparse

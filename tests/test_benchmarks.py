@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -287,7 +288,7 @@ def fake_setups(dask_spill, monkeypatch, outcomes):
     samplers = []
 
     class Sampler:
-        def __init__(self, handles):
+        def __init__(self, gpus):
             samplers.append(self)
 
         def stop(self):
@@ -304,10 +305,9 @@ def fake_setups(dask_spill, monkeypatch, outcomes):
         return {"setup": job["setup"], "device_memory_limit": 16 << 30, "job_start": 1.0,
                 "job_end": 2.0, **r}
 
-    gpu = {"handle": None, "name": "fake GPU", "uuid": "GPU-0", "total": 80 << 30}
-    monkeypatch.setattr(dask_spill.dask_workload, "gpus",
-                        lambda devices: ([0, 1], {0: gpu, 1: gpu}))
-    monkeypatch.setattr(dask_spill, "_used", lambda nvml: {0: 0, 1: 0})
+    gpus = [types.SimpleNamespace(index=i, name="fake GPU", uuid=f"GPU-{i}", total=80 << 30,
+                                  used=lambda: 0, settle=lambda idle, **_: 0) for i in (0, 1)]
+    monkeypatch.setattr(dask_spill.nvml, "gpus", lambda devices: gpus)
     monkeypatch.setattr(dask_spill, "PeakSampler", Sampler)
     monkeypatch.setattr(dask_spill, "_run_child", run_child)
     monkeypatch.delenv("EMMCI_BENCH_DEADLINE", raising=False)
@@ -353,8 +353,6 @@ def test_dask_spill_reports_each_setup_and_the_goals(dask_spill, monkeypatch, tm
 
 def test_dask_spill_skips_setups_past_the_deadline_and_fails_on_emmpool(dask_spill,
                                                                         monkeypatch, tmp_path):
-    import types
-
     outcomes = {"emmpool": {"tasks_failed": 2, "error": "2 of S's chunks erred", "wall_s": 5.0}}
     ran = fake_setups(dask_spill, monkeypatch, outcomes)
     clock = [1000.0]
