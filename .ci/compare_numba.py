@@ -8,19 +8,10 @@ with the plugin?  Tests are named by their full unittest id
 (``numba.cuda.tests.cudapy.test_ipc.TestIpcMemory.test_ipc_handle``) or pytest node id
 (``tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::test_host_alloc_pinned``).
 
-Usage::
+Usage (the options: --help)::
 
     compare_numba.py [options] --base LOG [LOG ...] --plugin LOG [LOG ...]
     compare_numba.py [options] BASE_LOG [BASE_LOG ...] -- PLUGIN_LOG [PLUGIN_LOG ...]
-
-Options::
-
-    --mode MODE        the plugin's EMMPOOL_MODE; in a sub-allocating mode (pool) the tests that
-                       assume one cuMemAlloc per allocation may fail (KNOWN_SUBALLOC_FAILS)
-    --label TEXT       title for the report (default: MODE or "plugin")
-    --all              every test the base ran is in scope (the plugin ran the same full suite);
-                       default: only modules the plugin logs mention are in scope (targeted runs)
-    --expect-fail ID   add a test id (fnmatch pattern) that may fail with the plugin; repeatable
 
 Several logs on one side are merged in the order given; a test seen in more than one log takes
 its outcome from the LAST log naming it.  Give the parallel (-m) log first and the serial
@@ -71,10 +62,9 @@ KNOWN_EXTERNAL_SKIPS = (
 )
 
 # Assume one cuMemAlloc per allocation: may fail in a sub-allocating mode (docs/design.md, Modes).
-# numba-cuda's test_host_alloc_pinned is no longer one: the plugin's device_extents answers with
-# the array's block (python/emmpool/_numba_extents.py; it passes with the plugin on an H200,
-# benchmarks/results/H200/numba-suite.txt). numba-cuda-mlir's has the same wrapper but has not
-# been run on a GPU with it, so it stays excused.
+# Not numba-cuda's test_host_alloc_pinned: the plugin's device_extents answers with the array's
+# block (python/emmpool/_numba_extents.py). numba-cuda-mlir's has the same wrapper, but no GPU
+# run has shown it passing yet: it stays excused.
 KNOWN_SUBALLOC_FAILS = (
     "numba.cuda.tests.cudapy.test_ipc.TestIpcMemory.test_ipc_handle",
     "tests/numba_cuda_tests/cudadrv/test_host_alloc.py::TestHostAlloc::test_host_alloc_pinned",
@@ -497,10 +487,13 @@ def main(argv=None, out=None) -> int:
     ap.add_argument("base_pos", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--base", nargs="+", default=[])
     ap.add_argument("--plugin", nargs="+", default=[])
-    ap.add_argument("--mode", default=None)
-    ap.add_argument("--label", default=None)
-    ap.add_argument("--all", action="store_true")
-    ap.add_argument("--expect-fail", action="append", default=[])
+    ap.add_argument("--mode", help="the plugin's EMMPOOL_MODE; in a sub-allocating mode (pool) the "
+                    "tests that assume one cuMemAlloc per allocation may fail")
+    ap.add_argument("--label", help="title for the report [MODE, else plugin]")
+    ap.add_argument("--all", action="store_true", help="every test the base ran is in scope (the "
+                    "plugin ran the same suite) [only the modules the plugin logs mention]")
+    ap.add_argument("--expect-fail", action="append", default=[], metavar="ID",
+                    help="a test id (fnmatch pattern) that may fail with the plugin; repeatable")
     a = ap.parse_args(argv)
     base_paths = a.base + a.base_pos
     plug_paths = a.plugin + positional_plugin

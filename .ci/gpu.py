@@ -225,9 +225,6 @@ class Runner(Steps):
     def python(self, *args: str) -> list[str]:
         return [sys.executable, *args]
 
-    def seconds_of(self, step: Step) -> int:
-        return step_seconds(step, self.args)
-
     # -- requirements --
     def unmet(self, need: str) -> str | None:
         if need in SETUP or need == "build":
@@ -265,11 +262,14 @@ class Runner(Steps):
                 else "no benchmark step chosen"
         raise AssertionError(need)
 
+    def child(self, code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """`code` run by a child Python with the run's environment, from the scratch folder."""
+        return subprocess.run(self.python("-c", code), capture_output=True, text=True,
+                              timeout=timeout, cwd=self.work, env=self.env)
+
     def _fails(self, code: str, timeout: float = 300) -> str | None:
-        """None where `code` runs in a child Python with the run's environment; else the last
-        line it wrote to stderr."""
-        p = subprocess.run(self.python("-c", code), capture_output=True, text=True,
-                           timeout=timeout, cwd=self.work, env=self.env)
+        """None where `code` runs (self.child); else the last line it wrote to stderr."""
+        p = self.child(code, timeout)
         return None if p.returncode == 0 else (p.stderr.strip().splitlines() or ["?"])[-1]
 
     # -- the run --
@@ -285,7 +285,7 @@ class Runner(Steps):
             if self.dry:
                 print(f"\n{step.name}: " + (f"skipped ({why})" if why else
                       f"needs {', '.join(step.needs) or 'nothing'}; budget "
-                      f"{self.seconds_of(step)}s"))
+                      f"{step_seconds(step, self.args)}s"))
             if why is not None:
                 if not (self.dry or step.name == "results" or why.startswith("not part")):
                     self.record(step.name, "-", 0, f"skipped ({why})")
@@ -311,7 +311,7 @@ class Runner(Steps):
 
     def timed(self, step: Step, want: float | None = None, minimum: float = 20) -> int:
         """The step's seconds (0: skipped, recorded so)."""
-        seconds = self.grant(self.seconds_of(step) if want is None else want, minimum)
+        seconds = self.grant(step_seconds(step, self.args) if want is None else want, minimum)
         if seconds == 0:
             self.record(step.name, "-", 0, f"skipped (budget: {int(self.budget.left())}s left)")
         return seconds

@@ -49,7 +49,6 @@ class Step:
     what: str
     cuda: tuple[str, ...] = ("13", "12")  # the --cuda runs it belongs to
     setup: bool = False  # runs whatever --only says: the other steps stand on it
-    default: bool = True  # chosen without --only (results: with --results)
 
 
 STEPS = (
@@ -92,7 +91,7 @@ STEPS = (
          "numba-cuda-mlir's suite, its default manager vs the plugin, after a check that "
          "kernel-argument copies come from emmpool", cuda=("13",)),
     Step("results", (), "60", "copy the run's results into benchmarks/results/<GPU>/ "
-         "(.ci/gpu-results; with --results)", default=False),
+         "(.ci/gpu-results; with --results)"),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 SETUP = tuple(s.name for s in STEPS if s.setup)
@@ -116,8 +115,6 @@ def chosen_steps(only: list[str] | None, skip: list[str], cuda: str,
             out[step.name] = None if results else "without --results"
         elif only is not None and step.name not in only and not step.setup:
             out[step.name] = "not chosen (--only)"
-        elif only is None and not step.default:
-            out[step.name] = "not chosen"
         else:
             out[step.name] = None
     return out

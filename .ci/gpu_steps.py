@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gpu_jobs import extract, first_match, pytest_line, suite_note, tail, wait_all, with_env
 from gpu_plan import CI, CU12_CUPY_SUBSET, CU12_PYTEST_PATHS, REPO, SERIAL_TESTS, TARGETED_TESTS, \
-    Step, mode_file_name, parse_mode
+    Step, mode_file_name, parse_mode, step_seconds
 
 # pip building a source tree here: no network, so no isolated build environment either.
 PIP_BUILD = ("-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps", "--no-index")
@@ -211,9 +211,7 @@ class Steps:
         if rc != 0:
             self.record(step.name, rc, time.monotonic() - t, "see logs/build.txt")
             return rc
-        p = subprocess.run(self.python("-c", "import emmpool, emmpool.plugin; "
-                                       "print(emmpool.__file__)"),
-                           capture_output=True, text=True, cwd=self.work, env=self.env)
+        p = self.child("import emmpool, emmpool.plugin; print(emmpool.__file__)")
         imported = (p.stdout + p.stderr).strip().splitlines()[-1:] or ["?"]
         with open(log, "a") as f:
             f.write(f"## import check from {self.work}: {imported[0]}\n")
@@ -234,7 +232,7 @@ class Steps:
         names = []
         for project in sorted(REPO.glob(".baseline/*/pyproject.toml")):
             src, name = project.parent, project.parent.name
-            seconds = self.grant(self.seconds_of(step), 60)
+            seconds = self.grant(step_seconds(step, self.args), 60)
             if not seconds:
                 self.record(f"baseline-{name}", "-", 0, "skipped (budget)")
                 continue
@@ -481,9 +479,7 @@ class Steps:
             logs.mkdir(exist_ok=True)
             suite.mkdir(exist_ok=True)
             extract(tarball, suite)
-            version = subprocess.run(self.python("-c", "import numba_cuda_mlir as m; "
-                                                 "print(m.__version__)"), capture_output=True,
-                                     text=True, cwd=self.work, env=self.env).stdout.strip()
+            version = self.child("import numba_cuda_mlir as m; print(m.__version__)").stdout.strip()
         tests_version = tarball.name[len("numba-cuda-mlir-tests-"):-len(".tar.gz")] \
             if tarball else "?"
         # Each manager allocates once and is the one expected; under the plugin, a kernel

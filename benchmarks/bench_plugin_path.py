@@ -68,7 +68,7 @@ def _variants(_core, plugin, emm, ctx, mgr):
         def memalloc(self, size):
             return MemoryPointer(self._ctx, floor_ptr, size, finalizer=noop)
 
-    class Pybind11:  # emmpool.plugin's memalloc before the C entry points
+    class Pybind11:  # emmpool.plugin's memalloc over pybind11, not the C entry points
         def __init__(self):
             self._pool = pool
             self._ctx = weakref.proxy(ctx)

@@ -32,6 +32,20 @@ MODELS = ("resnet18", "transformer", "llama")
 # child
 
 
+def trainer(opt, batches: list, loss_of):
+    """step(i): a training step on the i-th of a few batches made once; loss_of(batch): its
+    loss."""
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(batches[i % len(batches)])
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
 def make_resnet(torch, wrap):
     import torchvision
 
@@ -40,16 +54,8 @@ def make_resnet(torch, wrap):
     g = torch.Generator(device="cpu").manual_seed(1)
     batches = [(torch.randn(64, 3, 64, 64, generator=g).cuda(),
                 torch.randint(0, 100, (64,), generator=g).cuda()) for _ in range(4)]
-
-    def step(i):
-        x, y = batches[i % len(batches)]
-        opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(wrap(model)(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
+    return trainer(opt, batches,
+                   lambda xy: torch.nn.functional.cross_entropy(wrap(model)(xy[0]), xy[1]))
 
 
 def make_transformer(torch, wrap):
@@ -73,18 +79,13 @@ def make_transformer(torch, wrap):
     g = torch.Generator(device="cpu").manual_seed(1)
     batches = [torch.randint(0, vocab, (batch, seq + 1), generator=g).cuda() for _ in range(4)]
 
-    def step(i):
-        t = batches[i % len(batches)]
-        opt.zero_grad(set_to_none=True)
+    def loss_of(t):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = wrap(model)(t[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab),
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab),
                                                  t[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        return loss
 
-    return step
+    return trainer(opt, batches, loss_of)
 
 
 def make_llama(torch, wrap):
@@ -101,16 +102,11 @@ def make_llama(torch, wrap):
     g = torch.Generator(device="cpu").manual_seed(1)
     batches = [torch.randint(0, vocab, (batch, seq), generator=g).cuda() for _ in range(4)]
 
-    def step(i):
-        t = batches[i % len(batches)]
-        opt.zero_grad(set_to_none=True)
+    def loss_of(t):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = wrap(model)(input_ids=t, labels=t).loss
-        loss.backward()
-        opt.step()
-        return loss
+            return wrap(model)(input_ids=t, labels=t).loss
 
-    return step
+    return trainer(opt, batches, loss_of)
 
 
 MAKERS = {"resnet18": make_resnet, "transformer": make_transformer, "llama": make_llama}
@@ -228,20 +224,20 @@ def summarize(runs: list[dict], configs: list[str]) -> tuple[list[dict], str]:
               for c in configs}
         if not ok["native"]:
             continue
-        base_ms = min(r["ms_per_step"] for r in ok["native"])
-        base_med = statistics.median(r["ms_per_step"] for r in ok["native"])
-        base_min = min(r["ms_min"] for r in ok["native"])
-        base_res = statistics.median(r["peak_reserved"] for r in ok["native"])
+
+        def figures(rs):  # best round, median round, fastest step, median peak reserved
+            return (min(r["ms_per_step"] for r in rs),
+                    statistics.median(r["ms_per_step"] for r in rs),
+                    min(r["ms_min"] for r in rs), statistics.median(r["peak_reserved"] for r in rs))
+
+        base_ms, base_med, base_min, base_res = figures(ok["native"])
         base_losses = ok["native"][0]["losses"]
         for c in configs:
             if not ok[c]:
                 err = next((r["error"] for r in runs if r["model"] == model and r["config"] == c), "")
                 lines.append(f"| {model} | {c} | failed | | | | | | | | {err.splitlines()[-1][:120] if err else ''} |")
                 continue
-            ms = min(r["ms_per_step"] for r in ok[c])
-            med = statistics.median(r["ms_per_step"] for r in ok[c])
-            fastest = min(r["ms_min"] for r in ok[c])
-            res = statistics.median(r["peak_reserved"] for r in ok[c])
+            ms, med, fastest, res = figures(ok[c])
             lo, hi = min(r["peak_reserved"] for r in ok[c]), max(r["peak_reserved"] for r in ok[c])
             # every round against native's first (compiled kernels may differ run to run:
             # native's own rounds show by how much)

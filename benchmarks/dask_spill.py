@@ -461,11 +461,7 @@ def markdown(results: list[dict], header: dict, job: dict) -> str:
             notes.append(f"- {r['setup']}: {r['error']}")
     if notes:
         lines += ["", "Errors:", "", *notes]
-    for r in results:
-        if r.get("summary"):
-            lines += ["", f"emmpool per worker ({r['setup']}, emmpool.dask.summary):", "",
-                      "```", r["summary"], "```"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + dask_workload.summaries(results)) + "\n"
 
 
 def goals(results: list[dict]) -> list[str]:

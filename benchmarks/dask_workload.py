@@ -200,6 +200,13 @@ def run_setup(name: str, args, gpus: list) -> dict:
             "problems": problems}
 
 
+def summaries(results: list[dict]) -> list[str]:
+    """Each emmpool setup's emmpool.dask.summary, in markdown."""
+    return [line for r in results if r.get("summary") for line in (
+        "", f"emmpool per worker ({r['setup']}, emmpool.dask.summary):", "", "```", r["summary"],
+        "```")]
+
+
 def markdown(results: list[dict], header: dict, args) -> str:
     n, chunk = args.elements, args.chunk
     lines = [
@@ -238,10 +245,7 @@ def markdown(results: list[dict], header: dict, args) -> str:
                       gib(w["nvml_peak_above_baseline"]), own]
             cells = (setup if i == 0 else [""] * len(setup)) + worker
             lines.append("| " + " | ".join(cells) + " |")
-    for r in results:
-        if r.get("summary"):
-            lines += ["", f"emmpool per worker ({r['setup']}, emmpool.dask.summary):", "",
-                      "```", r["summary"], "```"]
+    lines += summaries(results)
     problems = [f"- {r['setup']}: {p}" for r in results for p in r["problems"]]
     lines += ["", "Checks: " + ("all passed (results; emmpool: one pool per worker, on its own "
                                 "GPU, serving Numba and CuPy)" if not problems else "FAILED")]

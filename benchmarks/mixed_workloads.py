@@ -163,8 +163,8 @@ def _code_is_oom(code) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Where a program runs: the GPU (CuPy, PyTorch on CUDA, Numba, RMM), or, for the tests of the
-# programs' own logic, the CPU.
+# Where a program runs: the GPU (CuPy, PyTorch on CUDA, Numba, RMM). The tests of the programs'
+# own logic give them the same interface over NumPy, PyTorch on the CPU and Numba's simulator.
 
 
 class GpuEnv:
@@ -210,37 +210,6 @@ class GpuEnv:
 
     def torch_max_reserved(self) -> int:
         return int(self.torch.cuda.max_memory_reserved())
-
-
-class CpuEnv(GpuEnv):
-    """The same on the CPU: NumPy for CuPy, PyTorch on the CPU, Numba's CUDA simulator, NumPy
-    arrays for RMM's buffers."""
-
-    def __init__(self, libs: tuple):
-        import numpy
-        import torch
-        from numba import cuda
-
-        self.xp, self.libs, self.torch, self.cuda, self.rmm = numpy, libs, torch, cuda, None
-        self.device = "cpu"
-
-    def sync(self) -> None:
-        pass
-
-    def buffer(self, nbytes: int):
-        return self.xp.empty(nbytes, self.xp.uint8)
-
-    def numba_view(self, buf, dtype):
-        return buf.view(dtype)
-
-    def from_numba(self, array):
-        return array.copy_to_host()
-
-    def cupy_pool_bytes(self) -> int:
-        return 0
-
-    def torch_max_reserved(self) -> int:
-        return 0
 
 
 def _mlp(torch, inputs: int, hidden: int, outputs: int):
@@ -733,15 +702,3 @@ def run_job(job: dict) -> dict:
         traceback.print_exc()
     out["marks"]["end"] = time.time()
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# The programs on the CPU (tests): NumPy, PyTorch on the CPU, Numba's CUDA simulator.
-
-
-def cpu_check(program: str, scale: int, steps: int, seed: int = SEED) -> list:
-    """Run `steps` steps of a program on the CPU and return their check values (run with
-    NUMBA_ENABLE_CUDASIM=1)."""
-    env = CpuEnv(PROGRAMS[program].libraries)
-    runner = globals()[PROGRAMS[program].factory](env, scale, seed)
-    return [runner.step(i) for i in range(steps)]

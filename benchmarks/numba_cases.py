@@ -145,18 +145,14 @@ def _measure(run, sync, knobs, counters=None):
 
 
 def _measure_paired(runs, switch, sync, knobs, counters=None):
-    """Several managers timed in one process, their blocks interleaved: the host's speed drifts
-    over seconds, which blocks a fraction of a second apart share (benchmarks/README.md).
-
-    runs: {manager: run(n ops)}, the floor first; switch(manager) makes Numba allocate with it.
-    Each manager is warmed up and calibrated; then come knobs['repeats'] turns of one block per
-    manager, in the order of `runs` and then reversed (A B C, C B A, ...). The device is
-    synchronised before each block (untimed) and at its end (timed): work an op queued on the
-    GPU is charged to it. Returns {manager: {us_per_op (the median block's), block_means_us,
-    ops_per_block, blocks}}, and for each manager but the floor "block_ratios" (its block over
-    the floor's block of the same turn) and "ratio_to_floor", their median; with `counters`
-    ({manager: function returning its pool counters}) "pool_per_op", their change over the
-    timed blocks per op."""
+    """Several managers timed in one process, in turns of one block each (A B C, C B A, ...:
+    benchmarks/README.md says why). runs: {manager: run(n ops)}, the floor first; switch(manager)
+    makes Numba allocate with it. The device is synchronised before each block (untimed) and at
+    its end (timed): work an op queued on the GPU is charged to it. Returns {manager:
+    {us_per_op (the median block's), block_means_us, ops_per_block, blocks}}, and for each but
+    the floor "block_ratios" (its block over the floor's of the same turn) and "ratio_to_floor",
+    their median; with `counters` ({manager: function returning its pool counters}) "pool_per_op",
+    their change over the timed blocks per op."""
     counters = counters or {}
     names = list(runs)
     ops = {}
@@ -503,14 +499,9 @@ def _describe_paired(cell):
 def _run_paired_cases(home, guests, ctx, knobs, result):
     """The device cases with the installed manager (`home`) and the guests in one process, by
     _measure_paired: each case's cell is {manager: figures}, and result["paired"] names the
-    managers in their order (the floor first).
-
-    A guest is Numba's memory manager only while its blocks run: the context's
-    `memory_manager`, which Context.memalloc asks for every allocation, is swapped between
-    blocks (outside the timing). Arrays keep the finalizer of the manager that made them, so
-    each is freed by its own manager whichever is in place when it dies. Numba's API offers no
-    such swap (a plugin is chosen once per process); it is a benchmark's device, and emmpool,
-    the one under test, is the one installed the supported way."""
+    managers in their order (the floor first). A guest is the context's `memory_manager` only
+    while its blocks run (benchmarks/README.md): Numba's API offers no such swap, a benchmark's
+    device; emmpool, the one under test, is installed the supported way."""
     managers = {home: ctx.memory_manager}
     result["skipped_guests"] = {}
     for name in [FLOOR] + [g for g in guests if g != FLOOR]:

@@ -3,16 +3,10 @@
     python benchmarks/profile_torch_step.py [--model transformer] [--compile reduce-overhead]
                                             [--steps 60] [--out DIR]
 
-One child process per allocator runs bench_torch_train's model and reports, step by step: the
-step's wall time, the calls that PyTorch's CUDA graph machinery makes into the allocator
-(private pools, checkpoints, live-allocation checks), CUDA graph captures and replays, and, for
-emmpool, what its pool did (allocations, segments made and given back, fences). Then
-torch.profiler over a few steps: the operators with the most host time, and host and device time
-per step. Last, the host cost of one allocate + free pair (torch.empty, then its release) at a few
-sizes (the best of 5 blocks). Configurations run in the order given and may repeat
-(``--configs emmpool,native,native,emmpool``). Compilation in the child
-(TORCHINDUCTOR_COMPILE_THREADS=1, as bench_torch_train). A diagnostic, not a benchmark:
-bench_torch_train.py and bench_torch_compile.py give the comparable figures.
+One child process per allocator (``--configs``, in that order, repeats allowed) runs
+bench_torch_train's model, compiled in the child as there; benchmarks/README.md says what it
+reports. A diagnostic, not a benchmark: bench_torch_train.py and bench_torch_compile.py give the
+comparable figures.
 """
 
 from __future__ import annotations

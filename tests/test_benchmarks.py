@@ -884,6 +884,34 @@ def test_mixed_capacity_on_several_devices_and_failures(mixed, monkeypatch, tmp_
     assert ("GPU-fake-1", "closed") in calls and ("GPU-fake-0", "closed") in calls
 
 
+# What a program of mixed_workloads.py uses, on the CPU: NumPy for CuPy, PyTorch on the CPU,
+# Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1), NumPy arrays for RMM's buffers.
+CPU_ENV = """
+class CpuEnv(w.GpuEnv):
+    def __init__(self, libs):
+        import numpy, torch
+        from numba import cuda
+        self.xp, self.libs, self.torch, self.cuda, self.rmm = numpy, libs, torch, cuda, None
+        self.device = "cpu"
+    def sync(self):
+        pass
+    def buffer(self, nbytes):
+        return self.xp.empty(nbytes, self.xp.uint8)
+    def numba_view(self, buf, dtype):
+        return buf.view(dtype)
+    def from_numba(self, array):
+        return array.copy_to_host()
+    def cupy_pool_bytes(self):
+        return 0
+    def torch_max_reserved(self):
+        return 0
+def cpu_check(program, scale, steps):
+    env = CpuEnv(w.PROGRAMS[program].libraries)
+    runner = getattr(w, w.PROGRAMS[program].factory)(env, scale)
+    return [runner.step(i) for i in range(steps)]
+"""
+
+
 def test_mixed_programs_compute_the_same_twice_on_the_cpu(tmp_path):
     # The programs' own logic (shapes, the seeded batches, the Numba kernels, the training
     # step) run on NumPy, PyTorch on the CPU and Numba's CUDA simulator, twice: the check values
@@ -894,12 +922,13 @@ def test_mixed_programs_compute_the_same_twice_on_the_cpu(tmp_path):
         "import json, math, sys\n"
         f"sys.path.insert(0, {str(BENCHMARKS)!r})\n"
         "import mixed_workloads as w\n"
+        + CPU_ENV +
         "out = {}\n"
         "for p, s in [('cupy_torch', 1/64), ('numba_cupy_torch', 1/256), ('rapids', 1/4096)]:\n"
-        "    out[p] = [w.cpu_check(p, s, 4), w.cpu_check(p, s, 4)]\n"
+        "    out[p] = [cpu_check(p, s, 4), cpu_check(p, s, 4)]\n"
         "# a timing job's loop, on the CPU: its context and GPU libraries made up\n"
         "w.open_context = lambda: {'free': 1, 'total': 2}\n"
-        "w.GpuEnv = w.CpuEnv\n"
+        "w.GpuEnv = CpuEnv\n"
         "job = {'program': 'rapids', 'setup': 'separate', 'kind': 'timing', 'scale': 1/4096,\n"
         "       'warmup_cycles': 1, 'cycles': 2}\n"
         "out['job'] = w.run_job(job)\n"
