@@ -149,23 +149,20 @@ class Steps:
         with open(log, "w") as f:
             f.write(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}"
                     f"   host: {socket.gethostname()}   nproc: {os.cpu_count()}\n")
-        for title, argv in (
-                ("nvidia-smi -L", ["nvidia-smi", "-L"]),
+        for title, argv, kept in (  # kept: the lines of its output that say what matters
+                ("nvidia-smi -L", ["nvidia-smi", "-L"], slice(None)),
                 (None, ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,memory.used",
-                        "--format=csv"]),
-                ("nvcc", ["nvcc", "--version"]), ("cmake", ["cmake", "--version"])):
+                        "--format=csv"], slice(None)),
+                ("nvcc", ["nvcc", "--version"], slice(-2, None)),
+                ("cmake", ["cmake", "--version"], slice(1))):
             with open(log, "a") as f:
                 if title:
                     f.write(f"## {title}\n")
                 try:
                     p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-                    out = (p.stdout + p.stderr).splitlines()
+                    out = (p.stdout + p.stderr).splitlines()[kept]
                 except (OSError, subprocess.TimeoutExpired) as e:
                     out = [f"{argv[0]}: {e}"]
-                if argv[0] == "nvcc":
-                    out = out[-2:]
-                elif argv[0] == "cmake":
-                    out = out[:1]
                 f.write("\n".join(out) + "\n")
         with open(log, "a") as f:
             f.write(f"## python\nPYTHONPATH={self.env.get('PYTHONPATH', '')}\n")

@@ -230,7 +230,9 @@ result measure(std::string name, std::string what, std::size_t size, bool quick,
 // The driver entry points the baselines call, in one list (X-macro, as the core's
 // cpp/src/cuda_driver_api.inc): a field per function and a dlsym per function at load time.
 // Names are cuda.h's, which its macros map to the current ABI version (cuMemAlloc ->
-// cuMemAlloc_v2, ...).
+// cuMemAlloc_v2, ...): BENCH_STR spells a name after that mapping.
+#define BENCH_STR_DETAIL(x) #x
+#define BENCH_STR(x) BENCH_STR_DETAIL(x)
 #define BENCH_CUDA_API(X)                                                                       \
   X(cuInit) X(cuDeviceGet) X(cuDeviceGetName) X(cuDriverGetVersion) X(cuDevicePrimaryCtxRetain) \
   X(cuCtxSetCurrent) X(cuStreamSynchronize) X(cuMemAlloc) X(cuMemFree) X(cuMemAllocAsync)        \
@@ -251,10 +253,10 @@ struct cuda_api {
       char const* why = ::dlerror();
       throw std::runtime_error{std::string{"dlopen(libcuda.so.1) failed: "} + (why ? why : "?")};
     }
-#define BENCH_CUDA_LOAD(fn)                                                                 \
-  fn = reinterpret_cast<decltype(fn)>(::dlsym(handle, EMMPOOL_STRINGIFY(fn)));              \
-  if (fn == nullptr) {                                                                      \
-    throw std::runtime_error{std::string{"libcuda.so.1 lacks "} + EMMPOOL_STRINGIFY(fn)};   \
+#define BENCH_CUDA_LOAD(fn)                                                       \
+  fn = reinterpret_cast<decltype(fn)>(::dlsym(handle, BENCH_STR(fn)));            \
+  if (fn == nullptr) {                                                            \
+    throw std::runtime_error{std::string{"libcuda.so.1 lacks "} + BENCH_STR(fn)}; \
   }
     BENCH_CUDA_API(BENCH_CUDA_LOAD)
 #undef BENCH_CUDA_LOAD

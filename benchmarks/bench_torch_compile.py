@@ -1,12 +1,10 @@
 """torch.compile(mode="reduce-overhead") training with PyTorch's caching allocator, with it in
-expandable-segments mode, and with emmpool, in the same run: CUDA graph trees replay each step
-from the allocator's private pools (checkpointed and restored between graphs).
+expandable-segments mode, and with emmpool, in the same run.
 
     python benchmarks/bench_torch_compile.py --out DIR [--rounds N] [--models transformer,...]
 
-bench_torch_train.py with ``--compile reduce-overhead --expandable`` (its docstring says what is
-measured; warm-up steps include the compilation); writes DIR/bench_torch_compile.{json,md}.
-Default: the transformer language model, 2 rounds of 10 warm-up and 40 timed steps.
+bench_torch_train.py with DEFAULTS below (benchmarks/README.md); writes
+DIR/bench_torch_compile.{json,md}.
 """
 
 from __future__ import annotations
