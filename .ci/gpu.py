@@ -41,10 +41,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_*.py, also when imported
 from gpu_jobs import TAG, Job, describe_env, stop_all, tail, with_env  # noqa: E402
-from gpu_plan import (CI, CU12_PYTEST_PATHS, DEFAULT_BENCHES, REPO, SANITIZER_MARKERS,  # noqa: E402
-                      SETUP,
-                      STEP_NAMES, STEPS, Budget, Step, UsageError, chosen_steps, parse_mode,
-                      step_seconds)
+from gpu_plan import (CI, CU12_PYTEST_PATHS, DEFAULT_BENCHES, REPO,  # noqa: E402
+                      SANITIZER_MARKERS, SETUP, STEP_NAMES, STEPS, Budget, Step, UsageError,
+                      chosen_steps, parse_mode, step_seconds)
 from gpu_steps import Steps  # noqa: E402
 
 # pip, quiet and offline: the GPU host has no network.

@@ -321,7 +321,7 @@ def test_compare_numba_finds_regressions_and_excuses_only_the_known_ones(compare
     assert unexpected == {
         VIEWS, X + "test_sub", X + "test_xf",
         "numba.cuda.tests.cudadrv.test_init.TestInit.test_init_reset",  # unknown: run ended in it
-        # excused no more: the plugin sizes an array's allocation as its block
+        # not excused: the plugin sizes an array's allocation as its block
         "numba.cuda.tests.cudadrv.test_host_alloc.TestHostAlloc.test_host_alloc_pinned",
     }, unexpected
     assert {t for t, _, _ in res["not_run"]} == {X + "test_gone"}  # plugin incomplete
@@ -337,7 +337,7 @@ def test_compare_numba_finds_regressions_and_excuses_only_the_known_ones(compare
     text, code = compare_numba.report("pool", base_logs, base, plug_logs, plug, res, True)
     assert code == 1 and "RESULT: FAIL" in text, text
 
-    # passthrough: the sub-allocation tests are no longer excused
+    # passthrough: the sub-allocation tests are not excused
     res = compare_numba.compare(base_logs, base, plug_logs, plug, mode="passthrough",
                                 full_scope=True)
     unexpected = {t for t, _, _ in res["unexpected"]}
