@@ -3,6 +3,7 @@
 #include <emmpool/detail/fork_guard.hpp>
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
+#include <emmpool/round_up.hpp>
 
 #include <algorithm>
 #include <limits>
@@ -16,8 +17,6 @@ namespace emmpool {
 namespace {
 
 using detail::human_bytes;
-
-constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) / a * a; }
 
 std::size_t checked_rounded_size(std::size_t bytes, alloc_tag tag)
 {

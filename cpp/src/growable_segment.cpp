@@ -1,5 +1,6 @@
 #include <emmpool/detail/growable_segment.hpp>
 #include <emmpool/error.hpp>
+#include <emmpool/round_up.hpp>
 
 #include <algorithm>
 
@@ -32,7 +33,7 @@ physical_handle driver::import_physical(int, int) { unsupported("cuMemImportFrom
 namespace detail {
 
 growable_pages::growable_pages(driver& drv, int device, std::size_t page_size, std::size_t bytes)
-  : driver_{&drv}, device_{device}, page_{page_size}, size_{(bytes + page_size - 1) / page_size * page_size}
+  : driver_{&drv}, device_{device}, page_{page_size}, size_{page_size == 0 ? 0 : round_up(bytes, page_size)}
 {
   EMMPOOL_EXPECTS(page_size > 0 && size_ > 0, "a growable segment needs pages");
   base_      = driver_->reserve_address(device_, size_);

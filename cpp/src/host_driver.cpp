@@ -1,5 +1,6 @@
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
+#include <emmpool/round_up.hpp>
 
 #include <algorithm>
 #include <cstdlib>
@@ -176,7 +177,7 @@ device_ptr host_driver::allocate(int device, std::size_t bytes)
   }
   device_ptr const p = next_address_[d];
   // A gap after each segment, so a pool that coalesced across segments would be caught.
-  next_address_[d] += (bytes + granularity - 1) / granularity * granularity + granularity;
+  next_address_[d] += round_up(bytes, granularity) + granularity;
   segments_.emplace(p, segment{device, bytes, next_buffer_id_++});
   used_[d] += bytes;
   ++counters_.allocations;

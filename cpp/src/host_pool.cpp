@@ -1,6 +1,7 @@
 #include <emmpool/detail/fork_guard.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/host_pool.hpp>
+#include <emmpool/round_up.hpp>
 
 #include <unistd.h>
 
@@ -55,7 +56,7 @@ std::size_t host_pool::size_class(std::size_t bytes) noexcept
   std::size_t p = page;
   while (p * 2 <= bytes && p * 2 > p) { p *= 2; }  // largest power of two <= bytes
   std::size_t const step = p / 4;
-  return (bytes + step - 1) / step * step;
+  return round_up(bytes, step);
 }
 
 host_pool::block* host_pool::take_cached(std::size_t cls, unsigned flags)

@@ -1,6 +1,7 @@
-#include <emmpool/pool_controls.hpp>
 #include <emmpool/error.hpp>
+#include <emmpool/pool_controls.hpp>
 #include <emmpool/private_pools.hpp>
+#include <emmpool/round_up.hpp>
 
 #include <algorithm>
 #include <string>
@@ -15,10 +16,7 @@ std::string name_of(private_pool_id id)
   return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
 }
 
-constexpr std::size_t rounded(std::size_t size) noexcept
-{
-  return (size + block_alignment - 1) / block_alignment * block_alignment;
-}
+constexpr std::size_t rounded(std::size_t size) noexcept { return round_up(size, block_alignment); }
 
 }  // namespace
 

@@ -4,6 +4,8 @@
  */
 #pragma once
 
+#include <emmpool/round_up.hpp>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -74,7 +76,7 @@ struct pool_options {
     if (mode != pool_mode::pool) { return rounded; }
     if (rounded <= small_request) { return small_segment; }
     if (!exact && rounded <= large_segment / 2) { return large_segment; }
-    return (rounded + segment_granularity - 1) / segment_granularity * segment_granularity;
+    return round_up(rounded, segment_granularity);
   }
 };
 

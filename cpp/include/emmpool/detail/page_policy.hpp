@@ -36,6 +36,7 @@
 #pragma once
 
 #include <emmpool/pool_options.hpp>
+#include <emmpool/round_up.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -69,7 +70,8 @@ class page_policy {
     return page_ != 0 && rounded > small_request_;
   }
 
-  /// The address space to reserve, for a first request of `rounded` bytes under `cap`.
+  /// The address space to reserve, for a first request of `rounded` bytes under `cap` (where
+  /// the policy serves requests: page() above 0).
   [[nodiscard]] std::size_t reservation(std::size_t cap, std::size_t device_memory,
                                         std::size_t rounded) const noexcept
   {
@@ -99,11 +101,6 @@ class page_policy {
                                                         std::size_t own_waiting) noexcept
   {
     return fresh != 0 && past_peak && own_waiting >= fresh;
-  }
-
-  [[nodiscard]] static constexpr std::size_t round_up(std::size_t n, std::size_t a) noexcept
-  {
-    return a == 0 ? n : (n + a - 1) / a * a;
   }
 
  private:
