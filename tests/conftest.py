@@ -128,6 +128,10 @@ def benchmark_module(name: str):
         pytest.skip(needs_repository("benchmarks/"))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    # as when run as a script: its folder first on the path, for the modules it shares
+    # (benchmarks/harness.py and the like)
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec.loader.exec_module(module)
     return module
 

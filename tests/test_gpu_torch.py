@@ -262,9 +262,9 @@ def test_out_of_memory_is_torchs_out_of_memory_error(extension_builds):
 
 def test_graph_capture_beside_threads_that_allocate(extension_builds):
     """A graph captured in each capture mode while CuPy and Numba threads allocate and free from
-    the same pool: every capture replays right and no thread meets an error. (On each library's
-    own pool, "global" captures fail and the other threads get "operation not permitted when
-    stream is capturing", as their allocators call cudaMalloc and cudaFree.)"""
+    the same pool inside each capture: every capture replays right and no thread meets an
+    error. (On the libraries' own allocators, Numba's cuMemAlloc inside a "global" capture fails
+    with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and breaks the capture.)"""
     require("cupy")
     r, raised, out = scenario("capture_beside_threads", "extension", timeout=600)
     assert raised is None, out

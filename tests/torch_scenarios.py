@@ -554,12 +554,12 @@ def capture_beside_threads(torch, allocator):
     """A CUDA graph captured in each capture mode, again and again, while a CuPy thread and a
     Numba thread allocate, compute and free on streams of their own, all from one pool (their
     own pools under ``native``). Each thread's kernels and buffers are warmed up before the
-    first capture, so that only allocation and freeing can break a capture: in "global" mode
-    CUDA forbids other threads any call that could synchronize (cudaMalloc and cudaFree among
-    them) while the capture runs. Reports, per mode, the captures whose replays computed the
-    right values, and every error any thread met."""
+    first capture, and a thread waits for its stream only outside captures, so that only
+    allocating and freeing can break a capture: in "global" mode CUDA forbids other threads any
+    call that could synchronize (cudaMalloc, cudaFree, cuStreamSynchronize) while it runs. Each
+    capture waits until both threads have allocated inside it. Reports, per mode, the captures
+    whose replays computed the right values, and every error any thread met."""
     import threading
-    import time
 
     import numpy as np
 
@@ -574,8 +574,11 @@ def capture_beside_threads(torch, allocator):
         emmpool.use_for_cupy()
     # Sizes in each of the pool's classes: small blocks, a mid block, growable pages (> 1 MiB).
     sizes = (1_000, 150_000, 3_000_000)
-    capturing, stop = threading.Event(), threading.Event()
-    errors, overlapped = [], {"cupy": 0, "numba": 0}
+    stop, wanted, capturing = threading.Event(), threading.Event(), threading.Event()
+    names = ("cupy", "numba")
+    parked = {n: threading.Event() for n in names}  # not synchronizing until `wanted` clears
+    inside = {n: threading.Event() for n in names}  # allocated while a capture ran
+    errors, overlapped = [], dict.fromkeys(names, 0)
     ready = threading.Barrier(3)
 
     @cuda.jit
@@ -584,54 +587,64 @@ def capture_beside_threads(torch, allocator):
         if i < out.size:
             out[i] = 2.0 * i + k
 
-    def cupy_worker():
-        stream = cupy.cuda.Stream(non_blocking=True)
-        host = np.frombuffer(cupy.cuda.alloc_pinned_memory(max(sizes) * 4), np.float32,
-                             max(sizes))
-        k, warm = 0, False
-        with stream:
-            while not stop.is_set():
-                during = capturing.is_set()
-                for n in sizes:
-                    a = cupy.arange(n, dtype=cupy.float32) * 2 + k
-                    a.get(stream=stream, out=host[:n])
-                    stream.synchronize()
-                    if host[n - 1] != 2 * (n - 1) + k:
-                        errors.append(f"cupy: wrong value {host[n - 1]} at {n}")
-                    del a
-                overlapped["cupy"] += during or capturing.is_set()
-                k = (k + 1) % 7
-                if not warm:
-                    warm = True
-                    ready.wait()
+    def cupy_round(stream, host, k, check):
+        for n in sizes:
+            a = cupy.arange(n, dtype=cupy.float32) * 2 + k
+            a.get(stream=stream, out=host[:n])
+            if check:
+                stream.synchronize()
+                if host[n - 1] != 2 * (n - 1) + k:
+                    errors.append(f"cupy: wrong value {host[n - 1]} at {n}")
+            del a
 
-    def numba_worker():
-        raw = cupy.cuda.Stream(non_blocking=True)
-        stream = cuda.external_stream(raw.ptr)
-        host = cuda.pinned_array(max(sizes), np.float32)
-        k, warm = 0, False
-        while not stop.is_set():
-            during = capturing.is_set()
-            for n in sizes:
-                d = cuda.device_array(n, np.float32, stream=stream)
-                affine[(n + 255) // 256, 256, stream](d, k)
-                d.copy_to_host(host[:n], stream=stream)
+    def numba_round(stream, host, k, check):
+        for n in sizes:
+            d = cuda.device_array(n, np.float32, stream=stream)
+            affine[(n + 255) // 256, 256, stream](d, k)
+            d.copy_to_host(host[:n], stream=stream)
+            if check:
                 stream.synchronize()
                 if host[n - 1] != 2 * (n - 1) + k:
                     errors.append(f"numba: wrong value {host[n - 1]} at {n}")
-                del d
-            overlapped["numba"] += during or capturing.is_set()
+            del d
+
+    def worker(name, one_round, stream, host):
+        k, warm = 0, False
+        while not stop.is_set():
+            if wanted.is_set():  # a capture is coming: allocate and free, never synchronize
+                parked[name].set()
+                while wanted.is_set() and not stop.is_set():
+                    was = capturing.is_set()
+                    one_round(stream, host, k, check=False)
+                    if was and capturing.is_set():
+                        overlapped[name] += 1
+                        inside[name].set()
+                parked[name].clear()
+                continue
+            one_round(stream, host, k, check=True)
             k = (k + 1) % 7
             if not warm:
                 warm = True
                 ready.wait()
+
+    def cupy_worker():
+        stream = cupy.cuda.Stream(non_blocking=True)
+        host = np.frombuffer(cupy.cuda.alloc_pinned_memory(max(sizes) * 4), np.float32,
+                             max(sizes))
+        with stream:
+            worker("cupy", cupy_round, stream, host)
+
+    def numba_worker():
+        raw = cupy.cuda.Stream(non_blocking=True)
+        worker("numba", numba_round, cuda.external_stream(raw.ptr),
+               cuda.pinned_array(max(sizes), np.float32))
 
     def guarded(work, name):
         def run():
             try:
                 work()
             except BaseException as e:  # noqa: BLE001 - every error is the result
-                errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0]}")
+                errors.append(f"{name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
                 if not ready.broken:
                     ready.abort()
                 stop.set()
@@ -656,17 +669,25 @@ def capture_beside_threads(torch, allocator):
     per_mode = {}
     for mode in ("global", "thread_local", "relaxed"):
         correct, failed = 0, []
-        for attempt in range(7):
+        for _ in range(7):
+            if stop.is_set():  # a thread failed: its error is the result
+                break
             graph = torch.cuda.CUDAGraph()
+            wanted.set()
+            for n in names:  # every thread past its last synchronization
+                parked[n].wait(timeout=30)
+                inside[n].clear()
             try:
                 with torch.cuda.graph(graph, capture_error_mode=mode):
                     capturing.set()
                     y = x * 2 + 1
                     z = torch.empty(3 << 20, device="cuda")  # a growable block, inside the graph
                     z.fill_(3.0)
-                    time.sleep(0.005)  # the other threads run inside the capture
+                    for n in names:  # the other threads allocate inside the capture
+                        inside[n].wait(timeout=10)
                     out = y.sum() + z[:10].sum()
                     capturing.clear()
+                wanted.clear()
                 for value in (1.0, -2.0):
                     x.fill_(value)
                     graph.replay()
@@ -677,7 +698,8 @@ def capture_beside_threads(torch, allocator):
                 correct += 1
             except Exception as e:  # noqa: BLE001 - a failed capture is the result
                 capturing.clear()
-                failed.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+                wanted.clear()
+                failed.append(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
                 try:
                     torch.cuda.synchronize()
                 except RuntimeError:
@@ -685,11 +707,11 @@ def capture_beside_threads(torch, allocator):
             del graph
         per_mode[mode] = {"captures": 7, "correct": correct, "failed": failed[:3]}
     stop.set()
+    wanted.clear()
     for t in threads:
         t.join(timeout=120)
     result(modes=per_mode, thread_errors=errors[:10], overlapped=overlapped,
            threads_done=not any(t.is_alive() for t in threads))
-
 
 SCENARIOS = {f.__name__: f for f in (cudnn_benchmark, memory_stats, accumulated_stats,
                                      profiler_sizes, record_stream, cuda_graph,
