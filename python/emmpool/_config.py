@@ -77,8 +77,8 @@ class Config:
 
     @property
     def maximum_pool_fraction(self) -> float | None:
-        """The cap as a fraction of the device's memory, if maximum_pool_size is one (older
-        releases had it as an option of its own; maximum_pool_size says it now)."""
+        """The cap as a fraction of the device's memory where maximum_pool_size is one; None
+        where it is bytes or unset. Read-only: maximum_pool_size sets it."""
         return None if _is_bytes(self.maximum_pool_size) else self.maximum_pool_size
 
 
