@@ -27,15 +27,17 @@ PRELUDE = textwrap.dedent(
     CUPY, NUMBA = 2, 1
 
     def open_fds():
-        # Once multiprocessing's resource sharer has let go of what it handed over: its thread
-        # closes its copy after the receiver took it.
-        n = len(os.listdir("/proc/self/fd"))
-        for _ in range(200):
+        # Once multiprocessing's resource sharer and the IPC service's thread have let go of
+        # what they handed over or served: their threads close their copies a moment later, so
+        # the count is taken once it held still for 50 ms.
+        n, still = len(os.listdir("/proc/self/fd")), 0
+        for _ in range(400):
             time.sleep(0.01)
             m = len(os.listdir("/proc/self/fd"))
-            if m == n:
-                return n
+            still = still + 1 if m == n else 0
             n = m
+            if still == 5:
+                return n
         return n
 
     def eventually(check, what, seconds=10):
