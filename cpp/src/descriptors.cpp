@@ -5,13 +5,14 @@
 
 #include <dirent.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 namespace emmpool::detail {
 
 std::size_t open_descriptors()
 {
   DIR* dir = ::opendir("/proc/self/fd");
-  if (dir == nullptr) { return 0; }  // no /proc: the limit itself decides, as before
+  if (dir == nullptr) { return 0; }  // no /proc: the limit itself decides
   std::size_t n = 0;
   while (auto const* e = ::readdir(dir)) {
     if (e->d_name[0] != '.') { ++n; }
@@ -39,6 +40,11 @@ void reserve_descriptors(std::size_t n, char const* what)
                                                     : std::to_string(limit.rlim_max)) +
                    "): raise the limit (ulimit -n, or the container's nofile limit), or share "
                    "smaller blocks (one descriptor per page of EMMPOOL_GROWABLE_PAGE_SIZE)"};
+}
+
+void close_descriptors(std::vector<int> const& fds) noexcept
+{
+  for (int fd : fds) { ::close(fd); }
 }
 
 }  // namespace emmpool::detail

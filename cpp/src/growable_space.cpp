@@ -334,7 +334,7 @@ std::optional<std::vector<int>> growable_space::duplicate_shared(
   for (int fd : fds) {
     int const dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (dup < 0) {
-      for (int d : dups) { ::close(d); }
+      close_descriptors(dups);
       throw pool_error{"emmpool: cannot duplicate a shared page's descriptor for another "
                        "process: " + std::string{std::strerror(errno)}};
     }

@@ -1,10 +1,9 @@
+#include <emmpool/detail/descriptors.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/ipc_imports.hpp>
 
 #include <limits>
 #include <string>
-
-#include <unistd.h>
 
 namespace emmpool {
 
@@ -58,10 +57,10 @@ device_ptr ipc_imports::open_offer(int device, page_offer const& offer)
   auto const fds = ipc_service::fetch(offer);
   try {
     auto const base = open_pages(device, fds, offer.page_size);
-    for (int fd : fds) { ::close(fd); }  // imported: the driver holds the memory now
+    detail::close_descriptors(fds);  // imported: the driver holds the memory now
     return base;
   } catch (...) {
-    for (int fd : fds) { ::close(fd); }
+    detail::close_descriptors(fds);
     throw;
   }
 }

@@ -135,11 +135,6 @@ bool receive_fds(int fd, std::vector<int>& out)
   return k == 1 && got && (msg.msg_flags & MSG_CTRUNC) == 0;
 }
 
-void close_all(std::vector<int> const& fds) noexcept
-{
-  for (int d : fds) { ::close(d); }
-}
-
 sockaddr_un address_of(std::string const& name, socklen_t& length)
 {
   sockaddr_un a{};
@@ -380,7 +375,7 @@ void ipc_service::serve(int c) noexcept
     for (std::size_t i = 0; sent && i < dups->size(); i += fds_per_message) {
       sent = send_fds(c, dups->data() + i, std::min(fds_per_message, dups->size() - i));
     }
-    close_all(*dups);  // the kernel made the receiver's copies as they were sent
+    detail::close_descriptors(*dups);  // the kernel made the receiver's copies as they were sent
     std::lock_guard lock{mutex_};
     ++served_;
   } catch (std::exception const& e) {
@@ -437,7 +432,7 @@ std::vector<int> ipc_service::fetch(page_offer const& offer)
     }
     if (got.size() != n) { throw pool_error{"emmpool: the sending process sent other pages"}; }
   } catch (...) {
-    close_all(got);
+    detail::close_descriptors(got);
     ::close(c);
     throw;
   }

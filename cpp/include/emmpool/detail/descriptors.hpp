@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 namespace emmpool::detail {
 
@@ -22,6 +23,10 @@ namespace emmpool::detail {
 /// @param what what needs them, for the error ("mapping 410 pages of a shared block")
 /// @throws pool_error naming the limits and what to do, when the hard limit is too low
 void reserve_descriptors(std::size_t n, char const* what);
+
+/// @brief Close every descriptor of `fds` (this process's own copies), ignoring errors: what each
+/// IPC step does with the copies it made or received once they served, or when it fails.
+void close_descriptors(std::vector<int> const& fds) noexcept;
 
 /// @brief What reserve_descriptors() keeps free beyond a request: descriptors the rest of the
 /// program opens meanwhile (a log file, a socket, an import's own).
