@@ -328,7 +328,7 @@ def caller_outside_emmpool() -> int:
 
 def _checked(cfg: Config) -> Config:
     """What holds across options."""
-    if isinstance(cfg.maximum_pool_size, int) and cfg.initial_pool_size > cfg.maximum_pool_size:
+    if _is_bytes(cfg.maximum_pool_size) and cfg.initial_pool_size > cfg.maximum_pool_size:
         raise ValueError(f"initial_pool_size ({cfg.initial_pool_size}) exceeds "
                          f"maximum_pool_size ({cfg.maximum_pool_size})")
     return cfg

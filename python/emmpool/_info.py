@@ -93,7 +93,7 @@ def _granularity() -> int:
     """The driver's page granularity on device 0, where there is a driver and a device."""
     try:
         return _core.vmm_page_size(0) or _config._GRANULARITY
-    except Exception:  # no driver, no device: the report says so below
+    except (_core.DriverUnavailableError, _core.CudaError):  # the report says so below
         return _config._GRANULARITY
 
 
