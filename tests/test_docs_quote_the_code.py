@@ -44,19 +44,24 @@ def sources() -> dict[Path, str]:
             if p.suffix in {".hpp", ".cpp", ".h", ".inc"}}
 
 
+@functools.cache
+def declaring(scope: str) -> tuple[str, ...]:
+    """The sources of cpp/ that define class, struct, namespace or enum class `scope`, with a
+    body (not a forward declaration)."""
+    declares = re.compile(rf"\b(?:class|struct|namespace|enum class)\s+{re.escape(scope)}\b[^;{{]*{{")
+    return tuple(t for t in sources().values() if declares.search(t))
+
+
+@functools.cache
 def defined(qualified: str) -> bool:
     """Whether `A::B` names something of cpp/: written so somewhere in code (an out-of-line
     definition, a use), or B is a word of the code of a file that defines class, struct or
     namespace A."""
     *scope, name = qualified.split("::")
-    owner = scope[-1]
     written = re.compile(rf"\b{re.escape(qualified)}\b")
-    # a definition, with a body (not a forward declaration)
-    declares = re.compile(rf"\b(?:class|struct|namespace|enum class)\s+{re.escape(owner)}\b[^;{{]*{{")
     word = re.compile(rf"\b{re.escape(name)}\b")
-    texts = sources().values()
-    return any(written.search(t) for t in texts) or any(
-        declares.search(t) and word.search(t) for t in texts)
+    return any(written.search(t) for t in sources().values()) or any(
+        word.search(t) for t in declaring(scope[-1]))
 
 
 def quoted_names():
@@ -122,12 +127,6 @@ def link_is_broken(doc: Path, target: str) -> bool:
 NAMED = re.compile(r"\b((?:[A-Za-z_][A-Za-z_0-9]*::)+[A-Za-z_~][A-Za-z_0-9]*)")
 
 
-def ours(scope: str) -> bool:
-    """Whether cpp/ defines a class, struct or namespace of that name."""
-    declares = re.compile(rf"\b(?:class|struct|namespace|enum class)\s+{re.escape(scope)}\b[^;{{]*{{")
-    return any(declares.search(t) for t in sources().values())
-
-
 def test_every_name_of_ours_a_code_comment_gives_exists():
     missing = []
     for path in sorted(sources()):
@@ -135,7 +134,7 @@ def test_every_name_of_ours_a_code_comment_gives_exists():
         for comment in COMMENT.finditer(text):
             for name in NAMED.findall(comment.group()):
                 name = name.removeprefix("emmpool::")
-                if "::" in name and ours(name.split("::")[-2]) and not defined(name):
+                if "::" in name and declaring(name.split("::")[-2]) and not defined(name):
                     line = text.count("\n", 0, comment.start()) + 1
                     missing.append(f"{path.relative_to(ROOT)}:{line}: {name}")
     assert not missing, "comments name what the code no longer has:\n" + "\n".join(missing)
