@@ -158,24 +158,18 @@ bool growable_space::ensure_segment(std::size_t rounded, segment_map& segments)
   return true;
 }
 
-page_traffic growable_space::traffic() const noexcept
+page_totals growable_space::totals() const noexcept
 {
-  return {pages_->held_bytes(), pages_->held_bytes(), pages_->maps(), pages_->unmaps(),
-          pages_->creates(), pages_->releases()};
+  return {pages_->held_bytes(), pages_->maps(), pages_->unmaps(), pages_->creates(),
+          pages_->releases()};
 }
 
-void growable_space::count(page_traffic const& before)
-{
-  auto const now = traffic();
-  ledger_->pages({before.held_before, now.held_before, now.maps - before.maps,
-                  now.unmaps - before.unmaps, now.creates - before.creates,
-                  now.releases - before.releases});
-}
+void growable_space::count(page_totals const& before) { ledger_->pages(before, totals()); }
 
 std::size_t growable_space::unmap_free(std::size_t limit, unmapped_pages what)
 {
   if (pages_ == nullptr) { return 0; }
-  auto const before = traffic();
+  auto const before = totals();
   auto const page   = policy_.page();
   bool const keep   = what == unmapped_pages::keep_spare;
   if (limit >= page) {
@@ -205,12 +199,12 @@ std::size_t growable_space::unmap_free(std::size_t limit, unmapped_pages what)
     }
   }
   count(before);
-  return before.held_before - pages_->held_bytes();
+  return before.held - pages_->held_bytes();
 }
 
 void growable_space::release_spares() noexcept
 {
-  auto const before = traffic();
+  auto const before = totals();
   try {
     (void)pages_->release_spares(pages_->spare_bytes());
   } catch (cuda_error const&) {
@@ -225,7 +219,7 @@ std::size_t growable_space::drop(segment_map& segments)
   std::size_t retired = 0;
   if (seg_->live_blocks == 0) {
     // Wholly free: unmap everything, free the reservation, forget the segment.
-    auto const before = traffic();
+    auto const before = totals();
     auto const mapped = pages_->mapped_bytes();
     try {
       pages_->release();
@@ -235,7 +229,10 @@ std::size_t growable_space::drop(segment_map& segments)
     if (pages_ != nullptr) {
       count(before);
     } else {  // left to the driver: off the books all the same
-      ledger_->pages({before.held_before, 0, 0, mapped / policy_.page(), 0, 0});
+      auto after = before;  // nothing held, every mapped page unmapped
+      after.held = 0;
+      after.unmaps += mapped / policy_.page();
+      ledger_->pages(before, after);
     }
     log_->record(segment_event::kind::unmapped, segment_type::growable, 0, seg_->base, mapped);
     for (auto* b = seg_->first; b != nullptr;) {
@@ -356,7 +353,7 @@ void growable_space::map_counted(device_ptr ptr, std::size_t bytes, device_ptr a
   // Counted from the pages' totals around the call, failure included: a map that fails part
   // way keeps what it mapped and made, or undoes it (growable_pages::map), and the ledger must
   // say which.
-  auto const before        = traffic();
+  auto const before        = totals();
   auto const mapped_before = pages_->mapped_bytes();
   auto const counted       = [&] {
     count(before);

@@ -134,8 +134,8 @@ class growable_space {
 
  private:
   // The pages' totals now, and what changed since `before` onto the ledger.
-  [[nodiscard]] page_traffic traffic() const noexcept;
-  void count(page_traffic const& before);
+  [[nodiscard]] page_totals totals() const noexcept;
+  void count(page_totals const& before);
   bool map_for(claim const& c, unmapping u);  // after prepare
   [[nodiscard]] std::size_t free_mapped_bytes() const;  // mapped bytes inside free blocks
   void release_spares() noexcept;                        // every spare page, counted

@@ -18,9 +18,10 @@
 
 namespace emmpool::detail {
 
-/// What a growable segment's pages did in one step, from the pages' own totals around it.
-struct page_traffic {
-  std::size_t held_before{}, held_after{};  ///< memory held: mapped and spare pages
+/// A growable segment's pages' own totals at one moment: the ledger books what changed between
+/// two of them.
+struct page_totals {
+  std::size_t held{};  ///< memory held: mapped and spare pages
   std::uint64_t maps{}, unmaps{}, creates{}, releases{};
 };
 
@@ -51,18 +52,19 @@ class pool_ledger {
     --segments_;
     ++segment_releases_;
   }
-  /// The growable segment's pages changed what they hold (maps, moves, releases).
-  void pages(page_traffic const& t) noexcept
+  /// The growable segment's pages changed what they hold (maps, moves, releases) from
+  /// `before` to `after`.
+  void pages(page_totals const& before, page_totals const& after) noexcept
   {
-    if (t.held_after >= t.held_before) {
-      grow(t.held_after - t.held_before);
+    if (after.held >= before.held) {
+      grow(after.held - before.held);
     } else {
-      reserved_ -= t.held_before - t.held_after;
+      reserved_ -= before.held - after.held;
     }
-    page_maps_ += t.maps;
-    page_unmaps_ += t.unmaps;
-    page_creates_ += t.creates;
-    page_releases_ += t.releases;
+    page_maps_ += after.maps - before.maps;
+    page_unmaps_ += after.unmaps - before.unmaps;
+    page_creates_ += after.creates - before.creates;
+    page_releases_ += after.releases - before.releases;
   }
   /// A reset retired a segment still holding live blocks: its `bytes` leave the books (they are
   /// the retired blocks' until freed, no longer the pool's).
