@@ -2,9 +2,7 @@
 
 #include <emmpool/pool_options.hpp>
 #include <emmpool/registry.hpp>
-#include <emmpool/round_up.hpp>
 
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <mutex>
@@ -35,9 +33,8 @@ void count(int device, std::size_t requested) noexcept
 {
   if (!valid(device)) { return; }
   auto& d = devices[static_cast<std::size_t>(device)];
-  // As the pool serves a request: rounded up, 0 bytes included (device_pool::allocate).
-  std::size_t const bytes = std::max(round_up(requested, block_alignment), block_alignment);
-  d.bytes.fetch_add(bytes, std::memory_order_relaxed);
+  // As the pool serves a request (device_pool::allocate).
+  d.bytes.fetch_add(block_bytes(requested), std::memory_order_relaxed);
   d.requested.fetch_add(requested, std::memory_order_relaxed);
 }
 

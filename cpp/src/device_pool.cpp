@@ -23,7 +23,7 @@ std::size_t checked_rounded_size(std::size_t bytes, alloc_tag tag)
   EMMPOOL_EXPECTS(bytes <= std::numeric_limits<std::size_t>::max() / 2,
                   "allocation size is too large");
   EMMPOOL_EXPECTS(static_cast<std::size_t>(tag) < alloc_tag_count, "unknown allocation tag");
-  return std::max(round_up(bytes, device_pool::alignment), device_pool::alignment);
+  return block_bytes(bytes);
 }
 
 }  // namespace

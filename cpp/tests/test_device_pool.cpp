@@ -19,7 +19,6 @@
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/host_driver.hpp>
-#include <emmpool/round_up.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -51,7 +50,7 @@ constexpr std::size_t big = 20 * MiB;
 constexpr stream_handle stream_a = 0x5000;  // two non-default streams (opaque to host_driver)
 constexpr stream_handle stream_b = 0x6000;
 
-std::size_t rounded(std::size_t n) { return std::max<std::size_t>(round_up(n, 256), 256); }
+std::size_t rounded(std::size_t n) { return block_bytes(n); }
 
 using fixture = test::pool_fixture;
 

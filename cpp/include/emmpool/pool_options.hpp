@@ -13,6 +13,13 @@ namespace emmpool {
 
 /// Every block's size and address are a multiple of this (device_pool::alignment).
 inline constexpr std::size_t block_alignment = 256;
+/// The bytes a block of a request of `requested` bytes spans: rounded up to the alignment, and
+/// one alignment for 0 (every block has an address of its own). `requested` at most half of
+/// SIZE_MAX (device_pool checks it first).
+[[nodiscard]] constexpr std::size_t block_bytes(std::size_t requested) noexcept
+{
+  return requested == 0 ? block_alignment : round_up(requested, block_alignment);
+}
 /// The largest growable page one may ask for (pool_options::growable_page_size).
 inline constexpr std::size_t max_growable_page_size = std::size_t{1} << 30;
 
