@@ -106,8 +106,9 @@ bool send_fds(int fd, int const* fds, std::size_t n)
   }
 }
 
-// Receive one message of descriptors into `out`; false (keeping what came) on failure.
-bool receive_fds(int fd, std::vector<int>& out)
+// Receive one message of descriptors into `out`; false (keeping what came) on failure, with
+// `truncated` set where the kernel dropped some (the receiver at its descriptor limit).
+bool receive_fds(int fd, std::vector<int>& out, bool& truncated)
 {
   char byte = 0;
   iovec io{&byte, 1};
@@ -132,7 +133,8 @@ bool receive_fds(int fd, std::vector<int>& out)
     }
     got = n > 0;
   }
-  return k == 1 && got && (msg.msg_flags & MSG_CTRUNC) == 0;
+  truncated = k == 1 && (msg.msg_flags & MSG_CTRUNC) != 0;
+  return k == 1 && got && !truncated;
 }
 
 sockaddr_un address_of(std::string const& name, socklen_t& length)
@@ -389,8 +391,6 @@ std::vector<int> ipc_service::fetch(page_offer const& offer)
 {
   auto const n = offer.fds.size();
   EMMPOOL_EXPECTS(n > 0 && n <= max_pages, "an offer names between 1 and max_pages pages");
-  detail::reserve_descriptors(n, ("mapping " + std::to_string(n) +
-                                  " pages another process shares").c_str());
   int const c = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (c < 0) { throw pool_error{"emmpool: no socket to receive shared pages: " + errno_text()}; }
   std::vector<int> got;
@@ -403,6 +403,15 @@ std::vector<int> ipc_service::fetch(page_offer const& offer)
                        errno_text() +
                        "): it may have exited, or run in another network namespace"};
     }
+    // Counted before anything arrives. A process that opens what it shared itself is both
+    // ends: its service's copies of the pages are open while this side's arrive, so it needs
+    // room for both.
+    ucred peer{};
+    socklen_t peer_length = sizeof peer;
+    bool const self       = ::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &peer_length) == 0 &&
+                      peer.pid == ::getpid();
+    detail::reserve_descriptors(self ? 2 * n : n, ("mapping " + std::to_string(n) +
+                                                   " pages another process shares").c_str());
     request_header q{};
     std::memcpy(q.magic, request_magic, sizeof q.magic);
     q.version = wire_version;
@@ -425,9 +434,13 @@ std::vector<int> ipc_service::fetch(page_offer const& offer)
     }
     if (r.count != n) { throw pool_error{"emmpool: the sending process sent other pages"}; }
     while (got.size() < n) {
-      if (!receive_fds(c, got)) {
-        throw pool_error{"emmpool: the pages' descriptors did not all arrive (" + errno_text() +
-                         ")"};
+      bool truncated = false;
+      if (!receive_fds(c, got, truncated)) {
+        throw pool_error{truncated ? "emmpool: the pages' descriptors did not all arrive: this "
+                                     "process reached its descriptor limit as they came (raise "
+                                     "it: ulimit -n)"
+                                   : "emmpool: the pages' descriptors did not all arrive (" +
+                                       errno_text() + ")"};
       }
     }
     if (got.size() != n) { throw pool_error{"emmpool: the sending process sent other pages"}; }
