@@ -27,6 +27,7 @@ _INSTALLS = {
     "cupy": ("CuPy", "pip install 'emmpool[cupy]'"),
     "torch": ("PyTorch", "pip install 'emmpool[torch]'"),
     "rmm": ("RMM", "pip install 'emmpool[rmm]'"),
+    "Cython": ("Cython", "pip install 'emmpool[rmm]'"),
     "cuda.core": ("cuda.core", "pip install 'emmpool[numba]'"),
     "numba.cuda": ("numba-cuda", "pip install 'emmpool[numba]'"),
     "distributed": ("Dask's distributed", "pip install 'emmpool[dask]'"),
@@ -203,6 +204,7 @@ def fake_rmm(monkeypatch):
     monkeypatch.setattr(_core, "device_count", lambda: 2)
     monkeypatch.setattr(_core, "current_device", lambda: 0)
     monkeypatch.setattr(hooks, "_rmm_resources", {})
+    monkeypatch.setattr(hooks, "_native_rmm", lambda: None)  # a fake has nothing to build on
     monkeypatch.setattr(_installed, "_installed", {})
     return rmm
 

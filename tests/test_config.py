@@ -181,7 +181,8 @@ def test_torch_allocator_is_configured_as_every_option(monkeypatch):
 
 def test_every_variable_has_its_lower_case_twin():
     assert {f"EMMPOOL_{name.upper()}" for name in _config._OPTIONS
-            if name != "maximum_pool_fraction"} == set(_config.VARIABLES) - {_config._BUILD_HEADERS}
+            if name != "maximum_pool_fraction"} == set(_config.VARIABLES) - {
+        _config._BUILD_HEADERS, _config._RMM_CACHE}
     assert set(_config._OPTIONS) - {"maximum_pool_fraction"} == {
         f.name for f in fields(emmpool.Config)}
 

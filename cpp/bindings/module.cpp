@@ -14,7 +14,9 @@
 #include <emmpool/pool_queries.hpp>
 #include <emmpool/pool_sharing.hpp>
 #include <emmpool/registry.hpp>
+#include <emmpool/rmm_api.h>
 
+#include "c_api.hpp"
 #include "caller_lock.hpp"
 #include "cupy_adapter.hpp"
 #include "pool_calls.hpp"
@@ -719,6 +721,13 @@ PYBIND11_MODULE(_core, m)
     d["torch_free"]   = reinterpret_cast<std::uintptr_t>(&emmpool_torch_free);
     return d;
   });
+  m.def(
+    "_rmm_api",
+    [] {
+      return py::capsule(const_cast<emmpool_rmm_api*>(emmpool::c_api::rmm_api()),
+                         EMMPOOL_RMM_CAPSULE);
+    },
+    "emmpool/rmm_api.h's table, for the native RMM resource (emmpool._rmm).");
   m.def("_raise_for_test", &raise_for_test, py::arg("kind"));
 
   emmpool::bindings::add_numba_entry_points(m.ptr());

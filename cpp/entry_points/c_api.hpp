@@ -9,6 +9,8 @@
 
 #define EMMPOOL_C_API extern "C" __attribute__((visibility("default")))
 
+struct emmpool_rmm_api;
+
 namespace emmpool::c_api {
 
 /// What a failed allocation returns: NULL, or what a `report` function makes of the failure.
@@ -38,5 +40,8 @@ void* allocate_tagged(std::size_t size, int device, stream_handle stream, alloc_
 /// Free a block of library `tag` into the process-wide pool of `device`: a foreign or doubly
 /// freed pointer is ignored. The caller's lock and exceptions as for allocate_tagged.
 void free_on(void* ptr, int device, stream_handle stream, alloc_tag tag);
+
+/// The table of emmpool/rmm_api.h (c_api_rmm.cpp), for the module to hand over in a capsule.
+[[nodiscard]] emmpool_rmm_api const* rmm_api() noexcept;
 
 }  // namespace emmpool::c_api

@@ -272,8 +272,10 @@ _PREFIX = "EMMPOOL_"
 # Read by emmpool's build (pyproject.toml), not at run time: a shell that keeps it exported
 # imports emmpool with it set.
 _BUILD_HEADERS = "EMMPOOL_CUDA_HEADERS"
+# Where the native RMM resource is built and kept (emmpool._rmm), not a pool option.
+_RMM_CACHE = "EMMPOOL_RMM_CACHE"
 # Every EMMPOOL_* variable there is: the repository's own tools use EMMCI_* for theirs.
-VARIABLES = tuple(sorted({o.variable for o in _OPTIONS.values()} | {_BUILD_HEADERS}))
+VARIABLES = tuple(sorted({o.variable for o in _OPTIONS.values()} | {_BUILD_HEADERS, _RMM_CACHE}))
 
 
 class UnknownVariableWarning(UserWarning):

@@ -287,23 +287,62 @@ def rmm_resource(device: int | None = None):
     per device, for an application that wants RAPIDS libraries in the same pool
     (:func:`use_for_rmm` installs it).
 
-    It is RMM's ``CallbackMemoryResource``: one Python call per allocation and free (a few µs),
-    negligible for RAPIDS-sized buffers, not for millions of tiny ones. The stream RMM passes is
-    honoured: the free is fenced on it, and blocks go straight back to that stream. RMM
-    guarantees that stream alive during the call (its buffers hold their stream); emmpool
-    never uses it afterwards, so it may be destroyed at any time after. The device's pool is
-    made at the resource's first allocation.
+    It is native where it can be built (emmpool._rmm: compiled on first use against the RMM
+    installed, then cached): RMM's C++ callers (libcudf, ``rmm::device_buffer``) allocate
+    through it with no Python and no GIL. Where it cannot be (no compiler, no Cython, no CUDA
+    headers), a warning says why in one line and RMM's ``CallbackMemoryResource`` serves
+    instead: one Python call per allocation and free (a few µs, and the GIL).
+
+    Either way, the stream RMM passes is honoured: the free is fenced on it, and blocks go
+    straight back to that stream. RMM guarantees that stream alive during the call (its
+    buffers hold their stream); emmpool never uses it afterwards, so it may be destroyed at
+    any time after. The device's pool is made at the resource's first allocation.
     """
-    rmm = _import_rmm("emmpool.rmm_resource()")
+    _import_rmm("emmpool.rmm_resource()")
     ensure_configured()
     device = _args.current_device(device)
     with lock:
         mr = _rmm_resources.get(device)
         if mr is None:
             _check_exists(device)
-            mr = rmm.mr.CallbackMemoryResource(*_rmm_callbacks(lambda: _core.pool(device)))
+            mr = _new_rmm_resource(device)
             _rmm_resources[device] = mr
         return mr
+
+
+def rmm_resource_kind() -> str:
+    """``"native resource"`` or ``"callback resource"``: what :func:`rmm_resource` makes in this
+    process (the native one is built, or found in the cache, on the first call)."""
+    return "callback resource" if _native_rmm() is None else "native resource"
+
+
+_rmm_problem: list = []  # why the native resource cannot be had, once known
+
+
+def _native_rmm():
+    """emmpool._rmm, its module built or loaded, or None (warned once, saying why)."""
+    from . import _rmm
+
+    if _rmm_problem:
+        return None
+    try:
+        _rmm.module()
+    except _rmm.RmmBuildError as e:
+        _rmm_problem.append(str(e))
+        warnings.warn(
+            f"{str(e).splitlines()[0]}; RMM allocates from emmpool through a Python callback "
+            "resource instead (one Python call and the GIL per allocation)",
+            RuntimeWarning, stacklevel=4)
+        return None
+    return _rmm
+
+
+def _new_rmm_resource(device: int):
+    native = _native_rmm()
+    if native is not None:
+        return native.resource(device)
+    rmm = _import_rmm("emmpool.rmm_resource()")
+    return rmm.mr.CallbackMemoryResource(*_rmm_callbacks(lambda: _core.pool(device)))
 
 
 def _check_exists(device: int) -> None:
@@ -338,7 +377,7 @@ def use_for_rmm(devices=None, replace: bool = False) -> Installed:
         for d, mr in zip(devices, resources):
             if rmm.mr.get_per_device_resource(d) is not mr:
                 rmm.mr.set_per_device_resource(d, mr)
-        return record(Installed("rmm", "callback resource", resources, tuple(devices)))
+        return record(Installed("rmm", rmm_resource_kind(), resources, tuple(devices)))
 
 
 def _is_rmms_default(rmm, resource) -> bool:

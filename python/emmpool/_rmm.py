@@ -1,0 +1,204 @@
+"""emmpool's native RMM resource: built on first use against the RMM installed here, cached.
+
+RMM's C++ callers (libcudf, ``rmm::device_buffer``, every ``resource_ref``) allocate through a
+device's resource with no Python on the way; a resource built on Python callbacks
+(``rmm.mr.CallbackMemoryResource``) takes the GIL and runs Python for each of their
+allocations. The native one (``rmm_resource/``: ``resource.hpp``, a C++ class over _core's C
+table ``emmpool/rmm_api.h``, and ``emmpool_rmm.pyx``, the Cython glue that makes it an
+``rmm.mr.DeviceMemoryResource``) is compiled here because RMM's C++ symbols are versioned per
+release: it must match the RMM installed, as the PyTorch extension matches PyTorch.
+
+Supported: RMM 26.06 and later (older: the callback resource). What the build needs: Cython (``pip install 'emmpool[rmm]'`` brings it), a C++20 compiler
+(``$CXX``, else ``c++``), RMM's wheels (headers and ``librmm.so``) and the CUDA runtime's
+headers (a CUDA toolkit: ``$CUDA_HOME``, ``$CUDA_PATH``, ``nvcc`` on ``PATH`` or
+``/usr/local/cuda``; or the ``nvidia-cuda-runtime`` wheel). The module is cached under
+``$EMMPOOL_RMM_CACHE`` (default ``~/.cache/emmpool/rmm``), one per source, RMM version and
+Python, and built once under a file lock (several processes starting at once build it once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from . import _core
+
+SOURCES = Path(__file__).with_name("rmm_resource")
+PYX = SOURCES / "emmpool_rmm.pyx"
+HEADERS = (SOURCES / "resource.hpp", SOURCES / "include" / "emmpool" / "rmm_api.h")
+MODULE = "emmpool_rmm"  # the Cython module's name (its init function's)
+# RMM's resources satisfy CCCL's cuda::mr concepts, and DeviceMemoryResource holds a
+# resource_ref, from this release on; tests/test_rmm_native.py builds against the installed one.
+OLDEST = (26, 6)
+CXXFLAGS = ["-O2", "-std=c++20", "-fPIC", "-shared", "-fvisibility=hidden"]
+
+
+class RmmBuildError(RuntimeError):
+    """The native RMM resource cannot be built or loaded here (the message says why)."""
+
+
+_module = None  # the loaded module, once
+
+
+def module():
+    """The native resource's module (built or taken from the cache on the first call).
+
+    Raises RmmBuildError saying what is missing or what the compiler said."""
+    global _module
+    if _module is None:
+        _module = _load(_build())
+    return _module
+
+
+def resource(device: int):
+    """A new native resource over ``device``'s pool (an ``rmm.mr.DeviceMemoryResource``)."""
+    return module().EmmpoolMemoryResource(device, _core._rmm_api())
+
+
+def cache_dir() -> Path:
+    where = os.environ.get("EMMPOOL_RMM_CACHE")
+    if where:
+        return Path(where)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "emmpool" / "rmm"
+
+
+def _rmm_parts():
+    """(RMM's version, its .pxd files' root, librmm's include and lib directories,
+    rapids_logger's include): all of the RMM this process imports."""
+    try:
+        import librmm
+        import rapids_logger
+        import rmm
+    except ImportError as e:
+        raise RmmBuildError(f"RMM is not importable: {e}") from None
+    if _release(rmm.__version__) < OLDEST:
+        raise RmmBuildError(
+            f"RMM {rmm.__version__} predates {OLDEST[0]}.{OLDEST[1]:02}, the first release whose "
+            f"resources the native one is built for (pip install 'rmm-cu13>=26.6')")
+    include = Path(librmm.__file__).parent / "include"
+    lib = Path(librmm.__file__).parent / "lib64"
+    logger = Path(rapids_logger.__file__).parent / "include"
+    missing = [str(p) for p in (include / "rmm", lib / "librmm.so", logger) if not p.exists()]
+    if missing:
+        raise RmmBuildError(f"RMM's wheels lack {', '.join(missing)} (a conda or source build of "
+                            f"RMM keeps them elsewhere: set CPATH and LIBRARY_PATH)")
+    return rmm.__version__, Path(rmm.__file__).parent.parent, include, lib, logger
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(year, month) of an RMM version ("26.06.00", "26.10.00a5")."""
+    try:
+        year, month = version.split(".")[:2]
+        return int(year), int("".join(c for c in month if c.isdigit()) or 0)
+    except ValueError:
+        return (0, 0)
+
+
+def _cuda_include() -> Path:
+    """The directory holding cuda_runtime_api.h."""
+    guesses = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        guesses.append(str(Path(nvcc).resolve().parent.parent))
+    guesses.append("/usr/local/cuda")
+    for g in filter(None, guesses):
+        if (Path(g) / "include" / "cuda_runtime_api.h").exists():
+            return Path(g) / "include"
+    for site in map(Path, sys.path):  # the nvidia-cuda-runtime wheel
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include"):
+            if (site / sub / "cuda_runtime_api.h").exists():
+                return site / sub
+    raise RmmBuildError("no CUDA runtime headers (cuda_runtime_api.h): install a CUDA toolkit "
+                        "and set CUDA_HOME, or pip install nvidia-cuda-runtime")
+
+
+def _key(version: str) -> str:
+    text = b"".join(p.read_bytes() for p in (PYX, *HEADERS))
+    text += repr((CXXFLAGS, version, sys.implementation.cache_tag)).encode()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def _suffix() -> str:
+    return importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def _build() -> Path:
+    """The module's path in the cache, built there first if it is not."""
+    version, pxd, include, lib, logger = _rmm_parts()
+    where = cache_dir() / f"{MODULE}-{version}-{_key(version)}"
+    target = where / f"{MODULE}{_suffix()}"
+    if target.exists():
+        return target
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RmmBuildError(f"cannot make the build cache {where}: {e} (set EMMPOOL_RMM_CACHE)"
+                            ) from None
+    with open(where / "build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        if not target.exists():  # another process may have built it meanwhile
+            _compile(target, pxd, include, lib, logger)
+    return target
+
+
+def _compile(target: Path, pxd: Path, include: Path, lib: Path, logger: Path) -> None:
+    try:
+        from Cython.Build import cythonize  # noqa: F401 - present?
+    except ImportError:
+        raise RmmBuildError("Cython is not installed: pip install 'emmpool[rmm]' (or cython)"
+                            ) from None
+    cuda = _cuda_include()
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        raise RmmBuildError(f"no C++ compiler ({cxx}): install one, or set CXX")
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        work = Path(tmp)
+        for f in (PYX, SOURCES / "resource.hpp"):
+            shutil.copy(f, work / f.name)
+        cpp = work / f"{MODULE}.cpp"
+        _run([sys.executable, "-m", "cython", "--cplus", "-3", f"-I{pxd}",
+              str(work / PYX.name), "-o", str(cpp)], "Cython")
+        out = work / target.name
+        _run([cxx, *CXXFLAGS, str(cpp), "-o", str(out),
+              f"-I{work}", f"-I{SOURCES / 'include'}", f"-I{include}", f"-I{include / 'rapids'}",
+              f"-I{logger}", f"-I{cuda}", f"-I{sysconfig.get_paths()['include']}",
+              f"-L{lib}", "-lrmm", f"-Wl,-rpath,{lib}"], "the C++ compiler")
+        os.replace(out, target)  # whole or not at all, for the next process
+
+
+def _run(cmd: list[str], who: str) -> None:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RmmBuildError(f"{who} could not run: {e}") from None
+    if p.returncode != 0:
+        said = (p.stderr or p.stdout).strip()
+        raise RmmBuildError(f"{who} failed building emmpool's native RMM resource "
+                            f"({' '.join(cmd[:3])} ...):\n{said[-3000:]}")
+
+
+def _load(path: Path):
+    import rmm.mr  # noqa: F401 - loads librmm and the types the module subclasses first
+
+    spec = importlib.util.spec_from_file_location(MODULE, path)
+    if spec is None or spec.loader is None:
+        raise RmmBuildError(f"cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except ImportError as e:
+        with contextlib.suppress(OSError):
+            path.unlink()  # built against another RMM, say: rebuilt on the next try
+        raise RmmBuildError(f"emmpool's native RMM resource would not load: {e}") from None
+    return mod
