@@ -158,10 +158,10 @@ def _compile(target: Path, pxd: Path, include: Path, lib: Path, logger: Path) ->
     except ImportError:
         raise RmmBuildError("Cython is not installed: pip install 'emmpool[rmm]' (or cython)"
                             ) from None
-    cuda = _cuda_include()
     cxx = os.environ.get("CXX") or "c++"
     if shutil.which(cxx) is None:
         raise RmmBuildError(f"no C++ compiler ({cxx}): install one, or set CXX")
+    cuda = _cuda_include()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         work = Path(tmp)
         for f in (PYX, SOURCES / "resource.hpp"):
