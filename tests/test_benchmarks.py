@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import needs_repository, require
+from tests.conftest import benchmark_module, needs_repository, require
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 if not BENCHMARKS.is_dir():  # a wheel's test run takes tests/ alone
@@ -1052,3 +1052,21 @@ def test_mixed_run_stopped_early_keeps_what_ran(mixed, monkeypatch, tmp_path):
     assert "capacity" not in doc["results"]["cupy_torch"]["separate"]
     assert "  - the run stopped early: Stopped: signal SIGTERM" in \
         (tmp_path / "mixed_programs.md").read_text()
+
+
+def test_bench_rmm_merges_rounds_and_quotes_its_ratios():
+    bench = benchmark_module("bench_rmm")
+    rounds = [
+        {"buffer:0": dict.fromkeys(bench.RESOURCES, 500.0),
+         "buffer:4096": {"emmpool": 2000.0 + k, "callback": 6000.0, "rmm-pool": 4000.0,
+                         "rmm-async": 5000.0, "cudaMalloc": 9000.0},
+         "threads": {"emmpool": 4e6, "callback": 0.5e6, "rmm-pool": 2e6, "rmm-async": 3e6,
+                     "cudaMalloc": 1e5}}
+        for k in (0, 100, 200)
+    ]
+    merged = bench.merge(rounds)
+    assert merged["buffer:4096"]["emmpool"] == 2100.0  # the median round
+    text = bench.table(merged, 3)
+    assert "| DeviceBuffer 4 KiB (µs) | 2.10 | 6.00 | 4.00 | 5.00 | 9.00 | 0.42 | 0.53 |" in text
+    assert "| 8 C++ threads (M/s) | 4.00 | 0.50 | 2.00 | 3.00 | 0.10 | 1.33 | 2.00 |" in text
+    assert "moves 8.0× the callback resource's" in text

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import needs, requires
+from tests.conftest import ROOT, benchmark_module, needs, requires
 from tests.processes import run_python
 
 pytestmark = [requires("rmm", "Cython"), pytest.mark.rmm]
@@ -195,6 +195,25 @@ def test_emmpools_out_of_memory_callback_fires_for_rmms_requests(cache):
         mr.deallocate(p, 100 * MiB)
         for q in held:
             mr.deallocate(q, 100 * MiB)
+        """,
+        cache,
+    )
+
+
+def test_rmms_cpp_callers_allocate_from_eight_threads_while_python_holds_the_gil(cache):
+    # benchmarks/rmm_threads.cpp: RMM's per-device resource, as libcudf finds it, from 8 C++
+    # threads, called through ctypes.PyDLL, which holds the GIL until the call returns: an
+    # allocation that needed the GIL would never end (the timeout says so).
+    benchmark_module("rmm_threads")  # skips where benchmarks/ is not shipped
+    run(
+        f"""
+        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+        import rmm_threads
+        mr = emmpool.rmm_resource(0)
+        rmm.mr.set_per_device_resource(0, mr)
+        f = rmm_threads.load({str(cache)!r}, hold_gil=True)
+        rmm_threads.run(f, device=0, threads=8, iterations=5000, bytes=4096)
+        assert rmm_stats() == {{"bytes_in_use": 0, "allocations": 40000}}, rmm_stats()
         """,
         cache,
     )
