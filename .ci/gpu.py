@@ -80,7 +80,8 @@ def choose_loose(files: dict[str, int]) -> list[str]:
     keep = [n for n in ("summary.txt",) if n in files]
     keep += sorted(n for n in files if n.startswith("compare-") and n.endswith(".txt"))
     keep += [n for n in ("bench_numba.md",) if n in files]
-    keep += sorted(n for n in files if n.endswith("-cupy-suite.txt") or n == "torch-suite.txt"
+    keep += sorted(n for n in files if n.endswith("-cupy-suite.txt")
+                   or n in ("torch-suite.txt", "rmm-suite.txt")
                    or re.fullmatch(r".*-cupy-suite-part\d+of\d+\.txt", n))
     others = sorted((size, n) for n, size in files.items()
                     if n not in keep and n.rsplit(".", 1)[-1] in ("md", "json", "csv", "png")
@@ -163,13 +164,14 @@ print(n.value)
 
 # The requirements that are a module to import (in a child, with the run's PYTHONPATH).
 MODULES = {"torch": "torch", "cupy": "cupy", "numba-cuda": "numba.cuda",
-           "numba-cuda-mlir": "numba_cuda_mlir"}
+           "numba-cuda-mlir": "numba_cuda_mlir", "rmm": "rmm"}
 TOOLS = ("compute-sanitizer", "cmake")
 # The requirements that are trees brought with the checkout: what shows one, how to make it.
 FILES = {".cupy-tests": (".cupy-tests/tests",
                          "bash .ci/gpu-cupy-tests CUPY_CHECKOUT, then bring it"),
          ".torch-tests": (".torch-tests/test_cuda.py",
                           "bash .ci/gpu-torch-tests PYTORCH_CHECKOUT, then bring it"),
+         ".rmm-tests": (".rmm-tests/tests", "bash .ci/gpu-rmm-tests RMM_CHECKOUT, then bring it"),
          ".baseline": (".baseline/*/pyproject.toml", "bash .ci/gpu-baseline REV NAME"),
          "mlir-tests": (".whl/numba-cuda-mlir-tests-*.tar.gz", "bash .ci/gpu-wheels mlir")}
 
@@ -381,7 +383,8 @@ class Runner(Steps):
                       f"the file) ====")
                 print("\n".join(compare_digest(path.read_text(errors="replace"))))
         for path in sorted(self.outdir.glob("*cupy-suite*.txt")) + \
-                sorted(self.outdir.glob("torch-suite.txt")):
+                sorted(self.outdir.glob("torch-suite.txt")) + \
+                sorted(self.outdir.glob("rmm-suite.txt")):
             print(f"==== {path.name} (head) ====")
             print("\n".join(line[:240] for line in
                             path.read_text(errors="replace").splitlines()[:30]))
@@ -443,6 +446,8 @@ def parser() -> argparse.ArgumentParser:
                        help="both runs of CuPy's suite, at once [360]")
     steps.add_argument("--torch-suite-timeout", type=int, default=480, metavar="S",
                        help="both runs of test_cuda.py, in turn [480]")
+    steps.add_argument("--rmm-suite-timeout", type=int, default=300, metavar="S",
+                       help="both runs of RMM's tests, in turn [300]")
     steps.add_argument("--benches", metavar="NAME[,NAME]", default=",".join(DEFAULT_BENCHES),
                        help="benchmarks/<name>.py run by the bench step, in order")
     steps.add_argument("--bench-args", action="append", default=[], metavar="NAME='ARGS'",

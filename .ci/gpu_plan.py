@@ -78,6 +78,9 @@ STEPS = (
     Step("torch-suite", ("build", "gpu", "torch", ".torch-tests"), "torch_suite_timeout",
          "PyTorch's test_cuda.py, its allocator vs emmpool's (.ci/torch_suite.py)",
          cuda=("13",)),
+    Step("rmm-suite", ("build", "gpu", "rmm", ".rmm-tests"), "rmm_suite_timeout",
+         "RMM's own tests, its default resource vs emmpool's, compared by name "
+         "(.ci/rmm_suite.py)", cuda=("13",)),
     Step("bench-core", ("gpu", "cmake"), "240",
          "the C++ micro-benchmark bench_core, pinned to a CPU near the GPU", cuda=("13",)),
     Step("cli", ("build", "gpu", "numba-cuda"), "180",

@@ -75,7 +75,7 @@ def test_default_steps_of_a_cuda_13_and_a_cuda_12_run(gpu):
     why = gpu.chosen_steps(args.only, args.skip, "13", args.results)
     assert [s for s, w in why.items() if w is None] == [
         "wheels", "env", "build", "torch-ext", "baselines", "pytest", "sanitizer", "cupy-suite",
-        "torch-suite", "bench-core", "cli", "bench", "numba-suite", "mlir"]
+        "torch-suite", "rmm-suite", "bench-core", "cli", "bench", "numba-suite", "mlir"]
     assert why["results"] == "without --results"
     why = gpu.chosen_steps(None, [], "12", False)
     assert [s for s, w in why.items() if w is None] == [

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""RMM's own Python tests, once with RMM's default resource and once with emmpool's as every
+device's resource, compared by test name.
+
+    python3 .ci/rmm_suite.py [--tests .rmm-tests] [--out DIR] [--timeout S]
+
+The tests come from RMM's repository at the release installed here (``bash .ci/gpu-rmm-tests``
+puts them, and RMM's pytest options, in .rmm-tests/). The two runs take turns; each loads a
+small pytest plugin (.ci/emmpool_rmm_suite_plugin.py) that, in the emmpool run, makes emmpool's
+resource (the native one where it builds) every device's before each test, and records in both
+how many tests ran and how many allocations RMM made from emmpool (proof that the run used it).
+
+Written to --out: ``rmm-<run>.log`` (pytest -v: one line a test, so that a run cut short still
+counts what it ran), the plugin's records and ``rmm-suite.txt``: counts per run, every test that
+passes with RMM's default and not with emmpool's (a regression), and the tests the emmpool run
+did not reach. Exit status 0 only when there is no regression, both runs ran tests and the
+emmpool run allocated through emmpool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from cupy_suite import compare, crashed_workers, outcomes, run_counts, wait_or_stop  # noqa: E402
+from torch_suite import problems  # noqa: E402
+
+RUNS = {"rmm-default": "RMM's default resource", "emmpool": "emmpool"}
+PLUGIN = "emmpool_rmm_suite_plugin"
+
+
+def run_suite(run: str, root: Path, out: Path, seconds: float) -> tuple:
+    """pytest -v over root/tests into rmm-<run>.log; (exit status, seconds)."""
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider",
+           "-p", "no:randomly", "-v", "--rootdir", str(root), "-c", str(root / "pytest.ini"),
+           "tests"]
+    env = dict(os.environ, EMMCI_RMM_SUITE=run, EMMCI_RMM_SUITE_OUT=str(out),
+               PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    with open(out / f"rmm-{run}.log", "w") as log:
+        log.write(f"## {shlex.join(cmd)}\n")
+        log.flush()
+        p = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        rc = wait_or_stop(p, seconds)
+    return rc, round(time.monotonic() - t0)
+
+
+def preflight() -> tuple[str | None, dict]:
+    """(Why RMM's tests cannot run here or None, {"rmm": version, "gpus": count}), from a child:
+    this process does not touch the GPU."""
+    code = ("import json, rmm\n"
+            "from cuda.bindings import runtime\n"
+            "err, n = runtime.cudaGetDeviceCount()\n"
+            "print(json.dumps({'rmm': rmm.__version__, 'gpus': n if err == 0 else 0}))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        why = (p.stderr.strip().splitlines() or ["?"])[-1]
+        return why + " (RMM: bash .ci/gpu-wheels rmm, bring .whl)", {}
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    return (None if info["gpus"] else "no CUDA GPU"), info
+
+
+def record(out: Path, run: str) -> dict:
+    path = out / f"{run}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def report(args, root: Path, out: Path, status: dict, why_not: str | None,
+           info: dict) -> tuple[str, bool]:
+    """rmm-suite.txt's text, and whether the comparison holds."""
+    tag = (root / "TAG").read_text().strip() if (root / "TAG").exists() else "?"
+    results = {run: outcomes(out / f"rmm-{run}.log") for run in RUNS}
+    lines = [f"# RMM's own tests ({tag}): RMM's default resource vs emmpool's", "",
+             f"rmm {info.get('rmm', '?')}; GPUs: {info.get('gpus', '?')}",
+             f"command: python3 .ci/rmm_suite.py --timeout {args.timeout}", ""]
+    if why_not:
+        lines += [f"NOT RUN: {why_not}", ""]
+    for run in RUNS:
+        if run in status:
+            rc, secs = status[run]
+            lines.append(run_counts(run, results[run], rc, secs))
+        lines += [f"    {c}" for c in crashed_workers(out / f"rmm-{run}.log")]
+        lines += [f"    {p}" for p in problems(out / f"rmm-{run}.log")]
+        if run in status and not results[run]:
+            lines.append(f"NO TESTS RAN in the {run} run")
+    ours = record(out, "emmpool")
+    used = ours.get("rmm_allocations", 0) > 0 and ours.get("tests_on_emmpool", 0) > 0
+    lines += ["", f"emmpool run: {ours.get('tests_on_emmpool', 0)} tests on emmpool's resource "
+              f"({ours.get('how') or '-'}); RMM allocations through emmpool: "
+              f"{ours.get('rmm_allocations', 0)}",
+              f"emmpool really used: {'yes' if used else 'NO'}", ""]
+    comparison, regressions = compare(results["rmm-default"], results["emmpool"],
+                                      RUNS["rmm-default"], list_not_reached=True)
+    lines += comparison
+    both_ran = all(results[run] for run in RUNS)
+    return "\n".join(lines) + "\n", both_ran and used and not regressions
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tests", default=".rmm-tests",
+                    help="folder holding tests/ and pytest.ini [.rmm-tests]")
+    ap.add_argument("--out", default="rmm-suite-out")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds for both runs [300]")
+    args = ap.parse_args(argv)
+    root, out = Path(args.tests).resolve(), Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.json"):
+        old.unlink()
+    why_not, info = (None, {}) if (root / "tests").is_dir() else (f"no {root / 'tests'}", {})
+    if not why_not:
+        why_not, info = preflight()
+    status = {}
+    if not why_not:
+        t0 = time.monotonic()
+        status["rmm-default"] = run_suite("rmm-default", root, out, args.timeout / 2)
+        status["emmpool"] = run_suite("emmpool", root, out,
+                                      args.timeout - (time.monotonic() - t0))
+    text, ok = report(args, root, out, status, why_not, info)
+    (out / "rmm-suite.txt").write_text(text)
+    print(text[:8000])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
