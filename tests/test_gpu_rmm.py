@@ -94,3 +94,37 @@ def test_rmm_pool_and_emmpool_side_by_side():
 
 def test_rmm_allocating_from_emmpool():
     check(run(RMM_ON_EMMPOOL, manager=None))
+
+
+# RMM's C++ callers on emmpool's native resource, as libcudf's threads: 8 threads, each with a
+# stream of its own, making rmm::device_buffers through the device's resource while the main
+# thread holds the GIL (benchmarks/rmm_threads.cpp); RMM's logging adaptor on top of it.
+NATIVE_FROM_CPP_THREADS = r"""
+import os, sys, tempfile
+import rmm, rmm.mr
+import emmpool
+sys.path.insert(0, sys.argv[1])
+import rmm_threads
+done = emmpool.use_for_rmm()
+assert done.how == "native resource", done
+with tempfile.TemporaryDirectory() as tmp:
+    f = rmm_threads.load(tmp, hold_gil=True)
+    rmm_threads.run(f, device=0, threads=8, iterations=2000, bytes=4096, buffers=True)
+    s = emmpool.stats(0)["by_library"]["rmm"]
+    assert s == {"bytes_in_use": 0, "allocations": 16000}, s
+    path = os.path.join(tmp, "rmm.csv")
+    log = rmm.mr.LoggingResourceAdaptor(done.allocators[0], log_file_name=path)
+    b = rmm.DeviceBuffer(size=1 << 20, mr=log)
+    del b
+    log.flush()
+    text = open(log.get_file_name()).read()
+    assert "allocate" in text and "free" in text, text
+print("OK")
+"""
+
+
+def test_rmms_cpp_threads_and_adaptors_on_the_native_resource():
+    from tests.conftest import ROOT, benchmark_module
+
+    benchmark_module("rmm_threads")  # skips where benchmarks/ is not shipped
+    check(run(NATIVE_FROM_CPP_THREADS, str(ROOT / "benchmarks"), manager=None))
