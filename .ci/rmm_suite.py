@@ -30,8 +30,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from cupy_suite import compare, crashed_workers, outcomes, run_counts, wait_or_stop  # noqa: E402
-from torch_suite import problems  # noqa: E402
+from cupy_suite import compare, outcomes, wait_or_stop  # noqa: E402
+from torch_suite import run_lines  # noqa: E402
 
 RUNS = {"rmm-default": "RMM's default resource", "emmpool": "emmpool"}
 PLUGIN = "emmpool_rmm_suite_plugin"
@@ -85,14 +85,7 @@ def report(args, root: Path, out: Path, status: dict, why_not: str | None,
              f"command: python3 .ci/rmm_suite.py --timeout {args.timeout}", ""]
     if why_not:
         lines += [f"NOT RUN: {why_not}", ""]
-    for run in RUNS:
-        if run in status:
-            rc, secs = status[run]
-            lines.append(run_counts(run, results[run], rc, secs))
-        lines += [f"    {c}" for c in crashed_workers(out / f"rmm-{run}.log")]
-        lines += [f"    {p}" for p in problems(out / f"rmm-{run}.log")]
-        if run in status and not results[run]:
-            lines.append(f"NO TESTS RAN in the {run} run")
+    lines += run_lines(RUNS, status, results, lambda run: out / f"rmm-{run}.log")
     ours = record(out, "emmpool")
     used = ours.get("rmm_allocations", 0) > 0 and ours.get("tests_on_emmpool", 0) > 0
     lines += ["", f"emmpool run: {ours.get('tests_on_emmpool', 0)} tests on emmpool's resource "

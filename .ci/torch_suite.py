@@ -131,6 +131,23 @@ def problems(log: Path) -> list[str]:
     return found
 
 
+def run_lines(runs, status: dict, results: dict, log_of) -> list[str]:
+    """A report's lines on its runs: each one's counts, crashed workers and what kept tests
+    from running (its log: log_of(run)), and NO TESTS RAN for a run that ran none."""
+    lines = []
+    for run in runs:
+        if run in status:
+            rc, secs = status[run]
+            lines.append(run_counts(run, results[run], rc, secs))
+        lines += [f"    {crash}" for crash in crashed_workers(log_of(run))]
+        lines += [f"    {p}" for p in problems(log_of(run))]
+    for run in status:
+        if not results[run]:
+            why = problems(log_of(run))
+            lines.append(f"NO TESTS RAN in the {run} run" + (f": {why[0]}" if why else ""))
+    return lines
+
+
 def workers(out: Path, run: str) -> list[dict]:
     """The plugin's records of `run`'s processes that ran tests."""
     return [r for r in (json.loads(p.read_text()) for p in sorted(out.glob(f"{run}-*.json")))
@@ -177,16 +194,7 @@ def report(args, root: Path, out: Path, status: dict, why_not: str | None,
     ]
     if why_not:
         lines += [f"NOT RUN: {why_not}", ""]
-    for run in RUNS:
-        if run in status:
-            rc, secs = status[run]
-            lines.append(run_counts(run, results[run], rc, secs))
-        lines += [f"    {crash}" for crash in crashed_workers(out / f"torch-{run}.log")]
-        lines += [f"    {p}" for p in problems(out / f"torch-{run}.log")]
-    for run in status:
-        if not results[run]:
-            why = problems(out / f"torch-{run}.log")
-            lines.append(f"NO TESTS RAN in the {run} run" + (f": {why[0]}" if why else ""))
+    lines += run_lines(RUNS, status, results, lambda run: out / f"torch-{run}.log")
     native_ok = bool(records["native"]) and all(r["backend"] == "native" for r in records["native"])
     emmpool_ok = all(r["backend"] == "emmpool" for r in records["emmpool"]) and \
         sum(r["torch_allocations"] for r in records["emmpool"]) > 0
