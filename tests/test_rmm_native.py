@@ -284,3 +284,17 @@ def test_rmm_releases_are_read_and_old_ones_refused(monkeypatch):
     monkeypatch.setattr(rmm, "__version__", "26.04.00")
     with pytest.raises(_rmm.RmmBuildError, match=r"RMM 26.04.00 predates 26.06"):
         _rmm._rmm_parts()
+
+
+def test_info_says_what_rmm_would_get_without_building_it(cache, tmp_path, monkeypatch):
+    from emmpool import _rmm
+
+    monkeypatch.setenv("EMMPOOL_RMM_CACHE", str(cache))
+    built = _rmm._target(_rmm._rmm_parts()[0]).parent
+    assert _rmm.readiness() == f"native resource, built in {built}"
+    monkeypatch.setenv("EMMPOOL_RMM_CACHE", str(tmp_path))
+    assert _rmm.readiness().startswith("native resource, to be built on first use")
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert _rmm.readiness() == "callback resource: no C++ compiler (no-such-compiler): install " \
+                               "one, or set CXX"
+    assert list(tmp_path.iterdir()) == []  # nothing was built, nor a folder made

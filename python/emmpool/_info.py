@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import TextIO
 
-from . import __version__, _config, _core, _installed, _numba_packages
+from . import __version__, _config, _core, _installed, _numba_packages, _rmm
 from ._args import format_bytes
 
 # (name shown, distributions that provide it, first installed wins)
@@ -81,7 +81,10 @@ def print_report(out: TextIO = sys.stdout) -> int:
         if version is not None and name in _NUMBA_PACKAGES:
             problem = _numba_packages.version_problem(_NUMBA_PACKAGES[name], version)
             note = f"  ({problem})" if problem else ""
-        say(f"  {name:15} {version or 'not installed'}{note}")
+        elif version is not None and name == "rmm":
+            ready = _rmm.readiness()
+            note = f"  (emmpool's {ready})" if ready else "  (does not import)"
+        say(f"  {name:15} {version or 'not installed'}{note}", " " * 18)
 
     say("\nwho allocates from emmpool:")
     for line in _hooks():

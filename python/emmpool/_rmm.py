@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from . import _core
+from ._config import log
 
 SOURCES = Path(__file__).with_name("rmm_resource")
 PYX = SOURCES / "emmpool_rmm.pyx"
@@ -133,11 +134,45 @@ def _suffix() -> str:
     return importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
+def _target(version: str) -> Path:
+    """Where the module built against RMM `version` is kept."""
+    return cache_dir() / f"{MODULE}-{version}-{_key(version)}" / f"{MODULE}{_suffix()}"
+
+
+def readiness() -> str | None:
+    """What this process would give RMM, in a line (``python -m emmpool info``), with nothing
+    built: the native resource (already built, or to be built on first use) or, with the
+    reason, the callback resource; None where RMM is not installed."""
+    try:
+        import rmm  # noqa: F401
+    except ImportError:
+        return None
+    try:
+        version = _rmm_parts()[0]
+        if _target(version).exists():
+            return f"native resource, built in {_target(version).parent}"
+        _tools()
+    except RmmBuildError as e:
+        return f"callback resource: {str(e).splitlines()[0]}"
+    return "native resource, to be built on first use (about 10 s) and cached"
+
+
+def _tools() -> tuple[str, Path]:
+    """(the C++ compiler, the CUDA runtime's headers) a build uses, Cython being there.
+    Raises RmmBuildError naming the first that is missing."""
+    if importlib.util.find_spec("Cython") is None:
+        raise RmmBuildError("Cython is not installed: pip install 'emmpool[rmm]' (or cython)")
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        raise RmmBuildError(f"no C++ compiler ({cxx}): install one, or set CXX")
+    return cxx, _cuda_include()
+
+
 def _build() -> Path:
     """The module's path in the cache, built there first if it is not."""
     version, pxd, include, lib, logger = _rmm_parts()
-    where = cache_dir() / f"{MODULE}-{version}-{_key(version)}"
-    target = where / f"{MODULE}{_suffix()}"
+    target = _target(version)
+    where = target.parent
     if target.exists():
         return target
     try:
@@ -153,15 +188,8 @@ def _build() -> Path:
 
 
 def _compile(target: Path, pxd: Path, include: Path, lib: Path, logger: Path) -> None:
-    try:
-        from Cython.Build import cythonize  # noqa: F401 - present?
-    except ImportError:
-        raise RmmBuildError("Cython is not installed: pip install 'emmpool[rmm]' (or cython)"
-                            ) from None
-    cxx = os.environ.get("CXX") or "c++"
-    if shutil.which(cxx) is None:
-        raise RmmBuildError(f"no C++ compiler ({cxx}): install one, or set CXX")
-    cuda = _cuda_include()
+    cxx, cuda = _tools()
+    log.info("building emmpool's native RMM resource into %s (once: it is cached)", target.parent)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         work = Path(tmp)
         for f in (PYX, SOURCES / "resource.hpp"):
