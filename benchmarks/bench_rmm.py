@@ -131,11 +131,12 @@ def table(merged: dict, rounds: int) -> str:
             cells = [f"{m[r] / 1e3:.2f}" for r in RESOURCES]
             label = f"DeviceBuffer {n >> 10} KiB (µs)" if n < 1 << 20 else \
                 f"DeviceBuffer {n >> 20} MiB (µs)"
-        lines.append(f"| {label} | " + " | ".join(cells) +
-                     f" | {m['emmpool'] / m['rmm-async']:.2f} | {m['emmpool'] / m['rmm-pool']:.2f} |")
+        to_async, to_pool = m["emmpool"] / m["rmm-async"], m["emmpool"] / m["rmm-pool"]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {to_async:.2f} | {to_pool:.2f} |")
     threads = merged["threads"]
-    lines += ["", f"8 threads: the native resource moves {threads['emmpool'] / threads['callback']:.1f}× "
-              f"the callback resource's allocations per second."]
+    lines += ["", f"8 threads: the native resource moves "
+              f"{threads['emmpool'] / threads['callback']:.1f}× the callback resource's "
+              f"allocations per second."]
     return "\n".join(lines) + "\n"
 
 

@@ -30,7 +30,8 @@ class resource {
  public:
   /// `api`: _core's table (checked here, so a resource from another emmpool build is refused
   /// before its first call); `device`: the CUDA ordinal whose pool it allocates from.
-  resource(void const* api, int device) : api_{static_cast<emmpool_rmm_api const*>(api)}, device_{device}
+  resource(void const* api, int device)
+    : api_{static_cast<emmpool_rmm_api const*>(api)}, device_{device}
   {
     if (api_ == nullptr || api_->abi != EMMPOOL_RMM_ABI_VERSION) {
       throw std::runtime_error{

@@ -8,9 +8,10 @@ table ``emmpool/rmm_api.h``, and ``emmpool_rmm.pyx``, the Cython glue that makes
 ``rmm.mr.DeviceMemoryResource``) is compiled here because RMM's C++ symbols are versioned per
 release: it must match the RMM installed, as the PyTorch extension matches PyTorch.
 
-Supported: RMM 26.06 and later (older: the callback resource). What the build needs: Cython (``pip install 'emmpool[rmm]'`` brings it), a C++20 compiler
-(``$CXX``, else ``c++``), RMM's wheels (headers and ``librmm.so``) and the CUDA runtime's
-headers (a CUDA toolkit: ``$CUDA_HOME``, ``$CUDA_PATH``, ``nvcc`` on ``PATH`` or
+Supported: RMM 26.06 and later (older: the callback resource). What the build needs: Cython
+(``pip install 'emmpool[rmm]'`` brings it), a C++20 compiler (``$CXX``, else ``c++``), RMM's
+wheels (headers and ``librmm.so``) and the CUDA runtime's headers (a CUDA toolkit:
+``$CUDA_HOME``, ``$CUDA_PATH``, ``nvcc`` on ``PATH`` or
 ``/usr/local/cuda``; or the ``nvidia-cuda-runtime`` wheel). The module is cached under
 ``$EMMPOOL_RMM_CACHE`` (default ``~/.cache/emmpool/rmm``), one per source, RMM version and
 Python, and built once under a file lock (several processes starting at once build it once).
