@@ -81,7 +81,7 @@ def choose_loose(files: dict[str, int]) -> list[str]:
     keep += sorted(n for n in files if n.startswith("compare-") and n.endswith(".txt"))
     keep += [n for n in ("bench_numba.md",) if n in files]
     keep += sorted(n for n in files if n.endswith("-cupy-suite.txt")
-                   or n in ("torch-suite.txt", "rmm-suite.txt")
+                   or n in ("torch-suite.txt", "rmm-suite.txt", "cuda-core-suite.txt")
                    or re.fullmatch(r".*-cupy-suite-part\d+of\d+\.txt", n))
     others = sorted((size, n) for n, size in files.items()
                     if n not in keep and n.rsplit(".", 1)[-1] in ("md", "json", "csv", "png")
@@ -164,7 +164,7 @@ print(n.value)
 
 # The requirements that are a module to import (in a child, with the run's PYTHONPATH).
 MODULES = {"torch": "torch", "cupy": "cupy", "numba-cuda": "numba.cuda",
-           "numba-cuda-mlir": "numba_cuda_mlir", "rmm": "rmm"}
+           "numba-cuda-mlir": "numba_cuda_mlir", "rmm": "rmm", "cuda-core": "cuda.core"}
 TOOLS = ("compute-sanitizer", "cmake")
 # The requirements that are trees brought with the checkout: what shows one, how to make it.
 FILES = {".cupy-tests": (".cupy-tests/tests",
@@ -172,6 +172,8 @@ FILES = {".cupy-tests": (".cupy-tests/tests",
          ".torch-tests": (".torch-tests/test_cuda.py",
                           "bash .ci/gpu-torch-tests PYTORCH_CHECKOUT, then bring it"),
          ".rmm-tests": (".rmm-tests/tests", "bash .ci/gpu-rmm-tests RMM_CHECKOUT, then bring it"),
+         ".cuda-core-tests": (".cuda-core-tests/tests",
+                              "bash .ci/gpu-cuda-core-tests CUDA_PYTHON_CHECKOUT, then bring it"),
          ".baseline": (".baseline/*/pyproject.toml", "bash .ci/gpu-baseline REV NAME"),
          "mlir-tests": (".whl/numba-cuda-mlir-tests-*.tar.gz", "bash .ci/gpu-wheels mlir")}
 
@@ -384,7 +386,8 @@ class Runner(Steps):
                 print("\n".join(compare_digest(path.read_text(errors="replace"))))
         for path in sorted(self.outdir.glob("*cupy-suite*.txt")) + \
                 sorted(self.outdir.glob("torch-suite.txt")) + \
-                sorted(self.outdir.glob("rmm-suite.txt")):
+                sorted(self.outdir.glob("rmm-suite.txt")) + \
+                sorted(self.outdir.glob("cuda-core-suite.txt")):
             print(f"==== {path.name} (head) ====")
             print("\n".join(line[:240] for line in
                             path.read_text(errors="replace").splitlines()[:30]))
@@ -448,6 +451,8 @@ def parser() -> argparse.ArgumentParser:
                        help="both runs of test_cuda.py, in turn [480]")
     steps.add_argument("--rmm-suite-timeout", type=int, default=300, metavar="S",
                        help="both runs of RMM's tests, in turn [300]")
+    steps.add_argument("--cuda-core-suite-timeout", type=int, default=300, metavar="S",
+                       help="both runs of cuda.core's tests, in turn [300]")
     steps.add_argument("--benches", metavar="NAME[,NAME]", default=",".join(DEFAULT_BENCHES),
                        help="benchmarks/<name>.py run by the bench step, in order")
     steps.add_argument("--bench-args", action="append", default=[], metavar="NAME='ARGS'",
@@ -516,11 +521,11 @@ def resolve_outdir(given: Path | None) -> Path:
 
 def list_steps(args: argparse.Namespace) -> str:
     why_not = chosen_steps(args.only, args.skip, args.cuda, args.results)
-    rows = [f"{'step':<12s} {'needs':<40s} {'budget':>7s}  what"]
+    rows = [f"{'step':<15s} {'needs':<42s} {'budget':>7s}  what"]
     for step in STEPS:
         seconds = step_seconds(step, args)
         state = "" if why_not[step.name] is None else f"  [{why_not[step.name]}]"
-        rows.append(f"{step.name:<12s} {', '.join(step.needs) or '-':<40s} {seconds:>6}s  "
+        rows.append(f"{step.name:<15s} {', '.join(step.needs) or '-':<42s} {seconds:>6}s  "
                     f"{step.what}{state}")
     return "\n".join(rows)
 

@@ -80,7 +80,10 @@ STEPS = (
          cuda=("13",)),
     Step("rmm-suite", ("build", "gpu", "rmm", ".rmm-tests"), "rmm_suite_timeout",
          "RMM's own tests, its default resource vs emmpool's, compared by name "
-         "(.ci/rmm_suite.py)", cuda=("13",)),
+         "(.ci/peer_suite.py --peer rmm)", cuda=("13",)),
+    Step("cuda-core-suite", ("build", "gpu", "cuda-core", ".cuda-core-tests"),
+         "cuda_core_suite_timeout", "cuda.core's own tests, its default memory resource vs "
+         "emmpool's, compared by name (.ci/peer_suite.py --peer cuda-core)", cuda=("13",)),
     Step("bench-core", ("gpu", "cmake"), "240",
          "the C++ micro-benchmark bench_core, pinned to a CPU near the GPU", cuda=("13",)),
     Step("cli", ("build", "gpu", "numba-cuda"), "180",

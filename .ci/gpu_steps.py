@@ -288,7 +288,7 @@ class Steps:
             cwd=cwd, log=self.logs / "sanitizer-pytest.txt", note=note, show=0)
 
     def suite_script(self, step: Step, script: str, extra: list[str]) -> int | str:
-        """.ci/cupy_suite.py, .ci/torch_suite.py or .ci/rmm_suite.py: its report into OUTDIR."""
+        """.ci/cupy_suite.py, .ci/torch_suite.py or .ci/peer_suite.py: its report into OUTDIR."""
         seconds = self.timed(step, minimum=60)
         if not seconds:
             return "-"
@@ -317,7 +317,12 @@ class Steps:
         return self.suite_script(step, "torch_suite.py", ["--tests", str(REPO / ".torch-tests")])
 
     def step_rmm_suite(self, step: Step) -> int | str:
-        return self.suite_script(step, "rmm_suite.py", ["--tests", str(REPO / ".rmm-tests")])
+        return self.suite_script(step, "peer_suite.py",
+                                 ["--peer", "rmm", "--tests", str(REPO / ".rmm-tests")])
+
+    def step_cuda_core_suite(self, step: Step) -> int | str:
+        return self.suite_script(step, "peer_suite.py",
+                                 ["--peer", "cuda-core", "--tests", str(REPO / ".cuda-core-tests")])
 
     def step_bench_core(self, step: Step) -> int | str:
         seconds = self.timed(step, minimum=60)

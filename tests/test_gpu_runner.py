@@ -75,7 +75,8 @@ def test_default_steps_of_a_cuda_13_and_a_cuda_12_run(gpu):
     why = gpu.chosen_steps(args.only, args.skip, "13", args.results)
     assert [s for s, w in why.items() if w is None] == [
         "wheels", "env", "build", "torch-ext", "baselines", "pytest", "sanitizer", "cupy-suite",
-        "torch-suite", "rmm-suite", "bench-core", "cli", "bench", "numba-suite", "mlir"]
+        "torch-suite", "rmm-suite", "cuda-core-suite", "bench-core", "cli", "bench",
+        "numba-suite", "mlir"]
     assert why["results"] == "without --results"
     why = gpu.chosen_steps(None, [], "12", False)
     assert [s for s, w in why.items() if w is None] == [
@@ -370,3 +371,52 @@ def test_mlir_checks_each_manager_then_compares_its_two_runs(gpu, tmp_path, monk
     summary = runner.summary.read_text()
     assert "compare-mlir" in summary and "\nmlir " in summary
     assert "-n 2 --dist loadscope" in (out / "logs/mlir/mlir-pool.txt").read_text()
+
+
+# ---- a peer's own tests ----------------------------------------------------------------------
+FAKE_PEER_CONFTEST = '''
+from emmpool import _core
+
+def pytest_configure(config):
+    # The host driver stands in for the GPU, as in tests/test_rmm_native.py.
+    _core._use_driver_for_all_pools(_core.HostDriver(devices=1, capacity=1 << 30))
+    _core.device_count = lambda: 1
+    _core.current_device = lambda: 0
+'''
+FAKE_PEER_TESTS = '''
+import rmm.mr
+
+def test_passes_everywhere():
+    pass
+
+def test_allocates_through_the_devices_resource():
+    mr = rmm.mr.get_per_device_resource(0)
+    assert type(mr).__name__ != "CudaMemoryResource", "cudaMalloc: no GPU here"
+    mr.deallocate(mr.allocate(4096), 4096)
+'''
+
+
+@pytest.mark.rmm
+def test_a_peers_suite_runs_twice_and_is_compared_by_name(tmp_path, monkeypatch):
+    pytest.importorskip("rmm", reason="needs RMM: pip install 'emmpool[rmm]'")
+    pytest.importorskip("Cython", reason="needs Cython: pip install 'emmpool[rmm]'")
+    suite = load("peer_suite", "peer_suite.py")
+    root, out = tmp_path / "peer", tmp_path / "out"
+    (root / "tests").mkdir(parents=True)
+    (root / "pytest.ini").write_text("[pytest]\n")
+    (root / "TAG").write_text("v0.test\n")
+    (root / "tests" / "conftest.py").write_text(FAKE_PEER_CONFTEST)
+    (root / "tests" / "test_peer.py").write_text(FAKE_PEER_TESTS)
+    monkeypatch.setattr(suite, "preflight", lambda peer: (None, {"version": "x", "gpus": 1}))
+    monkeypatch.setenv("EMMPOOL_RMM_CACHE", str(tmp_path / "cache"))
+    rc = suite.main(["--peer", "rmm", "--tests", str(root), "--out", str(out),
+                     "--timeout", "240"])
+    text = (out / "rmm-suite.txt").read_text()
+    # With RMM's default (cudaMalloc, no GPU here) one test fails; with emmpool's both pass.
+    assert "default    exit 1" in text and "2 tests, failed 1, passed 1" in text, text
+    assert "emmpool    exit 0" in text and "2 tests, passed 2" in text, text
+    assert "emmpool run: 2 tests on emmpool's resource (native resource); allocations " \
+           "through emmpool: 1" in text, text
+    assert "REGRESSIONS (pass with RMM's default resource, not with emmpool): 0" in text, text
+    assert "pass with emmpool, not with RMM's default resource: 1" in text, text
+    assert rc == 0, text
