@@ -82,6 +82,29 @@ def test_replay_rejects_unknown_backend_and_empty_trace():
         replay.run([], "emmpool-host")
 
 
+def test_the_anchors_skip_saying_why_where_they_cannot_run():
+    from tests.conftest import gpu_unavailable_reason
+
+    if gpu_unavailable_reason() is None:
+        pytest.skip("a GPU is here: the anchors run (benchmarks/replay.py on the GPU runner)")
+    ops = [("alloc", 0, 1 << 20), ("free", 0, 0)]
+    for backend in ("driver-pool", "torch-expandable"):
+        with pytest.raises(replay.Skip) as e:
+            replay.run(ops, backend)
+        assert str(e.value), backend  # a reason, said
+
+
+def test_the_replay_table_names_emmpools_default_segments(benchmark_replay):
+    assert benchmark_replay.default_backends() == {"emmpool-growable", "emmpool-host-growable"}
+
+
+@pytest.fixture
+def benchmark_replay():
+    from tests.conftest import benchmark_module
+
+    return benchmark_module("replay")
+
+
 def test_from_slots_builds_a_churn():
     ops = replay.from_slots([10, 20], [1, 0], [30, 40])
     assert ops == [("alloc", 0, 10), ("alloc", 1, 20), ("free", 1, 0), ("alloc", 2, 30),

@@ -223,6 +223,66 @@ def _torch(ops) -> dict:
     return r
 
 
+def _driver_pool(ops) -> dict:
+    """The driver's stream-ordered pool (cuMemAllocFromPoolAsync), a pool of its own through
+    cuda.core, set up as RMM's async resource and PyTorch's cudaMallocAsync backend set theirs:
+    nothing released at a synchronization (release threshold: everything). Its peak reserved is
+    the pool's own high-water mark."""
+    try:
+        from cuda.bindings import driver
+        from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
+    except ImportError as e:
+        raise Skip(f"cuda.core is not importable: {e}") from None
+    try:
+        dev = Device(0)
+        dev.set_current()
+    except Exception as e:  # noqa: BLE001 - cuda.core's error for a machine without a GPU
+        raise Skip(f"no usable GPU for cuda.core: {e}") from None
+    if not dev.properties.memory_pools_supported:
+        raise Skip("the device has no stream-ordered memory pools")
+    mr = DeviceMemoryResource(dev, DeviceMemoryResourceOptions())  # a pool of its own
+    everything = driver.cuuint64_t((1 << 64) - 1)
+    handle = mr.handle if isinstance(mr.handle, driver.CUmemoryPool) else \
+        driver.CUmemoryPool(int(mr.handle))
+    (err,) = driver.cuMemPoolSetAttribute(
+        handle, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, everything)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemPoolSetAttribute(release threshold): {err}")
+    stream = dev.create_stream()  # every stream of the trace: a one-stream replay
+    try:
+        r = _drive(ops, lambda n, _s, _t: mr.allocate(n, stream=stream),
+                   lambda b: b.close(stream))
+        stream.sync()
+        r["peak_reserved"] = mr.attributes.reserved_mem_high
+    finally:
+        mr.close()
+    return r
+
+
+def _torch_expandable(ops) -> dict:
+    """PyTorch's caching allocator with expandable segments (its closest to a growable
+    segment), switched on for this replay only."""
+    try:
+        import torch
+    except ImportError as e:
+        raise Skip(f"PyTorch is not importable: {e}") from None
+    if not torch.cuda.is_available():
+        raise Skip("torch.cuda.is_available() is False")
+    if torch.cuda.get_allocator_backend() != "native":
+        raise Skip(f"PyTorch's allocator here is {torch.cuda.get_allocator_backend()!r}, not "
+                   "its caching allocator")
+    # PyTorch 2.13 moved the setter (the old name warns); 2.11's is torch.cuda.memory's.
+    settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        torch.cuda.memory._set_allocator_settings
+    torch.cuda.empty_cache()
+    settings("expandable_segments:True")
+    try:
+        return _torch(ops)
+    finally:
+        torch.cuda.empty_cache()
+        settings("expandable_segments:False")
+
+
 BACKENDS: dict[str, Callable[[list], dict]] = {
     # emmpool-host and emmpool: the segments EMMPOOL_SEGMENTS asks for (default fixed); the
     # -fixed and -growable backends name theirs, for a comparison in one run.
@@ -235,6 +295,11 @@ BACKENDS: dict[str, Callable[[list], dict]] = {
     "emmpool-growable": lambda ops: _emmpool_cuda(ops, "growable"),
     "cupy": _cupy,
     "torch": _torch,
+    # The anchors a pool shared by every library is measured against: the driver's own pool
+    # (RMM's async resource and CuPy's MemoryAsyncPool are it under every library), and
+    # PyTorch's expandable segments.
+    "driver-pool": _driver_pool,
+    "torch-expandable": _torch_expandable,
 }
 
 
