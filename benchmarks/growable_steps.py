@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 
 from emmpool import _core
+
+import training_trace
 
 MiB = 1 << 20
 DEFAULT_LIMIT = _core.DevicePool(_core.HostDriver(devices=1), 0).options["growable_free_limit"]
@@ -33,46 +34,27 @@ def run(segments: str, free_limit: int | None, steps: int, seed: int, warm: int 
     pool = _core.DevicePool(drv, 0, segments=segments, growable_free_limit=free_limit,
                             growable_page_size=page_size)
     complete = (lambda: None) if cuda else drv.complete_all_events
-    rng = random.Random(seed)
-    layers = 24
-    width = [rng.choice([1, 2, 3, 4, 6, 8]) for _ in range(layers)]  # MiB per unit of shape
-    params = [pool.allocate(w * 2 * MiB) for w in width]
-    state = [pool.allocate(w * 4 * MiB) for w in width]  # Adam's two moments
+    ops, starts, kept = training_trace.make(warm + steps, seed)
+    handles = {}
     maps0 = unmaps0 = creates0 = 0
-    for step in range(warm + steps):
-        if step == warm:
+    t0 = time.perf_counter()
+    for i, (kind, key, size) in enumerate(ops):
+        if i == starts[warm]:
             s = pool.stats()
             maps0, unmaps0, creates0 = s["page_maps"], s["page_unmaps"], s["page_creates"]
             pool.reset_peaks()
             t0 = time.perf_counter()
-        shape = rng.randint(4, 16) * rng.choice([1, 2])  # sequence length x batch, in units
-        acts = []
-        for w in width:  # forward
-            tmp = pool.allocate(w * shape * MiB // 8 + rng.randrange(64) * 256)
-            acts.append(pool.allocate(w * shape * MiB // 4 + rng.randrange(64) * 256))
-            pool.deallocate(tmp)
+        if kind == "alloc":
+            handles[key] = pool.allocate(size)
+        elif kind == "free":
+            pool.deallocate(handles.pop(key))
+        else:  # the GPU catches up
             complete()
-        grad = None
-        grads = []
-        for w, a in zip(reversed(width), reversed(acts)):  # backward
-            g = pool.allocate(w * shape * MiB // 4)
-            grads.append(pool.allocate(w * 2 * MiB))  # parameter gradient
-            pool.deallocate(a)
-            if grad is not None:
-                pool.deallocate(grad)
-            grad = g
-            complete()
-        pool.deallocate(grad)
-        for g in grads:  # optimizer step: a temporary per parameter, then the gradients go
-            t = pool.allocate(2 * MiB * 2)
-            pool.deallocate(t)
-            pool.deallocate(g)
-        complete()
     pool.synchronize()
     seconds = time.perf_counter() - t0
     s = pool.stats()
-    for p in params + state:
-        pool.deallocate(p)
+    for key in kept:
+        pool.deallocate(handles.pop(key))
     pool.trim()
     return {
         "driver": "cuda" if cuda else "host",

@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""Fragmentation replay: how much memory a pool reserves for a churning workload.
+"""Fragmentation replay: how much memory a pool reserves for a churning workload and for a
+training loop whose shapes change.
 
-    python benchmarks/replay.py --out DIR [--backends NAME ...] [--write-trace FILE]
+    python benchmarks/replay.py --out DIR [--backends NAME ...] [--steps N] [--write-trace FILE]
 
-One trace (numpy's RNG, a fixed seed) replayed on every backend; the result is peak reserved
-bytes / peak live bytes (the sum of requested sizes). benchmarks/README.md says what the trace is
-and what each backend is; a backend that cannot run here is skipped, with the reason. Writes
-DIR/replay.json (everything) and DIR/replay.md (the table, also printed); `--write-trace FILE`
-also writes the trace as text, for `bench_core --replay --trace FILE`.
+Two traces replayed on every backend: a churn of random sizes (numpy's RNG, a fixed seed) and a
+PyTorch-like training loop (benchmarks/training_trace.py); the result is peak reserved bytes /
+peak live bytes (the sum of requested sizes). benchmarks/README.md says what the traces are and
+what each backend is; a backend that cannot run here is skipped, with the reason. Writes
+DIR/replay.json (everything) and DIR/replay.md (the tables, also printed); `--write-trace FILE`
+also writes the churn as text, for `bench_core --replay --trace FILE`.
 """
 
 import argparse
@@ -21,6 +23,7 @@ import numpy as np
 from emmpool import replay  # the replay engine and its backends (python/emmpool/replay.py)
 
 import harness
+import training_trace
 
 SEED = 20240601
 LIVE = 256
@@ -28,6 +31,7 @@ OPS = 40_000
 MIN_BYTES = 256
 MAX_BYTES = 64 << 20
 MiB = 1 << 20
+STEPS = 60  # of the training trace
 BACKENDS = ["emmpool-host", "emmpool", "cupy", "torch", "emmpool-host-fixed",
             "emmpool-host-growable", "emmpool-fixed", "emmpool-growable", "driver-pool",
             "torch-expandable"]
@@ -61,22 +65,10 @@ def write_trace(path, trace):
         f.writelines(f"{s} {n}\n" for s, n in zip(slots, sizes))
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=DEFAULT_BACKENDS)
-    ap.add_argument("--seed", type=int, default=SEED)
-    ap.add_argument("--ops", type=int, default=OPS)
-    ap.add_argument("--live", type=int, default=LIVE)
-    ap.add_argument("--write-trace", metavar="FILE", help="also write the trace as text")
-    args = ap.parse_args(argv)
-
-    trace = make_trace(args.seed, args.live, args.ops)
-    if args.write_trace:
-        write_trace(args.write_trace, trace)
-    ops = replay.from_slots(*trace)
+def replay_all(ops, backends) -> dict:
+    """Each backend's replay of `ops`: its figures, or why it was skipped or failed."""
     results = {}
-    for name in args.backends:
+    for name in backends:
         try:
             results[name] = {"status": "ok", **replay.run(ops, name)}
         except replay.Skip as e:
@@ -84,26 +76,15 @@ def main(argv=None):
         except Exception as e:  # a failure is reported, not hidden
             results[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}",
                              "traceback": traceback.format_exc()}
+    return results
 
-    doc = {
-        "benchmark": "replay",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "trace": {"generator": "numpy.random.default_rng", "seed": args.seed, "live": args.live,
-                  "ops": args.ops, "min_bytes": MIN_BYTES, "max_bytes": MAX_BYTES,
-                  "distribution": "log-uniform"},
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "results": results,
-    }
-    lines = [
-        f"Fragmentation replay: {args.live} live, {args.ops} ops, sizes log-uniform "
-        f"{MIN_BYTES} B - {MAX_BYTES >> 20} MiB, seed {args.seed}",
-        "",
-        "| backend | peak live (MiB) | peak reserved (MiB) | reserved / live | replay s |",
-        "|---|---:|---:|---:|---:|",
-    ]
+
+def table(title: str, backends, results: dict) -> list[str]:
+    lines = [title, "",
+             "| backend | peak live (MiB) | peak reserved (MiB) | reserved / live | replay s |",
+             "|---|---:|---:|---:|---:|"]
     default = default_backends()
-    for name in args.backends:
+    for name in backends:
         r = results[name]
         label = f"{name} (default)" if name in default else name
         if r["status"] == "ok":
@@ -112,8 +93,47 @@ def main(argv=None):
                          f"{r['seconds']:.2f} |")
         else:
             lines.append(f"| {label} | {r['status']}: {r['reason']} | | | |")
+    return lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=DEFAULT_BACKENDS)
+    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--ops", type=int, default=OPS)
+    ap.add_argument("--live", type=int, default=LIVE)
+    ap.add_argument("--steps", type=int, default=STEPS, help="steps of the training trace")
+    ap.add_argument("--write-trace", metavar="FILE", help="also write the churn as text")
+    args = ap.parse_args(argv)
+
+    trace = make_trace(args.seed, args.live, args.ops)
+    if args.write_trace:
+        write_trace(args.write_trace, trace)
+    churn = replay_all(replay.from_slots(*trace), args.backends)
+    training = replay_all(training_trace.make(args.steps, args.seed)[0], args.backends)
+    doc = {
+        "benchmark": "replay",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "trace": {"generator": "numpy.random.default_rng", "seed": args.seed, "live": args.live,
+                  "ops": args.ops, "min_bytes": MIN_BYTES, "max_bytes": MAX_BYTES,
+                  "distribution": "log-uniform"},
+        "training_trace": {"generator": "benchmarks/training_trace.py", "steps": args.steps,
+                           "seed": args.seed},
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "results": churn,
+        "training_results": training,
+    }
+    lines = table(f"Fragmentation replay: {args.live} live, {args.ops} ops, sizes log-uniform "
+                  f"{MIN_BYTES} B - {MAX_BYTES >> 20} MiB, seed {args.seed}",
+                  args.backends, churn)
+    lines += [""] + table(f"A training loop whose shapes change every step "
+                          f"(benchmarks/training_trace.py): {args.steps} steps, seed {args.seed}",
+                          args.backends, training)
     harness.write_results(args.out, "replay", doc, "\n".join(lines) + "\n", indent=2)
-    return 1 if any(r["status"] == "error" for r in results.values()) else 0
+    failed = [r for results in (churn, training) for r in results.values()]
+    return 1 if any(r["status"] == "error" for r in failed) else 0
 
 
 if __name__ == "__main__":

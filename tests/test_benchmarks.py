@@ -1070,3 +1070,26 @@ def test_bench_rmm_merges_rounds_and_quotes_its_ratios():
     assert "| DeviceBuffer 4 KiB (µs) | 2.10 | 6.00 | 4.00 | 5.00 | 9.00 | 0.42 | 0.53 |" in text
     assert "| 8 C++ threads (M/s) | 4.00 | 0.50 | 2.00 | 3.00 | 0.10 | 1.33 | 2.00 |" in text
     assert "moves 8.0× the callback resource's" in text
+
+
+def test_the_training_trace_frees_all_but_its_state_and_steady_steps_repeat():
+    trace = benchmark_module("training_trace")
+    ops, starts, kept = trace.make(6, seed=3)
+    live = {}
+    for kind, key, size in ops:
+        if kind == "alloc":
+            assert key not in live
+            live[key] = size
+        elif kind == "free":
+            del live[key]
+    assert sorted(live) == sorted(kept) and len(kept) == 2 * trace.LAYERS
+    assert len(starts) == 6 and ops[starts[-1] - 1] == ("sync", 0, 0)
+
+    def sizes(ops, lo, hi):
+        return [op[2] for op in ops[lo:hi] if op[0] == "alloc"]
+
+    steady, starts, _ = trace.make(3, seed=3, steady=True)
+    shape = [sorted(sizes(steady, a, b)) for a, b in zip(starts, starts[1:] + [len(steady)])]
+    assert shape[0] != [] and shape[1] == shape[2]
+    changing = [sizes(ops, a, b) for a, b in zip(starts, starts[1:])]
+    assert len({tuple(s) for s in changing}) > 1  # shapes change from step to step
