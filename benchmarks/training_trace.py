@@ -38,7 +38,7 @@ class _Ids:
 def make(steps: int, seed: int = 1, steady: bool = False) -> tuple[list, list[int], list[int]]:
     """(the operations, the index in them where each step starts, the ids allocated before
     the first step: parameters and optimizer state, freed by no step). ``steady``: every step
-    the same shape (a loop whose sizes never change)."""
+    the same shape and sizes (a loop whose sizes never change)."""
     rng = random.Random(seed)
     t = _Ids()
     width = [rng.choice([1, 2, 3, 4, 6, 8]) for _ in range(LAYERS)]  # MiB per unit of shape
@@ -50,8 +50,8 @@ def make(steps: int, seed: int = 1, steady: bool = False) -> tuple[list, list[in
         shape = 12 if steady else rng.randint(4, 16) * rng.choice([1, 2])
         acts = []
         for w in width:  # forward
-            tmp = t.alloc(w * shape * MiB // 8 + rng.randrange(64) * 256)
-            acts.append(t.alloc(w * shape * MiB // 4 + rng.randrange(64) * 256))
+            tmp = t.alloc(w * shape * MiB // 8 + (0 if steady else rng.randrange(64) * 256))
+            acts.append(t.alloc(w * shape * MiB // 4 + (0 if steady else rng.randrange(64) * 256)))
             t.free(tmp)
             t.sync()
         grad = None
