@@ -475,3 +475,30 @@ def test_a_resource_dropped_is_collected_with_its_c_methods():
         assert count() == before, (count(), before)
         """
     )
+
+
+def test_the_resource_keeps_cuda_cores_interface_as_cuda_core_states_it():
+    # Every member cuda.core's MemoryResource declares, overridden, with its parameters as the
+    # base class names them (the stream keyword-only); the stream emmpool's methods also take as
+    # None is an addition (cuda.core's callers always pass one).
+    import inspect
+
+    from cuda.core import MemoryResource
+
+    from emmpool.cuda_core import EmmPoolMemoryResource
+
+    declared = {n for n, v in vars(MemoryResource).items()
+                if not n.startswith("_") and (callable(v) or isinstance(v, property)
+                                              or inspect.isdatadescriptor(v))}
+    assert {"allocate", "deallocate", "device_id", "is_device_accessible",
+            "is_host_accessible", "is_managed"} <= declared, declared
+    for name in declared:
+        ours = inspect.getattr_static(EmmPoolMemoryResource, name)
+        assert ours is not inspect.getattr_static(MemoryResource, name), f"{name} not overridden"
+    for name in ("allocate", "deallocate"):
+        base = inspect.signature(getattr(MemoryResource, name)).parameters
+        mine = inspect.signature(getattr(EmmPoolMemoryResource, name)).parameters
+        assert list(mine)[:len(base)] == list(base), (name, list(mine), list(base))
+        for p in base:
+            assert mine[p].kind == base[p].kind, (name, p, mine[p].kind, base[p].kind)
+        assert mine["stream"].kind is inspect.Parameter.KEYWORD_ONLY
