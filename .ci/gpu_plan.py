@@ -14,7 +14,7 @@ CI = REPO / ".ci"
 
 DEFAULT_BENCHES = ("bench_numba", "bench_cuda_core", "bench_rmm", "bench_pinned", "replay",
                    "bench_shared", "bench_torch_train", "bench_torch_compile", "torch_training",
-                   "growable_steps")
+                   "torch_ddp", "growable_steps")
 # Numba's tests that start subprocesses break under numba.runtests -m: run serially.
 SERIAL_TESTS = ("numba.cuda.tests.cudapy.test_ipc", "numba.cuda.tests.cudadrv.test_init",
                 "numba.cuda.tests.cudapy.test_multiprocessing",
