@@ -12,7 +12,8 @@ segments; 2 MiB; 64 MiB: the growable segment) and, where CuPy is, a CuPy array 
 Rank 0 writes the round's result: losses, ms per step (median after warm-up), every rank's peak
 reserved (torch.cuda.max_memory_reserved) and, on emmpool, what each library allocated. Without
 GPUs (``--device cpu``) the same runs over gloo on the CPU: the plumbing, not the allocator.
-Writes DIR/torch_ddp.json and DIR/torch_ddp.md.
+Writes DIR/torch_ddp.json and DIR/torch_ddp.md; with ``--nccl-register``, both setups under
+NCCL user-buffer registration, into DIR/torch_ddp_nccl_register.{json,md}.
 """
 
 from __future__ import annotations
@@ -160,10 +161,16 @@ def cupy_through_dlpack(torch, dist, device, world: int) -> list[dict]:
 # runner
 
 
-def run_setup(setup: str, gpus: int, steps: int, device: str, timeout: float) -> dict:
+def run_setup(setup: str, gpus: int, steps: int, device: str, timeout: float,
+              nccl_register: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", NCCL_DEBUG="WARN")
+        if nccl_register:
+            # ProcessGroupNCCL registers every segment the allocator reports (its trace's
+            # SEGMENT_ALLOC, and its snapshot's at a communicator's start) with NCCL
+            # (ncclCommRegister): user-buffer registration, for zero-copy collectives.
+            env["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "1"
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={gpus}", str(Path(__file__).resolve()), "--worker",
@@ -233,6 +240,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: gloo on the CPU, the plumbing only [cuda]")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per setup and round")
+    ap.add_argument("--nccl-register", action="store_true",
+                    help="both setups with NCCL user-buffer registration "
+                         "(TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--setup", choices=SETUPS, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -250,12 +260,18 @@ def main(argv=None) -> int:
     rounds = []
     for i in range(args.rounds):
         order = SETUPS if i % 2 == 0 else SETUPS[::-1]
-        rounds.append({setup: run_setup(setup, args.gpus, args.steps, args.device, args.timeout)
+        rounds.append({setup: run_setup(setup, args.gpus, args.steps, args.device, args.timeout,
+                                        args.nccl_register)
                        for setup in order})
     s = summarize(rounds)
-    harness.write_results(args.out, "torch_ddp", {"gpus": args.gpus, "steps": args.steps,
-                                                  "rounds": rounds, "summary": s},
-                          table(s, args.gpus, args.steps, args.rounds, args.device))
+    stem = "torch_ddp_nccl_register" if args.nccl_register else "torch_ddp"
+    text = table(s, args.gpus, args.steps, args.rounds, args.device)
+    if args.nccl_register:
+        text += ("\nBoth setups with NCCL user-buffer registration "
+                 "(TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1).\n")
+    harness.write_results(args.out, stem, {"gpus": args.gpus, "steps": args.steps,
+                                           "nccl_register": args.nccl_register,
+                                           "rounds": rounds, "summary": s}, text)
     ok = s.get("losses_identical", False) and all(s[x]["checks_ok"] for x in SETUPS if x in s)
     return 0 if ok else 1
 

@@ -16,8 +16,9 @@ def ddp(tmp_path, *args: str) -> dict:
     rc = bench.main(["--out", str(tmp_path), "--steps", "12", "--rounds", "1", *args])
     import json
 
-    summary = json.loads((tmp_path / "torch_ddp.json").read_text())["summary"]
-    assert rc == 0, (tmp_path / "torch_ddp.md").read_text()
+    stem = "torch_ddp_nccl_register" if "--nccl-register" in args else "torch_ddp"
+    summary = json.loads((tmp_path / f"{stem}.json").read_text())["summary"]
+    assert rc == 0, (tmp_path / f"{stem}.md").read_text()
     assert summary["losses_identical"], summary
     for setup in ("native", "emmpool"):
         assert summary[setup]["checks_ok"], summary[setup]["checks"]
@@ -33,11 +34,11 @@ def test_the_runner_and_its_checks_over_gloo_on_the_cpu(tmp_path):
         benchmark_module("torch_ddp").SIZES)
 
 
-def _on_gpus(tmp_path, gpus: int) -> None:
+def _on_gpus(tmp_path, gpus: int, *args: str) -> None:
     torch = require("torch")
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs: this machine has {torch.cuda.device_count()}")
-    summary = ddp(tmp_path, "--gpus", str(gpus))
+    summary = ddp(tmp_path, "--gpus", str(gpus), *args)
     assert summary["emmpool"]["allocator"] != summary["native"]["allocator"], summary
     assert summary["emmpool"]["by_library_rank0"].get("torch", 0) > 0, summary
 
@@ -53,3 +54,12 @@ def test_ddp_and_collectives_on_one_gpu(tmp_path):
 @pytest.mark.multi_gpu
 def test_ddp_and_collectives_over_nccl_on_two_gpus(tmp_path):
     _on_gpus(tmp_path, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+@pytest.mark.multi_gpu
+def test_ddp_with_nccl_user_buffer_registration_on_two_gpus(tmp_path):
+    # PyTorch registers the segments its allocator reports with NCCL (ncclCommRegister): on
+    # emmpool, the runs of a growable segment's blocks in use, and its page maps.
+    _on_gpus(tmp_path, 2, "--nccl-register")
