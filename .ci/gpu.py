@@ -172,7 +172,7 @@ FILES = {".cupy-tests": (".cupy-tests/tests",
          ".torch-tests": (".torch-tests/test_cuda.py",
                           "bash .ci/gpu-torch-tests PYTORCH_CHECKOUT, then bring it"),
          ".rmm-tests": (".rmm-tests/tests", "bash .ci/gpu-rmm-tests RMM_CHECKOUT, then bring it"),
-         ".cuda-core-tests": (".cuda-core-tests/tests",
+         ".cuda-core-tests": (".cuda-core-tests/cuda_core/tests",
                               "bash .ci/gpu-cuda-core-tests CUDA_PYTHON_CHECKOUT, then bring it"),
          ".baseline": (".baseline/*/pyproject.toml", "bash .ci/gpu-baseline REV NAME"),
          "mlir-tests": (".whl/numba-cuda-mlir-tests-*.tar.gz", "bash .ci/gpu-wheels mlir")}

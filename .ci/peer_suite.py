@@ -5,8 +5,9 @@ and once with emmpool's as every device's, compared by test name.
     python3 .ci/peer_suite.py --peer rmm|cuda-core [--tests DIR] [--out DIR] [--timeout S]
 
 The tests come from the peer's repository at the release installed here (``bash
-.ci/gpu-rmm-tests`` puts RMM's into .rmm-tests/, ``bash .ci/gpu-cuda-core-tests`` cuda.core's
-into .cuda-core-tests/: each a tests/ folder and the peer's pytest.ini). The two runs take turns;
+.ci/gpu-rmm-tests`` puts RMM's into .rmm-tests/tests, ``bash .ci/gpu-cuda-core-tests``
+cuda.core's into .cuda-core-tests/cuda_core/tests, as laid out in its repository; each with the
+peer's pytest.ini beside). The two runs take turns;
 each loads a small pytest plugin (.ci/emmpool_peer_suite_plugin.py) that, in the emmpool run,
 makes emmpool's resource every device's before each test, and records in both how many tests
 ran and how many allocations the peer made from emmpool (proof that the run used it).
@@ -43,34 +44,50 @@ class Peer:
     title: str    # whose tests
     default: str  # what the peer allocates through unless told otherwise
     tests: str    # the folder .ci/gpu-<peer>-tests makes
+    inside: str   # the tests' folder in it (as in the peer's repository: its conftest finds
+                  # what it needs from there)
     module: str   # what must import
     version: str  # its version, as the module says it
+    subset: tuple = ()  # by default only these, inside `inside` (--all: every test)
 
 
 PEERS = {
-    "rmm": Peer("RMM's own tests", "RMM's default resource", ".rmm-tests", "rmm",
+    "rmm": Peer("RMM's own tests", "RMM's default resource", ".rmm-tests", "tests", "rmm",
                 "rmm.__version__"),
+    # What allocates through a Device's memory resource: buffers, streams, launches, DLPack,
+    # graphs, IPC; not the compiler, layouts or object protocols (thousands of tests of their
+    # own that never allocate).
     "cuda-core": Peer("cuda.core's own tests", "cuda.core's default memory resource",
-                      ".cuda-core-tests", "cuda.core", "cuda.core.__version__"),
+                      ".cuda-core-tests", "cuda_core/tests", "cuda.core",
+                      "cuda.core.__version__",
+                      ("test_memory.py", "test_device.py", "test_stream.py", "test_event.py",
+                       "test_launcher.py", "test_utils_dlpack.py", "test_memory_peer_access.py",
+                       "graph", "memory", "memory_ipc")),
 }
 RUNS = ("default", "emmpool")
 
 
-def run_suite(peer: str, run: str, root: Path, out: Path, seconds: float) -> tuple:
-    """pytest -v over root/tests into <peer>-<run>.log; (exit status, seconds)."""
+def run_suite(peer: str, run: str, root: Path, out: Path, seconds: float,
+              every_test: bool = False) -> tuple:
+    """pytest -v over the peer's tests in root (its subset unless `every_test`) into
+    <peer>-<run>.log; (exit status, seconds)."""
     t0 = time.monotonic()
+    p = PEERS[peer]
+    paths = [p.inside] if every_test or not p.subset else [f"{p.inside}/{s}" for s in p.subset]
+    # A test file that does not import here (one newer than the installed release, one needing
+    # a build step) costs its own tests, not the run's: pytest would stop before the first test.
     cmd = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider",
-           "-p", "no:randomly", "-v", "--rootdir", str(root), "-c", str(root / "pytest.ini"),
-           "tests"]
+           "-p", "no:randomly", "-v", "--continue-on-collection-errors", "--rootdir", str(root),
+           "-c", str(root / "pytest.ini"), *paths]
     env = dict(os.environ, EMMCI_PEER_SUITE=peer, EMMCI_PEER_RUN=run,
                EMMCI_PEER_SUITE_OUT=str(out), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
     with open(out / f"{peer}-{run}.log", "w") as log:
         log.write(f"## {shlex.join(cmd)}\n")
         log.flush()
-        p = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-        rc = wait_or_stop(p, seconds)
+        child = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        rc = wait_or_stop(child, seconds)
     return rc, round(time.monotonic() - t0)
 
 
@@ -102,8 +119,9 @@ def report(args, root: Path, out: Path, status: dict, why_not: str | None,
     results = {run: outcomes(out / f"{args.peer}-{run}.log") for run in RUNS}
     lines = [f"# {peer.title} ({tag}): {peer.default} vs emmpool's", "",
              f"{peer.module} {info.get('version', '?')}; GPUs: {info.get('gpus', '?')}",
-             f"command: python3 .ci/peer_suite.py --peer {args.peer} --timeout {args.timeout}",
-             ""]
+             f"command: python3 .ci/peer_suite.py --peer {args.peer} --timeout {args.timeout}"
+             + (" --all" if args.all else ""),
+             f"tests: {', '.join(peer.subset) if peer.subset and not args.all else 'all'}", ""]
     if why_not:
         lines += [f"NOT RUN: {why_not}", ""]
     lines += run_lines(RUNS, status, results, lambda run: out / f"{args.peer}-{run}.log")
@@ -124,25 +142,29 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer", choices=sorted(PEERS), required=True)
-    ap.add_argument("--tests", help="folder holding tests/ and pytest.ini [.rmm-tests, "
+    ap.add_argument("--tests", help="the folder .ci/gpu-<peer>-tests made [.rmm-tests, "
                                     ".cuda-core-tests]")
     ap.add_argument("--out", default="peer-suite-out")
     ap.add_argument("--timeout", type=int, default=300, help="seconds for both runs [300]")
+    ap.add_argument("--all", action="store_true",
+                    help="every test of the peer's, not only those that allocate")
     args = ap.parse_args(argv)
     peer = PEERS[args.peer]
     root, out = Path(args.tests or peer.tests).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.json"):
         old.unlink()
-    why_not, info = (None, {}) if (root / "tests").is_dir() else (f"no {root / 'tests'}", {})
+    tests = root / peer.inside
+    why_not, info = (None, {}) if tests.is_dir() else (f"no {tests}", {})
     if not why_not:
         why_not, info = preflight(peer)
     status = {}
     if not why_not:
         t0 = time.monotonic()
-        status["default"] = run_suite(args.peer, "default", root, out, args.timeout / 2)
+        status["default"] = run_suite(args.peer, "default", root, out, args.timeout / 2,
+                                      args.all)
         status["emmpool"] = run_suite(args.peer, "emmpool", root, out,
-                                      args.timeout - (time.monotonic() - t0))
+                                      args.timeout - (time.monotonic() - t0), args.all)
     text, ok = report(args, root, out, status, why_not, info)
     (out / f"{args.peer}-suite.txt").write_text(text)
     print(text[:8000])
