@@ -298,3 +298,23 @@ def test_info_says_what_rmm_would_get_without_building_it(cache, tmp_path, monke
     assert _rmm.readiness() == "callback resource: no C++ compiler (no-such-compiler): install " \
                                "one, or set CXX"
     assert list(tmp_path.iterdir()) == []  # nothing was built, nor a folder made
+
+
+def test_a_compiler_that_fails_is_one_warning_line_and_its_words_go_to_the_log(tmp_path):
+    cxx = tmp_path / "broken-c++"
+    cxx.write_text("#!/bin/sh\necho 'resource.hpp:1: error: something the compiler says' >&2\n"
+                   "exit 1\n")
+    cxx.chmod(0o755)
+    env = dict(os.environ, EMMPOOL_RMM_CACHE=str(tmp_path / "cache"), CXX=str(cxx),
+               EMMPOOL_LOG="debug")
+    p = run_python(["-W", "always", "-c", PRELUDE + textwrap.dedent(
+        """
+        assert type(emmpool.rmm_resource(0)) is rmm.mr.CallbackMemoryResource
+        print("OK")
+        """)], timeout=180, env=env)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
+    warned = [line for line in p.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(warned) == 1, p.stderr
+    assert "the C++ compiler failed building emmpool's native RMM resource" in warned[0]
+    assert "EMMPOOL_LOG=debug shows why" in warned[0] and "error:" not in warned[0], warned
+    assert "something the compiler says" in p.stderr  # the log's line, at debug level

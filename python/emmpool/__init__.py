@@ -130,7 +130,9 @@ def use_for_rmm(devices=None, *, replace: bool = False) -> Installed:
     allocates). RMM's default resource is replaced; another (``rmm.reinitialize``'s pool,
     dask-cuda's) is left in place (AllocatorConflictError) unless ``replace=True``.
 
-    Returns ``Installed("rmm", "callback resource", (resource per device,), devices)``."""
+    Returns ``Installed("rmm", how, (resource per device,), devices)``, ``how`` being
+    ``"native resource"`` (built against the RMM installed: no Python per allocation) or
+    ``"callback resource"`` (where it cannot be built; a warning says why)."""
     devices = _args.devices(devices)
     replace = _args.flag(replace, "replace")
     from . import hooks

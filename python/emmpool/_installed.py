@@ -23,8 +23,9 @@ class Installed:
     ``stats()["by_library"]``). ``how``: the library's own mechanism, ``"memory manager"``
     (Numba's EMM plugin), ``"memory resource"`` (cuda.core), ``"C function allocator"`` (CuPy),
     ``"extension"`` or ``"pluggable"`` (PyTorch: emmpool's allocator extension, or PyTorch's
-    ``CUDAPluggableAllocator``), ``"callback resource"`` (RMM). ``allocators``: the objects the
-    library was given, in order: Numba's manager class per installed package (numba-cuda,
+    ``CUDAPluggableAllocator``), ``"native resource"`` or ``"callback resource"`` (RMM: emmpool's
+    own, built against the RMM installed, or RMM's Python-callback one where it cannot be).
+    ``allocators``: the objects the library was given, in order: Numba's manager class per installed package (numba-cuda,
     numba-cuda-mlir), cuda.core's and RMM's resource per device, CuPy's allocator function,
     PyTorch's extension module or pluggable allocator. ``devices``: the device of each
     allocator where the library takes one per device (cuda.core, RMM); None where one serves

@@ -10,9 +10,9 @@ release: it must match the RMM installed, as the PyTorch extension matches PyTor
 
 Supported: RMM 26.06 and later (older: the callback resource). What the build needs: Cython
 (``pip install 'emmpool[rmm]'`` brings it), a C++20 compiler (``$CXX``, else ``c++``), RMM's
-wheels (headers and ``librmm.so``) and the CUDA runtime's headers (a CUDA toolkit:
-``$CUDA_HOME``, ``$CUDA_PATH``, ``nvcc`` on ``PATH`` or
-``/usr/local/cuda``; or the ``nvidia-cuda-runtime`` wheel). The module is cached under
+wheels (headers and ``librmm.so``) and the CUDA runtime's headers (a CUDA toolkit found by
+``$CUDA_HOME``, ``$CUDA_PATH``, ``nvcc`` on ``PATH`` or ``/usr/local/cuda``; or the
+``nvidia-cuda-runtime`` wheel). The module is cached under
 ``$EMMPOOL_RMM_CACHE`` (default ``~/.cache/emmpool/rmm``), one per source, RMM version and
 Python, and built once under a file lock (several processes starting at once build it once).
 """

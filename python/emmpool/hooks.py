@@ -329,10 +329,13 @@ def _native_rmm():
         _rmm.module()
     except _rmm.RmmBuildError as e:
         _rmm_problem.append(str(e))
+        first, *rest = str(e).splitlines()
+        if rest:  # a compiler's words: in the log, where they do not drown the warning
+            log.debug("emmpool's native RMM resource: %s", e)
         warnings.warn(
-            f"{str(e).splitlines()[0]}; RMM allocates from emmpool through a Python callback "
-            "resource instead (one Python call and the GIL per allocation)",
-            RuntimeWarning, stacklevel=4)
+            f"{first.rstrip(':')}{' (EMMPOOL_LOG=debug shows why)' if rest else ''}; RMM "
+            "allocates from emmpool through a Python callback resource instead (one Python "
+            "call and the GIL per allocation)", RuntimeWarning, stacklevel=4)
         return None
     return _rmm
 
