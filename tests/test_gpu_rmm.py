@@ -67,7 +67,7 @@ from numba import cuda
 import emmpool
 emmpool.use_for_numba()
 done = emmpool.use_for_rmm()           # RMM's default resource: taken over, on every device
-assert (done.library, done.how) == ("rmm", "native resource"), done
+assert done.library == "rmm" and done.how == emmpool.hooks.rmm_resource_kind(), done
 assert rmm.mr.get_current_device_resource() is done.allocators[0] is emmpool.rmm_resource()
 assert emmpool.use_for_rmm() == done
 n = 1 << 20
