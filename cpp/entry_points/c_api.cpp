@@ -15,9 +15,19 @@
 #include <emmpool/error.hpp>
 #include <emmpool/registry.hpp>
 
+#include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 namespace emmpool::c_api {
+
+void copy_message(char* to, std::size_t room, char const* what) noexcept
+{
+  if (to == nullptr || room == 0) { return; }
+  auto const n = std::min(std::strlen(what), room - 1);
+  std::memcpy(to, what, n);
+  to[n] = '\0';
+}
 
 failure current_failure() noexcept
 {

@@ -23,6 +23,10 @@ struct failure {
   char const* what;  ///< valid while the exception is being handled
 };
 
+/// `what` into the caller's buffer of `room` bytes, cut to fit, NUL-terminated (nothing where
+/// there is no buffer): how every C entry point hands a message over.
+void copy_message(char* to, std::size_t room, char const* what) noexcept;
+
 /// Inside a catch block: the exception being handled, classified (out_of_memory 0,
 /// std::invalid_argument 1, anything else 2). The one mapping every C entry point reports by.
 [[nodiscard]] failure current_failure() noexcept;

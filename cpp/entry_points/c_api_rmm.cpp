@@ -8,9 +8,6 @@
 #include <emmpool/registry.hpp>
 #include <emmpool/rmm_api.h>
 
-#include <algorithm>
-#include <cstring>
-
 static_assert(EMMPOOL_RMM_OUT_OF_MEMORY == 0 && EMMPOOL_RMM_INVALID_ARGUMENT == 1 &&
                 EMMPOOL_RMM_OTHER == 2,
               "rmm_api.h's failures are c_api::failure's kinds");
@@ -18,14 +15,6 @@ static_assert(EMMPOOL_RMM_OUT_OF_MEMORY == 0 && EMMPOOL_RMM_INVALID_ARGUMENT == 
 namespace {
 
 using emmpool::stream_handle;
-
-void say(char* message, std::size_t message_size, char const* what) noexcept
-{
-  if (message == nullptr || message_size == 0) { return; }
-  auto const n = std::min(std::strlen(what), message_size - 1);
-  std::memcpy(message, what, n);
-  message[n] = '\0';
-}
 
 void* rmm_allocate(std::size_t size, int device, void* stream, int* failure, char* message,
                    std::size_t message_size)
@@ -38,7 +27,7 @@ void* rmm_allocate(std::size_t size, int device, void* stream, int* failure, cha
   catch (...) {
     auto const f = emmpool::c_api::current_failure();
     if (failure != nullptr) { *failure = f.kind; }
-    say(message, message_size, f.what);
+    emmpool::c_api::copy_message(message, message_size, f.what);
   }
   return nullptr;
 }
@@ -66,7 +55,7 @@ int rmm_synchronize(int device, void* stream, char* message, std::size_t message
   }
   EMMPOOL_LET_THREAD_END
   catch (...) {
-    say(message, message_size, emmpool::c_api::current_failure().what);
+    emmpool::c_api::copy_message(message, message_size, emmpool::c_api::current_failure().what);
   }
   return -1;
 }

@@ -48,17 +48,14 @@ void report(emmpool_error* error) noexcept
   if (error == nullptr) { return; }
   auto const f = emmpool::c_api::current_failure();
   error->kind  = f.kind;
-  std::size_t const n = std::min(std::strlen(f.what), sizeof error->message - 1);
-  std::memcpy(error->message, f.what, n);
-  error->message[n] = '\0';
+  emmpool::c_api::copy_message(error->message, sizeof error->message, f.what);
 }
 
 void say(emmpool_error* error, emmpool_failure kind, char const* what) noexcept
 {
   if (error == nullptr) { return; }
   error->kind = kind;
-  std::strncpy(error->message, what, sizeof error->message - 1);
-  error->message[sizeof error->message - 1] = '\0';
+  emmpool::c_api::copy_message(error->message, sizeof error->message, what);
 }
 
 // The pool of a device only if it exists already: statistics, peaks and empty_cache must not
