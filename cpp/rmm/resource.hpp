@@ -61,7 +61,8 @@ class resource {
     }
     if (bytes == 0) { return nullptr; }  // as cudaMalloc(0): nothing to free
     int failure = EMMPOOL_RMM_OTHER;
-    char message[512] = {};
+    char message[512];  // filled on failure only: not cleared on every allocation
+    message[0] = '\0';
     void* p = api_->allocate(bytes, device_, stream.get(), &failure, message, sizeof message);
     if (p != nullptr) { return p; }
     if (failure == EMMPOOL_RMM_OUT_OF_MEMORY) { throw rmm::out_of_memory{message}; }
