@@ -314,10 +314,10 @@ def test_extension_source_is_shipped_with_the_package():
 def test_missing_toolkit_is_said(monkeypatch):
     from torch.utils import cpp_extension
 
-    from emmpool import _torch
+    from emmpool import _toolchain, _torch
 
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
-    monkeypatch.setattr(_torch, "_cuda_home", lambda guess: None)  # none on this machine either
+    monkeypatch.setattr(_toolchain, "cuda_home", lambda *guesses: None)  # none here either
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
     with pytest.raises(_torch.TorchExtensionError, match="no CUDA toolkit found"):
         _torch.build_extension()

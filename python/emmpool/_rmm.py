@@ -32,7 +32,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from . import _core
+from . import _core, _toolchain
 from ._config import log
 
 SOURCES = Path(__file__).with_name("rmm_resource")
@@ -109,14 +109,9 @@ def _release(version: str) -> tuple[int, int]:
 
 def _cuda_include() -> Path:
     """The directory holding cuda_runtime_api.h."""
-    guesses = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        guesses.append(str(Path(nvcc).resolve().parent.parent))
-    guesses.append("/usr/local/cuda")
-    for g in filter(None, guesses):
-        if (Path(g) / "include" / "cuda_runtime_api.h").exists():
-            return Path(g) / "include"
+    home = _toolchain.cuda_home(os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"))
+    if home is not None:
+        return home / "include"
     for site in map(Path, sys.path):  # the nvidia-cuda-runtime wheel
         for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include"):
             if (site / sub / "cuda_runtime_api.h").exists():
@@ -149,9 +144,9 @@ def readiness() -> str | None:
     except ImportError:
         return None
     try:
-        version = _rmm_parts()[0]
-        if _target(version).exists():
-            return f"native resource, built in {_target(version).parent}"
+        target = _target(_rmm_parts()[0])
+        if target.exists():
+            return f"native resource, built in {target.parent}"
         _tools()
     except RmmBuildError as e:
         return f"callback resource: {str(e).splitlines()[0]}"

@@ -29,7 +29,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from . import _config, _core
+from . import _config, _core, _toolchain
 from ._config import ensure_configured, log
 
 EXTENSION = Path(__file__).with_name("torch_extension")
@@ -76,7 +76,7 @@ def _build_problem() -> str | None:
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         return f"no C++ compiler ({cxx!r} is not on PATH; set CXX)"
-    home = _cuda_home(cpp_extension.CUDA_HOME)
+    home = _toolchain.cuda_home(cpp_extension.CUDA_HOME)
     if home is None:
         if cpp_extension.CUDA_HOME is None:
             return "no CUDA toolkit found (set CUDA_HOME; its headers are needed)"
@@ -84,20 +84,6 @@ def _build_problem() -> str | None:
     # PyTorch guesses CUDA_HOME from nvcc's folder, which is wrong where nvcc is a link
     # (/usr/local/bin/nvcc -> /usr/local/cuda/bin/nvcc): give it the toolkit that has the headers.
     cpp_extension.CUDA_HOME = str(home)
-    return None
-
-
-def _cuda_home(guess: str | None) -> Path | None:
-    """The first of PyTorch's guess, nvcc's real folder and /usr/local/cuda that holds
-    include/cuda_runtime_api.h."""
-    candidates = [guess] if guess else []
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(str(Path(nvcc).resolve().parent.parent))
-    candidates.append("/usr/local/cuda")
-    for c in candidates:
-        if (Path(c) / "include" / "cuda_runtime_api.h").exists():
-            return Path(c)
     return None
 
 
