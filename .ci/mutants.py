@@ -45,6 +45,9 @@ class Mutant:
     pytest: tuple = ()  # pytest selections (paths, or path::test) that must catch it
 
 
+KEY_TEST = ("tests/test_ipc.py::test_the_sender_serves_only_the_block_of_the_key_while_it_is_"
+            "the_one_shared")
+
 MUTANTS = (
     Mutant("capture-wait", "a graph capture never waits at a growable new peak",
            "cpp/src/device_pool.cpp",
@@ -82,14 +85,29 @@ MUTANTS = (
            ctest="a_reset_releases_every_hold"),
     Mutant("stale-pages", "pages are handed to another process only while they are the block's",
            "cpp/src/growable_space.cpp",
-           "if (fds[i] < 0 || pages_->exported_at(first_page + i * page) != fds[i]) {",
-           "if (fds[i] < 0) {", ctest="growable_shared_pages",
-           pytest=("tests/test_ipc.py::test_the_sender_refuses_a_wrong_secret_and_pages_it_no_"
-                   "longer_holds",)),
-    Mutant("service-secret", "the IPC service serves only a peer that shows its secret",
-           "cpp/src/ipc_service.cpp", "if (!same_secret(q.secret, secret_)) {", "if (false) {",
-           pytest=("tests/test_ipc.py::test_the_sender_refuses_a_wrong_secret_and_pages_it_no_"
-                   "longer_holds",)),
+           "pages_->exported_at(first_page + i * page) != fds[i]) { return false; }",
+           "false) { return false; }", ctest="growable_shared_pages"),
+    Mutant("share-key", "the IPC service serves a block's pages only to a holder of its key",
+           "cpp/src/pool_sharing.cpp",
+           "    if (detail::same_key(key, it->second)) { shared = it->first; }",
+           "    shared = it->first;", ctest="growable_shared_pages",
+           pytest=(KEY_TEST,)),
+    Mutant("share-forgotten", "a freed block's key reaches no block at its address after it",
+           "cpp/include/emmpool/device_pool.hpp",
+           "    if (!shares_.empty()) { shares_.erase(at); }", "    (void)at;",
+           ctest="growable_shared_pages|growable_a_held_block_keeps", pytest=(KEY_TEST,)),
+    Mutant("lease-end", "only a lease's last close lets its block go, not bytes written to it",
+           "cpp/src/ipc_service.cpp", "    if (k == 0) { return true; }", "    return true;",
+           pytest=("tests/test_ipc.py::test_the_block_is_held_until_every_copy_and_import_is_"
+                   "closed",)),
+    Mutant("accept-rest", "the IPC service does not spin when it cannot accept a connection",
+           "cpp/src/ipc_service.cpp", "        paused = true;", "        paused = false;",
+           pytest=("tests/test_ipc.py::test_the_service_rests_while_the_process_has_no_"
+                   "descriptor_to_accept_with",)),
+    Mutant("serve-apart", "a silent peer delays no other request and no lease's end",
+           "cpp/src/ipc_service.cpp", "        accept_one(c);",
+           "        serve(c);\n        ::close(c);",
+           pytest=("tests/test_ipc.py::test_the_service_survives_what_a_stranger_sends_it",)),
     Mutant("export-budget", "an export counts its descriptors against the limit first",
            "cpp/src/growable_space.cpp",
            "  reserve_descriptors(fresh * driver_->descriptors_per_export(),", "  (void)(fresh * "

@@ -122,6 +122,16 @@ def test_the_block_is_held_until_every_copy_and_import_is_closed():
         pool.synchronize()
         assert pool.allocate(6 * MiB, _core.LEGACY_STREAM, CUPY) in (p, q)  # reusable now
 
+        # Bytes written into a lease (nobody should) do not end it: only its last close does.
+        s = pool.allocate(6 * MiB, _core.LEGACY_STREAM, CUPY)
+        h = emmpool.ipc.export(s)
+        pool.deallocate(s)
+        os.write(h._lease, b"x" * 1000)
+        time.sleep(0.1)
+        assert pool.held_blocks() == 1, "bytes in a lease let its block go"
+        h.close()
+        eventually(lambda: pool.held_blocks() == 0, "the lease's close let nothing go")
+
         # A received copy that is only collected (never closed) lets go as well.
         r = pool.allocate(6 * MiB, _core.LEGACY_STREAM, CUPY)
         copy = pickle.loads(pickle.dumps(emmpool.ipc.export(r)))  # the sender's copy: dropped
@@ -252,7 +262,7 @@ def test_open_checks_what_a_handle_describes_before_it_maps_anything():
             (dict(_extent=8 * MiB), "are not"),                      # pages and extent differ
             (dict(_offer=offer[:5] + ((),)), "not described"),       # no pages
             (dict(_offer=offer[:4] + (0,) + offer[5:]), "not described"),
-            (dict(_offer=offer[:1] + (b"short",) + offer[2:]), "not named"),
+            (dict(_offer=offer[:1] + (b"short",) + offer[2:]), "key is missing"),
             (dict(_array={"shape": (1 << 20,), "typestr": "<f8", "strides": None}), "spans"),
             (dict(_array={"shape": (-1,), "typestr": "<f4", "strides": None}), "not described"),
             (dict(_array={"shape": (4,), "typestr": "<f4", "strides": (4, 4)}), "not described"),
@@ -272,43 +282,53 @@ def test_open_checks_what_a_handle_describes_before_it_maps_anything():
     )
 
 
-def test_the_sender_refuses_a_wrong_secret_and_pages_it_no_longer_holds():
+def test_the_sender_serves_only_the_block_of_the_key_while_it_is_the_one_shared():
     run(
         """
         p = pool.allocate(5 * MiB, _core.LEGACY_STREAM, CUPY)
         h = emmpool.ipc.export(p)
-        address, secret, sender, first, page_size, fds = h._offer
+        address, key, sender, first, page_size, fds = h._offer
+        other = pool.allocate(5 * MiB, _core.LEGACY_STREAM, CUPY)
+        other_key = emmpool.ipc.export(other)._offer[1]
+        assert other_key != key
 
         def offer_open(**change):
-            args = dict(address=address, secret=secret, sender_device=sender, first_page=first,
+            args = dict(address=address, key=key, sender_device=sender, first_page=first,
                         page_size=page_size, fds=list(fds))
             args.update(change)
             return _core.ipc_open_offer(0, **args)
 
         before = open_fds()
-        raises(lambda: offer_open(secret=bytes(16)), emmpool.PoolError, "secret")
-        raises(lambda: offer_open(fds=[fds[1], fds[0], fds[2]]), emmpool.PoolError,
-               "no longer holds")                                     # not these pages
-        raises(lambda: offer_open(first_page=first + page_size), emmpool.PoolError,
-               "no longer holds")
-        raises(lambda: offer_open(sender_device=7), emmpool.PoolError, "no longer holds")
+        gone = "does not share these pages now"
+        raises(lambda: offer_open(key=bytes(16)), emmpool.PoolError, gone)
+        raises(lambda: offer_open(key=other_key), emmpool.PoolError, gone)  # another block's
+        raises(lambda: offer_open(fds=[fds[1], fds[0], fds[2]]), emmpool.PoolError, gone)
+        raises(lambda: offer_open(fds=list(fds[:2])), emmpool.PoolError, gone)  # some of them
+        raises(lambda: offer_open(first_page=first + page_size), emmpool.PoolError, gone)
+        raises(lambda: offer_open(sender_device=7), emmpool.PoolError, gone)
         raises(lambda: offer_open(address=b"\\0emmpool-nobody"), emmpool.PoolError,
                "cannot reach")
-        assert _core.ipc_service_stats()["refused"] == 4
+        assert _core.ipc_service_stats()["refused"] == 6
         assert open_fds() == before and _core.ipc_open_count() == 0  # nothing received stays
-        # The block freed and its lease gone: its pages go back, the pool closing its
-        # descriptors of them (an exported descriptor holds its memory in the driver), and an
-        # offer of them (a copy of the handle's description, without its lease) is refused,
-        # never served with whatever lies there now.
+        # The block freed and its lease gone: an offer of it (a copy of the handle's
+        # description, without its lease) is refused, never served with whatever lies there
+        # now: a new block at the same address on the same pages, whose descriptors are the
+        # ones the offer names.
         h.close()
         pool.deallocate(p)
         eventually(lambda: pool.held_blocks() == 0, "held after its lease closed")
+        pool.synchronize()
+        q = pool.allocate(5 * MiB, _core.LEGACY_STREAM, CUPY)
+        assert q == p and pool.share_pages(q)[4] == fds
+        raises(offer_open, emmpool.PoolError, gone)
+        # Its pages go back: the pool closes its descriptors of them (an exported descriptor
+        # holds its memory in the driver), and the offer stays refused.
+        pool.deallocate(q)
+        pool.deallocate(other)
+        pool.synchronize()
         pool.trim()
         assert host.stats()["live_exports"] == 0 and host.stats()["bytes_physical"] == 0
-        raises(offer_open, emmpool.PoolError, "no longer holds")
-        q = pool.allocate(5 * MiB, _core.LEGACY_STREAM, CUPY)  # the same address, new pages
-        assert q == p
-        raises(offer_open, emmpool.PoolError, "no longer holds")
+        raises(offer_open, emmpool.PoolError, gone)
         """
     )
 
@@ -319,7 +339,7 @@ def test_the_service_survives_what_a_stranger_sends_it():
         import socket, struct, threading
         p = pool.allocate(5 * MiB, _core.LEGACY_STREAM, CUPY)
         h = emmpool.ipc.export(p)
-        address, secret, sender, first, page_size, fds = h._offer
+        address, key, sender, first, page_size, fds = h._offer
 
         def talk(data):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -333,19 +353,37 @@ def test_the_service_survives_what_a_stranger_sends_it():
             s.close()
             return reply
 
-        def request(count, numbers, magic=b"EMMPOOLQ", version=1):
-            return struct.pack("=8sIi16sQQQ", magic, version, 0, secret, first, page_size,
+        def request(count, numbers, magic=b"EMMPOOLQ", version=2):
+            return struct.pack("=8sIi16sQQQ", magic, version, 0, key, first, page_size,
                                count) + struct.pack(f"={len(numbers)}i", *numbers)
 
         assert talk(b"") == b""                       # nothing: dropped
         assert b"ill-formed" in talk(b"x" * 100)      # not a request
         assert b"ill-formed" in talk(request(1 << 40, []))             # 2**40 pages
         assert b"ill-formed" in talk(request(3, fds, magic=b"EMMPOOLX"))
-        assert b"ill-formed" in talk(request(3, fds, version=2))
+        assert b"ill-formed" in talk(request(3, fds, version=1))
         assert talk(request(3, fds[:1])) == b""       # cut short: dropped
         assert _core.ipc_service_stats()["refused"] == 4
         with pickle.loads(pickle.dumps(h)).open() as mem:  # and it still serves
             assert host.accessible(0, mem.ptr, 5 * MiB)
+
+        # A peer that connects and says nothing, or drips, keeps its own connection waiting,
+        # not the service: another receiver is served at once, and leases still end.
+        silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
+        for s in silent:
+            s.connect(address)
+        silent[0].sendall(b"EMMP")
+        start = time.monotonic()
+        with pickle.loads(pickle.dumps(h)).open() as mem:
+            assert host.accessible(0, mem.ptr, 5 * MiB)
+        assert time.monotonic() - start < 5, "a silent peer held the service up"
+        r = pool.allocate(5 * MiB, _core.LEGACY_STREAM, CUPY)
+        leased = emmpool.ipc.export(r)
+        pool.deallocate(r)
+        leased.close()
+        eventually(lambda: pool.held_blocks() == 1, "a silent peer held a lease's end up", 5)
+        for s in silent:
+            s.close()
 
         # A peer that accepts and says nothing: the receiver gives up, saying so.
         mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -353,10 +391,42 @@ def test_the_service_survives_what_a_stranger_sends_it():
         mute.listen(1)
         threading.Thread(target=lambda: mute.accept()[0].close(), daemon=True).start()
         before = open_fds()
-        raises(lambda: _core.ipc_open_offer(0, b"\\0emmpool-test-mute", secret, sender, first,
+        raises(lambda: _core.ipc_open_offer(0, b"\\0emmpool-test-mute", key, sender, first,
                                             page_size, list(fds)),
                emmpool.PoolError, "did not answer")
         assert open_fds() == before and _core.ipc_open_count() == 0
+        """
+    )
+
+
+def test_the_service_rests_while_the_process_has_no_descriptor_to_accept_with():
+    run(
+        """
+        import resource, subprocess, sys
+        address = _core.ipc_service_address()
+        child = subprocess.Popen([sys.executable, "-c", (
+            "import socket, time; time.sleep(0.5); s = socket.socket(socket.AF_UNIX); "
+            f"s.connect({address!r}); time.sleep(5)")])
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, hard))
+        fillers = []
+        try:
+            while True:  # the free numbers below the limit taken: accept() has none
+                fillers.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        try:
+            start = time.process_time()  # every thread's
+            time.sleep(2)
+            busy = time.process_time() - start
+        finally:
+            for fd in fillers:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        child.kill()
+        child.wait()
+        assert busy < 0.5, f"the service spun: {busy:.2f} s of CPU in 2 s"
         """
     )
 

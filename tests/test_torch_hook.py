@@ -48,6 +48,7 @@ C_ENTRIES = textwrap.dedent(
         _fields_ = [("first", c.c_uint64), ("second", c.c_uint64)]
     class Pages(c.Structure):
         _fields_ = [(n, c.c_uint64) for n in "first_page page_size offset block_size pages".split()]
+        _fields_ += [("key", c.c_ubyte * 16)]
     class Block(c.Structure):
         _fields_ = [("ptr", c.c_uint64), ("size", c.c_uint64), ("stream", c.c_uint64),
                     ("pool", Id), ("device", c.c_int32), ("live", c.c_uint8),
@@ -96,11 +97,11 @@ C_ENTRIES = textwrap.dedent(
     open_pages = fn("emmpool_ipc_open_pages", c.c_void_p, c.c_int, c.POINTER(c.c_int32),
                     c.c_size_t, c.c_uint64, E)
     close = fn("emmpool_ipc_close", None, c.c_void_p)
-    service = fn("emmpool_ipc_service", c.c_long, c.c_char_p, c.c_size_t, c.c_char_p, E)
+    service = fn("emmpool_ipc_service", c.c_long, c.c_char_p, c.c_size_t, E)
     open_offer = fn("emmpool_ipc_open_offer", c.c_void_p, c.c_int, c.c_char_p, c.c_size_t,
                     c.c_char_p, c.c_int, c.c_uint64, c.c_uint64, c.POINTER(c.c_int32),
                     c.c_size_t, E)
-    assert abi() == 7
+    assert abi() == 8
 
     def snapshot():
         v = Stats()
@@ -153,19 +154,20 @@ C_ENTRIES = textwrap.dedent(
     assert base and base != p, why.message
     close(base)
     # ... and as a receiver on emmpool asks for them: of the sender's IPC service, by its
-    # address and secret (the trailer of the extension's handle), no descriptor of ours sent.
-    address, secret = c.create_string_buffer(8), c.create_string_buffer(16)
-    n = service(address, 8, secret, c.byref(why))
+    # address and the block's key (the trailer of the extension's handle), no descriptor of
+    # ours sent.
+    address = c.create_string_buffer(8)
+    n = service(address, 8, c.byref(why))
     assert n > 8, why.message  # the room was short: asked again with more
     address = c.create_string_buffer(n)
-    assert service(address, n, secret, c.byref(why)) == n and address.raw[0] == 0
-    base = open_offer(0, address.raw, n, secret.raw, 0, pages.first_page, pages.page_size, fds,
-                      2, c.byref(why))
+    assert service(address, n, c.byref(why)) == n and address.raw[0] == 0
+    base = open_offer(0, address.raw, n, bytes(pages.key), 0, pages.first_page, pages.page_size,
+                      fds, 2, c.byref(why))
     assert base and base != p, why.message
     close(base)
     assert not open_offer(0, address.raw, n, bytes(16), 0, pages.first_page, pages.page_size,
                           fds, 2, c.byref(why))
-    assert b"secret" in why.message, why.message
+    assert b"does not share these pages" in why.message, why.message
     handle, offset = c.create_string_buffer(64), c.c_size_t(99)
     assert ipc(p, 0, handle, c.byref(offset), c.byref(why)) == -1
     assert b"no legacy IPC handle" in why.message, why.message

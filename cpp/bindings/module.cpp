@@ -393,9 +393,18 @@ PYBIND11_MODULE(_core, m)
     .def("record_stream", without_gil(&device_pool::record_stream), py::arg("ptr"),
          py::arg("stream"))
     .def("owns", through(&pool_queries::owns), py::arg("ptr"))
-    .def("hold", through(&pool_sharing::hold), py::arg("ptr"),
-         "Keep the block holding ptr from reuse until release_hold(): its address.")
-    .def("release_hold", through(&pool_sharing::release_hold), py::arg("block"))
+    .def(
+      "hold",
+      [](device_pool& p, device_ptr ptr) {
+        return caller_lock::without_caller_lock([&] { return pool_sharing{p}.hold(ptr); });
+      },
+      py::arg("ptr"), "Keep the block holding ptr from reuse until release_hold(): its address.")
+    .def(
+      "release_hold",
+      [](device_pool& p, device_ptr block) {
+        caller_lock::without_caller_lock([&] { pool_sharing{p}.release_hold(block); });
+      },
+      py::arg("block"))
     .def("held_blocks", through(&pool_sharing::held_blocks))
     .def(
       "ipc_handle",
@@ -414,12 +423,14 @@ PYBIND11_MODULE(_core, m)
         if (!shared) { return py::none(); }
         py::tuple fds(shared->fds.size());
         for (std::size_t i = 0; i < shared->fds.size(); ++i) { fds[i] = shared->fds[i]; }
-        return py::make_tuple(shared->first_page, shared->page_size, shared->offset,
-                              shared->block_size, fds);
+        return py::make_tuple(
+          shared->first_page, shared->page_size, shared->offset, shared->block_size, fds,
+          py::bytes(reinterpret_cast<char const*>(shared->key.data()), shared->key.size()));
       },
       py::arg("ptr"),
       "(first page, page size, offset of ptr, block bytes from ptr on, the pool's descriptor "
-      "per page) of the growable block holding ptr, else None (see device_pool.hpp).")
+      "per page, the block's key) of the growable block holding ptr, else None "
+      "(pool_sharing.hpp).")
     .def(
       "live_extent",
       [](device_pool& p, device_ptr ptr) -> py::object {
@@ -625,15 +636,9 @@ PYBIND11_MODULE(_core, m)
     "For tests without a GPU: the process-wide pools (and so the CuPy and PyTorch entry "
     "points) use this HostDriver. Only before the first pool exists.");
   m.def(
-    "ipc_service_info",
-    [] {
-      auto& service = pool_registry::instance().service();
-      auto const address = service.address();
-      auto const secret  = service.secret();
-      return py::make_tuple(py::bytes(address),
-                            py::bytes(reinterpret_cast<char const*>(secret.data()), secret.size()));
-    },
-    "(address, secret) of this process's IPC service, started on first use (ipc_service.hpp).");
+    "ipc_service_address",
+    [] { return py::bytes(pool_registry::instance().service().address()); },
+    "The address of this process's IPC service, started on first use (ipc_service.hpp).");
   m.def(
     "ipc_service_stats",
     [] {
@@ -656,16 +661,16 @@ PYBIND11_MODULE(_core, m)
     "descriptor is closed, in any process: (descriptor, block address).");
   m.def(
     "ipc_open_offer",
-    [](int device, py::bytes address, py::bytes secret, int sender_device, device_ptr first_page,
+    [](int device, py::bytes address, py::bytes key, int sender_device, device_ptr first_page,
        std::size_t page_size, std::vector<int> const& fds) {
       page_offer offer;
-      offer.address = std::string{address};
-      auto const key = std::string{secret};
-      if (key.size() != offer.secret.size()) {
-        throw std::invalid_argument{"an IPC service's secret has 16 bytes, not " +
-                                    std::to_string(key.size())};
+      offer.address  = std::string{address};
+      auto const k = std::string{key};
+      if (k.size() != offer.key.size()) {
+        throw std::invalid_argument{"a shared block's key has 16 bytes, not " +
+                                    std::to_string(k.size())};
       }
-      std::memcpy(offer.secret.data(), key.data(), key.size());
+      std::memcpy(offer.key.data(), k.data(), k.size());
       offer.device     = sender_device;
       offer.first_page = first_page;
       offer.page_size  = page_size;
@@ -673,7 +678,7 @@ PYBIND11_MODULE(_core, m)
       return caller_lock::without_caller_lock(
         [&] { return pool_registry::instance().imports().open_offer(device, offer); });
     },
-    py::arg("device"), py::arg("address"), py::arg("secret"), py::arg("sender_device"),
+    py::arg("device"), py::arg("address"), py::arg("key"), py::arg("sender_device"),
     py::arg("first_page"), py::arg("page_size"), py::arg("fds"),
     "Map another process's pages on a device, their descriptors asked of its IPC service: "
     "their base.");

@@ -349,7 +349,8 @@ EMMPOOL_C_API int emmpool_ipc_share_pages(void* ptr, int device, emmpool_shared_
       reinterpret_cast<device_ptr>(ptr));
     if (!shared) { return 1; }
     *out = emmpool_shared_pages{shared->first_page, shared->page_size, shared->offset,
-                                shared->block_size, shared->fds.size()};
+                                shared->block_size, shared->fds.size(), {}};
+    std::memcpy(out->key, shared->key.data(), sizeof out->key);
     for (std::size_t i = 0; i < shared->fds.size() && i < n && fds != nullptr; ++i) {
       fds[i] = shared->fds[i];
     }
@@ -366,21 +367,17 @@ EMMPOOL_C_API void* emmpool_ipc_open_pages(int device, std::int32_t const* fds, 
   });
 }
 
-EMMPOOL_C_API long emmpool_ipc_service(char* address, std::size_t n, unsigned char* secret,
-                                        emmpool_error* error)
+EMMPOOL_C_API long emmpool_ipc_service(char* address, std::size_t n, emmpool_error* error)
 {
   return guarded(waits::yes, -1L, error, [&] {
-    auto& service   = registry().service();
-    auto const name = service.address();
-    auto const key  = service.secret();
+    auto const name = registry().service().address();
     std::memcpy(address, name.data(), std::min(n, name.size()));
-    std::memcpy(secret, key.data(), key.size());
     return static_cast<long>(name.size());
   });
 }
 
 EMMPOOL_C_API void* emmpool_ipc_open_offer(int device, char const* address,
-                                           std::size_t address_size, unsigned char const* secret,
+                                           std::size_t address_size, unsigned char const* key,
                                            int sender_device, std::uint64_t first_page,
                                            std::uint64_t page_size, std::int32_t const* fds,
                                            std::size_t n, emmpool_error* error)
@@ -388,7 +385,7 @@ EMMPOOL_C_API void* emmpool_ipc_open_offer(int device, char const* address,
   return guarded<void*>(waits::yes, nullptr, error, [&] {
     emmpool::page_offer offer;
     offer.address.assign(address, address_size);
-    std::memcpy(offer.secret.data(), secret, offer.secret.size());
+    std::memcpy(offer.key.data(), key, offer.key.size());
     offer.device     = sender_device;
     offer.first_page = first_page;
     offer.page_size  = page_size;

@@ -444,6 +444,7 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, block_owner o
     holds_.at(blk->ptr).freed_on = key;
     return;
   }
+  forget_share(blk->ptr);
   off_books(it, key);
   settle_freed(blk, key);
 }
@@ -466,6 +467,7 @@ bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, block_own
   }
   auto* blk      = it->second;
   auto const key = keys_.of_free(blk->alloc_stream, stream);  // no CUDA: free_is_local
+  forget_share(blk->ptr);
   off_books(it, key);
   settle_freed(blk, key);
   return true;
@@ -489,6 +491,7 @@ void device_pool::settle_unheld(hold_state const& h)
 {
   h.blk->held = false;
   if (!h.freed_on) { return; }
+  forget_share(h.blk->ptr);
   stats_.count_free(h.blk->size, h.blk->tag);
   // Fenced as any free on its stream; but a record_stream stream may be gone by now (it was
   // the caller's only until the free): never recorded on, the block waits for a device

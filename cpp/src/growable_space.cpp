@@ -309,23 +309,32 @@ shared_pages growable_space::share(block const& blk, device_ptr ptr)
   reserve_descriptors(fresh * driver_->descriptors_per_export(),
                       "sharing a block's pages with another process");
   shared_pages out{first, page, static_cast<std::size_t>(ptr - first),
-                   static_cast<std::size_t>(end - ptr), {}};
+                   static_cast<std::size_t>(end - ptr), {}, {}};
   // A failure part way leaves the pages exported so far with their descriptors, which the
   // pages keep (and close when they are released): nothing is left to the caller.
   for (auto p = first; p < end; p += page) { out.fds.push_back(pages_->export_page(p)); }
   return out;
 }
 
-std::optional<std::vector<int>> growable_space::duplicate_shared(
-  device_ptr first_page, std::size_t page_size, std::vector<int> const& fds) const
+bool growable_space::describes_shared(block const& blk, device_ptr first_page,
+                                      std::size_t page_size, std::vector<int> const& fds) const
 {
   auto const page = policy_.page();
-  if (pages_ == nullptr || page_size != page || fds.empty()) { return std::nullopt; }
-  for (std::size_t i = 0; i < fds.size(); ++i) {
-    if (fds[i] < 0 || pages_->exported_at(first_page + i * page) != fds[i]) {
-      return std::nullopt;
-    }
+  if (pages_ == nullptr || page_size != page || first_page != page_start(blk.ptr) ||
+      fds.size() != (blk.ptr + blk.size - first_page + page - 1) / page) {
+    return false;
   }
+  for (std::size_t i = 0; i < fds.size(); ++i) {
+    if (fds[i] < 0 || pages_->exported_at(first_page + i * page) != fds[i]) { return false; }
+  }
+  return true;
+}
+
+std::optional<std::vector<int>> growable_space::duplicate_shared(
+  block const& blk, device_ptr first_page, std::size_t page_size,
+  std::vector<int> const& fds) const
+{
+  if (!describes_shared(blk, first_page, page_size, fds)) { return std::nullopt; }
   std::vector<int> dups;
   dups.reserve(fds.size());
   for (int fd : fds) {

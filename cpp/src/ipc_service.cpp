@@ -1,6 +1,7 @@
 #include <emmpool/pool_sharing.hpp>
 #include <emmpool/detail/descriptors.hpp>
 #include <emmpool/detail/fork_guard.hpp>
+#include <emmpool/detail/random_key.hpp>
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/ipc_service.hpp>
@@ -14,7 +15,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -27,7 +27,7 @@ namespace {
 // fds_per_message (the kernel's SCM_MAX_FD is 253), each with one byte of payload.
 constexpr char request_magic[8] = {'E', 'M', 'M', 'P', 'O', 'O', 'L', 'Q'};
 constexpr char reply_magic[8]   = {'E', 'M', 'M', 'P', 'O', 'O', 'L', 'A'};
-constexpr std::uint32_t wire_version   = 1;
+constexpr std::uint32_t wire_version   = 2;
 constexpr std::size_t fds_per_message  = 250;
 constexpr int io_timeout_seconds       = 10;  // a peer that stops answering is dropped
 
@@ -35,7 +35,7 @@ struct request_header {
   char magic[8];
   std::uint32_t version;
   std::int32_t device;
-  unsigned char secret[16];
+  unsigned char key[16];  // the block's (share_key)
   std::uint64_t first_page;
   std::uint64_t page_size;
   std::uint64_t count;  // then `count` int32 descriptor numbers
@@ -148,25 +148,19 @@ sockaddr_un address_of(std::string const& name, socklen_t& length)
   return a;
 }
 
-ipc_secret random_secret()
-{
-  ipc_secret s{};
-  std::size_t got = 0;
-  while (got < s.size()) {
-    auto const k = ::getrandom(s.data() + got, s.size() - got, 0);
-    if (k < 0 && errno == EINTR) { continue; }
-    if (k <= 0) { throw pool_error{"emmpool: no random bytes for the IPC service: " + errno_text()}; }
-    got += static_cast<std::size_t>(k);
-  }
-  return s;
-}
+// Closes the descriptors it owns when it goes (a reply that failed half way included).
+struct owned_descriptors {
+  std::vector<int> fds;
+  ~owned_descriptors() { detail::close_descriptors(fds); }
+};
 
-// Compared in constant time: a peer learns nothing of the secret from how long a refusal took.
-bool same_secret(unsigned char const* a, ipc_secret const& b) noexcept
+// Whether the peer of connection `c` is a process of this one's user (root may serve anyone).
+bool same_user(int c) noexcept
 {
-  unsigned char diff = 0;
-  for (std::size_t i = 0; i < b.size(); ++i) { diff |= static_cast<unsigned char>(a[i] ^ b[i]); }
-  return diff == 0;
+  ucred peer{};
+  socklen_t length = sizeof peer;
+  return ::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &length) == 0 &&
+         (peer.uid == ::geteuid() || ::geteuid() == 0);
 }
 
 }  // namespace
@@ -177,9 +171,8 @@ void ipc_service::start()
 {
   std::call_once(started_, [this] {
     try {
-      secret_ = random_secret();
-      // Named apart from the secret: every local process may list abstract socket names.
-      auto const tag = random_secret();
+      // Every local process may list abstract socket names: the name says nothing of a key.
+      auto const tag = detail::random_key();
       char name[64];
       std::snprintf(name, sizeof name, "emmpool-%d-%02x%02x%02x%02x%02x%02x%02x%02x",
                     static_cast<int>(::getpid()), tag[0], tag[1], tag[2], tag[3], tag[4], tag[5],
@@ -221,12 +214,6 @@ std::string ipc_service::address()
   return address_;
 }
 
-ipc_secret ipc_service::secret()
-{
-  start();
-  return secret_;
-}
-
 std::pair<int, device_ptr> ipc_service::lease(int device, device_ptr ptr)
 {
   start();
@@ -234,36 +221,42 @@ std::pair<int, device_ptr> ipc_service::lease(int device, device_ptr ptr)
   if (pool == nullptr) {
     throw pool_error{"emmpool: device " + std::to_string(device) + " has no pool to hold a block of"};
   }
-  auto const at = pool_sharing{*pool}.hold(ptr);  // throws: nothing held
+  std::uint64_t generation = 0;
+  auto const at = pool_sharing{*pool}.hold(ptr, &generation);  // throws: nothing held
   int ends[2]   = {-1, -1};
   if (::pipe2(ends, O_CLOEXEC) != 0) {
     auto const why = errno_text();
-    pool_sharing{*pool}.release_hold(at);
+    pool_sharing{*pool}.release_hold(at, generation);
     throw pool_error{"emmpool: no pipe for an IPC lease: " + why};
   }
   (void)::fcntl(ends[0], F_SETFL, O_NONBLOCK);
   {
     std::lock_guard lock{mutex_};
-    leases_.push_back({ends[0], device, at});
+    leases_.push_back({ends[0], device, at, generation});
   }
   wake();
   return {ends[1], at};
 }
 
+// In a forked child each answers 0 without the lock, which a thread that did not follow may
+// have held at the fork.
 std::size_t ipc_service::leases() const
 {
+  if (forked()) { return 0; }
   std::lock_guard lock{mutex_};
   return leases_.size();
 }
 
 std::uint64_t ipc_service::served() const
 {
+  if (forked()) { return 0; }
   std::lock_guard lock{mutex_};
   return served_;
 }
 
 std::uint64_t ipc_service::refused() const
 {
+  if (forked()) { return 0; }
   std::lock_guard lock{mutex_};
   return refused_;
 }
@@ -274,28 +267,47 @@ void ipc_service::wake() noexcept
   (void)::write(wake_fd_, &one, sizeof one);
 }
 
+namespace {
+
+// Whether every writer of a lease's pipe is gone: its read end at end of file. What a writer
+// wrote (nobody should) is read and dropped: only the end releases the hold.
+bool writers_gone(int read_end) noexcept
+{
+  char sink[256];
+  for (;;) {
+    auto const k = ::read(read_end, sink, sizeof sink);
+    if (k == 0) { return true; }
+    if (k > 0 || errno == EINTR) { continue; }
+    return errno != EAGAIN && errno != EWOULDBLOCK;  // another error: nothing more to watch
+  }
+}
+
+}  // namespace
+
 void ipc_service::run() noexcept
 {
   std::vector<pollfd> watched;
   std::vector<lease_entry> watching;
+  bool paused = false;  // accept() ran out of descriptors: the listener rests a moment
   for (;;) {
     {
       std::lock_guard lock{mutex_};
       watching = leases_;
     }
-    watched.assign({pollfd{listen_fd_, POLLIN, 0}, pollfd{wake_fd_, POLLIN, 0}});
+    watched.assign({pollfd{listen_fd_, static_cast<short>(paused ? 0 : POLLIN), 0},
+                    pollfd{wake_fd_, POLLIN, 0}});
     for (auto const& l : watching) { watched.push_back({l.read_end, POLLIN, 0}); }
-    if (::poll(watched.data(), watched.size(), -1) < 0) {
+    if (::poll(watched.data(), watched.size(), paused ? 100 : -1) < 0) {
       if (errno == EINTR) { continue; }
       return;  // the process is going: nothing more to serve
     }
+    paused = false;
     if ((watched[1].revents & POLLIN) != 0) {
       std::uint64_t n = 0;
       (void)::read(wake_fd_, &n, sizeof n);
     }
-    // A lease whose writers are all gone: nobody writes to it, so any event is its end.
     for (std::size_t i = 0; i < watching.size(); ++i) {
-      if (watched[i + 2].revents == 0) { continue; }
+      if (watched[i + 2].revents == 0 || !writers_gone(watching[i].read_end)) { continue; }
       auto const l = watching[i];
       {
         std::lock_guard lock{mutex_};
@@ -305,7 +317,7 @@ void ipc_service::run() noexcept
       ::close(l.read_end);
       if (auto* pool = pool_of_(l.device)) {
         try {
-          pool_sharing{*pool}.release_hold(l.at);
+          pool_sharing{*pool}.release_hold(l.at, l.generation);
         } catch (...) {
           // A settle that failed (an event record, say) leaves the block to the pool's next
           // call, as any free that failed: nothing to tell anyone here.
@@ -315,10 +327,30 @@ void ipc_service::run() noexcept
     if ((watched[0].revents & POLLIN) != 0) {
       int const c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
       if (c >= 0) {
-        serve(c);
-        ::close(c);
+        accept_one(c);
+      } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        paused = true;  // the connection stays queued: polling again at once would spin
       }
     }
+  }
+}
+
+void ipc_service::accept_one(int c) noexcept
+{
+  if (serving_.fetch_add(1) >= max_serving) {
+    serving_.fetch_sub(1);
+    ::close(c);
+    return;
+  }
+  try {
+    std::thread{[this, c] {
+      serve(c);
+      ::close(c);
+      serving_.fetch_sub(1);
+    }}.detach();
+  } catch (...) {  // no thread: the peer hears nothing, as from a busy sender
+    ::close(c);
+    serving_.fetch_sub(1);
   }
 }
 
@@ -343,10 +375,7 @@ void ipc_service::serve(int c) noexcept
     for (int i = 0; i < 16 && ::recv(c, rest, sizeof rest, 0) > 0; ++i) {}
   };
   try {
-    ucred peer{};
-    socklen_t length = sizeof peer;
-    if (::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &length) != 0 ||
-        (peer.uid != ::getuid() && ::getuid() != 0)) {
+    if (!same_user(c)) {
       return refuse("emmpool: the sending process shares pages with its own user's processes only");
     }
     request_header q{};
@@ -357,27 +386,34 @@ void ipc_service::serve(int c) noexcept
     }
     std::vector<std::int32_t> numbers(q.count);
     if (!receive_all(c, numbers.data(), numbers.size() * sizeof(std::int32_t))) { return; }
-    if (!same_secret(q.secret, secret_)) {
-      return refuse("emmpool: the request does not carry the sending process's secret");
-    }
     auto* const pool = pool_of_(q.device);
-    detail::reserve_descriptors(numbers.size(), "handing shared pages to another process");
-    auto const dups = pool != nullptr ? pool_sharing{*pool}.duplicate_shared_pages(
-                                          q.first_page, q.page_size,
-                                          std::vector<int>(numbers.begin(), numbers.end()))
-                                      : std::nullopt;
-    if (!dups) {
-      return refuse("emmpool: the sending process no longer holds these pages (the block was "
-                    "freed, and its lease released, before this process asked for them)");
+    std::vector<int> const fds(numbers.begin(), numbers.end());
+    auto const offered = [&] {
+      return pool != nullptr && pool_sharing{*pool}.offers(q.key, q.first_page, q.page_size, fds);
+    };
+    if (!offered()) {
+      return refuse("emmpool: the sending process does not share these pages now (the block "
+                    "was freed, and its lease released, before this process asked for them; or "
+                    "the handle is not one it sent)");
+    }
+    // Counted once the request is known good: a peer without the key raises no limit.
+    detail::reserve_descriptors(fds.size(), "handing shared pages to another process");
+    owned_descriptors dups;
+    if (auto got = pool_sharing{*pool}.duplicate_shared_pages(q.key, q.first_page, q.page_size,
+                                                              fds)) {
+      dups.fds = std::move(*got);
+    } else {
+      return refuse("emmpool: the sending process does not share these pages now (the block "
+                    "was freed meanwhile)");
     }
     reply_header r{};
     std::memcpy(r.magic, reply_magic, sizeof r.magic);
-    r.count = dups->size();
+    r.count   = dups.fds.size();
     bool sent = send_all(c, &r, sizeof r);
-    for (std::size_t i = 0; sent && i < dups->size(); i += fds_per_message) {
-      sent = send_fds(c, dups->data() + i, std::min(fds_per_message, dups->size() - i));
+    for (std::size_t i = 0; sent && i < dups.fds.size(); i += fds_per_message) {
+      sent = send_fds(c, dups.fds.data() + i, std::min(fds_per_message, dups.fds.size() - i));
     }
-    detail::close_descriptors(*dups);  // the kernel made the receiver's copies as they were sent
+    if (!sent) { return; }  // the reply is cut: the receiver says so; the duplicates close
     std::lock_guard lock{mutex_};
     ++served_;
   } catch (std::exception const& e) {
@@ -403,20 +439,25 @@ std::vector<int> ipc_service::fetch(page_offer const& offer)
                        errno_text() +
                        "): it may have exited, or run in another network namespace"};
     }
+    // A name another user took over (the sender gone) gets no request of ours.
+    ucred peer{};
+    socklen_t peer_length = sizeof peer;
+    if (::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &peer_length) != 0 ||
+        (peer.uid != ::geteuid() && peer.uid != 0)) {
+      throw pool_error{"emmpool: the process listening for this shared memory is not of this "
+                       "user: the sender has exited"};
+    }
     // Counted before anything arrives. A process that opens what it shared itself is both
     // ends: its service's copies of the pages are open while this side's arrive, so it needs
     // room for both.
-    ucred peer{};
-    socklen_t peer_length = sizeof peer;
-    bool const self       = ::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &peer_length) == 0 &&
-                      peer.pid == ::getpid();
+    bool const self = peer.pid == ::getpid();
     detail::reserve_descriptors(self ? 2 * n : n, ("mapping " + std::to_string(n) +
                                                    " pages another process shares").c_str());
     request_header q{};
     std::memcpy(q.magic, request_magic, sizeof q.magic);
     q.version = wire_version;
     q.device  = offer.device;
-    std::memcpy(q.secret, offer.secret.data(), sizeof q.secret);
+    std::memcpy(q.key, offer.key.data(), sizeof q.key);
     q.first_page = offer.first_page;
     q.page_size  = offer.page_size;
     q.count      = n;

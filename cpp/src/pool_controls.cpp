@@ -126,6 +126,7 @@ void pool_controls::reset()
   }
   p.settle_held_for_capture();
   p.release_holds();  // the context goes: what another process imported is its own now
+  p.shares_.clear();  // and no handle of before reaches a block of after
   p.lanes_.drain_or_abandon(p.released_);
   p.settle_released();
   // Free what can be, regardless of deferrals (errors ignored: the context is going anyway).

@@ -1,10 +1,12 @@
 // pool_sharing: a device_pool's blocks as another process reaches them (legacy handles, pages,
 // holds), under the pool's lock.
 #include <emmpool/detail/fork_guard.hpp>
+#include <emmpool/detail/random_key.hpp>
 #include <emmpool/device_pool.hpp>
 #include <emmpool/error.hpp>
 #include <emmpool/pool_sharing.hpp>
 
+#include <map>
 #include <mutex>
 #include <string>
 
@@ -27,20 +29,74 @@ std::optional<shared_pages> pool_sharing::share_pages(device_ptr ptr)
   if (seg == nullptr || !p.growable_.holds(seg)) { return std::nullopt; }
   auto const* blk = p.index_.block_at(*seg, ptr);
   if (blk == nullptr || blk->state != detail::block_state::allocated) { return std::nullopt; }
-  return p.growable_.share(*blk, ptr);
+  auto out        = p.growable_.share(*blk, ptr);
+  auto [it, made] = p.shares_.try_emplace(blk->ptr);
+  if (made) {
+    try {
+      it->second = detail::random_key();
+    } catch (...) {
+      p.shares_.erase(it);
+      throw;
+    }
+  }
+  out.key = it->second;
+  return out;
 }
 
-std::optional<std::vector<int>> pool_sharing::duplicate_shared_pages(device_ptr first_page,
-                                                                    std::size_t page_size,
-                                                                    std::vector<int> const& fds)
+namespace {
+
+// The shared block whose key is `key`, if it is still the one shared and the pages asked for
+// are its own, as share_pages() gave them; else null. Under the pool's lock.
+detail::block const* offered_block(detail::segment_index const& index,
+                                   detail::growable_space const& growable,
+                                   std::map<device_ptr, share_key> const& shares,
+                                   unsigned char const* key, device_ptr first_page,
+                                   std::size_t page_size, std::vector<int> const& fds)
+{
+  if (page_size == 0) { return nullptr; }
+  // The block starts on the first page (share_pages() counts pages from the one holding the
+  // block's start): every key there is compared, in constant time.
+  device_ptr shared = 0;
+  for (auto it = shares.lower_bound(first_page);
+       it != shares.end() && it->first - first_page < page_size; ++it) {
+    if (detail::same_key(key, it->second)) { shared = it->first; }
+  }
+  if (shared == 0) { return nullptr; }
+  auto* const seg = index.holding_live(shared);
+  auto const* blk =
+    seg != nullptr && growable.holds(seg) ? detail::segment_index::block_at(*seg, shared) : nullptr;
+  if (blk == nullptr || blk->ptr != shared || blk->state != detail::block_state::allocated ||
+      !growable.describes_shared(*blk, first_page, page_size, fds)) {
+    return nullptr;
+  }
+  return blk;
+}
+
+}  // namespace
+
+bool pool_sharing::offers(unsigned char const* key, device_ptr first_page,
+                          std::size_t page_size, std::vector<int> const& fds) const
+{
+  auto const& p = *pool_;
+  std::lock_guard lock{p.mutex_};
+  return !p.forked_ && offered_block(p.index_, p.growable_, p.shares_, key, first_page,
+                                     page_size, fds) != nullptr;
+}
+
+std::optional<std::vector<int>> pool_sharing::duplicate_shared_pages(
+  unsigned char const* key, device_ptr first_page, std::size_t page_size,
+  std::vector<int> const& fds)
 {
   auto& p = *pool_;
   std::lock_guard lock{p.mutex_};  // the pages' descriptors close only under it
   if (p.forked_) { return std::nullopt; }
-  return p.growable_.duplicate_shared(first_page, page_size, fds);
+  auto const* blk =
+    offered_block(p.index_, p.growable_, p.shares_, key, first_page, page_size, fds);
+  if (blk == nullptr) { return std::nullopt; }
+  return p.growable_.duplicate_shared(*blk, first_page, page_size, fds);
 }
 
-device_ptr pool_sharing::hold(device_ptr ptr)
+device_ptr pool_sharing::hold(device_ptr ptr, std::uint64_t* generation_out)
 {
   auto& p = *pool_;
   std::lock_guard lock{p.mutex_};
@@ -61,15 +117,17 @@ device_ptr pool_sharing::hold(device_ptr ptr)
   h.blk     = blk;
   blk->held = true;
   ++h.count;
+  if (generation_out != nullptr) { *generation_out = p.generation_; }
   return blk->ptr;
 }
 
-void pool_sharing::release_hold(device_ptr at)
+void pool_sharing::release_hold(device_ptr at, std::optional<std::uint64_t> generation)
 {
   auto& p = *pool_;
   std::lock_guard lock{p.mutex_};
+  if (p.forked_ || (generation && *generation != p.generation_)) { return; }
   auto it = p.holds_.find(at);
-  if (p.forked_ || it == p.holds_.end() || --it->second.count != 0) { return; }
+  if (it == p.holds_.end() || --it->second.count != 0) { return; }
   auto const h = it->second;
   p.holds_.erase(it);
   p.settle_unheld(h);

@@ -921,15 +921,25 @@ TEST(growable_shared_pages_are_duplicated_only_while_they_are_the_blocks)
   auto const a = f->allocate(6 * MiB, legacy_stream, alloc_tag::cupy);
   auto const shared = f.sharing().share_pages(a);
   REQUIRE(shared.has_value());
-  auto const dups = f.sharing().duplicate_shared_pages(shared->first_page, page, shared->fds);
+  auto const* key = shared->key.data();
+  auto const dups = f.sharing().duplicate_shared_pages(key, shared->first_page, page, shared->fds);
   REQUIRE(dups.has_value() && dups->size() == 3u);
   for (int d : *dups) { ::close(d); }
+  CHECK(f.sharing().share_pages(a + MiB)->key == shared->key);  // one key per block
   auto reversed = shared->fds;
   std::swap(reversed[0], reversed[2]);
-  CHECK(!f.sharing().duplicate_shared_pages(shared->first_page, page, reversed));
-  CHECK(!f.sharing().duplicate_shared_pages(shared->first_page + page, page, shared->fds));
-  CHECK(!f.sharing().duplicate_shared_pages(shared->first_page, 2 * page, shared->fds));
-  CHECK(!f.sharing().duplicate_shared_pages(shared->first_page, page, {}));
+  CHECK(!f.sharing().duplicate_shared_pages(key, shared->first_page, page, reversed));
+  CHECK(!f.sharing().duplicate_shared_pages(key, shared->first_page + page, page, shared->fds));
+  CHECK(!f.sharing().duplicate_shared_pages(key, shared->first_page, 2 * page, shared->fds));
+  CHECK(!f.sharing().duplicate_shared_pages(key, shared->first_page, page, {}));
+  auto fewer = shared->fds;  // some of the block's pages only
+  fewer.pop_back();
+  CHECK(!f.sharing().duplicate_shared_pages(key, shared->first_page, page, fewer));
+  auto wrong = shared->key;
+  wrong[5] ^= 1;
+  CHECK(!f.sharing().duplicate_shared_pages(wrong.data(), shared->first_page, page, shared->fds));
+  CHECK(f.sharing().offers(key, shared->first_page, page, shared->fds));
+  CHECK(!f.sharing().offers(wrong.data(), shared->first_page, page, shared->fds));
   // No room for a second duplicate: the first is closed again, and the error says so.
   rlimit saved{};
   REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
@@ -941,7 +951,7 @@ TEST(growable_shared_pages_are_duplicated_only_while_they_are_the_blocks)
   // destructor opens a pipe, which a process at its descriptor limit cannot.
   std::exception_ptr failure;
   try {
-    (void)f.sharing().duplicate_shared_pages(shared->first_page, page, shared->fds);
+    (void)f.sharing().duplicate_shared_pages(key, shared->first_page, page, shared->fds);
   } catch (...) {
     failure = std::current_exception();
   }
@@ -952,8 +962,40 @@ TEST(growable_shared_pages_are_duplicated_only_while_they_are_the_blocks)
   failure = nullptr;
   f->deallocate(a);
   f->synchronize();
+  // Freed, its pages still mapped with the same descriptors: the key is forgotten, and a block
+  // at the same address, on the same pages, is another block, which the old key never reaches.
+  CHECK(!f.sharing().duplicate_shared_pages(key, shared->first_page, page, shared->fds));
+  auto const b = f->allocate(6 * MiB, legacy_stream, alloc_tag::cupy);
+  REQUIRE(b == a);
+  CHECK(!f.sharing().duplicate_shared_pages(key, shared->first_page, page, shared->fds));
+  auto const again = f.sharing().share_pages(b);
+  REQUIRE(again.has_value() && again->fds == shared->fds);
+  CHECK(again->key != shared->key);
+  f->deallocate(b);
+  f->synchronize();
   (void)f->trim();  // the pages went: their descriptors no longer describe them
-  CHECK(!f.sharing().duplicate_shared_pages(shared->first_page, page, shared->fds));
+  CHECK(!f.sharing().duplicate_shared_pages(again->key.data(), shared->first_page, page,
+                                            shared->fds));
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_a_held_block_keeps_its_key_until_its_last_hold_goes)
+{
+  fixture f;
+  auto const a      = f->allocate(6 * MiB, legacy_stream, alloc_tag::cupy);
+  std::uint64_t gen = 0;
+  (void)f.sharing().hold(a, &gen);
+  auto const shared = f.sharing().share_pages(a);
+  REQUIRE(shared.has_value());
+  auto const* key = shared->key.data();
+  f->deallocate(a);  // held: another process may still ask for its pages
+  CHECK(f.sharing().offers(key, shared->first_page, page, shared->fds));
+  f.sharing().release_hold(a, gen + 1);  // a release of another generation: nothing
+  CHECK(f.sharing().offers(key, shared->first_page, page, shared->fds));
+  f.sharing().release_hold(a, gen);
+  CHECK(!f.sharing().offers(key, shared->first_page, page, shared->fds));
+  CHECK_EQ(f.sharing().held_blocks(), 0u);
+  f->synchronize();
   CHECK_EQ(consistency(f), "");
 }
 

@@ -13,7 +13,7 @@
 // emmpool's growable blocks are sent as 'e' (their pages, emmpool_ipc_share_pages, keep their
 // descriptors open while the block lives: PyTorch's protocol keeps the sender's block alive
 // until every receiver let go of it), followed by emmpool's trailer (share_trailer below:
-// where the sender's IPC service listens, its secret, the sender's device and first page).
+// where the sender's IPC service listens, the block's key, the sender's device and first page).
 // PyTorch's own reader stops after the descriptors, so a receiver on PyTorch's allocator reads
 // the handle as its own. An emmpool receiver that finds the trailer asks the sender's service
 // for the pages' descriptors (emmpool_ipc_open_offer: a Unix socket, no ptrace rights over the
@@ -64,33 +64,27 @@ struct share_trailer {
   std::int32_t device;          // the sender's
   std::uint32_t address_size;
   std::uint64_t first_page;     // in the sender
-  unsigned char secret[16];
+  unsigned char key[16];        // the block's (emmpool_shared_pages)
 };
 static_assert(sizeof(share_trailer) == 40, "emmpool's share trailer");
-constexpr char trailer_magic[8] = {'E', 'M', 'M', 'P', 'O', 'O', 'L', '1'};
+constexpr char trailer_magic[8] = {'E', 'M', 'M', 'P', 'O', 'O', 'L', '2'};
 
-// This process's IPC service, asked once.
-struct service_info {
-  std::string address;
-  unsigned char secret[16];
-};
-service_info const& this_service()
+// This process's IPC service's address, asked once.
+std::string const& this_service()
 {
-  static service_info const info = [] {
-    service_info out{};
-    std::string address(128, '\0');
+  static std::string const address = [] {
+    std::string out(128, '\0');
     emmpool_error error{};
-    auto n = api.emmpool_ipc_service(address.data(), address.size(), out.secret, &error);
-    if (n > static_cast<long>(address.size())) {
-      address.resize(static_cast<std::size_t>(n));
-      n = api.emmpool_ipc_service(address.data(), address.size(), out.secret, &error);
+    auto n = api.emmpool_ipc_service(out.data(), out.size(), &error);
+    if (n > static_cast<long>(out.size())) {
+      out.resize(static_cast<std::size_t>(n));
+      n = api.emmpool_ipc_service(out.data(), out.size(), &error);
     }
     if (n < 0) { raise(std::string{"emmpool: cannot share this CUDA tensor: "} + error.message); }
-    address.resize(static_cast<std::size_t>(n));
-    out.address = std::move(address);
+    out.resize(static_cast<std::size_t>(n));
     return out;
   }();
-  return info;
+  return address;
 }
 
 // The handle of the block at ptr on the current device, and ptr's offset from what it maps.
@@ -114,16 +108,16 @@ cca::ShareableHandle share_block(void* ptr)
     share_trailer trailer{};
     std::memcpy(trailer.magic, trailer_magic, sizeof trailer.magic);
     trailer.device       = device;
-    trailer.address_size = static_cast<std::uint32_t>(service.address.size());
+    trailer.address_size = static_cast<std::uint32_t>(service.size());
     trailer.first_page   = pages.first_page;
-    std::memcpy(trailer.secret, service.secret, sizeof trailer.secret);
+    std::memcpy(trailer.key, pages.key, sizeof trailer.key);
     std::string out;
     out.push_back(handle_version);
     out.push_back(expandable_handle);
     out.append(reinterpret_cast<char const*>(&header), sizeof header);
     out.append(reinterpret_cast<char const*>(fds.data()), sizeof(std::int32_t) * pages.pages);
     out.append(reinterpret_cast<char const*>(&trailer), sizeof trailer);
-    out.append(service.address);
+    out.append(service);
     return {static_cast<std::ptrdiff_t>(pages.offset), out};
   }
   unsigned char handle[CUDA_IPC_HANDLE_SIZE];  // a fixed segment's legacy handle
@@ -216,7 +210,7 @@ class opened_handles {
       std::vector<std::int32_t> theirs(header.pages);
       std::memcpy(theirs.data(), pages, fds_end);
       base = api.emmpool_ipc_open_offer(device, pages + fds_end + sizeof trailer,
-                                        trailer.address_size, trailer.secret, trailer.device,
+                                        trailer.address_size, trailer.key, trailer.device,
                                         trailer.first_page, header.page_size, theirs.data(),
                                         theirs.size(), &error);
     } else {

@@ -31,11 +31,12 @@ process exits, as the resource sharer keeps what it was given.
 **Pages cross without ptrace rights.** When a receiver opens a growable block's handle, it asks
 the sending process's IPC service (a thread listening on an abstract Unix socket) for the
 pages' descriptors, which arrive over the socket (SCM_RIGHTS) after the service checked the
-handle's secret and that the pages are the block's still: no ``pidfd_getfd``, which needs
-ptrace rights over the sender (refused by Yama's ``ptrace_scope=1`` and by containers without
-``CAP_SYS_PTRACE``). The sender must be alive when a receiver opens. Each page is one
-descriptor while it is imported: opening counts them against the descriptor limit first
-(``RLIMIT_NOFILE``, raised toward its hard limit where needed) and says so if they cannot fit.
+handle's key (the block's own, made when it was first shared) and that the block is still the
+one shared: no ``pidfd_getfd``, which needs ptrace rights over the sender (refused by Yama's
+``ptrace_scope=1`` and by containers without ``CAP_SYS_PTRACE``). The sender must be alive when
+a receiver opens. Each page is one descriptor while it is imported: opening counts them against
+the descriptor limit first (``RLIMIT_NOFILE``, raised toward its hard limit where needed) and
+says so if they cannot fit.
 
 Closing an import synchronizes the receiver's device first: work issued to the memory there
 must not outlive its mapping; a close that failed (the synchronization) can be called again.
@@ -69,9 +70,9 @@ class IpcHandle:
         self._offset = offset     # the shared address from the start of what is mapped
         self._extent = extent     # the bytes mapped: the segment's, or its pages'
         self._handle = handle     # a fixed segment's legacy handle
-        # A growable block's pages, as its service is asked for them: (address, secret, the
-        # sender's device, the first page's address there, the page size, the sender's
-        # descriptor numbers). Numbers of another process: nothing to close here.
+        # A growable block's pages, as its service is asked for them: (address, the block's
+        # key, the sender's device, the first page's address there, the page size, the
+        # sender's descriptor numbers). Numbers of another process: nothing to close here.
         self._offer = offer
         self._array = array
         self._closed = False
@@ -177,9 +178,9 @@ def _check_description(h: IpcHandle) -> None:
     if h._offer is not None:
         if len(h._offer) != 6:
             raise bad("its pages are not described")
-        address, secret, sender, first_page, page_size, fds = h._offer
-        if not (isinstance(address, bytes) and isinstance(secret, bytes) and len(secret) == 16):
-            raise bad("the sending process's service is not named")
+        address, key, sender, first_page, page_size, fds = h._offer
+        if not (isinstance(address, bytes) and isinstance(key, bytes) and len(key) == 16):
+            raise bad("the sending process's service or the block's key is missing")
         if not (isinstance(page_size, int) and page_size > 0 and fds and
                 all(isinstance(fd, int) and fd >= 0 for fd in fds)):
             raise bad("its pages are not described")
@@ -273,13 +274,14 @@ def export(obj, nbytes: int | None = None, device: int | None = None) -> IpcHand
     if nbytes is not None:
         nbytes = _args.integer(nbytes, "nbytes", "bytes from the address on")
     nbytes = _within(nbytes, start + size - ptr, ptr)
-    lease, _ = _core.ipc_lease(pool.device, ptr)
+    lease, held = _core.ipc_lease(pool.device, ptr)
     try:
+        if held != start:  # freed and allocated again meanwhile, by another thread
+            raise ValueError(f"address {ptr:#x}: its block changed while it was exported")
         shared = pool.share_pages(ptr)
         if shared is not None:
-            first, page_size, offset, _left, fds = shared
-            address, secret = _core.ipc_service_info()
-            offer = (address, secret, pool.device, first, page_size, tuple(fds))
+            first, page_size, offset, _left, fds, key = shared
+            offer = (_core.ipc_service_address(), key, pool.device, first, page_size, tuple(fds))
             return IpcHandle(pool.device, ptr, nbytes, offset, len(fds) * page_size,
                              offer=offer, array=array, lease=lease)
         handle, _base, segment_size, offset = pool.ipc_handle(ptr)

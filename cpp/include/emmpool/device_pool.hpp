@@ -311,6 +311,14 @@ class device_pool : private detail::pool_lifecycle {
   std::map<device_ptr, hold_state> holds_;
   void settle_unheld(hold_state const& h);  // its last hold went: a free that came settles
   void release_holds();                      // a reset: every hold goes
+  // Shared growable blocks' keys (pool_sharing::share_pages), by block address: forgotten
+  // when the block is freed, or, held, when its last hold goes: a block at the same address
+  // later is another block, whose pages no old handle reaches.
+  std::map<device_ptr, share_key> shares_;
+  void forget_share(device_ptr at)
+  {
+    if (!shares_.empty()) { shares_.erase(at); }
+  }
   detail::capture_mode capture_;
   // Last: the members above keep the layout (cache lines) of fixed segments' hot path.
   detail::growable_space growable_{*driver_, device_, blocks_, ledger_, cap_, segment_log_};

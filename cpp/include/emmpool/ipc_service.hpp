@@ -11,12 +11,15 @@
  * parent's, and containers without CAP_SYS_PTRACE refuse it outright. So each process that
  * shares pages runs this service: a thread listening on an abstract Unix socket, which hands
  * a receiver duplicates of the pages' descriptors (as multiprocessing's resource sharer, NCCL
- * and cuda.core pass theirs). A receiver asks with an offer: the service's address, a secret
- * that only the handles this process sends carry, and the pages as the sender numbers them
- * (the first page's address, the page size, the sender's descriptor numbers). The service
- * checks each against what the pool exported for the page mapped there now
- * (pool_sharing::duplicate_shared_pages), so an offer of a block freed since is refused, never
- * served with another block's pages. It also refuses a peer of another user (SO_PEERCRED).
+ * and cuda.core pass theirs). A receiver asks with an offer: the service's address, the
+ * block's key (pool_sharing::share_pages: 16 random bytes, only in the handles of that block),
+ * and the pages as the sender numbers them (the first page's address, the page size, the
+ * sender's descriptor numbers). The service serves only the block of that key, while it is
+ * the block shared (not freed, or held by a lease), and only its own pages
+ * (pool_sharing::duplicate_shared_pages): an offer of a block freed since is refused, never
+ * served with another block's pages, and a handle of one block reaches no other. It also
+ * refuses a peer of another user (SO_PEERCRED), and a receiver talks only to a service of its
+ * own user.
  *
  * Leases. A receiver maps the pages, and the sender's pool would hand them to a new block as
  * soon as the sender frees its own: the receiver's writes would land in the new block. A lease
@@ -26,16 +29,20 @@
  * process ended) it releases the hold. The kernel does the counting, so a receiver that dies
  * still lets the block go.
  *
- * Thread-safe. The service thread calls into the pools (hold release, duplicates), never the
- * other way; it is started on first use and lives as long as the process (made by
- * pool_registry, never destroyed). In a child forked from a process that started it the
- * service is inert: the thread did not follow, and CUDA cannot be used there anyway.
+ * Thread-safe. The service thread watches the leases and accepts connections; each request is
+ * served on a thread of its own (at most max_serving at once), so that a peer that stops
+ * talking delays no lease and no other request. Those threads call into the pools (hold
+ * release, duplicates), never the other way; the service is started on first use and lives
+ * as long as the process (made by pool_registry, never destroyed). In a child forked from a
+ * process that started it the service is inert: the threads did not follow, and CUDA cannot
+ * be used there anyway.
  */
 #pragma once
 
 #include <emmpool/driver.hpp>
+#include <emmpool/pool_layout.hpp>
 
-#include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -43,17 +50,16 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 namespace emmpool {
 
 class device_pool;
 
-/// @brief The secret of a process's service: 16 random bytes.
-using ipc_secret = std::array<unsigned char, 16>;
-
 /// @brief What a receiver needs to ask the sending process for a block's pages.
 struct page_offer {
   std::string address;       ///< the sender's service (an abstract socket name, leading NUL)
-  ipc_secret secret{};       ///< the sender's service's secret
+  share_key key{};           ///< the block's (pool_sharing::share_pages)
   int device{};              ///< the sender's device ordinal (its pool)
   device_ptr first_page{};   ///< the address of the first page, in the sender
   std::size_t page_size{};
@@ -68,10 +74,9 @@ class ipc_service {
   ipc_service(ipc_service const&)            = delete;
   ipc_service& operator=(ipc_service const&) = delete;
 
-  /// @brief The service's address and secret, for offers; starts it on first use.
+  /// @brief The service's address, for offers; starts it on first use.
   /// @throws pool_error in a forked child, or where no socket or thread can be made
   [[nodiscard]] std::string address();
-  [[nodiscard]] ipc_secret secret();
 
   /// @brief Hold the live block of `device`'s pool holding ptr until every copy of the
   /// returned descriptor (the write end of a pipe, close-on-exec, the caller's) is closed,
@@ -81,7 +86,7 @@ class ipc_service {
   /// @brief Leases whose writers are not all closed yet.
   [[nodiscard]] std::size_t leases() const;
 
-  /// @brief Requests answered, and refused (a wrong secret or peer, pages gone), so far.
+  /// @brief Requests answered, and refused (a wrong key or peer, pages gone), so far.
   [[nodiscard]] std::uint64_t served() const;
   [[nodiscard]] std::uint64_t refused() const;
 
@@ -92,25 +97,31 @@ class ipc_service {
 
   /// @brief The most descriptors one offer may name (an address space of pages is far less).
   static constexpr std::size_t max_pages = std::size_t{1} << 20;
+  /// @brief Requests served at once; a connection past them is closed unanswered (its peer
+  /// says the sender did not answer).
+  static constexpr int max_serving = 16;
 
  private:
   struct lease_entry {
     int read_end;
     int device;
     device_ptr at;
+    std::uint64_t generation;  // the pool's at the hold: a reset since released it
   };
-  void start();                   // once: socket, secret, thread
+  void start();                   // once: socket, thread
   void run() noexcept;            // the thread
+  void accept_one(int connection) noexcept;  // served on a thread of its own
   void serve(int connection) noexcept;
   void wake() noexcept;
+  [[nodiscard]] bool forked() const noexcept { return owner_.load() != ::getpid(); }
 
   std::function<device_pool*(int)> pool_of_;
   mutable std::mutex mutex_;
   std::once_flag started_;
   std::string start_error_;       // why start() failed, if it did
   std::string address_;
-  ipc_secret secret_{};
-  long owner_{};                  // the process that started it (a forked child is another)
+  std::atomic<long> owner_{0};    // the process that started it (a forked child is another)
+  std::atomic<int> serving_{0};   // requests being served now
   int listen_fd_{-1};
   int wake_fd_{-1};               // an eventfd: new leases to watch
   std::vector<lease_entry> leases_;

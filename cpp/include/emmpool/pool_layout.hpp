@@ -7,6 +7,7 @@
 
 #include <emmpool/driver.hpp>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -41,6 +42,11 @@ struct ipc_info {
   std::size_t offset;          ///< block address - segment base
 };
 
+/// @brief A shared block's key: 16 random bytes, made when the block is first shared and
+/// forgotten when it is freed (or, held, when its last hold goes). Only a process that was
+/// given it may ask for the block's pages, and only while the block is the one shared.
+using share_key = std::array<unsigned char, 16>;
+
 /// @brief The pages under a block of the growable segment, for another process to map
 /// (pool_sharing::share_pages): one file descriptor per page, in address order. The descriptors
 /// are the pool's, valid while the pages are (a page's goes when the page goes back to the
@@ -51,6 +57,7 @@ struct shared_pages {
   std::size_t offset;      ///< the shared address - first_page
   std::size_t block_size;  ///< the block's bytes from the shared address on
   std::vector<int> fds;
+  share_key key;           ///< what a receiver shows to be given them (ipc_service.hpp)
 };
 
 /// @brief A change of the memory a pool holds from the driver, for a memory history

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define EMMPOOL_TORCH_ABI_VERSION 7
+#define EMMPOOL_TORCH_ABI_VERSION 8
 
 /* Every block's address and size are a multiple of this: what the pool rounds a request up to
  * (emmpool::block_alignment; emmpool/round_up.hpp rounds). */
@@ -160,6 +160,7 @@ typedef struct emmpool_shared_pages {
   uint64_t offset;      /* the shared address - first_page */
   uint64_t block_size;  /* the block's bytes from the shared address on */
   uint64_t pages;       /* how many descriptors there are */
+  unsigned char key[16]; /* the block's key: what a receiver shows the sender's IPC service */
 } emmpool_shared_pages;
 
 /* ---- the device pools --------------------------------------------------------------------- */
@@ -210,19 +211,20 @@ long emmpool_torch_layout(int device, emmpool_layout_row* out, size_t n);
 int emmpool_ipc_share_pages(void* ptr, int device, emmpool_shared_pages* out, int32_t* fds,
                             size_t n, emmpool_error* error);
 /* This process's IPC service (emmpool/ipc_service.hpp), started on first use: its address (an
- * abstract socket name, its leading NUL included) in `address` (room n), and its 16-byte
- * secret. The address's length (fill again with more room if that is more than n); -1 failed. */
-long emmpool_ipc_service(char* address, size_t n, unsigned char* secret, emmpool_error* error);
+ * abstract socket name, its leading NUL included) in `address` (room n). The address's length
+ * (fill again with more room if that is more than n); -1 failed. */
+long emmpool_ipc_service(char* address, size_t n, emmpool_error* error);
 /* Map pages another process shared (descriptors of this process, the caller's to close),
  * `page_size` bytes each, on `device`: their base, NULL on failure. */
 void* emmpool_ipc_open_pages(int device, const int32_t* fds, size_t n, uint64_t page_size,
                              emmpool_error* error);
 /* Map the pages another process offers, asking its IPC service for their descriptors (no
- * ptrace rights needed): `address` (address_size bytes) and `secret` (16 bytes) its service's,
- * `sender_device` its device, `first_page` the first page's address there, `fds` its numbers of
- * the n pages; mapped on `device`. Their base, NULL on failure. */
+ * ptrace rights needed): `address` (address_size bytes) its service's, `key` (16 bytes) the
+ * block's (emmpool_shared_pages), `sender_device` its device, `first_page` the first page's
+ * address there, `fds` its numbers of the n pages; mapped on `device`. Their base, NULL on
+ * failure. */
 void* emmpool_ipc_open_offer(int device, const char* address, size_t address_size,
-                             const unsigned char* secret, int sender_device, uint64_t first_page,
+                             const unsigned char* key, int sender_device, uint64_t first_page,
                              uint64_t page_size, const int32_t* fds, size_t n,
                              emmpool_error* error);
 /* Unmap what emmpool_ipc_open_pages returned, after a device synchronization. */

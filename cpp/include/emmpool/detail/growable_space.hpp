@@ -114,12 +114,16 @@ class growable_space {
   /// process maps them (pool_sharing::share_pages). @throws cuda_error where the driver cannot
   /// export them (pages made without a shareable handle type)
   [[nodiscard]] shared_pages share(block const& blk, device_ptr ptr);
-  /// Duplicates of the descriptors `fds` (the sending process's numbers, one per page from
-  /// `first_page` on, as share() gave them), for another process that asks for them: only if
-  /// each is what share() gave for the page mapped there now, else std::nullopt (the block
-  /// was freed and its pages moved, released or exported anew). The caller owns and closes
-  /// the duplicates. @throws pool_error if a duplicate cannot be made (none is left open)
-  [[nodiscard]] std::optional<std::vector<int>> duplicate_shared(device_ptr first_page,
+  /// Whether `first_page`, `page_size` and `fds` (the sending process's descriptor numbers,
+  /// one per page) are what share() gives for all of live block `blk`, each descriptor the
+  /// one exported for the page mapped there now.
+  [[nodiscard]] bool describes_shared(block const& blk, device_ptr first_page,
+                                      std::size_t page_size, std::vector<int> const& fds) const;
+  /// Duplicates of those descriptors, for another process that asks for `blk`'s pages;
+  /// std::nullopt unless describes_shared(). The caller owns and closes the duplicates.
+  /// @throws pool_error if a duplicate cannot be made (none is left open)
+  [[nodiscard]] std::optional<std::vector<int>> duplicate_shared(block const& blk,
+                                                                 device_ptr first_page,
                                                                  std::size_t page_size,
                                                                  std::vector<int> const& fds) const;
   /// Whether `seg` is this space's segment.
