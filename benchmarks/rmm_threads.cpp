@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -72,4 +73,21 @@ extern "C" __attribute__((visibility("default"))) int emmci_rmm_threads(
     error[error_size - 1] = '\0';
   }
   return failed.empty() ? 0 : -1;
+}
+
+// Allocate on stream `a` and free on stream `b`, `iterations` times, in the calling thread:
+// a free on another stream than its allocation's takes the pool's full path, which lets go of
+// a GIL the caller holds (ctypes.PyDLL) and takes it back (the test of a daemon thread doing
+// so while the interpreter exits).
+extern "C" __attribute__((visibility("default"))) int emmci_rmm_churn(
+  int device, std::uintptr_t a, std::uintptr_t b, int iterations)
+{
+  auto mr = rmm::mr::get_per_device_resource_ref(rmm::cuda_device_id{device});
+  for (int i = 0; i < iterations; ++i) {
+    void* p = mr.allocate(cuda::stream_ref{reinterpret_cast<cudaStream_t>(a)}, 4096,
+                          rmm::CUDA_ALLOCATION_ALIGNMENT);
+    mr.deallocate(cuda::stream_ref{reinterpret_cast<cudaStream_t>(b)}, p, 4096,
+                  rmm::CUDA_ALLOCATION_ALIGNMENT);
+  }
+  return 0;
 }

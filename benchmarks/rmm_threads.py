@@ -21,7 +21,7 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("rmm_threads.cpp")
 
 
-def load(cache: str | os.PathLike, hold_gil: bool = True):
+def _library(cache: str | os.PathLike, hold_gil: bool):
     from emmpool import _rmm
 
     version, _, include, lib, logger = _rmm._rmm_parts()
@@ -30,18 +30,30 @@ def load(cache: str | os.PathLike, hold_gil: bool = True):
     if not target.exists():
         Path(cache).mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(f".{os.getpid()}.so")
-        cxx = os.environ.get("CXX") or "c++"
-        _rmm._run([cxx, *_rmm.CXXFLAGS, str(SOURCE), "-o", str(partial), f"-I{include}",
-                   f"-I{include / 'rapids'}", f"-I{logger}", f"-I{_rmm._cuda_include()}",
-                   f"-L{lib}", "-lrmm", f"-Wl,-rpath,{lib}", "-pthread"], "the C++ compiler")
+        _rmm._run([*_rmm._compiler(), *_rmm.CXXFLAGS, str(SOURCE), "-o", str(partial),
+                   f"-I{include}", f"-I{include / 'rapids'}", f"-I{logger}",
+                   f"-I{_rmm._cuda_include()}", f"-L{lib}", "-lrmm", f"-Wl,-rpath,{lib}",
+                   "-pthread"], "the C++ compiler")
         os.replace(partial, target)
     import rmm.mr  # noqa: F401 - librmm loaded, and the per-device resources it keeps
 
-    dll = (ctypes.PyDLL if hold_gil else ctypes.CDLL)(str(target))
-    f = dll.emmci_rmm_threads
+    return (ctypes.PyDLL if hold_gil else ctypes.CDLL)(str(target))
+
+
+def load(cache: str | os.PathLike, hold_gil: bool = True):
+    f = _library(cache, hold_gil).emmci_rmm_threads
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
                   ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_size_t]
+    return f
+
+
+def churn(cache: str | os.PathLike):
+    """emmci_rmm_churn(device, stream a, stream b, iterations), called holding the GIL: in
+    the calling thread, allocations on a freed on b."""
+    f = _library(cache, hold_gil=True).emmci_rmm_churn
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
     return f
 
 

@@ -219,6 +219,33 @@ def test_rmms_cpp_callers_allocate_from_eight_threads_while_python_holds_the_gil
     )
 
 
+def test_a_daemon_thread_freeing_through_rmm_as_the_interpreter_exits_lets_it_exit(cache):
+    # RMM frees from noexcept frames: a free that takes the GIL back as Python finalizes must
+    # not end its thread with an unwind through them (std::terminate, exit status 134).
+    benchmark_module("rmm_threads")  # skips where benchmarks/ is not shipped
+    run(
+        f"""
+        import threading, time
+        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+        import rmm_threads
+        rmm.mr.set_per_device_resource(0, emmpool.rmm_resource(0))
+        churn = rmm_threads.churn({str(cache)!r})
+        a, b = host.create_stream(), host.create_stream()
+        started = threading.Event()
+
+        def work():
+            started.set()
+            while True:
+                churn(0, a, b, 100000)
+
+        threading.Thread(target=work, daemon=True).start()
+        started.wait()
+        time.sleep(0.3)
+        """,
+        cache,
+    )
+
+
 def test_a_resource_from_another_build_is_refused(cache):
     run(
         """
@@ -271,6 +298,26 @@ def test_where_it_cannot_be_built_rmm_gets_the_callback_resource_and_one_line(tm
     assert len(warned) == 1, p.stderr
     assert "no C++ compiler (no-such-compiler)" in warned[0], warned
     assert "Python callback resource instead" in warned[0], warned
+
+
+def test_a_cached_module_that_will_not_load_is_dropped_and_rmm_gets_the_callback(tmp_path):
+    # A build cut short (a crash after the rename), or one a newer compiler made for a machine
+    # sharing the cache: the callback resource this time, and the file gone for a rebuild.
+    env = dict(os.environ, EMMPOOL_RMM_CACHE=str(tmp_path), CXX="no-such-compiler")
+    p = run_python(["-c", PRELUDE + textwrap.dedent(
+        """
+        target = _rmm._target(_rmm._rmm_parts()[0])
+        target.parent.mkdir(parents=True)
+        target.write_bytes(b"not a shared object")
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            mr = emmpool.rmm_resource(0)
+        assert type(mr) is rmm.mr.CallbackMemoryResource, mr
+        assert any("would not load" in str(w.message) for w in said), [str(w) for w in said]
+        assert not target.exists()
+        print("OK")
+        """)], timeout=120, env=env)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
 
 
 def test_rmm_releases_are_read_and_old_ones_refused(monkeypatch):

@@ -46,7 +46,8 @@ class resource {
   [[nodiscard]] int device() const noexcept { return device_; }
 
   /// A block of `bytes`, in the order of `stream`. The pool's blocks are aligned to 256 bytes
-  /// (rmm::CUDA_ALLOCATION_ALIGNMENT): a larger alignment is refused, as RMM's pools refuse it.
+  /// (rmm::CUDA_ALLOCATION_ALIGNMENT): a larger alignment is refused (RMM's own pools ignore
+  /// it, handing out memory less aligned than asked), never given unmet.
   /// @throws rmm::out_of_memory (what RMM's failure-callback adaptor and callers catch),
   /// rmm::bad_alloc (another failure), rmm::logic_error (an alignment the pool cannot give)
   [[nodiscard]] void* allocate(cuda::stream_ref stream, std::size_t bytes,

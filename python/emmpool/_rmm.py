@@ -25,6 +25,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -121,9 +122,35 @@ def _cuda_include() -> Path:
 
 
 def _key(version: str) -> str:
-    text = b"".join(p.read_bytes() for p in (PYX, *HEADERS))
-    text += repr((CXXFLAGS, version, sys.implementation.cache_tag)).encode()
+    """The sources, flags, RMM (its distribution: rmm-cu12 and rmm-cu13 share versions),
+    Python and compiler a build depends on."""
+    try:
+        text = b"".join(p.read_bytes() for p in (PYX, *HEADERS))
+    except OSError as e:
+        raise RmmBuildError(f"emmpool's RMM resource sources are missing ({e}): reinstall "
+                            "emmpool") from None
+    from importlib import metadata
+
+    rmm_dists = sorted(d for d in metadata.packages_distributions().get("rmm", []))
+    text += repr((CXXFLAGS, version, rmm_dists, sys.implementation.cache_tag,
+                  _compiler_identity())).encode()
     return hashlib.sha256(text).hexdigest()[:16]
+
+
+def _compiler() -> list[str]:
+    """The C++ compiler's command ($CXX, which may carry a wrapper: "ccache g++")."""
+    return shlex.split(os.environ.get("CXX") or "c++") or ["c++"]
+
+
+def _compiler_identity() -> str:
+    """The compiler's first line of --version (a module built by a newer compiler may need a
+    newer C++ runtime than another machine sharing the cache has); "" if it will not say."""
+    try:
+        p = subprocess.run([*_compiler(), "--version"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return (p.stdout.splitlines() or [""])[0]
 
 
 def _suffix() -> str:
@@ -153,14 +180,14 @@ def readiness() -> str | None:
     return "native resource, to be built on first use (about 10 s) and cached"
 
 
-def _tools() -> tuple[str, Path]:
+def _tools() -> tuple[list[str], Path]:
     """(the C++ compiler, the CUDA runtime's headers) a build uses, Cython being there.
     Raises RmmBuildError naming the first that is missing."""
     if importlib.util.find_spec("Cython") is None:
         raise RmmBuildError("Cython is not installed: pip install 'emmpool[rmm]' (or cython)")
-    cxx = os.environ.get("CXX") or "c++"
-    if shutil.which(cxx) is None:
-        raise RmmBuildError(f"no C++ compiler ({cxx}): install one, or set CXX")
+    cxx = _compiler()
+    if shutil.which(cxx[0]) is None:
+        raise RmmBuildError(f"no C++ compiler ({' '.join(cxx)}): install one, or set CXX")
     return cxx, _cuda_include()
 
 
@@ -173,13 +200,13 @@ def _build() -> Path:
         return target
     try:
         where.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RmmBuildError(f"cannot make the build cache {where}: {e} (set EMMPOOL_RMM_CACHE)"
+        with open(where / "build.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+            if not target.exists():  # another process may have built it meanwhile
+                _compile(target, pxd, include, lib, logger)
+    except OSError as e:  # a cache that cannot be written: full, read-only, not ours
+        raise RmmBuildError(f"cannot build in the cache {where}: {e} (set EMMPOOL_RMM_CACHE)"
                             ) from None
-    with open(where / "build.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
-        if not target.exists():  # another process may have built it meanwhile
-            _compile(target, pxd, include, lib, logger)
     return target
 
 
@@ -194,7 +221,7 @@ def _compile(target: Path, pxd: Path, include: Path, lib: Path, logger: Path) ->
         _run([sys.executable, "-m", "cython", "--cplus", "-3", f"-I{pxd}",
               str(work / PYX.name), "-o", str(cpp)], "Cython")
         out = work / target.name
-        _run([cxx, *CXXFLAGS, str(cpp), "-o", str(out),
+        _run([*cxx, *CXXFLAGS, str(cpp), "-o", str(out),
               f"-I{work}", f"-I{SOURCES / 'include'}", f"-I{include}", f"-I{include / 'rapids'}",
               f"-I{logger}", f"-I{cuda}", f"-I{sysconfig.get_paths()['include']}",
               f"-L{lib}", "-lrmm", f"-Wl,-rpath,{lib}"], "the C++ compiler")
@@ -218,11 +245,11 @@ def _load(path: Path):
     spec = importlib.util.spec_from_file_location(MODULE, path)
     if spec is None or spec.loader is None:
         raise RmmBuildError(f"cannot load {path}")
-    mod = importlib.util.module_from_spec(spec)
     try:
+        mod = importlib.util.module_from_spec(spec)  # dlopen: a file cut short fails here
         spec.loader.exec_module(mod)
-    except ImportError as e:
+    except (ImportError, ValueError) as e:  # ValueError: Cython's "size changed" check
         with contextlib.suppress(OSError):
-            path.unlink()  # built against another RMM, say: rebuilt on the next try
+            path.unlink()  # cut short, or built against another RMM: rebuilt on the next try
         raise RmmBuildError(f"emmpool's native RMM resource would not load: {e}") from None
     return mod
