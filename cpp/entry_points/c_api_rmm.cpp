@@ -8,8 +8,6 @@
 #include <emmpool/registry.hpp>
 #include <emmpool/rmm_api.h>
 
-#include <unistd.h>
-
 static_assert(EMMPOOL_RMM_OUT_OF_MEMORY == 0 && EMMPOOL_RMM_INVALID_ARGUMENT == 1 &&
                 EMMPOOL_RMM_OTHER == 2,
               "rmm_api.h's failures are c_api::failure's kinds");
@@ -36,19 +34,10 @@ void* rmm_allocate(std::size_t size, int device, void* stream, int* failure, cha
 
 void rmm_deallocate(void* ptr, int device, void* stream)
 {
-  try {
-    emmpool::c_api::free_on(ptr, device, reinterpret_cast<stream_handle>(stream),
-                            emmpool::alloc_tag::rmm);
-  }
-#if defined(__GLIBCXX__)
-  catch (abi::__forced_unwind const&) {
-    // The interpreter is ending this daemon thread as the free takes the GIL back (Python
-    // before 3.14: caller_lock.hpp). RMM's and CCCL's deallocate above are noexcept: unwound,
-    // they would abort the process. The thread waits here instead (it holds no GIL), never
-    // leaving this block, and the process exits around it, as Python 3.14 has such threads do.
-    for (;;) { ::pause(); }
-  }
-#endif
+  // Never ends its thread by an unwind (pool_calls::deallocate): RMM's and CCCL's deallocate
+  // above are noexcept.
+  emmpool::c_api::free_on(ptr, device, reinterpret_cast<stream_handle>(stream),
+                          emmpool::alloc_tag::rmm);
 }
 
 int rmm_synchronize(int device, void* stream, char* message, std::size_t message_size)

@@ -12,7 +12,8 @@
 // aborts the process (std::terminate) if it meets a noexcept frame, a destructor, or a
 // catch (...) that does not rethrow it. Hence: the lock is taken back outside any destructor or
 // catch block; no entry point is noexcept; every catch (...) on the way is preceded by
-// EMMPOOL_LET_THREAD_END.
+// EMMPOOL_LET_THREAD_END. A free, whose callers' frames are often destructors, stops the
+// unwind and waits for the exit instead (pool_calls::deallocate).
 #pragma once
 
 #include <exception>

@@ -11,7 +11,7 @@
  * of while the pool waits (cpp/entry_points/caller_lock.hpp); emmpool's out-of-memory callback
  * takes it to run. No function throws. Taking the GIL back once the interpreter finalizes ends a
  * daemon thread (an unwind, not an exception) in allocate and synchronize; deallocate, which
- * RMM calls from noexcept frames, waits instead, and the process exits around it.
+ * RMM calls from noexcept frames, waits there instead, and the process exits around it.
  */
 #ifndef EMMPOOL_RMM_API_H
 #define EMMPOOL_RMM_API_H
