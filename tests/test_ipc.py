@@ -431,6 +431,42 @@ def test_the_service_rests_while_the_process_has_no_descriptor_to_accept_with():
     )
 
 
+def test_a_forked_child_keeps_no_copy_of_the_services_listener():
+    # Else a sender that exited would leave its name listening in its children, and a late
+    # receiver would wait for an answer instead of being refused at once.
+    run(
+        """
+        address = _core.ipc_service_address()
+        name = "@" + address[1:].decode()
+        inode = next(line.split()[6] for line in open("/proc/net/unix")
+                     if line.rstrip().endswith(name))
+
+        def sockets():
+            found = set()
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    link = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:  # the listing's own descriptor, closed by now
+                    continue
+                if link.startswith("socket:["):
+                    found.add(link[8:-1])
+            return found
+
+        assert inode in sockets()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, repr(sorted(sockets())).encode())
+            os._exit(0)
+        os.close(write)
+        child = eval(os.read(read, 1 << 16).decode())
+        os.waitpid(pid, 0)
+        assert inode not in child, "the child holds the listener"
+        assert inode in sockets(), "the parent lost it"
+        """
+    )
+
+
 def test_a_close_whose_synchronization_failed_can_be_retried():
     run(
         """

@@ -14,6 +14,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -200,6 +201,13 @@ void ipc_service::start()
       address_   = std::move(address);
       owner_     = ::getpid();
       std::thread{[this] { run(); }}.detach();  // lives as long as the process
+      // A forked child keeps no copy of the listener: once this process exits its name is
+      // gone, and a late receiver is refused at once rather than queued on a child's copy.
+      static ipc_service* started = this;  // pool_registry's: one per process
+      (void)::pthread_atfork(nullptr, nullptr, [] {
+        ::close(started->listen_fd_);
+        ::close(started->wake_fd_);
+      });
     } catch (std::exception const& e) {
       start_error_ = e.what();
     }

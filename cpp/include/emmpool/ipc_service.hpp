@@ -34,8 +34,9 @@
  * talking delays no lease and no other request. Those threads call into the pools (hold
  * release, duplicates), never the other way; the service is started on first use and lives
  * as long as the process (made by pool_registry, never destroyed). In a child forked from a
- * process that started it the service is inert: the threads did not follow, and CUDA cannot
- * be used there anyway.
+ * process that started it the service is inert: the threads did not follow, CUDA cannot be
+ * used there anyway, and the child closes its copy of the listener at once (so that the name
+ * goes with the process that made it).
  */
 #pragma once
 
