@@ -178,6 +178,70 @@ def test_the_process_exits_cleanly_with_threads_inside_the_entry_points():
         run(EXIT_WITH_DAEMON_THREADS, auto_complete=True)
 
 
+# A library's free as PyTorch's DataPtr deleter calls it: from a destructor (noexcept), here
+# for PyTorch's free and a private (graph) pool's, holding the GIL (ctypes.PyDLL).
+FREE_IN_DESTRUCTOR = r"""
+#include <dlfcn.h>
+#include <cstddef>
+using torch_free_fn = void (*)(void*, std::size_t, int, void*);
+using private_free_fn = void (*)(void*);
+static torch_free_fn torch_free;
+static private_free_fn private_free;
+struct freed_by_torch { void* p; ~freed_by_torch() { torch_free(p, 0, 0, nullptr); } };
+struct freed_privately { void* p; ~freed_privately() { private_free(p); } };
+extern "C" void init(const char* core)
+{
+  void* lib    = dlopen(core, RTLD_NOW | RTLD_NOLOAD);
+  torch_free   = reinterpret_cast<torch_free_fn>(dlsym(lib, "emmpool_torch_free"));
+  private_free = reinterpret_cast<private_free_fn>(dlsym(lib, "emmpool_private_free"));
+}
+extern "C" void free_as_torch(void* p) { freed_by_torch d{p}; }
+extern "C" void free_privately(void* p) { freed_privately d{p}; }
+"""
+
+EXIT_WITH_FREES_IN_DESTRUCTORS = """
+    class Id(ctypes.Structure):
+        _fields_ = [("first", ctypes.c_uint64), ("second", ctypes.c_uint64)]
+    shim = ctypes.PyDLL(sys.argv[1])
+    shim.init(_core.__file__.encode())
+    shim.free_as_torch.argtypes = shim.free_privately.argtypes = [P]
+    core = ctypes.PyDLL(_core.__file__)
+    core.emmpool_private_create_or_incref.argtypes = [I, Id]
+    core.emmpool_private_allocate.restype = P
+    core.emmpool_private_allocate.argtypes = [Id, Z, I, P, P]
+    torch_malloc = entry_point("torch_malloc")
+
+    def work(k):
+        pool = Id(7, k)
+        core.emmpool_private_create_or_incref(0, pool)
+        while True:  # another stream's free each time: the full path, which lets go of the GIL
+            shim.free_as_torch(torch_malloc(1 << 16, 0, 0x100 + k))
+            shim.free_privately(core.emmpool_private_allocate(pool, 1 << 16, 0, 0x200 + k, None))
+
+    for k in range(6):
+        threading.Thread(target=work, args=(k,), daemon=True).start()
+    time.sleep(0.2)
+    print("ok")
+"""
+
+
+def test_a_free_called_from_a_destructor_as_the_interpreter_exits_lets_it_exit(tmp_path):
+    # Taking the GIL back as Python finalizes would end the thread by an unwind through the
+    # destructor above the free: std::terminate, exit status 134 (caller_lock.hpp).
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip(needs("a C++ compiler", "none on PATH"))
+    source, shim = tmp_path / "shim.cpp", tmp_path / "shim.so"
+    source.write_text(FREE_IN_DESTRUCTOR)
+    subprocess.run([cxx, "-shared", "-fPIC", "-O1", str(source), "-o", str(shim), "-ldl"],
+                   check=True, capture_output=True)
+    for _ in range(3):
+        run(EXIT_WITH_FREES_IN_DESTRUCTORS, str(shim), auto_complete=True)
+
+
 SUBINTERPRETER = """
     try:
         import _interpreters as interpreters

@@ -34,8 +34,8 @@ void* rmm_allocate(std::size_t size, int device, void* stream, int* failure, cha
 
 void rmm_deallocate(void* ptr, int device, void* stream)
 {
-  // Never ends its thread by an unwind (pool_calls::deallocate): RMM's and CCCL's deallocate
-  // above are noexcept.
+  // RMM's and CCCL's deallocate above are noexcept: nothing unwinds out of here, not even at
+  // the interpreter's exit (caller_lock.hpp).
   emmpool::c_api::free_on(ptr, device, reinterpret_cast<stream_handle>(stream),
                           emmpool::alloc_tag::rmm);
 }

@@ -2,6 +2,8 @@
 
 #include <atomic>
 
+#include <unistd.h>
+
 namespace emmpool::caller_lock {
 namespace {
 
@@ -25,7 +27,15 @@ void* release() noexcept
 
 void restore(void* token)
 {
-  if (token != nullptr) { restore_fn.load(std::memory_order_acquire)(token); }
+  if (token == nullptr) { return; }
+  try {
+    restore_fn.load(std::memory_order_acquire)(token);
+  }
+#if defined(__GLIBCXX__)
+  catch (abi::__forced_unwind const&) {  // the interpreter ends this thread: see the header
+    for (;;) { ::pause(); }
+  }
+#endif
 }
 
 }  // namespace emmpool::caller_lock

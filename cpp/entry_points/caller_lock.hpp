@@ -7,13 +7,16 @@
 // entry point first tries the pool without waiting, holding it, and otherwise works through
 // without_caller_lock().
 //
-// Taking the GIL back may end the thread: once the interpreter finalizes, Python ends a daemon
-// thread that asks for it (pthread_exit, a forced unwind through every frame above). That unwind
-// aborts the process (std::terminate) if it meets a noexcept frame, a destructor, or a
-// catch (...) that does not rethrow it. Hence: the lock is taken back outside any destructor or
-// catch block; no entry point is noexcept; every catch (...) on the way is preceded by
-// EMMPOOL_LET_THREAD_END. A free, whose callers' frames are often destructors, stops the
-// unwind and waits for the exit instead (pool_calls::deallocate).
+// Taking the GIL back would end the thread once the interpreter finalizes: Python before 3.14
+// ends a daemon thread that asks for it (pthread_exit, a forced unwind through every frame
+// above), and that unwind aborts the process (std::terminate) where it meets a noexcept frame
+// or a destructor, which the callers' are at every free (PyTorch's DataPtr deleter, RMM's and
+// CCCL's deallocate, Cython's __dealloc__). So restore() stops that unwind where it starts and
+// the thread waits there for the process to exit, holding no GIL and no lock of emmpool's, as
+// Python 3.14 has such threads wait itself. The rest stays as careful as if it might unwind
+// (another cause, pthread_cancel): the lock is taken back outside any destructor or catch
+// block; no entry point is noexcept; every catch (...) on the way is preceded by
+// EMMPOOL_LET_THREAD_END.
 #pragma once
 
 #include <exception>

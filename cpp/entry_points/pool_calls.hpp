@@ -15,8 +15,6 @@
 #include <cstdint>
 #include <string>
 
-#include <unistd.h>
-
 namespace emmpool::pool_calls {
 
 /// pool.allocate(), by the rule; out of memory, the out-of-memory hook is asked (no pool lock
@@ -60,23 +58,11 @@ namespace emmpool::pool_calls {
   }
 }
 
-/// pool.deallocate(), by the rule. Its thread is never ended by an unwind: a free's callers are
-/// often destructors or noexcept (PyTorch's DataPtr deleter, RMM's and CCCL's deallocate,
-/// Cython's __dealloc__), which such an unwind aborts the process through. Where the
-/// interpreter ends the thread as it takes the GIL back (a daemon thread as Python finalizes,
-/// before 3.14: caller_lock.hpp), the thread waits here instead, holding no GIL and never
-/// leaving, and the process exits around it, as Python 3.14 has such threads do.
+/// pool.deallocate(), by the rule.
 inline void deallocate(device_pool& pool, device_ptr ptr, stream_handle stream, block_owner owner)
 {
   if (pool.try_deallocate(ptr, stream, owner)) { return; }
-  try {
-    caller_lock::without_caller_lock([&] { pool.deallocate(ptr, stream, owner); });
-  }
-#if defined(__GLIBCXX__)
-  catch (abi::__forced_unwind const&) {
-    for (;;) { ::pause(); }
-  }
-#endif
+  caller_lock::without_caller_lock([&] { pool.deallocate(ptr, stream, owner); });
 }
 
 }  // namespace emmpool::pool_calls

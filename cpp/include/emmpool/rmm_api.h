@@ -9,9 +9,8 @@
  * The functions take no Python lock and need none: libcudf's threads call them with the GIL
  * released, or from threads Python never saw. Where the caller does hold the GIL, it is let go
  * of while the pool waits (cpp/entry_points/caller_lock.hpp); emmpool's out-of-memory callback
- * takes it to run. No function throws. Taking the GIL back once the interpreter finalizes ends a
- * daemon thread (an unwind, not an exception) in allocate and synchronize; deallocate, which
- * RMM calls from noexcept frames, waits there instead, and the process exits around it.
+ * takes it to run. No function throws, nor unwinds: a thread that takes the GIL back once the
+ * interpreter finalizes waits there for the process to exit (caller_lock.hpp).
  */
 #ifndef EMMPOOL_RMM_API_H
 #define EMMPOOL_RMM_API_H
