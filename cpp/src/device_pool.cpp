@@ -118,7 +118,9 @@ device_pool::block* device_pool::claim_and_map(request const& r)
   if (claim.blk == nullptr) { return nullptr; }
   try {
     auto const fresh = growable_.prepare(claim, unmapping());
-    if (!r.key.is_none() && capture_.may_fence() &&
+    // Only a stream the fence queue can wait for (one with an id), and only once: the retake
+    // after the wait maps what it still lacks.
+    if (r.key.identified() && !r.waited && capture_.may_fence() &&
         detail::page_policy::waits_at_new_peak(fresh, ledger_.past_peak(fresh),
                                                lanes_.fences().waiting_bytes_of(r.key))) {
       growable_.give_back(claim);
@@ -182,6 +184,7 @@ device_pool::block* device_pool::wait_for_own_frees(request const& r)
   if (!r.wait_at_peak) { return nullptr; }
   ++stats_.fence_waits;
   drain(r.key);
+  r.waited = true;
   return take_free(r, detail::mapping::allowed);
 }
 
@@ -439,9 +442,10 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, block_owner o
   if (blk->held) {
     // Another process may still use it (hold()): the caller's pointer is no longer live, but
     // the block stays in use, unfenced, until the last release_hold() settles this free.
+    auto& h = holds_.at(blk->ptr);  // throws before any change if the books disagree
     index_.live().erase(it);
     if (trace_.on()) { trace_.record('f', blk->ptr, blk->size, key.handle, blk->tag); }
-    holds_.at(blk->ptr).freed_on = key;
+    h.freed_on = key;
     return;
   }
   forget_share(blk->ptr);
@@ -507,9 +511,16 @@ void device_pool::settle_unheld(hold_state const& h)
 
 void device_pool::release_holds()
 {
-  auto holds = std::move(holds_);
-  holds_.clear();
-  for (auto const& [at, h] : holds) { settle_unheld(h); }
+  // One at a time, each settle's failure ignored (the context is going: reset()), so that
+  // none is left held with no hold. A settle whose fence could not be recorded leaves its
+  // block pending, fenced by a later call, as any free that failed.
+  while (!holds_.empty()) {
+    auto const h = holds_.extract(holds_.begin()).mapped();
+    try {
+      settle_unheld(h);
+    } catch (...) {
+    }
+  }
 }
 
 void device_pool::settle_freed(block* blk, stream_ref key)

@@ -28,7 +28,12 @@ std::optional<shared_pages> pool_sharing::share_pages(device_ptr ptr)
   auto* const seg = p.index_.holding_live(ptr);
   if (seg == nullptr || !p.growable_.holds(seg)) { return std::nullopt; }
   auto const* blk = p.index_.block_at(*seg, ptr);
-  if (blk == nullptr || blk->state != detail::block_state::allocated) { return std::nullopt; }
+  // Live: allocated and the caller's still (a block freed during a capture is parked,
+  // allocated, until the capture ends), or held for another process.
+  if (blk == nullptr || blk->state != detail::block_state::allocated ||
+      (!blk->held && !p.index_.owns(blk->ptr))) {
+    return std::nullopt;
+  }
   auto out        = p.growable_.share(*blk, ptr);
   auto [it, made] = p.shares_.try_emplace(blk->ptr);
   if (made) {

@@ -1844,6 +1844,32 @@ TEST(a_reset_releases_every_hold)
   CHECK_EQ(f->stats().bytes_in_use, 0u);
 }
 
+TEST(a_reset_whose_settle_fails_still_releases_every_hold)
+{
+  // A record_stream block's settle records an event: made to fail, it must not leave the
+  // other holds behind (a held block with no hold, whose free would then be lost).
+  fixture f;
+  auto const s = f.drv.create_stream();
+  auto const a = f->allocate(big, s);
+  auto const b = f->allocate(big, s);
+  auto const c = f->allocate(big, s);
+  for (auto p : {a, b, c}) { (void)f.sharing().hold(p); }
+  f->record_stream(a, 0);
+  f->deallocate(a, s);
+  f->deallocate(b, s);
+  auto const g0 = f->generation();
+  f.drv.fail_next_event_records(1);
+  try {
+    f.controls().reset();
+  } catch (cuda_error const&) {
+  }
+  CHECK_EQ(f.sharing().held_blocks(), 0u);
+  f->deallocate(c, s, gen(g0));  // c's owner frees it: no error, nothing lost
+  f.drv.complete_all_events();
+  f->synchronize();
+  CHECK_EQ(f->stats().bytes_in_use, 0u);
+}
+
 TEST(live_extent_is_the_block_holding_a_pointer)
 {
   // Numba's device_extents asks for "the allocation" holding an array or a view inside it: the

@@ -999,6 +999,70 @@ TEST(growable_a_held_block_keeps_its_key_until_its_last_hold_goes)
   CHECK_EQ(consistency(f), "");
 }
 
+TEST(growable_a_block_freed_during_a_capture_is_not_shared)
+{
+  // Parked until the capture ends (its record_stream fence is an event recorded after it),
+  // the block is still allocated but no longer the caller's: sharing it would make a key
+  // that outlives it, and reach the block at its address next.
+  fixture f;
+  auto const side = f.drv.create_stream();
+  auto const p    = f->allocate(4 * MiB);
+  f.controls().capture_begin();
+  f->record_stream(p, side);
+  f->deallocate(p);
+  CHECK(!f.sharing().share_pages(p).has_value());
+  f.controls().capture_end();
+  f->synchronize();
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_a_new_peak_on_a_stream_without_an_id_maps_pages_without_waiting)
+{
+  // Before CUDA 12 streams have no ids: the fence queue cannot wait for one stream's frees,
+  // so the new-peak wait is not tried (it waited for nothing, then made a fixed segment).
+  fixture f;
+  f.drv.set_stream_ids(false);
+  auto const s = f.drv.create_stream();
+  f->deallocate(f->allocate(8 * MiB, s), s);
+  auto const b  = f->allocate(8 * MiB, s);
+  auto const st = f->stats();
+  CHECK_EQ(st.segments, 1u);
+  CHECK_EQ(st.bytes_reserved, 16 * MiB);
+  CHECK_EQ(st.fence_waits, 0u);
+  f->deallocate(b, s);
+  f->synchronize();
+  CHECK_EQ(consistency(f), "");
+}
+
+TEST(growable_a_new_peak_waits_once_then_maps_what_it_lacks)
+{
+  // Nine other streams with unfinished frees: the wait synchronizes this stream's newest
+  // fence, but the queue releases no batch behind the ninth unfinished stream's, so its own
+  // frees stay queued. The retake after the wait maps pages; it never waits again, nor makes
+  // a fixed segment.
+  fixture f;
+  for (int i = 0; i < 9; ++i) {
+    auto const si = f.drv.create_stream();
+    f->deallocate(f->allocate(256, si), si);
+    (void)f->allocate(4 * MiB, si);  // a miss on si: its batch closed, its event not complete
+  }
+  auto const s  = f.drv.create_stream();
+  auto const a1 = f->allocate(8 * MiB, s);
+  auto const l  = f->allocate(2 * MiB, s);
+  auto const a2 = f->allocate(8 * MiB, s);
+  f->deallocate(a1, s);
+  f->deallocate(a2, s);
+  auto const segments = f->stats().segments;
+  auto const c        = f->allocate(10 * MiB, s);
+  CHECK_EQ(f->stats().segments, segments);
+  CHECK(f->stats().fence_waits <= 1u);
+  f->deallocate(c, s);
+  f->deallocate(l, s);
+  f.drv.complete_all_events();
+  f->synchronize();
+  CHECK_EQ(consistency(f), "");
+}
+
 TEST(growable_an_export_that_fails_part_way_strands_nothing)
 {
   fixture f;

@@ -227,8 +227,9 @@ class device_pool : private detail::pool_lifecycle {
     alloc_tag tag{};
     bool growable{};        ///< served by the growable segment (growable_space::serves)
     /// New pages would pass the peak while the stream's own frees could cover them: found by
-    /// map_pages(), waited for by the next step (detail/page_policy.hpp).
+    /// map_pages(), waited for by the next step (detail/page_policy.hpp), once: `waited`.
     mutable bool wait_at_peak{};
+    mutable bool waited{};
   };
   /// How much a fixed segment holds: what several requests of its kind share
   /// (pool_options::segment_size), or the request alone (the out-of-memory ladder's last try).
