@@ -396,10 +396,7 @@ void ipc_service::serve(int c) noexcept
     if (!receive_all(c, numbers.data(), numbers.size() * sizeof(std::int32_t))) { return; }
     auto* const pool = pool_of_(q.device);
     std::vector<int> const fds(numbers.begin(), numbers.end());
-    auto const offered = [&] {
-      return pool != nullptr && pool_sharing{*pool}.offers(q.key, q.first_page, q.page_size, fds);
-    };
-    if (!offered()) {
+    if (pool == nullptr || !pool_sharing{*pool}.offers(q.key, q.first_page, q.page_size, fds)) {
       return refuse("emmpool: the sending process does not share these pages now (the block "
                     "was freed, and its lease released, before this process asked for them; or "
                     "the handle is not one it sent)");
