@@ -229,6 +229,12 @@ C_ENTRIES = textwrap.dedent(
     assert p_take(graph, MiB, 0, s) == b and snapshot().allocated_bytes == v.allocated_bytes
     assert accumulated().allocated_bytes == a.allocated_bytes + MiB
     p_free(b)
+    # taken again for a smaller request: the whole cached block is handed out and counted, so
+    # what was freed never goes back
+    freed = accumulated().freed_bytes
+    assert p_take(graph, 600 * 1024, 0, s) == b
+    assert accumulated().freed_bytes == freed and snapshot().allocated_bytes == v.allocated_bytes
+    p_free(b)
     p_release(graph)
     assert in_use() == held - MiB and p_device(b) == -1
     assert snapshot().allocated_bytes == w.allocated_bytes
@@ -240,7 +246,10 @@ C_ENTRIES = textwrap.dedent(
     assert p_adopt(mem_pool, foreign, 2 * MiB, 0, s, c.byref(why)) == 0, why.message
     assert block_size(foreign, 0) == 2 * MiB and p_device(foreign) == 0
     assert snapshot().reserved_bytes == reserved + 2 * MiB
+    in_use_before = snapshot()  # live: PyTorch's allocated bytes and blocks, as its own
     p_free(foreign)
+    assert snapshot().allocated_bytes == in_use_before.allocated_bytes - 2 * MiB
+    assert snapshot().blocks_in_use == in_use_before.blocks_in_use - 1
     p_release(mem_pool)
     back = (Block * 4)()
     assert p_returned(back, 4) == 1 and back[0].ptr == foreign and back[0].foreign == 1

@@ -133,8 +133,10 @@ torch_view view_of(emmpool::device_pool& pool)
   auto const torch  = static_cast<std::size_t>(emmpool::alloc_tag::torch);
   auto const handed = emmpool::torch_accumulated::handed_on(pool.device());
   auto const less   = [](std::uint64_t a, std::uint64_t b) { return a > b ? a - b : 0; };
-  // The free blocks private pools keep leave PyTorch's bytes and blocks in use for its frees.
-  std::uint64_t const in_use        = less(s.bytes_in_use_by_tag[torch], cached.cached_bytes);
+  // The free blocks private pools keep leave PyTorch's bytes and blocks in use for its frees;
+  // the live blocks of pools' own allocators are PyTorch's in use too.
+  std::uint64_t const in_use =
+    less(s.bytes_in_use_by_tag[torch], cached.cached_bytes) + cached.foreign_live_bytes;
   std::uint64_t const cached_blocks = std::min<std::uint64_t>(s.blocks_in_use,
                                                               cached.cached_blocks);
   std::uint64_t const reserved      = s.bytes_reserved + cached.foreign_bytes;
@@ -144,7 +146,7 @@ torch_view view_of(emmpool::device_pool& pool)
   v.now.reserved_bytes       = reserved;
   v.now.peak_reserved_bytes  = std::max<std::uint64_t>(s.peak_bytes_reserved, reserved);
   v.now.inactive_bytes       = less(s.bytes_reserved, s.bytes_in_use);
-  v.now.blocks_in_use        = s.blocks_in_use - cached_blocks;
+  v.now.blocks_in_use        = s.blocks_in_use - cached_blocks + cached.foreign_live_blocks;
   v.now.segments             = s.segments;
   // What was freed is what was handed out, less what is still in use.
   v.ever.allocated_bytes       = handed.bytes;
@@ -160,11 +162,18 @@ torch_view view_of(emmpool::device_pool& pool)
   return v;
 }
 
-// A block handed to PyTorch: counted (torch_accumulated) and passed on.
+// A block of `bytes` handed to PyTorch for a request of `requested`: counted
+// (torch_accumulated) and passed on. A new block is as the pool rounds the request; a cached
+// private one may be larger.
+void* handed_to_torch(void* p, std::size_t requested, int device, std::size_t bytes) noexcept
+{
+  if (p != nullptr) { emmpool::torch_accumulated::count(device, requested, bytes); }
+  return p;
+}
+
 void* handed_to_torch(void* p, std::size_t requested, int device) noexcept
 {
-  if (p != nullptr) { emmpool::torch_accumulated::count(device, requested); }
-  return p;
+  return handed_to_torch(p, requested, device, emmpool::block_bytes(requested));
 }
 
 template <class T, class Row, class F>
@@ -484,7 +493,7 @@ EMMPOOL_C_API void* emmpool_private_take(emmpool_private_id id, std::size_t size
   return guarded<void*>(waits::no, nullptr, nullptr, [&]() -> void* {
     auto const p =
       registry().privates().take(id_of(id), size, reinterpret_cast<stream_handle>(stream));
-    return p ? handed_to_torch(reinterpret_cast<void*>(*p), size, device) : nullptr;
+    return p ? handed_to_torch(reinterpret_cast<void*>(p->ptr), size, device, p->size) : nullptr;
   });
 }
 
@@ -495,7 +504,7 @@ EMMPOOL_C_API void* emmpool_private_allocate(emmpool_private_id id, std::size_t 
     auto& privates = registry().privates();
     auto const s   = reinterpret_cast<stream_handle>(stream);
     if (auto const p = privates.take(id_of(id), size, s)) {
-      return handed_to_torch(reinterpret_cast<void*>(*p), size, device);
+      return handed_to_torch(reinterpret_cast<void*>(p->ptr), size, device, p->size);
     }
     // A new block of the device's pool, by the entry points' rule (the out-of-memory hook
     // included). No stream is named: nothing is recorded on a capturing stream.
@@ -518,7 +527,7 @@ EMMPOOL_C_API int emmpool_private_adopt_foreign(emmpool_private_id id, void* ptr
   return guarded(waits::no, -1, error, [&] {
     registry().privates().adopt(id_of(id), reinterpret_cast<device_ptr>(ptr), size, device,
                                 reinterpret_cast<stream_handle>(stream), true);
-    (void)handed_to_torch(ptr, size, device);
+    (void)handed_to_torch(ptr, size, device, size);  // the pool's own allocator's bytes
     return 0;
   });
 }
@@ -528,7 +537,7 @@ EMMPOOL_C_API void* emmpool_private_allocate_on_oom(std::size_t size, int device
   return guarded<void*>(waits::no, nullptr, nullptr, [&]() -> void* {
     auto const p = registry().privates().take_on_oom(size, device,
                                                      reinterpret_cast<stream_handle>(stream));
-    return p ? handed_to_torch(reinterpret_cast<void*>(*p), size, device) : nullptr;
+    return p ? handed_to_torch(reinterpret_cast<void*>(p->ptr), size, device, p->size) : nullptr;
   });
 }
 

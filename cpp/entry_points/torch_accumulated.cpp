@@ -29,12 +29,11 @@ std::uint64_t less(std::uint64_t now, std::uint64_t then) noexcept
 
 }  // namespace
 
-void count(int device, std::size_t requested) noexcept
+void count(int device, std::size_t requested, std::size_t bytes) noexcept
 {
   if (!valid(device)) { return; }
   auto& d = devices[static_cast<std::size_t>(device)];
-  // As the pool serves a request (device_pool::allocate).
-  d.bytes.fetch_add(block_bytes(requested), std::memory_order_relaxed);
+  d.bytes.fetch_add(bytes, std::memory_order_relaxed);
   d.requested.fetch_add(requested, std::memory_order_relaxed);
 }
 

@@ -13,9 +13,9 @@
 
 namespace emmpool::torch_accumulated {
 
-/// A block of `requested` bytes was handed to PyTorch on `device`. One atomic add each for
-/// the bytes as the pool rounds them and as asked.
-void count(int device, std::size_t requested) noexcept;
+/// A block of `bytes` was handed to PyTorch on `device` for a request of `requested` bytes.
+/// One atomic add each.
+void count(int device, std::size_t requested, std::size_t bytes) noexcept;
 
 /// What count() added up on `device` since the process began.
 struct handed {

@@ -136,7 +136,8 @@ void private_pools::end(int device, private_pool_id id)
 
 // ---- blocks ---------------------------------------------------------------------------------
 
-std::optional<device_ptr> private_pools::take_free(pool& p, std::size_t size, stream_handle stream)
+std::optional<private_pools::taken> private_pools::take_free(pool& p, std::size_t size,
+                                                             stream_handle stream)
 {
   for (auto it = p.free_blocks.lower_bound(size);
        it != p.free_blocks.end() && it->first <= 2 * size; ++it) {
@@ -145,13 +146,13 @@ std::optional<device_ptr> private_pools::take_free(pool& p, std::size_t size, st
     auto const ptr = it->second;
     p.free_blocks.erase(it);
     b.live = true;
-    return ptr;
+    return taken{ptr, b.size};
   }
   return std::nullopt;
 }
 
-std::optional<device_ptr> private_pools::take(private_pool_id id, std::size_t size,
-                                              stream_handle stream)
+std::optional<private_pools::taken> private_pools::take(private_pool_id id, std::size_t size,
+                                                        stream_handle stream)
 {
   std::lock_guard lock{mutex_};
   auto it = pools_.find(id);
@@ -159,8 +160,8 @@ std::optional<device_ptr> private_pools::take(private_pool_id id, std::size_t si
   return take_free(it->second, rounded(size), stream);
 }
 
-std::optional<device_ptr> private_pools::take_on_oom(std::size_t size, int device,
-                                                     stream_handle stream)
+std::optional<private_pools::taken> private_pools::take_on_oom(std::size_t size, int device,
+                                                               stream_handle stream)
 {
   std::lock_guard lock{mutex_};
   for (auto& [id, p] : pools_) {
@@ -366,6 +367,10 @@ private_pools::device_totals private_pools::totals(int device) const
     if (b.device != device) { continue; }
     if (b.foreign) {
       t.foreign_bytes += b.size;
+      if (b.live) {
+        t.foreign_live_bytes += b.size;
+        t.foreign_live_blocks += 1;
+      }
     } else if (!b.live) {
       t.cached_bytes += b.size;
       t.cached_blocks += 1;

@@ -118,14 +118,19 @@ class private_pools {
 
   // ---- blocks ---------------------------------------------------------------------------------
 
+  /// @brief A cached block handed out again, and its bytes (up to twice what was asked).
+  struct taken {
+    device_ptr ptr;
+    std::size_t size;
+  };
   /// @brief A free block of pool `id` freed on `stream`, of at least `size` bytes and at most
   /// twice that (a best fit that wastes little), live again; nothing if none.
-  [[nodiscard]] std::optional<device_ptr> take(private_pool_id id, std::size_t size,
-                                               stream_handle stream);
+  [[nodiscard]] std::optional<taken> take(private_pool_id id, std::size_t size,
+                                          stream_handle stream);
   /// @brief An allocation outside the private pools ran out of memory: a free block of a
   /// use_on_oom pool of `device` freed on `stream`, if one fits (it stays its pool's).
-  [[nodiscard]] std::optional<device_ptr> take_on_oom(std::size_t size, int device,
-                                                      stream_handle stream);
+  [[nodiscard]] std::optional<taken> take_on_oom(std::size_t size, int device,
+                                                 stream_handle stream);
   /// @brief `ptr` (`size` bytes on `device`, allocated for `stream`) is a new live block of
   /// pool `id`: from `device`'s pool, or `foreign` (the pool's own allocator). Made if new.
   void adopt(private_pool_id id, device_ptr ptr, std::size_t size, int device,
@@ -163,9 +168,11 @@ class private_pools {
   /// On a device: the free blocks the pools keep that came from its device pool (to the device
   /// pool allocated, to PyTorch cached), and the bytes foreign blocks hold.
   struct device_totals {
-    std::size_t cached_bytes{};
+    std::size_t cached_bytes{};   ///< free blocks of the device's pool the private pools keep
     std::size_t cached_blocks{};
-    std::size_t foreign_bytes{};
+    std::size_t foreign_bytes{};  ///< blocks of pools' own allocators, live or cached
+    std::size_t foreign_live_bytes{};  ///< of those, the live ones (PyTorch's in use)
+    std::size_t foreign_live_blocks{};
   };
   [[nodiscard]] device_totals totals(int device) const;
   /// @brief Every private block of `device`.
@@ -195,7 +202,7 @@ class private_pools {
   // All expect mutex_ held.
   pool& incref(int device, private_pool_id id);
   pool& known(private_pool_id id);
-  std::optional<device_ptr> take_free(pool& p, std::size_t rounded, stream_handle stream);
+  std::optional<taken> take_free(pool& p, std::size_t rounded, stream_handle stream);
   private_block unlink(block_map::iterator it, pool_map::iterator p);
   void collect_free(pool_map::iterator p, std::vector<private_block>& out);
   [[nodiscard]] static private_block view(device_ptr ptr, block const& b);
