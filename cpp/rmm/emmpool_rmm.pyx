@@ -5,7 +5,6 @@ RMM's DeviceMemoryResource, whose resource_ref RMM's C++ callers allocate throug
 user's machine against the installed RMM by emmpool._rmm; glue only."""
 
 from cpython.pycapsule cimport PyCapsule_GetPointer
-from libcpp.memory cimport unique_ptr
 from libcpp.optional cimport optional
 
 from rmm.librmm.memory_resource cimport device_async_resource_ref
@@ -37,11 +36,14 @@ cdef class EmmpoolMemoryResource(DeviceMemoryResource):
     """Allocates from emmpool's pool of one device, in stream order, as RMM's (use
     ``emmpool.rmm_resource(device)``, which makes one per device)."""
 
-    cdef unique_ptr[resource] c_obj
+    # Never deleted: RMM's C++ callers (its per-device map, libcudf's statics) may keep a
+    # reference to it past this object's life, up to the process's exit, and the pools it
+    # allocates from live as long. Two words, one per device (emmpool.rmm_resource).
+    cdef resource* c_obj
 
     def __cinit__(self, int device, object api):
-        self.c_obj.reset(new resource(PyCapsule_GetPointer(api, "emmpool.rmm_api"), device))
-        self.c_ref = emmpool_rmm_ref(self.c_obj.get()[0])
+        self.c_obj = new resource(PyCapsule_GetPointer(api, "emmpool.rmm_api"), device)
+        self.c_ref = emmpool_rmm_ref(self.c_obj[0])
 
     def __init__(self, int device, object api):
         pass
@@ -49,7 +51,7 @@ cdef class EmmpoolMemoryResource(DeviceMemoryResource):
     @property
     def device(self) -> int:
         """The CUDA ordinal whose pool this resource allocates from."""
-        return self.c_obj.get().device()
+        return self.c_obj.device()
 
     def __repr__(self) -> str:
         return f"EmmpoolMemoryResource(device={self.device})"
