@@ -131,7 +131,7 @@ def _key(version: str) -> str:
                             "emmpool") from None
     from importlib import metadata
 
-    rmm_dists = sorted(d for d in metadata.packages_distributions().get("rmm", []))
+    rmm_dists = sorted(metadata.packages_distributions().get("rmm", []))
     text += repr((CXXFLAGS, version, rmm_dists, sys.implementation.cache_tag,
                   _compiler_identity())).encode()
     return hashlib.sha256(text).hexdigest()[:16]
