@@ -3,7 +3,8 @@
 on the free pages they keep, and with pages larger than the driver's 2 MiB; fixed segments for
 reference. benchmarks/README.md says what the loop allocates and what each page move costs.
 
-    python benchmarks/growable_steps.py [--steps 200] [--seed 1] [--out FILE.json|DIR] [--cuda]
+    python benchmarks/growable_steps.py [--steps 200] [--seed 1] [--steady] [--out FILE.json|DIR]
+        [--cuda]
 
 With --out DIR (as .ci/gpu.py runs benchmarks) it writes DIR/growable_steps.json and .md, over
 the CUDA driver where a GPU with virtual memory management is usable, else the host driver.
@@ -29,12 +30,12 @@ PAGE_SIZES = [8 * MiB, 20 * MiB]
 
 
 def run(segments: str, free_limit: int | None, steps: int, seed: int, warm: int = 10,
-        cuda: bool = False, page_size: int = 0) -> dict:
+        cuda: bool = False, page_size: int = 0, steady: bool = False) -> dict:
     drv = None if cuda else _core.HostDriver(devices=1, capacity=1 << 40)
     pool = _core.DevicePool(drv, 0, segments=segments, growable_free_limit=free_limit,
                             growable_page_size=page_size)
     complete = (lambda: None) if cuda else drv.complete_all_events
-    ops, starts, kept = training_trace.make(warm + steps, seed)
+    ops, starts, kept = training_trace.make(warm + steps, seed, steady)
     handles = {}
     maps0 = unmaps0 = creates0 = 0
     t0 = time.perf_counter()
@@ -82,6 +83,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", help="write the results as JSON")
     ap.add_argument("--cuda", action="store_true", help="the CUDA driver, device 0")
+    ap.add_argument("--steady", action="store_true",
+                    help="every step the same shape and sizes (a loop whose sizes never change)")
     a = ap.parse_args()
     out_dir = a.out if a.out and (os.path.isdir(a.out) or not a.out.endswith(".json")) else None
     if out_dir and not a.cuda:
@@ -89,12 +92,14 @@ def main() -> None:
             a.cuda = bool(_core.DevicePool(None, 0, segments="growable").growable)
         except Exception:  # no GPU, no driver: the host driver
             a.cuda = False
-    rows = [run("fixed", None, a.steps, a.seed, cuda=a.cuda)]
-    rows += [run("growable", limit, a.steps, a.seed, cuda=a.cuda) for limit in LIMITS]
-    rows += [run("growable", None, a.steps, a.seed, cuda=a.cuda, page_size=size)
+    rows = [run("fixed", None, a.steps, a.seed, cuda=a.cuda, steady=a.steady)]
+    rows += [run("growable", limit, a.steps, a.seed, cuda=a.cuda, steady=a.steady)
+             for limit in LIMITS]
+    rows += [run("growable", None, a.steps, a.seed, cuda=a.cuda, page_size=size, steady=a.steady)
              for size in PAGE_SIZES]
     where = "the CUDA driver" if a.cuda else "the host driver"
-    lines = [f"PyTorch-like training loop over {where}: {a.steps} steps, seed {a.seed}", "",
+    shapes = "one shape throughout" if a.steady else f"seed {a.seed}"
+    lines = [f"PyTorch-like training loop over {where}: {a.steps} steps, {shapes}", "",
              "| segments | free pages kept (MiB) | page (MiB) | page maps / step "
              "| page unmaps / step | pages made / step | peak in use (MiB) | peak reserved (MiB) "
              "| reserved / in use | ms / step |",
