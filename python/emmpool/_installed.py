@@ -25,11 +25,11 @@ class Installed:
     ``"extension"`` or ``"pluggable"`` (PyTorch: emmpool's allocator extension, or PyTorch's
     ``CUDAPluggableAllocator``), ``"native resource"`` or ``"callback resource"`` (RMM: emmpool's
     own, built against the RMM installed, or RMM's Python-callback one where it cannot be).
-    ``allocators``: the objects the library was given, in order: Numba's manager class per installed package (numba-cuda,
-    numba-cuda-mlir), cuda.core's and RMM's resource per device, CuPy's allocator function,
-    PyTorch's extension module or pluggable allocator. ``devices``: the device of each
-    allocator where the library takes one per device (cuda.core, RMM); None where one serves
-    every device.
+    ``allocators``: the objects the library was given, in order: Numba's manager class per
+    installed package (numba-cuda, numba-cuda-mlir), cuda.core's and RMM's resource per device,
+    CuPy's allocator function, PyTorch's extension module or pluggable allocator. ``devices``:
+    the device of each allocator where the library takes one per device (cuda.core, RMM); None
+    where one serves every device.
     """
 
     library: str
