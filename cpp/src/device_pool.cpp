@@ -413,6 +413,7 @@ void device_pool::off_books(detail::live_map::iterator it, stream_ref key)
   index_.live().erase(it);
   if (trace_.on()) { trace_.record('f', blk->ptr, blk->size, key.handle, blk->tag); }
   stats_.count_free(blk->size, blk->tag);
+  forget_share(blk->ptr);
 }
 
 void device_pool::deallocate(device_ptr ptr, stream_handle stream, block_owner owner)
@@ -448,7 +449,6 @@ void device_pool::deallocate(device_ptr ptr, stream_handle stream, block_owner o
     h.freed_on = key;
     return;
   }
-  forget_share(blk->ptr);
   off_books(it, key);
   settle_freed(blk, key);
 }
@@ -471,7 +471,6 @@ bool device_pool::try_deallocate(device_ptr ptr, stream_handle stream, block_own
   }
   auto* blk      = it->second;
   auto const key = keys_.of_free(blk->alloc_stream, stream);  // no CUDA: free_is_local
-  forget_share(blk->ptr);
   off_books(it, key);
   settle_freed(blk, key);
   return true;

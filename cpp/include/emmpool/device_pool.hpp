@@ -271,7 +271,8 @@ class device_pool : private detail::pool_lifecycle {
   // ---- frees (device_pool.cpp)
   // The live block at ptr that `owner` may free; throws pool_error saying why not.
   [[nodiscard]] detail::live_map::iterator live_block_of(device_ptr ptr, block_owner owner);
-  void off_books(detail::live_map::iterator it, stream_ref key);  // a freed block: stats, trace
+  // a freed block: stats, trace, its share key
+  void off_books(detail::live_map::iterator it, stream_ref key);
   // Off the books: to its lane or the fences. Out of line: inlined into every free, it keeps
   // the key in memory, and the allocate + free pair pays a stalled reload.
   [[gnu::noinline]] void settle_freed(block* blk, stream_ref key);
