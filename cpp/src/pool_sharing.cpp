@@ -20,35 +20,23 @@ std::optional<ipc_info> pool_sharing::ipc_handle(device_ptr ptr)
   return p.index_.ipc(ptr, *p.driver_, p.device_);
 }
 
-std::optional<shared_pages> pool_sharing::share_pages(device_ptr ptr)
-{
-  auto& p = *pool_;
-  std::lock_guard lock{p.mutex_};
-  if (p.forked_) { detail::throw_forked(); }
-  auto* const seg = p.index_.holding_live(ptr);
-  if (seg == nullptr || !p.growable_.holds(seg)) { return std::nullopt; }
-  auto const* blk = p.index_.block_at(*seg, ptr);
-  // Live: allocated and the caller's still (a block freed during a capture is parked,
-  // allocated, until the capture ends), or held for another process.
-  if (blk == nullptr || blk->state != detail::block_state::allocated ||
-      (!blk->held && !p.index_.owns(blk->ptr))) {
-    return std::nullopt;
-  }
-  auto out        = p.growable_.share(*blk, ptr);
-  auto [it, made] = p.shares_.try_emplace(blk->ptr);
-  if (made) {
-    try {
-      it->second = detail::random_key();
-    } catch (...) {
-      p.shares_.erase(it);
-      throw;
-    }
-  }
-  out.key = it->second;
-  return out;
-}
-
 namespace {
+
+// The block holding ptr (which may point inside it) if it is live: allocated and its
+// caller's still (a block freed during a capture is parked, allocated, until the capture
+// ends), or held for another process; else null. Under the pool's lock.
+detail::block* live_block(detail::segment_index const& index, device_ptr ptr)
+{
+  auto* const seg = index.holding_live(ptr);
+  auto* const blk =
+    seg != nullptr ? const_cast<detail::block*>(detail::segment_index::block_at(*seg, ptr))
+                   : nullptr;
+  if (blk == nullptr || blk->state != detail::block_state::allocated ||
+      (!blk->held && !index.owns(blk->ptr))) {
+    return nullptr;
+  }
+  return blk;
+}
 
 // The shared block whose key is `key`, if it is still the one shared and the pages asked for
 // are its own, as share_pages() gave them; else null. Under the pool's lock.
@@ -67,10 +55,8 @@ detail::block const* offered_block(detail::segment_index const& index,
     if (detail::same_key(key, it->second)) { shared = it->first; }
   }
   if (shared == 0) { return nullptr; }
-  auto* const seg = index.holding_live(shared);
-  auto const* blk =
-    seg != nullptr && growable.holds(seg) ? detail::segment_index::block_at(*seg, shared) : nullptr;
-  if (blk == nullptr || blk->ptr != shared || blk->state != detail::block_state::allocated ||
+  auto const* blk = live_block(index, shared);
+  if (blk == nullptr || blk->ptr != shared || !growable.holds(blk->seg) ||
       !growable.describes_shared(*blk, first_page, page_size, fds)) {
     return nullptr;
   }
@@ -78,6 +64,27 @@ detail::block const* offered_block(detail::segment_index const& index,
 }
 
 }  // namespace
+
+std::optional<shared_pages> pool_sharing::share_pages(device_ptr ptr)
+{
+  auto& p = *pool_;
+  std::lock_guard lock{p.mutex_};
+  if (p.forked_) { detail::throw_forked(); }
+  auto const* blk = live_block(p.index_, ptr);
+  if (blk == nullptr || !p.growable_.holds(blk->seg)) { return std::nullopt; }
+  auto out        = p.growable_.share(*blk, ptr);
+  auto [it, made] = p.shares_.try_emplace(blk->ptr);
+  if (made) {
+    try {
+      it->second = detail::random_key();
+    } catch (...) {
+      p.shares_.erase(it);
+      throw;
+    }
+  }
+  out.key = it->second;
+  return out;
+}
 
 bool pool_sharing::offers(unsigned char const* key, device_ptr first_page,
                           std::size_t page_size, std::vector<int> const& fds) const
@@ -106,11 +113,8 @@ device_ptr pool_sharing::hold(device_ptr ptr, std::uint64_t* generation_out)
   auto& p = *pool_;
   std::lock_guard lock{p.mutex_};
   if (p.forked_) { detail::throw_forked(); }
-  auto* const seg = p.index_.holding_live(ptr);
-  auto* const blk =
-    seg != nullptr ? const_cast<detail::block*>(p.index_.block_at(*seg, ptr)) : nullptr;
-  if (blk == nullptr || blk->state != detail::block_state::allocated ||
-      (!blk->held && !p.index_.owns(blk->ptr))) {
+  auto* const blk = live_block(p.index_, ptr);
+  if (blk == nullptr) {
     throw pool_error{"emmpool: address " + std::to_string(ptr) +
                      " is no live allocation of this pool to hold"};
   }
