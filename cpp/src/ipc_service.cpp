@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include <fcntl.h>
@@ -155,13 +156,13 @@ struct owned_descriptors {
   ~owned_descriptors() { detail::close_descriptors(fds); }
 };
 
-// Whether the peer of connection `c` is a process of this one's user (root may serve anyone).
-bool same_user(int c) noexcept
+// The process at the other end of connection `c`, as the kernel says (SO_PEERCRED).
+std::optional<ucred> peer_of(int c) noexcept
 {
   ucred peer{};
   socklen_t length = sizeof peer;
-  return ::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &length) == 0 &&
-         (peer.uid == ::geteuid() || ::geteuid() == 0);
+  if (::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &length) != 0) { return std::nullopt; }
+  return peer;
 }
 
 }  // namespace
@@ -383,7 +384,8 @@ void ipc_service::serve(int c) noexcept
     for (int i = 0; i < 16 && ::recv(c, rest, sizeof rest, 0) > 0; ++i) {}
   };
   try {
-    if (!same_user(c)) {
+    auto const peer = peer_of(c);  // of this process's user (root may serve anyone)
+    if (!peer || (peer->uid != ::geteuid() && ::geteuid() != 0)) {
       return refuse("emmpool: the sending process shares pages with its own user's processes only");
     }
     request_header q{};
@@ -445,17 +447,15 @@ std::vector<int> ipc_service::fetch(page_offer const& offer)
                        "): it may have exited, or run in another network namespace"};
     }
     // A name another user took over (the sender gone) gets no request of ours.
-    ucred peer{};
-    socklen_t peer_length = sizeof peer;
-    if (::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &peer_length) != 0 ||
-        (peer.uid != ::geteuid() && peer.uid != 0)) {
+    auto const peer = peer_of(c);
+    if (!peer || (peer->uid != ::geteuid() && peer->uid != 0)) {
       throw pool_error{"emmpool: the process listening for this shared memory is not of this "
                        "user: the sender has exited"};
     }
     // Counted before anything arrives. A process that opens what it shared itself is both
     // ends: its service's copies of the pages are open while this side's arrive, so it needs
     // room for both.
-    bool const self = peer.pid == ::getpid();
+    bool const self = peer->pid == ::getpid();
     detail::reserve_descriptors(self ? 2 * n : n, ("mapping " + std::to_string(n) +
                                                    " pages another process shares").c_str());
     request_header q{};
