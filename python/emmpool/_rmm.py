@@ -44,6 +44,9 @@ MODULE = "emmpool_rmm"  # the Cython module's name (its init function's)
 # resource_ref, from this release on; tests/test_rmm_native.py builds against the installed one.
 OLDEST = (26, 6)
 CXXFLAGS = ["-O2", "-std=c++20", "-fPIC", "-shared", "-fvisibility=hidden"]
+# The distributions RMM comes in: the CUDA 13 and CUDA 12 wheels share version numbers, and a
+# conda or source install is "rmm".
+RMM_DISTRIBUTIONS = ("rmm-cu13", "rmm-cu12", "rmm")
 
 
 class RmmBuildError(RuntimeError):
@@ -129,12 +132,23 @@ def _key(version: str) -> str:
     except OSError as e:
         raise RmmBuildError(f"emmpool's RMM resource sources are missing ({e}): reinstall "
                             "emmpool") from None
-    from importlib import metadata
-
-    rmm_dists = sorted(metadata.packages_distributions().get("rmm", []))
-    text += repr((CXXFLAGS, version, rmm_dists, sys.implementation.cache_tag,
+    text += repr((CXXFLAGS, version, _rmm_distributions(), sys.implementation.cache_tag,
                   _compiler_identity())).encode()
     return hashlib.sha256(text).hexdigest()[:16]
+
+
+def _rmm_distributions() -> list[str]:
+    """The RMM distributions installed, of those that ship it (each asked by name: scanning
+    every distribution would cost a process a quarter second at its first RMM use)."""
+    from importlib import metadata
+
+    found = []
+    for name in RMM_DISTRIBUTIONS:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return found
 
 
 def _compiler() -> list[str]:
