@@ -7,10 +7,10 @@ and once with emmpool's as every device's, compared by test name.
 The tests come from the peer's repository at the release installed here (``bash
 .ci/gpu-rmm-tests`` puts RMM's into .rmm-tests/tests, ``bash .ci/gpu-cuda-core-tests``
 cuda.core's into .cuda-core-tests/cuda_core/tests, as laid out in its repository; each with the
-peer's pytest.ini beside). The two runs take turns;
-each loads a small pytest plugin (.ci/emmpool_peer_suite_plugin.py) that, in the emmpool run,
-makes emmpool's resource every device's before each test, and records in both how many tests
-ran and how many allocations the peer made from emmpool (proof that the run used it).
+peer's pytest.ini beside). The two runs take turns; each loads a small pytest plugin
+(.ci/emmpool_peer_suite_plugin.py) that, in the emmpool run, makes emmpool's resource every
+device's before each test, and records in both how many tests ran and how many allocations the
+peer made from emmpool (proof that the run used it).
 
 Written to --out: ``<peer>-<run>.log`` (pytest -v: one line a test, so that a run cut short
 still counts what it ran), the plugin's records and ``<peer>-suite.txt``: counts per run, every
