@@ -11,6 +11,8 @@ holds the pool's lock in a synchronization: it must come back.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import textwrap
 
 import pytest
@@ -228,9 +230,6 @@ EXIT_WITH_FREES_IN_DESTRUCTORS = """
 def test_a_free_called_from_a_destructor_as_the_interpreter_exits_lets_it_exit(tmp_path):
     # Taking the GIL back as Python finalizes would end the thread by an unwind through the
     # destructor above the free: std::terminate, exit status 134 (caller_lock.hpp).
-    import shutil
-    import subprocess
-
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip(needs("a C++ compiler", "none on PATH"))
