@@ -25,15 +25,23 @@ def _library(cache: str | os.PathLike, hold_gil: bool):
     from emmpool import _rmm
 
     version, _, include, lib, logger = _rmm._rmm_parts()
-    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode()).hexdigest()[:12]
-    target = Path(cache) / f"rmm_threads-{digest}.so"
+    cuda = _rmm._cuda_include()
+    # RMM's inline code (rmm::cuda_stream, rmm::device_buffer) calls the CUDA runtime, which
+    # librmm links statically and does not export: this library links its own.
+    found = [p for d in (cuda.parent / "lib64", cuda.parent / "lib")
+             for p in sorted(d.glob("libcudart.so*"))]
+    if not found:
+        raise _rmm.RmmBuildError(f"no libcudart.so in {cuda.parent}/lib64 or lib")
+    flags = [*_rmm.CXXFLAGS, f"-I{include}", f"-I{include / 'rapids'}", f"-I{logger}",
+             f"-I{cuda}", f"-L{lib}", "-lrmm", f"-Wl,-rpath,{lib}", str(found[0]),
+             f"-Wl,-rpath,{found[0].parent}", "-pthread"]
+    key = SOURCE.read_bytes() + version.encode() + " ".join(flags).encode()
+    target = Path(cache) / f"rmm_threads-{hashlib.sha256(key).hexdigest()[:12]}.so"
     if not target.exists():
         Path(cache).mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(f".{os.getpid()}.so")
-        _rmm._run([*_rmm._compiler(), *_rmm.CXXFLAGS, str(SOURCE), "-o", str(partial),
-                   f"-I{include}", f"-I{include / 'rapids'}", f"-I{logger}",
-                   f"-I{_rmm._cuda_include()}", f"-L{lib}", "-lrmm", f"-Wl,-rpath,{lib}",
-                   "-pthread"], "the C++ compiler")
+        _rmm._run([*_rmm._compiler(), str(SOURCE), "-o", str(partial), *flags],
+                  "the C++ compiler")
         os.replace(partial, target)
     import rmm.mr  # noqa: F401 - librmm loaded, and the per-device resources it keeps
 
