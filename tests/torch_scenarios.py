@@ -590,7 +590,9 @@ def capture_beside_threads(torch, allocator):
     def cupy_round(stream, host, k, check):
         for n in sizes:
             a = cupy.arange(n, dtype=cupy.float32) * 2 + k
-            a.get(stream=stream, out=host[:n])
+            # blocking=False: CuPy's default waits for the stream, which a global capture
+            # forbids every other thread; a check round synchronizes below instead
+            cupy.asnumpy(a, stream=stream, out=host[:n], blocking=False)
             if check:
                 stream.synchronize()
                 if host[n - 1] != 2 * (n - 1) + k:

@@ -55,6 +55,7 @@ class cuda_driver_impl final : public driver {
   [[nodiscard]] device_ptr allocate(int device, std::size_t bytes) override
   {
     scoped_context ctx{*this, device};
+    relaxed_capture relaxed{api_};
     CUdeviceptr p{};
     auto const r = api_.cuMemAlloc(&p, bytes);
     if (r == CUDA_ERROR_OUT_OF_MEMORY) {
@@ -194,6 +195,7 @@ class cuda_driver_impl final : public driver {
   [[nodiscard]] void* host_allocate(int device, std::size_t bytes, unsigned flags) override
   {
     scoped_context ctx{*this, device};
+    relaxed_capture relaxed{api_};
     void* p      = nullptr;
     auto const r = api_.cuMemHostAlloc(&p, bytes, flags);
     if (r == CUDA_ERROR_OUT_OF_MEMORY) {
@@ -253,6 +255,7 @@ class cuda_driver_impl final : public driver {
   {
     scoped_context ctx{*this, device};
     require_vmm("cuMemAddressReserve");
+    relaxed_capture relaxed{api_};
     CUdeviceptr p{};
     check(vmm_.cuMemAddressReserve(&p, bytes, 0, 0, 0), "cuMemAddressReserve", EMMPOOL_WHERE);
     return static_cast<device_ptr>(p);
@@ -270,6 +273,7 @@ class cuda_driver_impl final : public driver {
   {
     scoped_context ctx{*this, device};
     require_vmm("cuMemCreate");
+    relaxed_capture relaxed{api_};
     CUdevice dev{};
     check(api_.cuDeviceGet(&dev, device), "cuDeviceGet", EMMPOOL_WHERE);
     // Exportable as a file descriptor (IPC of growable blocks), unless this device or driver
@@ -319,6 +323,7 @@ class cuda_driver_impl final : public driver {
   {
     scoped_context ctx{*this, device};
     require_vmm("cuMemMap");
+    relaxed_capture relaxed{api_};
     CUdevice dev{};
     check(api_.cuDeviceGet(&dev, device), "cuDeviceGet", EMMPOOL_WHERE);
     auto const p = static_cast<CUdeviceptr>(at);
@@ -477,6 +482,32 @@ class cuda_driver_impl final : public driver {
    private:
     api const& api_;
     bool pushed_ = false;
+  };
+
+  /// The calling thread in relaxed capture mode for one call that takes memory from the driver.
+  /// While any thread captures a CUDA graph in "global" mode, CUDA refuses every other thread's
+  /// potentially unsafe calls (cuMemAlloc, cuMemCreate, cuMemMap, ...) unless that thread is
+  /// relaxed: without this, a pool that grows for one library while another captures breaks
+  /// the capture. These calls record nothing into any graph; PyTorch's allocator relaxes its
+  /// own the same way. Calls that give memory back are never relaxed: they may synchronize,
+  /// which a capture forbids, and the pool holds them back during the captures it knows of.
+  class relaxed_capture {
+   public:
+    explicit relaxed_capture(api const& a) : api_{a}
+    {
+      relaxed_ = api_.cuThreadExchangeStreamCaptureMode(&mode_) == CUDA_SUCCESS;
+    }
+    ~relaxed_capture()
+    {
+      if (relaxed_) { api_.cuThreadExchangeStreamCaptureMode(&mode_); }
+    }
+    relaxed_capture(relaxed_capture const&)            = delete;
+    relaxed_capture& operator=(relaxed_capture const&) = delete;
+
+   private:
+    api const& api_;
+    CUstreamCaptureMode mode_{CU_STREAM_CAPTURE_MODE_RELAXED};  // then the thread's own
+    bool relaxed_{};
   };
 
   static void check(CUresult r, char const* call, char const* where)

@@ -9,7 +9,8 @@
  *    only): beside that, no CUDA call that a capture forbids or would record into the graph:
  *    no event query, record or synchronization. Blocks freed with a record_stream fence wait,
  *    unfenced, until the last capture ended (their first fence is an event recorded at the
- *    free); growth still asks the driver (a capturing thread relaxes its capture mode).
+ *    free); growth still asks the driver (the driver seam relaxes the calling thread's
+ *    capture mode for those calls, cuda_driver.cpp).
  *
  * State only: the pool asks it what it may do, and settles what it held once it may. Not
  * thread-safe: the pool's mutex.
