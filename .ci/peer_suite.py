@@ -54,14 +54,16 @@ class Peer:
 PEERS = {
     "rmm": Peer("RMM's own tests", "RMM's default resource", ".rmm-tests", "tests", "rmm",
                 "rmm.__version__"),
-    # What allocates through a Device's memory resource: buffers, streams, launches, DLPack,
-    # graphs, IPC; not the compiler, layouts or object protocols (thousands of tests of their
-    # own that never allocate).
+    # What allocates: buffers, streams, launches, DLPack, graphs, IPC, and the files whose
+    # tests allocate through the Device's own memory resource (Device.allocate: the one that
+    # emmpool replaces; most buffer tests make resources of their own); not the compiler or
+    # layouts (thousands of tests of their own that never allocate).
     "cuda-core": Peer("cuda.core's own tests", "cuda.core's default memory resource",
                       ".cuda-core-tests", "cuda_core/tests", "cuda.core",
                       "cuda.core.__version__",
                       ("test_memory.py", "test_device.py", "test_stream.py", "test_event.py",
                        "test_launcher.py", "test_utils_dlpack.py", "test_memory_peer_access.py",
+                       "test_object_protocols.py", "test_tensor_map.py", "test_green_context.py",
                        "graph", "memory", "memory_ipc")),
 }
 RUNS = ("default", "emmpool")
