@@ -63,7 +63,7 @@ PEERS = {
                       "cuda.core.__version__",
                       ("test_memory.py", "test_device.py", "test_stream.py", "test_event.py",
                        "test_launcher.py", "test_utils_dlpack.py", "test_memory_peer_access.py",
-                       "test_object_protocols.py", "test_tensor_map.py", "test_green_context.py",
+                       "test_tensor_map.py", "test_green_context.py",
                        "graph", "memory", "memory_ipc")),
 }
 RUNS = ("default", "emmpool")
