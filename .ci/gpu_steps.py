@@ -255,10 +255,12 @@ class Steps:
         cwd = self.work / "pytest"
         if not self.dry:
             cwd.mkdir(exist_ok=True)
-        # --durations and each failure as it happens (tests/conftest.py): a run cut short by
-        # its timeout still says what failed, and where time went
+        # Each test's name and seconds as it ends (-v, "times") and each failure's report as it
+        # happens (tests/conftest.py): a run cut short by its timeout still says what ran, what
+        # failed and where the time went (--durations prints only at a run's end)
         return self.command(
             step, self.python("-m", "pytest", "-ra", "-p", "no:cacheprovider", "--durations=20",
+                              "-v", "-o", "console_output_style=times",
                               "--rootdir", str(REPO), *self.args.pytest_args,
                               *(str(REPO / p) for p in paths)),
             cwd=cwd, env=dict(self.env, EMMCI_TEST_REPORT_AT_ONCE="1"), note=pytest_line, show=0)
