@@ -1,0 +1,162 @@
+"""Instructions per allocate+deallocate pair of the core, row by row of `bench_core --host
+--quick`, counted by callgrind: a figure that does not move with the machine's speed, for "the
+hot paths cost what they did" between two builds. (On a shared GPU host, timings of one build
+move more between processes than the few percent such a change is held to.)
+
+    python benchmarks/instructions.py BENCH_CORE [BASELINE_BENCH_CORE] [--out DIR]
+        [--runs 3] [--rename 'OLD=NEW' ...]
+
+BENCH_CORE is a bench_core binary (cmake -DEMMPOOL_BUILD_BENCHMARKS=ON). A baseline's rows are
+paired with this one's by label and size; --rename gives a baseline label prefix the name the
+same configuration has now (where a default changed, say). Each binary runs --runs times and
+each row's median is shown, with this build's range: a pair's path can depend on where the
+timed blocks happen to cut the pool's fence batches. Needs valgrind. Prints the table; writes
+DIR/instructions.md and .json with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# What one pair runs, inclusive of everything it calls (its fences, the driver seam).
+CALLS = {"allocate": "device_pool::allocate(", "deallocate": "device_pool::deallocate("}
+ROW = re.compile(r"^(emmpool .+?)\s{2,}(\d+ [KMG]?i?B)\s")
+
+
+def per_call(dump: str) -> dict[str, tuple[int, int]]:
+    """{name: (calls, inclusive instructions)} of CALLS in one callgrind dump's text."""
+    names: dict[str, str] = {}
+    out: dict[str, list[int]] = {}
+    callee, pending = None, False
+    for line in dump.splitlines():
+        m = re.match(r"(c?)fn=\((\d+)\)(?: (.*))?$", line)
+        if m:
+            if m[3]:
+                names[m[2]] = m[3]
+            if m[1]:
+                callee = names.get(m[2], "")
+            continue
+        if line.startswith("calls="):
+            pending = True
+            count = int(line.split("=", 1)[1].split()[0])
+            for key, pattern in CALLS.items():
+                if callee and pattern in callee:
+                    out.setdefault(key, [0, 0])[0] += count
+            continue
+        if pending:  # the cost line under calls=: position, then inclusive instructions
+            pending = False
+            fields = line.split()
+            for key, pattern in CALLS.items():
+                if callee and pattern in callee and len(fields) > 1:
+                    out[key][1] += int(fields[1])
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def rows_of(binary: str, workdir: Path) -> list[dict]:
+    """Each row of bench_core --host --quick: its label, size and instructions per pair."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("instructions.py needs valgrind (apt install valgrind)")
+    out = workdir / "cg"
+    # A dump before each row's measure(): dump k holds row k-1's work, the last file the last
+    # row's (callgrind writes it at exit).
+    p = subprocess.run(["valgrind", "--tool=callgrind", "--dump-before=*measure(*",
+                        f"--callgrind-out-file={out}", binary, "--host", "--quick"],
+                       capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        raise SystemExit(f"{binary} under callgrind failed ({p.returncode}):\n{p.stderr[-2000:]}")
+    labels = [(m[1].strip(), m[2]) for m in map(ROW.match, p.stdout.splitlines()) if m]
+    dumps = sorted(workdir.glob("cg.*"), key=lambda f: int(f.suffix[1:]))[1:] + [out]
+    if len(dumps) != len(labels):
+        raise SystemExit(f"{binary}: {len(labels)} rows but {len(dumps)} callgrind dumps")
+    rows = []
+    for (label, size), dump in zip(labels, dumps):
+        calls = per_call(dump.read_text())
+        each = {k: calls[k][1] / calls[k][0] for k in CALLS if calls.get(k, (0, 0))[0]}
+        rows.append({"row": label, "size": size, "pairs": calls.get("allocate", (0, 0))[0],
+                     **each, "pair": sum(each.values())})
+    return rows
+
+
+def medians(runs: list[list[dict]]) -> list[dict]:
+    """Row by row (the first run's rows), the median of each figure over `runs`, and the range
+    of a pair's instructions."""
+    rows = []
+    for i, first in enumerate(runs[0]):
+        same = [run[i] for run in runs if i < len(run) and run[i]["row"] == first["row"]]
+        row = {k: first[k] for k in ("row", "size")}
+        for k in ("allocate", "deallocate", "pair", "pairs"):
+            row[k] = statistics.median(r.get(k, 0) for r in same)
+        row["range"] = [min(r["pair"] for r in same), max(r["pair"] for r in same)]
+        rows.append(row)
+    return rows
+
+
+def renamed(label: str, renames: list[tuple[str, str]]) -> str:
+    """`label` with the longest OLD prefix of `renames` replaced by its NEW."""
+    best = max((r for r in renames if label.startswith(r[0])), key=lambda r: len(r[0]),
+               default=None)
+    return label if best is None else best[1] + label[len(best[0]):]
+
+
+def table(rows: list[dict], base: list[dict] | None) -> str:
+    head = "| row | size | allocate | deallocate | per pair | range |"
+    lines = [head + (" baseline | ÷ baseline |" if base is not None else ""),
+             "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if base is not None else "")]
+    by_label = {(b["row"], b["size"]): b for b in base or []}
+    for r in rows:
+        line = (f"| {r['row']} | {r['size']} | {r.get('allocate', 0):.1f} | "
+                f"{r.get('deallocate', 0):.1f} | {r['pair']:.1f} | "
+                f"{r['range'][0]:.0f}–{r['range'][1]:.0f} |")
+        if base is not None:
+            b = by_label.get((r["row"], r["size"]))
+            line += (" — | — |" if b is None or not b["pair"] or not r["pair"] else
+                     f" {b['pair']:.1f} | {r['pair'] / b['pair']:.3f} |")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("bench_core")
+    ap.add_argument("baseline", nargs="?")
+    ap.add_argument("--out")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW")
+    args = ap.parse_args(argv)
+    renames = [tuple(r.split("=", 1)) for r in args.rename]
+    if any(len(r) != 2 for r in renames):
+        ap.error("--rename takes OLD=NEW")
+    def runs(binary: str) -> list[dict]:
+        out = []
+        for _ in range(max(1, args.runs)):
+            with tempfile.TemporaryDirectory() as d:
+                out.append(rows_of(binary, Path(d)))
+        return medians(out)
+
+    rows = runs(args.bench_core)
+    base = runs(args.baseline) if args.baseline else None
+    for b in base or []:
+        b["row"] = renamed(b["row"], renames)
+    text = ("Instructions per call of device_pool's allocate and deallocate (inclusive), "
+            f"bench_core --host --quick under callgrind, median of {max(1, args.runs)} runs"
+            "\n\n" + table(rows, base))
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "instructions.md").write_text(text + "\n")
+        (out / "instructions.json").write_text(json.dumps(
+            {"benchmark": "instructions", "rows": rows, "baseline": base}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
