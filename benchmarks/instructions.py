@@ -9,8 +9,9 @@ move more between processes than the few percent such a change is held to.)
 BENCH_CORE is a bench_core binary (cmake -DEMMPOOL_BUILD_BENCHMARKS=ON). A baseline's rows are
 paired with this one's by label and size; --rename gives a baseline label prefix the name the
 same configuration has now (where a default changed, say). Each binary runs --runs times and
-each row's median is shown, with this build's range: a pair's path can depend on where the
-timed blocks happen to cut the pool's fence batches. Needs valgrind. Prints the table; writes
+each row's median is shown, with this build's range: a row can take one of two paths from one
+run to the next (fixed segments, stream-ordered, 4 MiB: about 530 or 700 instructions a pair, in
+builds before and after the core's refactor alike). Needs valgrind. Prints the table; writes
 DIR/instructions.md and .json with --out.
 """
 
