@@ -260,6 +260,14 @@ def test_out_of_memory_is_torchs_out_of_memory_error(extension_builds):
     assert "Tried to allocate 1024.00 MiB. GPU 0 has a total capacity of" in raised, out
 
 
+def test_use_on_oom_pools_serve_before_the_oom_observers_hear(extension_builds):
+    r, raised, out = scenario("oom_observers_after_use_on_oom", "extension",
+                              env={"EMMPOOL_MAXIMUM_POOL_SIZE": "256MiB"})
+    assert raised is None, out
+    assert r["filled"] > 0 and r["served_from_pool"] and r["observers_quiet"], r
+    assert r["raised"] and r["heard"] == 1, r
+
+
 def test_graph_capture_beside_threads_that_allocate(extension_builds):
     """A graph captured in each capture mode while CuPy and Numba threads allocate and free from
     the same pool inside each capture: every capture replays right and no thread meets an

@@ -357,6 +357,36 @@ def out_of_memory(torch, allocator):
         raises(e)
 
 
+def oom_observers_after_use_on_oom(torch, allocator):
+    """EMMPOOL_MAXIMUM_POOL_SIZE set small by the test: a MemPool made with use_on_oom keeps a
+    free 64 MiB block while the rest of the cap is filled; a request the cap refuses is served
+    from that block, and no OOM observer hears of it (PyTorch tries such pools before telling
+    its observers); a request neither serves raises, and the observers hear of it once."""
+    heard = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda device, *rest: heard.append(device))
+    pool = torch.cuda.MemPool(use_on_oom=True)
+    with torch.cuda.use_mem_pool(pool):
+        kept = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del kept  # the MemPool keeps its block
+    fill = []
+    try:
+        while True:  # 16 MiB: too small for the MemPool's block (at most twice the request)
+            fill.append(torch.empty(16 << 20, dtype=torch.uint8, device="cuda"))
+    except torch.OutOfMemoryError:
+        pass
+    heard.clear()
+    served = torch.empty(48 << 20, dtype=torch.uint8, device="cuda")
+    in_pool = {addr for seg in pool.snapshot() for addr, _ in _block_addresses(seg)}
+    quiet = not heard
+    try:
+        torch.empty(200 << 20, dtype=torch.uint8, device="cuda")
+        raised = False
+    except torch.OutOfMemoryError:
+        raised = True
+    result(filled=len(fill), served_from_pool=served.data_ptr() in in_pool,
+           observers_quiet=quiet, raised=raised, heard=len(heard))
+
+
 def _losses_match(a, b, tol=1e-3):
     return all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b)) and len(a) == len(b)
 
@@ -718,7 +748,7 @@ def capture_beside_threads(torch, allocator):
 SCENARIOS = {f.__name__: f for f in (cudnn_benchmark, memory_stats, accumulated_stats,
                                      profiler_sizes, record_stream, cuda_graph,
                                      compiled, ipc, ipc_without_ptrace, memory_fraction,
-                                     out_of_memory,
+                                     out_of_memory, oom_observers_after_use_on_oom,
                                      reduce_overhead, shared_pool_graphs, mem_pool,
                                      history_snapshot, mixed_snapshot, capture_beside_threads)}
 

@@ -430,15 +430,19 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   }
 
  private:
-  // From emmpool, or, if that is out of memory, from a MemPool made with use_on_oom.
+  // From emmpool, or, if that is out of memory, from a MemPool made with use_on_oom; the
+  // history and the OOM observers hear of the error only if that fails too, as in PyTorch.
   void* allocate_or_oom_pool(std::size_t size, int device, cudaStream_t stream, bool* is_private)
   {
     relaxed_while relaxed{routes_.active()};
     try {
-      return allocate_or_throw(size, device, stream);
+      return allocate_or_throw(size, device, stream, oom_report::by_caller);
     } catch (c10::OutOfMemoryError const&) {
       void* p = routes_.allocate_on_oom(size, device, stream);
-      if (p == nullptr) { throw; }
+      if (p == nullptr) {
+        out_of_memory(device, size);
+        throw;
+      }
       if (is_private != nullptr) { *is_private = true; }
       return p;
     }

@@ -120,12 +120,20 @@ std::string format_size(std::size_t bytes)
   return text;
 }
 
+// Whether an out-of-memory error tells on_out_of_memory as it is raised, or leaves that to a
+// caller that has a last resort to try first (MemPools made with use_on_oom, as PyTorch tries
+// them before its observers hear of the error).
+enum class oom_report : std::uint8_t { at_once, by_caller };
+
 // A failed allocation as PyTorch raises it: out of memory with PyTorch's first sentences,
 // then emmpool's account of its pool; anything else as a plain error.
-[[noreturn]] void fail(emmpool_error const& error, std::size_t size, int device)
+[[noreturn]] void fail(emmpool_error const& error, std::size_t size, int device,
+                       oom_report report = oom_report::at_once)
 {
   if (error.kind == EMMPOOL_FAILED_OUT_OF_MEMORY) {
-    if (on_out_of_memory != nullptr) { on_out_of_memory(device, size); }
+    if (on_out_of_memory != nullptr && report == oom_report::at_once) {
+      on_out_of_memory(device, size);
+    }
     std::size_t free = 0, total = 0;
     if (cudaMemGetInfo(&free, &total) != cudaSuccess) { (void)cudaGetLastError(); }
     std::string const msg = "emmpool: CUDA out of memory. Tried to allocate " + format_size(size) +
@@ -156,12 +164,13 @@ void check_size(std::size_t size)
   }
 }
 
-void* allocate_or_throw(std::size_t size, int device, void* stream)
+void* allocate_or_throw(std::size_t size, int device, void* stream,
+                        oom_report report = oom_report::at_once)
 {
   check_size(size);
   emmpool_error error{EMMPOOL_FAILED_OTHER, {}};
   void* p = api.emmpool_torch_allocate(size, device, stream, &error);
-  if (p == nullptr) { fail(error, size, device); }
+  if (p == nullptr) { fail(error, size, device, report); }
   return p;
 }
 
