@@ -9,6 +9,7 @@ tests/test_cuda_core_resource.py)."""
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 import pytest
@@ -16,6 +17,8 @@ import pytest
 import emmpool
 from emmpool import _core, _installed, _numba_packages, hooks
 from tests.conftest import needs
+
+NATIVE_RMM = hooks._native_rmm  # before any fixture replaces it
 
 Installed, AllocatorConflictError = emmpool.Installed, emmpool.AllocatorConflictError
 
@@ -246,6 +249,36 @@ def test_use_for_rmm_serves_every_device_and_makes_no_pool_until_rmm_allocates(f
                                                  (done.allocators[1],), (1,))
     with pytest.raises(ValueError, match="device 2 does not exist: this process sees 2"):
         emmpool.use_for_rmm([2])
+
+
+def test_the_native_resources_first_build_holds_no_install_lock(fake_rmm, monkeypatch):
+    # The native module's first build takes seconds; meanwhile other libraries' installs (and
+    # other devices' resources) must not wait for it.
+    from emmpool import _rmm
+
+    building, finish = threading.Event(), threading.Event()
+
+    def slow_build():
+        building.set()
+        finish.wait(10)
+        raise _rmm.RmmBuildError("no compiler here")
+
+    monkeypatch.setattr(hooks, "_native_rmm", NATIVE_RMM)  # fake_rmm's stands in for it
+    monkeypatch.setattr(hooks, "_rmm_problem", [])
+    monkeypatch.setattr(_rmm, "module", slow_build)
+    made = []
+    thread = threading.Thread(target=lambda: made.append(emmpool.rmm_resource(0)))
+    with pytest.warns(RuntimeWarning, match="no compiler here; RMM allocates from emmpool "
+                                            "through a Python callback resource"):
+        thread.start()
+        assert building.wait(10)
+        free = hooks.lock.acquire(timeout=5)
+        if free:
+            hooks.lock.release()
+        finish.set()
+        thread.join(10)
+    assert free, "the install lock was held while the native module was built"
+    assert type(made[0]).__name__ == "CallbackMemoryResource"
 
 
 def test_use_for_rmm_keeps_another_resource_unless_asked(fake_rmm):

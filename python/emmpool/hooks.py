@@ -14,6 +14,7 @@ was chosen by another library or the program, and is left in place with an
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 from . import _args, _core
@@ -301,11 +302,12 @@ def rmm_resource(device: int | None = None):
     _import_rmm("emmpool.rmm_resource()")
     ensure_configured()
     device = _args.current_device(device)
+    native = _native_rmm()  # a first build takes seconds: not under the install lock
     with lock:
         mr = _rmm_resources.get(device)
         if mr is None:
             _check_exists(device)
-            mr = _new_rmm_resource(device)
+            mr = _new_rmm_resource(device, native)
             _rmm_resources[device] = mr
         return mr
 
@@ -317,31 +319,34 @@ def rmm_resource_kind() -> str:
 
 
 _rmm_problem: list = []  # why the native resource cannot be had, once known
+# The native module's first build or load, one thread at a time, apart from the install lock:
+# a compile takes seconds, and other libraries' installs need not wait for it.
+_rmm_building = threading.Lock()
 
 
 def _native_rmm():
     """emmpool._rmm, its module built or loaded, or None (warned once, saying why)."""
     from . import _rmm
 
-    if _rmm_problem:
-        return None
-    try:
-        _rmm.module()
-    except _rmm.RmmBuildError as e:
-        _rmm_problem.append(str(e))
-        first, *rest = str(e).splitlines()
-        if rest:  # a compiler's words: in the log, where they do not drown the warning
-            log.debug("emmpool's native RMM resource: %s", e)
-        warnings.warn(
-            f"{first.rstrip(':')}{' (EMMPOOL_LOG=debug shows why)' if rest else ''}; RMM "
-            "allocates from emmpool through a Python callback resource instead (one Python "
-            "call and the GIL per allocation)", RuntimeWarning, stacklevel=4)
-        return None
-    return _rmm
+    with _rmm_building:
+        if _rmm_problem:
+            return None
+        try:
+            _rmm.module()
+        except _rmm.RmmBuildError as e:
+            _rmm_problem.append(str(e))
+            first, *rest = str(e).splitlines()
+            if rest:  # a compiler's words: in the log, where they do not drown the warning
+                log.debug("emmpool's native RMM resource: %s", e)
+            warnings.warn(
+                f"{first.rstrip(':')}{' (EMMPOOL_LOG=debug shows why)' if rest else ''}; RMM "
+                "allocates from emmpool through a Python callback resource instead (one Python "
+                "call and the GIL per allocation)", RuntimeWarning, stacklevel=4)
+            return None
+        return _rmm
 
 
-def _new_rmm_resource(device: int):
-    native = _native_rmm()
+def _new_rmm_resource(device: int, native):
     if native is not None:
         return native.resource(device)
     rmm = _import_rmm("emmpool.rmm_resource()")
@@ -369,6 +374,7 @@ def use_for_rmm(devices=None, replace: bool = False) -> Installed:
     ensure_configured()
     if devices is None:
         devices = tuple(range(_core.device_count()))
+    _native_rmm()  # built (or found) before the install lock is taken
     with lock:
         for d in devices:
             current = rmm.mr.get_per_device_resource(d)
