@@ -174,7 +174,12 @@ std::optional<private_pools::taken> private_pools::take_on_oom(std::size_t size,
 void private_pools::adopt(private_pool_id id, device_ptr ptr, std::size_t size, int device,
                           stream_handle stream, bool foreign)
 {
+  // A null block (another allocator's that had no memory) or one already held would corrupt
+  // the pool's count and, once freed, hand the same memory out twice.
+  EMMPOOL_EXPECTS(ptr != 0, "a private pool adopts no null block");
   std::lock_guard lock{mutex_};
+  EMMPOOL_EXPECTS(blocks_.find(ptr) == blocks_.end(),
+                  "a private pool adopts a block it holds already");
   auto [it, made] = pools_.try_emplace(id);
   if (made) { it->second.device = device; }
   blocks_[ptr] = block{id, rounded(size), device, stream, true, false, foreign};

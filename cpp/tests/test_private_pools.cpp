@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <stdexcept>
 #include <vector>
 
 using namespace emmpool;
@@ -180,4 +181,19 @@ TEST(foreign_blocks_go_back_to_the_caller_and_count_apart)
   CHECK(w.pools.take_returned_foreign().empty());
   CHECK_EQ(w.in_use(), 0u);  // the device pool's block went back to it
   CHECK_EQ(w.pools.totals(0).foreign_bytes, 0u);
+}
+
+TEST(a_null_or_held_block_is_refused_and_nothing_changes)
+{
+  world w;
+  w.pools.create_or_incref(0, mempool);
+  device_ptr const foreign = 0x7000'0000;
+  CHECK_THROWS(w.pools.adopt(mempool, 0, MiB, 0, stream_a, true), std::invalid_argument);
+  w.pools.adopt(mempool, foreign, 3 * MiB, 0, stream_a, true);
+  CHECK_THROWS(w.pools.adopt(mempool, foreign, MiB, 0, stream_a, true), std::invalid_argument);
+  CHECK_EQ(w.pools.totals(0).foreign_bytes, 3 * MiB);
+  CHECK_EQ(w.pools.blocks_of(0).size(), 1u);
+  w.pools.free(foreign);
+  w.pools.release(mempool);
+  CHECK_EQ(w.pools.take_returned_foreign().size(), 1u);  // once, at its first size
 }

@@ -230,6 +230,10 @@ class pool_routes {
       (void)api.emmpool_torch_reserve_outside(device, -n, nullptr);
       throw;
     }
+    if (p == nullptr) {  // as PyTorch takes a pool allocator's null: out of memory
+      (void)api.emmpool_torch_reserve_outside(device, -n, nullptr);
+      fail_out_of_memory(size, device, "The MemPool's own allocator returned no memory");
+    }
     int const adopted =
       api.emmpool_private_adopt_foreign(private_id(id), p, rounded, device, stream, &error);
     if (adopted != 0) {

@@ -133,6 +133,8 @@ class private_pools {
                                                  stream_handle stream);
   /// @brief `ptr` (`size` bytes on `device`, allocated for `stream`) is a new live block of
   /// pool `id`: from `device`'s pool, or `foreign` (the pool's own allocator). Made if new.
+  /// @throws std::invalid_argument for a null `ptr` or one a private pool holds already
+  /// (nothing changes)
   void adopt(private_pool_id id, device_ptr ptr, std::size_t size, int device,
              stream_handle stream, bool foreign);
   /// @brief tensor.record_stream() on a private block: it never serves its pool again (PyTorch
