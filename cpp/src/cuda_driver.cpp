@@ -376,6 +376,7 @@ class cuda_driver_impl final : public driver {
     if (vmm_.cuMemImportFromShareableHandle == nullptr) {
       require_vmm_ipc("cuMemImportFromShareableHandle");
     }
+    relaxed_capture relaxed{api_};
     CUmemGenericAllocationHandle h{};
     // The handle type's descriptor is passed by value, in the pointer (CUDA's documented form).
     check(vmm_.cuMemImportFromShareableHandle(
@@ -484,13 +485,15 @@ class cuda_driver_impl final : public driver {
     bool pushed_ = false;
   };
 
-  /// The calling thread in relaxed capture mode for one call that takes memory from the driver.
-  /// While any thread captures a CUDA graph in "global" mode, CUDA refuses every other thread's
-  /// potentially unsafe calls (cuMemAlloc, cuMemCreate, cuMemMap, ...) unless that thread is
-  /// relaxed: without this, a pool that grows for one library while another captures breaks
-  /// the capture. These calls record nothing into any graph; PyTorch's allocator relaxes its
-  /// own the same way. Calls that give memory back are never relaxed: they may synchronize,
-  /// which a capture forbids, and the pool holds them back during the captures it knows of.
+  /// The calling thread in relaxed capture mode for one call that takes memory from the driver
+  /// (and the undoing of a half-done one). While any thread captures a CUDA graph in "global"
+  /// mode, CUDA refuses every other thread's potentially unsafe calls (cuMemAlloc, cuMemCreate,
+  /// cuMemMap, ...) unless that thread is relaxed: without this, a pool that grows for one
+  /// library while another captures breaks the capture. These calls record nothing into any
+  /// graph. PyTorch relaxes its cudaMalloc only on a thread whose stream is capturing; emmpool
+  /// relaxes every thread that grows the pool, since its pool serves every library's threads.
+  /// Calls that give memory back are not relaxed: they may synchronize, which a capture
+  /// forbids, and the pool holds them back during the captures it knows of.
   class relaxed_capture {
    public:
     explicit relaxed_capture(api const& a) : api_{a}
