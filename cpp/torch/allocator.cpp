@@ -434,6 +434,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   // history and the OOM observers hear of the error only if that fails too, as in PyTorch.
   void* allocate_or_oom_pool(std::size_t size, int device, cudaStream_t stream, bool* is_private)
   {
+    check_size(size);  // a size no device holds: raised at once, no pool tried, none told
     relaxed_while relaxed{routes_.active()};
     try {
       return allocate_or_throw(size, device, stream, oom_report::by_caller);

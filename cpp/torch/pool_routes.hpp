@@ -237,7 +237,10 @@ class pool_routes {
     int const adopted =
       api.emmpool_private_adopt_foreign(private_id(id), p, rounded, device, stream, &error);
     if (adopted != 0) {
-      source.raw_delete(p);
+      // Refused: give it back to its allocator, unless a private block holds that address
+      // already (the allocator handed it out twice): deleting it would free that block's
+      // memory under it, so it is left alone.
+      if (api.emmpool_private_device_of(p) < 0) { source.raw_delete(p); }
       (void)api.emmpool_torch_reserve_outside(device, -n, nullptr);
       raise(std::string{"emmpool: "} + error.message);
     }
