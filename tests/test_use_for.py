@@ -281,6 +281,23 @@ def test_the_native_resources_first_build_holds_no_install_lock(fake_rmm, monkey
     assert type(made[0]).__name__ == "CallbackMemoryResource"
 
 
+def test_a_use_for_rmm_that_will_refuse_builds_nothing(fake_rmm, monkeypatch):
+    from emmpool import _rmm
+
+    builds = []
+    monkeypatch.setattr(hooks, "_native_rmm", NATIVE_RMM)
+    monkeypatch.setattr(hooks, "_rmm_problem", [])
+    monkeypatch.setattr(_rmm, "module", lambda: builds.append(1))
+    fake_rmm.mr.set_per_device_resource(1, fake_rmm.mr.PoolMemoryResource())
+    with pytest.raises(AllocatorConflictError):
+        emmpool.use_for_rmm()
+    with pytest.raises(ValueError, match="device 2 does not exist"):
+        emmpool.use_for_rmm([2])
+    with pytest.raises(ValueError, match="device 2 does not exist"):
+        emmpool.rmm_resource(2)
+    assert builds == []
+
+
 def test_use_for_rmm_keeps_another_resource_unless_asked(fake_rmm):
     pool = fake_rmm.mr.PoolMemoryResource()  # rmm.reinitialize(pool_allocator=True), say
     fake_rmm.mr.set_per_device_resource(1, pool)

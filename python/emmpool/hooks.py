@@ -302,6 +302,8 @@ def rmm_resource(device: int | None = None):
     _import_rmm("emmpool.rmm_resource()")
     ensure_configured()
     device = _args.current_device(device)
+    if device not in _rmm_resources:
+        _check_exists(device)  # before a build: a device that is not there compiles nothing
     native = _native_rmm()  # a first build takes seconds: not under the install lock
     with lock:
         mr = _rmm_resources.get(device)
@@ -374,19 +376,29 @@ def use_for_rmm(devices=None, replace: bool = False) -> Installed:
     ensure_configured()
     if devices is None:
         devices = tuple(range(_core.device_count()))
+    with lock:  # what would refuse, refuses before a build
+        _refuse_rmm_conflicts(rmm, devices, replace)
     _native_rmm()  # built (or found) before the install lock is taken
     with lock:
-        for d in devices:
-            current = rmm.mr.get_per_device_resource(d)
-            if not replace and current is not _rmm_resources.get(d) and not _is_rmms_default(
-                    rmm, current):
-                raise AllocatorConflictError(
-                    "rmm", f"RMM's resource for device {d} is {_name(type(current))} already")
+        _refuse_rmm_conflicts(rmm, devices, replace)  # again: another thread may have acted
         resources = tuple(rmm_resource(d) for d in devices)
         for d, mr in zip(devices, resources):
             if rmm.mr.get_per_device_resource(d) is not mr:
                 rmm.mr.set_per_device_resource(d, mr)
         return record(Installed("rmm", rmm_resource_kind(), resources, tuple(devices)))
+
+
+def _refuse_rmm_conflicts(rmm, devices, replace: bool) -> None:
+    """AllocatorConflictError if a device's RMM resource is neither RMM's default nor
+    emmpool's (unless ``replace``); ValueError for a device that is not there."""
+    for d in devices:
+        if d not in _rmm_resources:
+            _check_exists(d)
+        current = rmm.mr.get_per_device_resource(d)
+        if not replace and current is not _rmm_resources.get(d) and not _is_rmms_default(
+                rmm, current):
+            raise AllocatorConflictError(
+                "rmm", f"RMM's resource for device {d} is {_name(type(current))} already")
 
 
 def _is_rmms_default(rmm, resource) -> bool:
