@@ -53,6 +53,10 @@ constexpr std::size_t MiB = std::size_t{1} << 20;
 
 // ---- options ------------------------------------------------------------------------------------
 
+/// --pairs N: a warm-up of 256 pairs and blocks of N pairs, whatever the clock says, so that
+/// what runs does not depend on the machine's speed (benchmarks/instructions.py counts it).
+std::size_t fixed_pairs = 0;
+
 struct options {
   bool host   = false;
   bool replay = false;
@@ -72,6 +76,7 @@ struct options {
   std::fprintf(stderr,
                "bench_core: %s\n"
                "usage: bench_core [--host | --replay [--trace FILE]] [--out FILE] [--quick]\n"
+               "                  [--pairs N]   (fixed counts, no timing: instructions.py)\n"
                "                  [--device N] [--seed S] [--ops N] [--live N]\n"
                "                  [--large-segment B] [--small-request B] [--small-segment B]\n"
                "                  [--capacity B] [--maximum-size B] [--passthrough]   (replay)\n"
@@ -96,6 +101,9 @@ options parse(int argc, char** argv)
       o.replay = true;
     } else if (a == "--quick") {
       o.quick = true;
+    } else if (a == "--pairs") {
+      fixed_pairs = static_cast<std::size_t>(std::stoull(value()));
+      if (fixed_pairs == 0) { usage("--pairs takes a count above 0"); }
     } else if (a == "--out") {
       o.out = value();
     } else if (a == "--trace") {
@@ -191,7 +199,7 @@ result measure(std::string name, std::string what, std::size_t size, bool quick,
   std::size_t n   = 0;
   double elapsed  = 0;
   double const wu = quick ? 0.015 : 0.05;
-  while (n < 200 || elapsed < wu) {
+  while (fixed_pairs != 0 ? n < 256 : (n < 200 || elapsed < wu)) {
     pair();
     ++n;
     if ((n & 15) == 0) {
@@ -201,7 +209,7 @@ result measure(std::string name, std::string what, std::size_t size, bool quick,
   }
   fence();
   elapsed           = std::chrono::duration<double>(clock_type::now() - t0).count();
-  std::size_t pairs = std::max<std::size_t>(
+  std::size_t pairs = fixed_pairs != 0 ? fixed_pairs : std::max<std::size_t>(
     10, static_cast<std::size_t>(block_seconds / (elapsed / static_cast<double>(n))));
   std::vector<double> samples;
   for (std::size_t b = 0; b < blocks; ++b) {

@@ -6,13 +6,15 @@ move more between processes than the few percent such a change is held to.)
     python benchmarks/instructions.py BENCH_CORE [BASELINE_BENCH_CORE] [--out DIR]
         [--runs 3] [--rename 'OLD=NEW' ...]
 
-BENCH_CORE is a bench_core binary (cmake -DEMMPOOL_BUILD_BENCHMARKS=ON). A baseline's rows are
+BENCH_CORE is a bench_core binary (cmake -DEMMPOOL_BUILD_BENCHMARKS=ON), run with --pairs (fixed
+counts, not sized by the clock) where it takes it; an older build's counts move a few percent
+with the machine's load, as its blocks are sized by the clock. A baseline's rows are
 paired with this one's by label and size; --rename gives a baseline label prefix the name the
 same configuration has now (where a default changed, say). Each binary runs --runs times and
-each row's median is shown, with this build's range: a row can take one of two paths from one
-run to the next (fixed segments, stream-ordered, 4 MiB: about 530 or 700 instructions a pair, in
-builds before and after the core's refactor alike). Needs valgrind. Prints the table; writes
-DIR/instructions.md and .json with --out.
+each row's median run is shown, with this build's range: a row can take one of two paths from
+one run to the next (fixed segments, stream-ordered, 4 MiB: about 530 or 700 instructions a
+pair, in builds before and after the core's refactor alike). Needs valgrind. Prints the table;
+writes DIR/instructions.md and .json with --out.
 """
 
 from __future__ import annotations
@@ -61,15 +63,26 @@ def per_call(dump: str) -> dict[str, tuple[int, int]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+PAIRS = 2000  # per block, where bench_core takes --pairs
+
+
+def fixed_counts(binary: str) -> bool:
+    """Whether `binary` takes --pairs (older builds size their blocks by the clock: their
+    counts move a few percent with the machine's load)."""
+    p = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+    return "--pairs" in p.stdout + p.stderr
+
+
 def rows_of(binary: str, workdir: Path) -> list[dict]:
     """Each row of bench_core --host --quick: its label, size and instructions per pair."""
     if shutil.which("valgrind") is None:
         raise SystemExit("instructions.py needs valgrind (apt install valgrind)")
     out = workdir / "cg"
+    fixed = ["--pairs", str(PAIRS)] if fixed_counts(binary) else []
     # A dump before each row's measure(): dump k holds row k-1's work, the last file the last
     # row's (callgrind writes it at exit).
     p = subprocess.run(["valgrind", "--tool=callgrind", "--dump-before=*measure(*",
-                        f"--callgrind-out-file={out}", binary, "--host", "--quick"],
+                        f"--callgrind-out-file={out}", binary, "--host", "--quick", *fixed],
                        capture_output=True, text=True, timeout=900)
     if p.returncode != 0:
         raise SystemExit(f"{binary} under callgrind failed ({p.returncode}):\n{p.stderr[-2000:]}")
@@ -87,15 +100,15 @@ def rows_of(binary: str, workdir: Path) -> list[dict]:
 
 
 def medians(runs: list[list[dict]]) -> list[dict]:
-    """Row by row (the first run's rows), the median of each figure over `runs`, and the range
-    of a pair's instructions."""
+    """Row by row (the first run's rows): the run with the median instructions per pair (the
+    lower of the two middle ones), and the range over `runs`."""
     rows = []
     for i, first in enumerate(runs[0]):
-        same = [run[i] for run in runs if i < len(run) and run[i]["row"] == first["row"]]
-        row = {k: first[k] for k in ("row", "size")}
-        for k in ("allocate", "deallocate", "pair", "pairs"):
-            row[k] = statistics.median(r.get(k, 0) for r in same)
-        row["range"] = [min(r["pair"] for r in same), max(r["pair"] for r in same)]
+        same = sorted((run[i] for run in runs if i < len(run) and run[i]["row"] == first["row"]),
+                      key=lambda r: r["pair"])
+        # the run whose pair is the median, whole: its allocate and deallocate add up to it
+        row = dict(same[(len(same) - 1) // 2])
+        row["range"] = [same[0]["pair"], same[-1]["pair"]]
         rows.append(row)
     return rows
 
