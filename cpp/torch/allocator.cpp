@@ -75,6 +75,7 @@ class emmpool_allocator final : public torch::cuda::CUDAPluggableAllocator::CUDA
   emmpool_allocator()
     : CUDAPluggableAllocator(
         [](std::size_t size, int device, cudaStream_t stream) {
+          check_size(size);
           return allocate_or_throw(size, device, stream);
         },
         [](void* ptr, std::size_t size, int device, cudaStream_t stream) {

@@ -164,10 +164,10 @@ void check_size(std::size_t size)
   }
 }
 
+// A block from the pool, or PyTorch's error; the caller has checked the size (check_size).
 void* allocate_or_throw(std::size_t size, int device, void* stream,
                         oom_report report = oom_report::at_once)
 {
-  check_size(size);
   emmpool_error error{EMMPOOL_FAILED_OTHER, {}};
   void* p = api.emmpool_torch_allocate(size, device, stream, &error);
   if (p == nullptr) { fail(error, size, device, report); }
