@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 // The header's enums and constants are the core's, value for value.
@@ -174,6 +175,14 @@ void* handed_to_torch(void* p, std::size_t requested, int device, std::size_t by
 void* handed_to_torch(void* p, std::size_t requested, int device) noexcept
 {
   return handed_to_torch(p, requested, device, emmpool::block_bytes(requested));
+}
+
+// A private pool's cached block handed out again, if there was one: all its bytes counted.
+void* handed_to_torch(std::optional<emmpool::private_pools::taken> const& t,
+                      std::size_t requested, int device) noexcept
+{
+  return t ? handed_to_torch(reinterpret_cast<void*>(t->ptr), requested, device, t->size)
+           : nullptr;
 }
 
 template <class T, class Row, class F>
@@ -491,9 +500,9 @@ EMMPOOL_C_API void* emmpool_private_take(emmpool_private_id id, std::size_t size
                                          void* stream)
 {
   return guarded<void*>(waits::no, nullptr, nullptr, [&]() -> void* {
-    auto const p =
-      registry().privates().take(id_of(id), size, reinterpret_cast<stream_handle>(stream));
-    return p ? handed_to_torch(reinterpret_cast<void*>(p->ptr), size, device, p->size) : nullptr;
+    return handed_to_torch(
+      registry().privates().take(id_of(id), size, reinterpret_cast<stream_handle>(stream)), size,
+      device);
   });
 }
 
@@ -504,7 +513,7 @@ EMMPOOL_C_API void* emmpool_private_allocate(emmpool_private_id id, std::size_t 
     auto& privates = registry().privates();
     auto const s   = reinterpret_cast<stream_handle>(stream);
     if (auto const p = privates.take(id_of(id), size, s)) {
-      return handed_to_torch(reinterpret_cast<void*>(p->ptr), size, device, p->size);
+      return handed_to_torch(p, size, device);
     }
     // A new block of the device's pool, by the entry points' rule (the out-of-memory hook
     // included). No stream is named: nothing is recorded on a capturing stream.
@@ -535,9 +544,9 @@ EMMPOOL_C_API int emmpool_private_adopt_foreign(emmpool_private_id id, void* ptr
 EMMPOOL_C_API void* emmpool_private_allocate_on_oom(std::size_t size, int device, void* stream)
 {
   return guarded<void*>(waits::no, nullptr, nullptr, [&]() -> void* {
-    auto const p = registry().privates().take_on_oom(size, device,
-                                                     reinterpret_cast<stream_handle>(stream));
-    return p ? handed_to_torch(reinterpret_cast<void*>(p->ptr), size, device, p->size) : nullptr;
+    return handed_to_torch(
+      registry().privates().take_on_oom(size, device, reinterpret_cast<stream_handle>(stream)),
+      size, device);
   });
 }
 
