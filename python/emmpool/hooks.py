@@ -307,8 +307,7 @@ def rmm_resource(device: int | None = None):
     native = _native_rmm()  # a first build takes seconds: not under the install lock
     with lock:
         mr = _rmm_resources.get(device)
-        if mr is None:
-            _check_exists(device)
+        if mr is None:  # checked above: a device's resource, once made, stays
             mr = _new_rmm_resource(device, native)
             _rmm_resources[device] = mr
         return mr
