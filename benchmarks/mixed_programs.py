@@ -113,6 +113,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "past it [EMMCI_BENCH_DEADLINE, else none]")
     p.add_argument("--child-timeout", type=float, default=240.0,
                    help="seconds a timing child or probe may take [240]")
+    p.add_argument("--traces", type=Path, metavar="DIR",
+                   help="record emmpool's setups' allocations in the first timing round, as "
+                        "DIR/<program>-<setup>.csv (emmpool.trace: replay.py --traces replays "
+                        "them on every allocator)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke test: scale 1, one round, 2 cycles, B = 2 GiB, 3 probes")
     p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
@@ -399,6 +403,9 @@ def timing_phase(args, pairs, launcher, gpu, idle, deadline, results) -> int:
         t = time.perf_counter()
         for program, setup in round_order(pairs, r):
             job = job_of(args, program, setup, "timing", args.scales[program])
+            if args.traces and r == 0 and setup.startswith("emmpool"):
+                args.traces.mkdir(parents=True, exist_ok=True)
+                job["trace"] = str(args.traces.resolve() / f"{program}-{setup}.csv")
             result = run_timed(launcher, gpu, idle, job, args)
             result["round"] = r
             entry = results.setdefault(program, {}).setdefault(setup, {})

@@ -667,6 +667,10 @@ def run_job(job: dict) -> dict:
             env.torch.set_float32_matmul_precision("high")
         runner = globals()[PROGRAMS[program].factory](env, job["scale"])
         out["marks"]["built"] = time.time()
+        tracing = job.get("trace") and setup.startswith("emmpool")
+        if tracing:  # the steps' allocations, each step's end marked (its sync)
+            from emmpool import trace
+            trace.start()
         cupy_peak = 0
         work_before = None
         checks, cycle_s, step_s = [], [], []
@@ -682,6 +686,8 @@ def run_job(job: dict) -> dict:
                 t_step = time.perf_counter()
                 checks.append(runner.step(step))
                 env.sync()
+                if tracing:
+                    trace.mark_synchronize()
                 if cycle >= warm:
                     step_s.append(time.perf_counter() - t_step)
                 step += 1
@@ -689,6 +695,8 @@ def run_job(job: dict) -> dict:
             if cycle >= warm:
                 cycle_s.append(time.perf_counter() - t_cycle)
         out["marks"]["done"] = time.time()
+        if tracing:
+            out["trace_records"] = trace.write_csv(job["trace"], trace.stop())
         out.update(checks=checks, cycle_s=cycle_s, step_s=step_s, steps=step)
         if work_before is not None and step_s:
             out["pool_work"] = pool_counters.per_op(work_before, pool_work(), len(step_s))

@@ -17,10 +17,12 @@ import datetime
 import platform
 import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 
 from emmpool import replay  # the replay engine and its backends (python/emmpool/replay.py)
+from emmpool import trace as trace_io
 
 import harness
 import training_trace
@@ -55,6 +57,14 @@ def default_backends() -> set[str]:
 
     segments = _config.Config().segments  # the default, whatever EMMPOOL_SEGMENTS says here
     return {f"emmpool-{segments}", f"emmpool-host-{segments}"}
+
+
+def recorded_traces(paths) -> list[Path]:
+    """The CSV files named, a folder's *.csv in name order."""
+    out = []
+    for p in map(Path, paths):
+        out += sorted(p.glob("*.csv")) if p.is_dir() else [p]
+    return out
 
 
 def write_trace(path, trace):
@@ -105,6 +115,11 @@ def main(argv=None):
     ap.add_argument("--live", type=int, default=LIVE)
     ap.add_argument("--steps", type=int, default=STEPS, help="steps of the training trace")
     ap.add_argument("--write-trace", metavar="FILE", help="also write the churn as text")
+    ap.add_argument("--traces", nargs="+", default=[], metavar="CSV|DIR",
+                    help="recorded traces (emmpool.trace CSV; a folder: its *.csv, as "
+                         "mixed_programs.py --traces writes them) replayed too, each in a "
+                         "table of its own, emmpool-host-behind added (the GPU behind the "
+                         "program until each recorded synchronization)")
     args = ap.parse_args(argv)
 
     trace = make_trace(args.seed, args.live, args.ops)
@@ -112,6 +127,10 @@ def main(argv=None):
         write_trace(args.write_trace, trace)
     churn = replay_all(replay.from_slots(*trace), args.backends)
     training = replay_all(training_trace.make(args.steps, args.seed)[0], args.backends)
+    recorded_backends = list(dict.fromkeys([*args.backends, "emmpool-host-behind"]))
+    recorded = {path.stem: replay_all(replay.from_records(trace_io.read_csv(path)),
+                                      recorded_backends)
+                for path in recorded_traces(args.traces)}
     doc = {
         "benchmark": "replay",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -124,6 +143,7 @@ def main(argv=None):
         "numpy": np.__version__,
         "results": churn,
         "training_results": training,
+        "recorded_results": recorded,
     }
     lines = table(f"Fragmentation replay: {args.live} live, {args.ops} ops, sizes log-uniform "
                   f"{MIN_BYTES} B - {MAX_BYTES >> 20} MiB, seed {args.seed}",
@@ -131,8 +151,10 @@ def main(argv=None):
     lines += [""] + table(f"A training loop whose shapes change every step "
                           f"(benchmarks/training_trace.py): {args.steps} steps, seed {args.seed}",
                           args.backends, training)
+    for name, results in recorded.items():
+        lines += [""] + table(f"Recorded: {name}", recorded_backends, results)
     harness.write_results(args.out, "replay", doc, "\n".join(lines) + "\n", indent=2)
-    failed = [r for results in (churn, training) for r in results.values()]
+    failed = [r for results in (churn, training, *recorded.values()) for r in results.values()]
     return 1 if any(r["status"] == "error" for r in failed) else 0
 
 
