@@ -34,15 +34,18 @@ block* growable_space::take_mapped(std::size_t rounded)
   return it != free_.none_large() ? free_.take_large(it, rounded, block_alignment) : nullptr;
 }
 
-growable_space::claim growable_space::claim_best_fit(std::size_t rounded, alloc_tag tag,
-                                                     mapping m)
+growable_space::claim growable_space::claim_placed(std::size_t rounded, alloc_tag tag,
+                                                    mapping m)
 {
   if (pages_ == nullptr) { return {}; }
-  auto const it = free_.best_large(rounded);
+  auto const lacking = [&](block const* b) {
+    return pages_->fewest_unmapped(b->ptr, b->size, rounded).second;
+  };
+  auto const it = free_.cheapest_large(rounded, lacking, page_policy::placement_candidates);
   if (it == free_.none_large()) { return {}; }
   auto* blk = *it;
-  // At its start the request would lack pages (else take_mapped() would have cut it), but
-  // mapped ones may lie further in: the segment's unmapped end is one free block with what
+  // At its start the request may lack pages (where take_mapped() did not look), but mapped
+  // ones may lie further in: the segment's unmapped end is one free block with what
   // was freed below it, and a block freed between two live ones coalesces with its
   // neighbours. The request goes where it lacks the fewest pages; placed at the start, those
   // mapped pages would stay free beside new ones, out of reach of the moves (the claimed

@@ -97,7 +97,7 @@ class free_lists {
   {
     return take_at(large_, it, size, min_rest);
   }
-  /// @brief The large set's block at `it` (best_large()'s) out of the set, whole.
+  /// @brief The large set's block at `it` (cheapest_large()'s) out of the set, whole.
   block* erase_large(block_set::const_iterator it) { return erase_at(large_, it); }
 
   /// @brief Cut `blk` (taken, not in a set) down to `size` bytes if at least `min_rest` would
@@ -121,6 +121,26 @@ class free_lists {
       if (ready(*it)) { return it; }
     }
     return large_.end();
+  }
+  /// @brief Of the large set's blocks from the best fit for `size` on through the next
+  /// `candidates` larger ones, the first of the lowest `cost(blk)` (a cost of 0 ends the
+  /// search); none_large() if none fits. The block stays in the set.
+  template <class Cost>
+  [[nodiscard]] block_set::const_iterator cheapest_large(std::size_t size, Cost&& cost,
+                                                         int candidates) const
+  {
+    auto best        = large_.end();
+    std::size_t least = 0;
+    for (auto it = best_fit(large_, size); candidates >= 0 && it != large_.end();
+         --candidates, ++it) {
+      auto const c = cost(*it);
+      if (best == large_.end() || c < least) {
+        best  = it;
+        least = c;
+        if (c == 0) { break; }
+      }
+    }
+    return best;
   }
   /// @brief The large set's best fit for `size`; none_large() if none fits.
   [[nodiscard]] block_set::const_iterator best_large(std::size_t size) const

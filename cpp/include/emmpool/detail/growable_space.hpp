@@ -6,8 +6,8 @@
  * The segment is one address reservation (detail/growable_segment.hpp: its page map) whose
  * blocks live in a free_lists of its own (detail/free_list.hpp: its large set) and are split
  * and coalesced as any other. A request takes a free block whose pages are mapped
- * (take_mapped), else claims the best fit, placed inside it where it lacks the fewest pages
- * (the segment's unmapped end is one free block with the freed memory below it), and maps
+ * (take_mapped), else claims the free block and place inside it where it lacks the fewest
+ * pages (the segment's unmapped end is one free block with the freed memory below it), and maps
  * what is missing: prepare() moves free pages beyond the policy's limit under it first and
  * says how many new pages it still needs (the pool makes room for them, or waits), finish()
  * maps them. Every library's blocks live here, Numba's too: none has a legacy IPC handle, all
@@ -67,7 +67,7 @@ class growable_space {
 
   /// The usual request: the best fit, or one of the next few larger free blocks, whose pages
   /// are all mapped, cut to the request in place as a fixed segment's block is. Null if none
-  /// is (then claim_best_fit()).
+  /// is (then claim_placed()).
   [[nodiscard]] block* take_mapped(std::size_t rounded);
 
   /// A free block chosen for a request, off the free list (so that unmapping spares it) until
@@ -78,9 +78,10 @@ class growable_space {
     std::size_t need{};      ///< bytes of its pages still to map (0: ready)
     std::uint8_t tag{};      ///< the library asking (segment events)
   };
-  /// The best fit of at least `rounded` bytes, placed inside it where it lacks the fewest
-  /// pages; nothing if none fits, or if its pages would need mapping and mapping::none.
-  [[nodiscard]] claim claim_best_fit(std::size_t rounded, alloc_tag tag, mapping m);
+  /// A free block of at least `rounded` bytes, the request placed where it lacks the fewest
+  /// pages, among the best fit and the next larger blocks (page_policy, Placement); nothing if
+  /// none fits, or if its pages would need mapping and mapping::none.
+  [[nodiscard]] claim claim_placed(std::size_t rounded, alloc_tag tag, mapping m);
   /// Before the claim's pages are mapped: the free pages beyond the policy's limit move under
   /// it (kept spare for finish()), as many as it and its room need, if unmapping is allowed.
   /// @return bytes of new pages it still needs (the pool makes room for them, or waits)
