@@ -4,8 +4,9 @@ training loop whose shapes change.
 
     python benchmarks/replay.py --out DIR [--backends NAME ...] [--steps N] [--write-trace FILE]
 
-Two traces replayed on every backend: a churn of random sizes (numpy's RNG, a fixed seed) and a
-PyTorch-like training loop (benchmarks/training_trace.py); the result is peak reserved bytes /
+Traces replayed on every backend: a churn of random sizes (numpy's RNG, a fixed seed), a
+PyTorch-like training loop (benchmarks/training_trace.py) and the mixed programs' recorded
+allocations (benchmarks/traces/*.csv, or --traces); the result is peak reserved bytes /
 peak live bytes (the sum of requested sizes). benchmarks/README.md says what the traces are and
 what each backend is; a backend that cannot run here is skipped, with the reason. Writes
 DIR/replay.json (everything) and DIR/replay.md (the tables, also printed); `--write-trace FILE`
@@ -34,6 +35,7 @@ MIN_BYTES = 256
 MAX_BYTES = 64 << 20
 MiB = 1 << 20
 STEPS = 60  # of the training trace
+TRACES = Path(__file__).resolve().parent / "traces"  # the mixed programs' recorded allocations
 BACKENDS = ["emmpool-host", "emmpool", "cupy", "torch", "emmpool-host-fixed",
             "emmpool-host-growable", "emmpool-fixed", "emmpool-growable", "driver-pool",
             "torch-expandable"]
@@ -115,11 +117,11 @@ def main(argv=None):
     ap.add_argument("--live", type=int, default=LIVE)
     ap.add_argument("--steps", type=int, default=STEPS, help="steps of the training trace")
     ap.add_argument("--write-trace", metavar="FILE", help="also write the churn as text")
-    ap.add_argument("--traces", nargs="+", default=[], metavar="CSV|DIR",
+    ap.add_argument("--traces", nargs="*", default=[str(TRACES)], metavar="CSV|DIR",
                     help="recorded traces (emmpool.trace CSV; a folder: its *.csv, as "
                          "mixed_programs.py --traces writes them) replayed too, each in a "
                          "table of its own, emmpool-host-behind added (the GPU behind the "
-                         "program until each recorded synchronization)")
+                         "program until each recorded synchronization) [benchmarks/traces]")
     args = ap.parse_args(argv)
 
     trace = make_trace(args.seed, args.live, args.ops)
