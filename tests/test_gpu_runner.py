@@ -4,6 +4,8 @@ run here, where every GPU step is skipped with its reason."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.machinery
 import importlib.util
 import os
@@ -407,12 +409,17 @@ def test_a_peers_suite_runs_twice_and_is_compared_by_name(tmp_path, monkeypatch)
     (root / "TAG").write_text("v0.test\n")
     (root / "tests" / "conftest.py").write_text(FAKE_PEER_CONFTEST)
     (root / "tests" / "test_peer.py").write_text(FAKE_PEER_TESTS)
+    # a test the peer's own resource cannot pass (one that hangs, say): out of both runs
+    (root / "tests" / "test_stuck.py").write_text("def test_stuck():\n    assert False\n")
+    monkeypatch.setitem(suite.PEERS, "rmm", dataclasses.replace(
+        suite.PEERS["rmm"], deselected=(("test_stuck.py::test_stuck", "stuck here"),)))
     monkeypatch.setattr(suite, "preflight", lambda peer: (None, {"version": "x", "gpus": 1}))
     monkeypatch.setenv("EMMPOOL_RMM_CACHE", str(tmp_path / "cache"))
     rc = suite.main(["--peer", "rmm", "--tests", str(root), "--out", str(out),
                      "--timeout", "240"])
     text = (out / "rmm-suite.txt").read_text()
     # With RMM's default (cudaMalloc, no GPU here) one test fails; with emmpool's both pass.
+    assert "left out of both runs: test_stuck.py::test_stuck (stuck here)" in text, text
     assert "default    exit 1" in text and "2 tests, failed 1, passed 1" in text, text
     assert "emmpool    exit 0" in text and "2 tests, passed 2" in text, text
     assert "emmpool run: 2 tests on emmpool's resource (native resource); allocations " \
