@@ -110,11 +110,10 @@ device_pool::block* device_pool::claim_and_map(request const& r)
   // The growable segment's free block where the request lacks the fewest pages, off its free
   // list; its missing pages moved from free blocks beyond the limit; for what new pages it
   // still needs, wholly free memory goes back to the driver first if they would pass the cap;
-  // then its pages are mapped
-  // (detail/growable_space.hpp). New pages past the peak while the request's own stream's
-  // frees could cover them are not mapped: the ladder's next step waits for those
-  // (detail/page_policy.hpp). A function of its own, so that take_free()'s usual case sets
-  // up no exception handler.
+  // then its pages are mapped (detail/growable_space.hpp). New pages past the peak while the
+  // request's own stream's frees could cover them are not mapped: the ladder's next step waits
+  // for those (detail/page_policy.hpp). A function of its own, so that take_free()'s usual
+  // case sets up no exception handler.
   auto claim = growable_.claim_placed(r.rounded, r.tag, detail::mapping::allowed);
   if (claim.blk == nullptr) { return nullptr; }
   try {

@@ -45,11 +45,10 @@ growable_space::claim growable_space::claim_placed(std::size_t rounded, alloc_ta
   if (it == free_.none_large()) { return {}; }
   auto* blk = *it;
   // At its start the request may lack pages (where take_mapped() did not look), but mapped
-  // ones may lie further in: the segment's unmapped end is one free block with what
-  // was freed below it, and a block freed between two live ones coalesces with its
-  // neighbours. The request goes where it lacks the fewest pages; placed at the start, those
-  // mapped pages would stay free beside new ones, out of reach of the moves (the claimed
-  // block is off the list).
+  // ones may lie further in: the segment's unmapped end is one free block with what was freed
+  // below it, and a block freed between two live ones coalesces with its neighbours. The
+  // request goes where it lacks the fewest pages; placed at the start, those mapped pages would
+  // stay free beside new ones, out of reach of the moves (the claimed block is off the list).
   auto const [at, need] = pages_->fewest_unmapped(blk->ptr, blk->size, rounded);
   if (need != 0 && m == mapping::none) { return {}; }
   // Placed past its start: blk keeps the rest, a fresh record the front, which stays free.

@@ -222,7 +222,7 @@ TEST(growable_a_request_goes_where_its_free_block_has_pages)
 
 TEST(growable_a_request_reuses_pages_deeper_in_a_larger_block_before_mapping_any)
 {
-  // Pages 0-6 mapped under a..f; a freed and trimmed: the best fit for 4 MiB, [0, 4 MiB),
+  // Pages 0-6 mapped under a..g; a freed and trimmed: the best fit for 4 MiB, [0, 4 MiB),
   // lacks both its pages. c freed and trimmed, then d and e: the larger free block
   // [6, 12 MiB) lacks its first page only, and its last two are mapped.
   fixture f;

@@ -18,7 +18,8 @@
  * (segment::first follows).
  *
  * The growable segment (detail/growable_space.hpp) has a free_lists of its own, whose large
- * set holds its blocks (address space): find_large() and for_each_large() serve it.
+ * set holds its blocks (address space): find_large(), cheapest_large() and for_each_large()
+ * serve it.
  *
  * Knows nothing of streams or fences: a block reaches insert() or coalesce() only once the
  * reuse rule says no work can still touch it (reuse_rule.hpp). Not thread-safe: its pool's
@@ -129,7 +130,7 @@ class free_lists {
   [[nodiscard]] block_set::const_iterator cheapest_large(std::size_t size, Cost&& cost,
                                                          int candidates) const
   {
-    auto best        = large_.end();
+    auto best         = large_.end();
     std::size_t least = 0;
     for (auto it = best_fit(large_, size); candidates >= 0 && it != large_.end();
          --candidates, ++it) {
@@ -141,11 +142,6 @@ class free_lists {
       }
     }
     return best;
-  }
-  /// @brief The large set's best fit for `size`; none_large() if none fits.
-  [[nodiscard]] block_set::const_iterator best_large(std::size_t size) const
-  {
-    return best_fit(large_, size);
   }
   [[nodiscard]] block_set::const_iterator none_large() const noexcept { return large_.end(); }
   /// @brief Every block of the large set, largest first, while f(blk) says true.
