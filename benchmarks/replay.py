@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Fragmentation replay: how much memory a pool reserves for a churning workload and for a
-training loop whose shapes change.
+"""Fragmentation replay: how much memory a pool reserves for a churning workload, a training
+loop whose shapes change and the mixed programs' recorded allocations.
 
     python benchmarks/replay.py --out DIR [--backends NAME ...] [--steps N] [--write-trace FILE]
+        [--traces CSV|DIR ...] [--warmup-steps N]
 
 Traces replayed on every backend: a churn of random sizes (numpy's RNG, a fixed seed), a
 PyTorch-like training loop (benchmarks/training_trace.py) and the mixed programs' recorded
@@ -36,6 +37,7 @@ MAX_BYTES = 64 << 20
 MiB = 1 << 20
 STEPS = 60  # of the training trace
 TRACES = Path(__file__).resolve().parent / "traces"  # the mixed programs' recorded allocations
+WARMUP_STEPS = 4  # their warm-up cycle (mixed_workloads.STEPS_PER_CYCLE steps)
 BACKENDS = ["emmpool-host", "emmpool", "cupy", "torch", "emmpool-host-fixed",
             "emmpool-host-growable", "emmpool-fixed", "emmpool-growable", "driver-pool",
             "torch-expandable"]
@@ -91,21 +93,41 @@ def replay_all(ops, backends) -> dict:
     return results
 
 
-def table(title: str, backends, results: dict) -> list[str]:
+def table(title: str, backends, results: dict, per_step: bool = False) -> list[str]:
+    """The results as markdown; with `per_step`, a column of emmpool's page maps per step after
+    the warm-up (recorded traces: maps_per_step())."""
+    column = " page maps / step |" if per_step else ""
     lines = [title, "",
-             "| backend | peak live (MiB) | peak reserved (MiB) | reserved / live | replay s |",
-             "|---|---:|---:|---:|---:|"]
+             "| backend | peak live (MiB) | peak reserved (MiB) | reserved / live | replay s |"
+             + column, "|---|---:|---:|---:|---:|" + ("---:|" if per_step else "")]
     default = default_backends()
     for name in backends:
         r = results[name]
         label = f"{name} (default)" if name in default else name
         if r["status"] == "ok":
+            maps = r.get("page_maps_per_step")
+            cell = (f" {maps:.1f} |" if maps is not None else " - |") if per_step else ""
             lines.append(f"| {label} | {r['peak_live'] / MiB:.1f} | "
                          f"{r['peak_reserved'] / MiB:.1f} | {r['ratio']:.3f} | "
-                         f"{r['seconds']:.2f} |")
+                         f"{r['seconds']:.2f} |" + cell)
         else:
-            lines.append(f"| {label} | {r['status']}: {r['reason']} | | | |")
+            lines.append(f"| {label} | {r['status']}: {r['reason']} | | | |"
+                         + (" |" if per_step else ""))
     return lines
+
+
+def maps_per_step(ops, results: dict, warmup: int) -> None:
+    """Adds page_maps_per_step to each emmpool result of a recorded trace: its page maps after
+    the first `warmup` synchronizations (the recording's warm-up cycle), per step. The trace is
+    replayed again up to the warm-up's end and the maps it took subtracted: the same requests
+    in the same order, so the same maps."""
+    syncs = [i for i, op in enumerate(ops) if op[0] == "sync"]
+    if len(syncs) <= warmup:
+        return
+    for name, r in results.items():
+        if r["status"] == "ok" and "page_maps" in r:
+            warm = replay.run(ops[:syncs[warmup - 1] + 1], name)["page_maps"] if warmup else 0
+            r["page_maps_per_step"] = (r["page_maps"] - warm) / (len(syncs) - warmup)
 
 
 def main(argv=None):
@@ -122,6 +144,9 @@ def main(argv=None):
                          "mixed_programs.py --traces writes them) replayed too, each in a "
                          "table of its own, emmpool-host-behind added (the GPU behind the "
                          "program until each recorded synchronization) [benchmarks/traces]")
+    ap.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS,
+                    help="recorded traces: steps before page maps are counted per step "
+                         f"[{WARMUP_STEPS}: the recordings' warm-up cycle]")
     args = ap.parse_args(argv)
 
     trace = make_trace(args.seed, args.live, args.ops)
@@ -130,9 +155,12 @@ def main(argv=None):
     churn = replay_all(replay.from_slots(*trace), args.backends)
     training = replay_all(training_trace.make(args.steps, args.seed)[0], args.backends)
     recorded_backends = list(dict.fromkeys([*args.backends, "emmpool-host-behind"]))
-    recorded = {path.stem: replay_all(replay.from_records(trace_io.read_csv(path)),
-                                      recorded_backends)
-                for path in recorded_traces(args.traces)}
+    recorded, steps = {}, {}
+    for path in recorded_traces(args.traces):
+        ops = replay.from_records(trace_io.read_csv(path))
+        steps[path.stem] = sum(1 for op in ops if op[0] == "sync")
+        recorded[path.stem] = replay_all(ops, recorded_backends)
+        maps_per_step(ops, recorded[path.stem], args.warmup_steps)
     doc = {
         "benchmark": "replay",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -154,7 +182,9 @@ def main(argv=None):
                           f"(benchmarks/training_trace.py): {args.steps} steps, seed {args.seed}",
                           args.backends, training)
     for name, results in recorded.items():
-        lines += [""] + table(f"Recorded: {name}", recorded_backends, results)
+        lines += [""] + table(f"Recorded: {name} ({steps[name]} steps, the first "
+                              f"{args.warmup_steps} a warm-up)", recorded_backends, results,
+                              per_step=True)
     harness.write_results(args.out, "replay", doc, "\n".join(lines) + "\n", indent=2)
     failed = [r for results in (churn, training, *recorded.values()) for r in results.values()]
     return 1 if any(r["status"] == "error" for r in failed) else 0
