@@ -5,7 +5,6 @@ run here, where every GPU step is skipped with its reason."""
 from __future__ import annotations
 
 import dataclasses
-
 import importlib.machinery
 import importlib.util
 import os

@@ -105,6 +105,7 @@ def test_the_mixed_programs_recorded_allocations_replay_close_to_their_live_byte
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / f"{program}.csv"
     if not path.exists():
         pytest.skip("needs the repository's benchmarks/traces")
+    require("numpy")  # benchmarks/replay.py's
     from emmpool import trace
 
     ops = replay.from_records(trace.read_csv(path))
