@@ -3,15 +3,15 @@
  * @brief The device pool's growable segment: its reservation, which free block serves a
  * request, and the pages it maps, keeps, moves and gives back (when: detail/page_policy.hpp).
  *
- * The segment is one address reservation (detail/growable_segment.hpp: its page map) whose
- * blocks live in a free_lists of its own (detail/free_list.hpp: its large set) and are split
- * and coalesced as any other. A request takes a free block whose pages are mapped
- * (take_mapped), else claims the free block, and the place in it, where it lacks the fewest
- * pages (the best fit and the next larger blocks weighed; the segment's unmapped end is one free
- * block with the freed memory below it), and maps what is missing: prepare() moves free pages beyond the policy's limit under it first and
- * says how many new pages it still needs (the pool makes room for them, or waits), finish()
- * maps them. Every library's blocks live here, Numba's too: none has a legacy IPC handle, all
- * share their pages (share()). What the pages hold goes on the pool's ledger. Not
+ * The segment is one address reservation (detail/growable_segment.hpp: its page map) whose blocks
+ * live in a free_lists of its own (detail/free_list.hpp: its large set) and are split and
+ * coalesced as any other. A request takes a free block whose pages are mapped (take_mapped), else
+ * claims the free block, and the place in it, where it lacks the fewest pages (the best fit and
+ * the next larger blocks weighed; the segment's unmapped end is one free block with the freed
+ * memory below it), and maps what is missing: prepare() moves free pages beyond the policy's limit
+ * under it first and says how many new pages it still needs (the pool makes room for them, or
+ * waits), finish() maps them. Every library's blocks live here, Numba's too: none has a legacy IPC
+ * handle, all share their pages (share()). What the pages hold goes on the pool's ledger. Not
  * thread-safe: the pool's mutex.
  */
 #pragma once
