@@ -347,14 +347,12 @@ class Steps:
         binary = build / "benchmarks" / "bench_core"
         rc = self.sh(pin + [str(binary), "--out", str(self.outdir / "bench_core.json")], log, 120,
                      append=True)
-        # Earlier builds, interleaved with this one: this, each earlier, this, each earlier
-        if self.baselines:
-            (self.logs / "bench").mkdir(exist_ok=True)
-            for r in (1, 2, 3):
-                for name, tree in [("", build)] + self.baselines:
-                    out = self.logs / "bench" / f"bench_core{'@' + name if name else ''}-r{r}.json"
-                    rc = self.sh(pin + [str(tree / "benchmarks" / "bench_core"), "--out",
-                                        str(out)], log, 120, append=True) or rc
+        # Each earlier build taking turns with this one, round by round (instructions.py)
+        for name, tree in self.baselines:
+            rc = self.sh(pin + self.python(
+                str(REPO / "benchmarks/instructions.py"), str(binary),
+                str(tree / "benchmarks" / "bench_core"), "--timed", "10"), log, 300,
+                append=True) or rc
         self.finish(step.name, rc, t)
         return rc
 

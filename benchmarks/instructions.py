@@ -15,6 +15,12 @@ each row's median run is shown, with this build's range: a row can take one of t
 one run to the next (fixed segments, stream-ordered, 4 MiB: about 530 or 700 instructions a
 pair, in builds before and after the core's refactor alike). Needs valgrind. Prints the table;
 writes DIR/instructions.md and .json with --out.
+
+With --timed ROUNDS (on a GPU, no valgrind), the two binaries run `bench_core --quick` in turns,
+ROUNDS times each, and each row gives this build's median ns per pair over the rounds and the
+median of its ratio to the baseline's run of the same round: neighbours in time, so that the
+host's drift between processes cancels. The anchors' rows (code neither build changed) show how
+far one round's ratio still moves.
 """
 
 from __future__ import annotations
@@ -137,6 +143,57 @@ def table(rows: list[dict], base: list[dict] | None) -> str:
     return "\n".join(lines)
 
 
+def size_label(n) -> str:
+    """bench_core's byte counts as its table prints them ("256 B", "64 KiB"); "-" for none."""
+    if not n:
+        return "-"
+    unit = next(u for u in range(4) if u == 3 or n % (1024 ** (u + 1)))
+    return f"{n // 1024 ** unit} {('B', 'KiB', 'MiB', 'GiB')[unit]}"
+
+
+def timed_runs(binaries: list[str], rounds: int) -> list[list[dict]]:
+    """runs[b][r]: binary b's rows in round r, {(label, size): median ns per pair}; the binaries
+    take turns within each round."""
+    runs: list[list[dict]] = [[] for _ in binaries]
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "run.json"
+        for _ in range(rounds):
+            for i, binary in enumerate(binaries):
+                p = subprocess.run([binary, "--quick", "--out", str(out)], capture_output=True,
+                                   text=True, timeout=300)
+                if p.returncode != 0:
+                    raise SystemExit(f"{binary} failed ({p.returncode}):\n{p.stderr[-2000:]}")
+                runs[i].append({(r["allocator"], size_label(r["size"])): r["median_ns"]
+                                for r in json.loads(out.read_text())["results"]})
+    return runs
+
+
+def paired(cur: list[dict], base: list[dict]) -> list[dict]:
+    """Row by row of this build's first round: its median ns over the rounds and range, and the
+    median (and range) of its ratio to the baseline's same row in the same round."""
+    rows = []
+    for key in cur[0]:
+        ns = sorted(run[key] for run in cur if key in run)
+        ratios = sorted(c[key] / b[key] for c, b in zip(cur, base) if key in c and b.get(key))
+        row = {"row": key[0], "size": key[1], "ns": statistics.median(ns),
+               "range": [ns[0], ns[-1]]}
+        if ratios:
+            row.update(ratio=statistics.median(ratios), ratio_range=[ratios[0], ratios[-1]])
+        rows.append(row)
+    return rows
+
+
+def timed_table(rows: list[dict]) -> str:
+    lines = ["| row | size | ns per pair | range | ÷ baseline | its range |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = (f"{r['ratio']:.3f} | {r['ratio_range'][0]:.3f}–{r['ratio_range'][1]:.3f}"
+                 if "ratio" in r else "— | —")
+        lines.append(f"| {r['row']} | {r['size']} | {r['ns']:.0f} | "
+                     f"{r['range'][0]:.0f}–{r['range'][1]:.0f} | {ratio} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bench_core")
@@ -144,10 +201,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW")
+    ap.add_argument("--timed", type=int, metavar="ROUNDS")
     args = ap.parse_args(argv)
     renames = [tuple(r.split("=", 1)) for r in args.rename]
     if any(len(r) != 2 for r in renames):
         ap.error("--rename takes OLD=NEW")
+    if args.timed:
+        if not args.baseline:
+            ap.error("--timed needs a baseline")
+        cur, base = timed_runs([args.bench_core, args.baseline], args.timed)
+        base = [{(renamed(k[0], renames), k[1]): v for k, v in run.items()} for run in base]
+        print(f"ns per allocate+deallocate pair on the GPU, bench_core --quick, {args.timed} "
+              "rounds taking turns with the baseline\n\n" + timed_table(paired(cur, base)))
+        return 0
     def runs(binary: str) -> list[dict]:
         out = []
         for _ in range(max(1, args.runs)):

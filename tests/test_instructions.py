@@ -5,6 +5,8 @@ label, renamed where a configuration's name changed."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from tests.conftest import benchmark_module
@@ -64,3 +66,29 @@ def test_a_baseline_pairs_by_label_after_its_renames(tool):
     assert "| pool (host) | 4 MiB | 400.0 | 50.0 | 450.0 | 450–450 | 500.0 | 0.900 |" in text
     assert "| new row | 4 MiB | -40.0 | 50.0 | 10.0 | 10–10 | — | — |" in text
     assert "gone" not in text
+
+
+def test_timed_rounds_pair_each_round_with_the_baselines_own(tool, tmp_path):
+    # A stand-in bench_core: each run writes its row's ns from a file of counts it consumes, so
+    # the host "drifts" between rounds as a shared GPU host does.
+    script = tmp_path / "bench"
+    script.write_text(f"""#!{sys.executable}
+import json, sys
+from pathlib import Path
+q = Path({str(tmp_path / "queue")!r}); ns = q.read_text().split(); q.write_text(" ".join(ns[1:]))
+rows = [{{"allocator": "emmpool pool", "size": 65536, "median_ns": float(ns[0])}},
+        {{"allocator": "fence", "size": 0, "median_ns": 100.0}}]
+Path(sys.argv[sys.argv.index("--out") + 1]).write_text(json.dumps({{"results": rows}}))
+""")
+    script.chmod(0o755)
+    # rounds of (this build, baseline): the host slows down twice as much in round 2
+    (tmp_path / "queue").write_text("100 110 200 220 105 100")
+    cur, base = tool.timed_runs([str(script), str(script)], 3)
+    rows = tool.paired(cur, base)
+    pool = rows[0]
+    assert (pool["row"], pool["size"], pool["ns"], pool["range"]) == \
+        ("emmpool pool", "64 KiB", 105, [100, 200])
+    assert pool["ratio_range"] == [100 / 110, 1.05] and pool["ratio"] == 100 / 110
+    assert rows[1]["size"] == "-" and rows[1]["ratio"] == 1.0
+    assert "| emmpool pool | 64 KiB | 105 | 100–200 | 0.909 | 0.909–1.050 |" in \
+        tool.timed_table(rows)
