@@ -351,7 +351,7 @@ class Steps:
         for name, tree in self.baselines:
             rc = self.sh(pin + self.python(
                 str(REPO / "benchmarks/instructions.py"), str(binary),
-                str(tree / "benchmarks" / "bench_core"), "--timed", "10"), log, 300,
+                str(tree / "benchmarks" / "bench_core"), "--timed", "30"), log, 300,
                 append=True) or rc
         self.finish(step.name, rc, t)
         return rc

@@ -17,9 +17,10 @@ pair, in builds before and after the core's refactor alike). Needs valgrind. Pri
 writes DIR/instructions.md and .json with --out.
 
 With --timed ROUNDS (on a GPU, no valgrind), the two binaries run `bench_core --quick` in turns,
-ROUNDS times each, and each row gives this build's median ns per pair over the rounds and the
-median of its ratio to the baseline's run of the same round: neighbours in time, so that the
-host's drift between processes cancels. The anchors' rows (code neither build changed) show how
+ROUNDS times each (in the opposite order every other round), and each row gives this build's
+median over the rounds of its fastest block's ns per pair, and the median of its ratio to the
+baseline's run of the same round: neighbours in time, so that the host's drift between
+processes cancels. The anchors' rows (code neither build changed) show how
 far one round's ratio still moves.
 """
 
@@ -152,19 +153,22 @@ def size_label(n) -> str:
 
 
 def timed_runs(binaries: list[str], rounds: int) -> list[list[dict]]:
-    """runs[b][r]: binary b's rows in round r, {(label, size): median ns per pair}; the binaries
-    take turns within each round."""
+    """runs[b][r]: binary b's rows in round r, {(label, size): ns per pair of its fastest
+    block} (a block slowed by another process adds time, never takes it away). The binaries
+    take turns within each round, in the opposite order every other round (a process that
+    starts right after another one may run slower or faster for it)."""
     runs: list[list[dict]] = [[] for _ in binaries]
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "run.json"
-        for _ in range(rounds):
-            for i, binary in enumerate(binaries):
+        for r in range(rounds):
+            order = list(enumerate(binaries))
+            for i, binary in order if r % 2 == 0 else order[::-1]:
                 p = subprocess.run([binary, "--quick", "--out", str(out)], capture_output=True,
                                    text=True, timeout=300)
                 if p.returncode != 0:
                     raise SystemExit(f"{binary} failed ({p.returncode}):\n{p.stderr[-2000:]}")
-                runs[i].append({(r["allocator"], size_label(r["size"])): r["median_ns"]
-                                for r in json.loads(out.read_text())["results"]})
+                runs[i].append({(x["allocator"], size_label(x["size"])): x["min_ns"]
+                                for x in json.loads(out.read_text())["results"]})
     return runs
 
 
@@ -211,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--timed needs a baseline")
         cur, base = timed_runs([args.bench_core, args.baseline], args.timed)
         base = [{(renamed(k[0], renames), k[1]): v for k, v in run.items()} for run in base]
-        print(f"ns per allocate+deallocate pair on the GPU, bench_core --quick, {args.timed} "
-              "rounds taking turns with the baseline\n\n" + timed_table(paired(cur, base)))
+        print(f"ns per allocate+deallocate pair on the GPU (each run's fastest block), "
+              f"bench_core --quick, {args.timed} rounds taking turns with the baseline\n\n"
+              + timed_table(paired(cur, base)))
         return 0
+
     def runs(binary: str) -> list[dict]:
         out = []
         for _ in range(max(1, args.runs)):

@@ -76,13 +76,14 @@ def test_timed_rounds_pair_each_round_with_the_baselines_own(tool, tmp_path):
 import json, sys
 from pathlib import Path
 q = Path({str(tmp_path / "queue")!r}); ns = q.read_text().split(); q.write_text(" ".join(ns[1:]))
-rows = [{{"allocator": "emmpool pool", "size": 65536, "median_ns": float(ns[0])}},
-        {{"allocator": "fence", "size": 0, "median_ns": 100.0}}]
+rows = [{{"allocator": "emmpool pool", "size": 65536, "min_ns": float(ns[0]), "median_ns": 0}},
+        {{"allocator": "fence", "size": 0, "min_ns": 100.0}}]
 Path(sys.argv[sys.argv.index("--out") + 1]).write_text(json.dumps({{"results": rows}}))
 """)
     script.chmod(0o755)
-    # rounds of (this build, baseline): the host slows down twice as much in round 2
-    (tmp_path / "queue").write_text("100 110 200 220 105 100")
+    # runs in order: this build, baseline; then baseline, this build (the order turns each
+    # round); the host slows down twice as much in round 2
+    (tmp_path / "queue").write_text("100 110 220 200 105 100")
     cur, base = tool.timed_runs([str(script), str(script)], 3)
     rows = tool.paired(cur, base)
     pool = rows[0]
