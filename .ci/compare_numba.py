@@ -41,23 +41,17 @@ from collections import Counter, OrderedDict
 # Known differences (numba-cuda 0.30.4: unittest ids; numba-cuda-mlir 0.6.0: pytest node ids)
 
 _MLIR_DEALLOC = "tests/numba_cuda_tests/cudadrv/test_deallocations.py::TestDeallocation::"
+_DEALLOC = ("test_max_pending_count", "test_max_pending_bytes", "test_defer_cleanup",
+            "test_nested_defer_cleanup", "test_exception")  # in each suite's TestDeallocation
 
 # Tests of Numba's own deferred-deallocation bookkeeping, which any external manager bypasses:
 # skipped whenever NUMBA_CUDA_MEMORY_MANAGER != "default" (testing.skip_if_external_memmgr),
 # except numba-cuda-mlir's test_ownership, which lost that decorator and fails instead (it
 # counts entries in the manager's `deallocations`, which only Numba's own memalloc adds).
 KNOWN_EXTERNAL_SKIPS = (
-    "numba.cuda.tests.cudadrv.test_deallocations.TestDeallocation.test_max_pending_count",
-    "numba.cuda.tests.cudadrv.test_deallocations.TestDeallocation.test_max_pending_bytes",
-    "numba.cuda.tests.cudadrv.test_deallocations.TestDeallocation.test_defer_cleanup",
-    "numba.cuda.tests.cudadrv.test_deallocations.TestDeallocation.test_nested_defer_cleanup",
-    "numba.cuda.tests.cudadrv.test_deallocations.TestDeallocation.test_exception",
+    *("numba.cuda.tests.cudadrv.test_deallocations.TestDeallocation." + t for t in _DEALLOC),
     "numba.cuda.tests.cudapy.test_cuda_array_interface.TestCudaArrayInterface.test_ownership",
-    _MLIR_DEALLOC + "test_max_pending_count",
-    _MLIR_DEALLOC + "test_max_pending_bytes",
-    _MLIR_DEALLOC + "test_defer_cleanup",
-    _MLIR_DEALLOC + "test_nested_defer_cleanup",
-    _MLIR_DEALLOC + "test_exception",
+    *(_MLIR_DEALLOC + t for t in _DEALLOC),
     "tests/numba_cuda_tests/cudapy/test_cuda_array_interface.py::TestCudaArrayInterface::test_ownership",
 )
 
@@ -131,9 +125,7 @@ def _status_name(text: str) -> str:
 
 
 def _worse(a: str | None, b: str) -> str:
-    if a is None:
-        return b
-    return a if RANK[a] <= RANK[b] else b
+    return b if a is None or RANK[b] < RANK[a] else a
 
 
 class LogResult:
@@ -187,12 +179,10 @@ class LogResult:
                         status = _status_name(sm.group(1))
                         if status != "skipped":  # a skipped subtest does not skip the test
                             self._set(tid, status)
-                    if tid not in self.outcomes:
-                        self.outcomes[tid] = None
+                    self.outcomes.setdefault(tid, None)
                     pending = None
                     continue
-                if tid not in self.outcomes:
-                    self.outcomes[tid] = None
+                self.outcomes.setdefault(tid, None)
                 if sm:
                     self._set_status(tid, sm)
                     pending = None
@@ -246,8 +236,7 @@ class LogResult:
             m = _PT_XDIST.match(line) or _PT_SERIAL.match(line)
             if m and m.group("status") in _PT_STATUS:
                 tid, status = m.group("nid"), _PT_STATUS[m.group("status")]
-                if tid not in self.outcomes:
-                    self.outcomes[tid] = None
+                self.outcomes.setdefault(tid, None)
                 if status is not None:
                     self._set(tid, status)
                     if status == "skipped" and m.group("detail").strip():
@@ -398,15 +387,11 @@ def compare(base_logs, base, plug_logs, plug, mode=None, full_scope=False, expec
         elif p in PASS:
             res["new_pass"].append((tid, "not run", p))
     # Known tests for the record, also when they pass.
-    known_status = []
-    for tid in KNOWN_EXTERNAL_SKIPS + KNOWN_SUBALLOC_FAILS:
-        if tid in base or tid in plug:
-            known_status.append((tid, base.get(tid, "not run"), plug.get(tid, "not run")))
-    res["known_status"] = known_status
-    res["out_of_scope"] = out_of_scope
-    res["plug_complete"] = plug_complete
-    res["base_complete"] = base_complete
-    res["suballoc"] = suballoc
+    res["known_status"] = [(tid, base.get(tid, "not run"), plug.get(tid, "not run"))
+                           for tid in KNOWN_EXTERNAL_SKIPS + KNOWN_SUBALLOC_FAILS
+                           if tid in base or tid in plug]
+    res.update(out_of_scope=out_of_scope, plug_complete=plug_complete,
+               base_complete=base_complete, suballoc=suballoc)
     return res
 
 
@@ -426,11 +411,9 @@ def report(label, base_logs, base, plug_logs, plug, res, full_scope) -> tuple[st
         verdict, code = "PASS: every test that passes with Numba's default manager passes with the plugin", 0
     L = [f"== Numba CUDA suite: default manager vs emmpool.plugin [{label}] =="]
     L.append("base   " + counts_line(base))
-    for lr in base_logs:
-        L.append("         " + lr.describe())
+    L += ["         " + lr.describe() for lr in base_logs]
     L.append("plugin " + counts_line(plug))
-    for lr in plug_logs:
-        L.append("         " + lr.describe())
+    L += ["         " + lr.describe() for lr in plug_logs]
     scope = "all base tests" if full_scope else f"modules the plugin run covered ({len({module_of(t) for t in plug})})"
     L.append(f"scope: {scope}; base-passing tests out of scope: {res['out_of_scope']}")
     ks = sum(1 for t, b, p in res["known_skip"] if p == "skipped")
@@ -449,10 +432,8 @@ def report(label, base_logs, base, plug_logs, plug, res, full_scope) -> tuple[st
     def section(title, rows):
         if not rows:
             return
-        L.append("")
-        L.append(f"-- {title} ({len(rows)}) --")
-        for tid, b, p in sorted(rows):
-            L.append(f"  {tid}: {b} -> {p}")
+        L.extend(["", f"-- {title} ({len(rows)}) --"])
+        L.extend(f"  {tid}: {b} -> {p}" for tid, b, p in sorted(rows))
 
     section("UNEXPECTED: pass with default, not with plugin", res["unexpected"])
     section("UNEXPECTED: fail with plugin, absent from base logs", res["new_fail"])

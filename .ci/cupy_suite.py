@@ -66,12 +66,20 @@ _STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": 
            "XFAIL": "xfailed", "XPASS": "xpassed"}
 
 
+def log_lines(log: Path) -> list[str]:
+    """A log's lines; none where it is missing."""
+    return log.read_text(errors="replace").splitlines() if log.exists() else []
+
+
 def outcomes(log: Path) -> dict[str, str]:
     """Test id -> passed / failed / error / skipped / xfailed / xpassed, from a -v log."""
+    return outcomes_in(log_lines(log))
+
+
+def outcomes_in(lines: list[str]) -> dict[str, str]:
+    """outcomes() of a -v log's lines."""
     out: dict[str, str] = {}
-    if not log.exists():
-        return out
-    for line in log.read_text(errors="replace").splitlines():
+    for line in lines:
         m = _XDIST_LINE.match(line)
         if m:
             status, name = m.group(1), m.group(2)
@@ -88,9 +96,7 @@ def outcomes(log: Path) -> dict[str, str]:
 
 
 def crashed_workers(log: Path) -> list[str]:
-    if not log.exists():
-        return []
-    return [line.strip() for line in log.read_text(errors="replace").splitlines()
+    return [line.strip() for line in log_lines(log)
             if "crashed while running" in line or "node down" in line]
 
 
@@ -109,10 +115,24 @@ def wait_or_stop(p: subprocess.Popen, seconds: float):
         return f"timeout ({rc})"
 
 
+def tally(results: dict[str, str]) -> str:
+    return ", ".join([f"{len(results)} tests",
+                      *(f"{k} {v}" for k, v in sorted(Counter(results.values()).items()))])
+
+
 def run_counts(run: str, results: dict[str, str], rc, secs: int) -> str:
-    counts = sorted(Counter(results.values()).items())
-    return f"{run:10s} exit {rc} in {secs} s: " + ", ".join(
-        [f"{len(results)} tests", *(f"{k} {v}" for k, v in counts)])
+    return f"{run:10s} exit {rc} in {secs} s: " + tally(results)
+
+
+def preflight_child(code: str, hint: str) -> tuple[str | None, dict]:
+    """(Why a suite cannot run here or None, the JSON of the last line `code` prints, which
+    says "gpus"), from a child process: this one does not touch the GPU. `hint` follows the
+    last line a failed child wrote to stderr."""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        return f"{(p.stderr.strip().splitlines() or ['?'])[-1]} ({hint})", {}
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    return (None if info["gpus"] else "no CUDA GPU"), info
 
 
 def compare(base: dict[str, str], ours: dict[str, str], base_name: str, ours_name: str = "emmpool",
@@ -271,15 +291,6 @@ def read_part(source: Path) -> dict[str, str]:
                      f"holding logs/cupy-suite/cupy-part.json)")
 
 
-def outcomes_of(text: str) -> dict[str, str]:
-    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as f:
-        f.write(text)
-    try:
-        return outcomes(Path(f.name))
-    finally:
-        os.unlink(f.name)
-
-
 def merge(sources: list[Path]) -> tuple[str, str, bool]:
     """(label, the merged report, whether it holds: every part, each complete, no regression,
     emmpool used)."""
@@ -292,7 +303,8 @@ def merge(sources: list[Path]) -> tuple[str, str, bool]:
             raise ValueError(f"part {key[0]}/{key[1]} is given twice ({parts[key]['source']} "
                              f"and {source})")
         info["source"] = source
-        info["results"] = {run: outcomes_of(files.get(f"cupy-{run}.log", "")) for run in RUNS}
+        info["results"] = {run: outcomes_in(files.get(f"cupy-{run}.log", "").splitlines())
+                           for run in RUNS}
         info["workers"] = [json.loads(text) for name, text in sorted(files.items())
                            if re.fullmatch(r"emmpool-worker-gw\d+\.json", name)]
         parts[key] = info
@@ -332,10 +344,7 @@ def merge(sources: list[Path]) -> tuple[str, str, bool]:
             run_counts(run, info["results"][run], *info["status"][run]).replace("  ", " ")
             for run in RUNS))
     lines += [""]
-    for run in RUNS:
-        c = sorted(Counter(merged[run].values()).items())
-        lines.append(f"{run:10s} over the parts: " + ", ".join(
-            [f"{len(merged[run])} tests", *(f"{k} {v}" for k, v in c)]))
+    lines += [f"{run:10s} over the parts: " + tally(merged[run]) for run in RUNS]
     lines += ["", emmpool_line(workers), "", *comparison]
     ok = not missing and not cut and not regressions and used_emmpool(workers) and \
         all(merged[run] for run in RUNS)

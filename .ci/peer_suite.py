@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from cupy_suite import compare, outcomes, wait_or_stop  # noqa: E402
+from cupy_suite import compare, outcomes, preflight_child, wait_or_stop  # noqa: E402
 from torch_suite import run_lines  # noqa: E402
 
 PLUGIN = "emmpool_peer_suite_plugin"
@@ -100,18 +100,12 @@ def run_suite(peer: str, run: str, root: Path, out: Path, seconds: float,
 
 
 def preflight(peer: Peer) -> tuple[str | None, dict]:
-    """(Why the peer's tests cannot run here or None, {"version": ..., "gpus": count}), from a
-    child: this process does not touch the GPU."""
+    """(Why the peer's tests cannot run here or None, {"version": ..., "gpus": count})."""
     code = (f"import json, {peer.module}\n"
             "from cuda.bindings import runtime\n"
             "err, n = runtime.cudaGetDeviceCount()\n"
             f"print(json.dumps({{'version': {peer.version}, 'gpus': n if err == 0 else 0}}))\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    if p.returncode != 0:
-        why = (p.stderr.strip().splitlines() or ["?"])[-1]
-        return f"{why} ({peer.module} does not import: bring its wheels in .whl)", {}
-    info = json.loads(p.stdout.strip().splitlines()[-1])
-    return (None if info["gpus"] else "no CUDA GPU"), info
+    return preflight_child(code, f"{peer.module} does not import: bring its wheels in .whl")
 
 
 def record(out: Path, run: str) -> dict:

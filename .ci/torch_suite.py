@@ -34,7 +34,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from cupy_suite import compare, crashed_workers, outcomes, run_counts, wait_or_stop  # noqa: E402
+from cupy_suite import (compare, crashed_workers, log_lines, outcomes,  # noqa: E402
+                        preflight_child, run_counts, wait_or_stop)
 
 DEFAULT_K = ("memory or graph or mempool or snapshot or alloc or caching or empty_cache or stats "
              "or stream or oom or expandable or workspace or TestCudaMallocAsync or TestMemPool "
@@ -116,9 +117,7 @@ def problems(log: Path) -> list[str]:
     """What kept tests from running: 'could not collect FILE: first E line' for each file pytest
     could not import, and the exception of pytest's first INTERNALERROR (emmpool.use_for_torch()
     raising at configure time, say)."""
-    if not log.exists():
-        return []
-    lines = log.read_text(errors="replace").splitlines()
+    lines = log_lines(log)
     found = []
     for i, line in enumerate(lines):
         m = _COLLECTING.match(line)
@@ -154,9 +153,8 @@ def workers(out: Path, run: str) -> list[dict]:
             if r["tests"] > 0]
 
 
-def preflight(python: str) -> tuple[str | None, dict]:
-    """(Why test_cuda.py cannot be run here or None, {"torch": version, "gpus": names}), from a
-    child process: this one does not touch the GPU."""
+def preflight() -> tuple[str | None, dict]:
+    """(Why test_cuda.py cannot be run here or None, {"torch": version, "gpus": names})."""
     code = ("import importlib, json, sys\n"
             f"for m in {NEEDS!r}:\n"
             "    try:\n"
@@ -167,12 +165,7 @@ def preflight(python: str) -> tuple[str | None, dict]:
             "n = torch.cuda.device_count()\n"
             "print(json.dumps({'torch': torch.__version__,\n"
             "                  'gpus': [torch.cuda.get_device_name(i) for i in range(n)]}))\n")
-    p = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
-    if p.returncode != 0:
-        why = (p.stderr.strip().splitlines() or ["?"])[-1]
-        return why + " (psutil and expecttest: bash .ci/gpu-wheels torch, bring .whl)", {}
-    info = json.loads(p.stdout.strip().splitlines()[-1])
-    return (None if info["gpus"] else "no CUDA GPU"), info
+    return preflight_child(code, "psutil and expecttest: bash .ci/gpu-wheels torch, bring .whl")
 
 
 def report(args, root: Path, out: Path, status: dict, why_not: str | None,
@@ -248,7 +241,7 @@ def main() -> int:
     extra = [f"--timeout={args.test_timeout}"] if importlib.util.find_spec("pytest_timeout") else []
     why_not, info = (None, {}) if (root / args.file).is_file() else (f"no {root / args.file}", {})
     if not why_not:
-        why_not, info = preflight(sys.executable)
+        why_not, info = preflight()
     status = {} if why_not else run_both(root, out, args, extra)
     text, ok = report(args, root, out, status, why_not, info)
     (out / "torch-suite.txt").write_text(text)
