@@ -384,17 +384,15 @@ class Runner(Steps):
                 print(f"==== {path.name}: summary and unexpected regressions (full list in "
                       f"the file) ====")
                 print("\n".join(compare_digest(path.read_text(errors="replace"))))
-        for path in sorted(self.outdir.glob("*cupy-suite*.txt")) + \
-                sorted(self.outdir.glob("torch-suite.txt")) + \
-                sorted(self.outdir.glob("rmm-suite.txt")) + \
-                sorted(self.outdir.glob("cuda-core-suite.txt")):
-            print(f"==== {path.name} (head) ====")
-            print("\n".join(line[:240] for line in
-                            path.read_text(errors="replace").splitlines()[:30]))
-        if (self.outdir / "bench_numba.md").is_file():
-            print("==== bench_numba.md ====")
-            print("\n".join(line[:240] for line in (self.outdir / "bench_numba.md")
-                            .read_text(errors="replace").splitlines()[:40]))
+        suites = [*sorted(self.outdir.glob("*cupy-suite*.txt")),
+                  *(self.outdir / n for n in ("torch-suite.txt", "rmm-suite.txt",
+                                              "cuda-core-suite.txt"))]
+        for path, title, lines in [*((p, f"{p.name} (head)", 30) for p in suites),
+                                   (self.outdir / "bench_numba.md", "bench_numba.md", 40)]:
+            if path.is_file():
+                print(f"==== {title} ====")
+                print("\n".join(line[:240] for line in
+                                path.read_text(errors="replace").splitlines()[:lines]))
         print("\n".join(diag))
         if self.why_not["results"] is None:
             print("==== .ci/gpu-results ====", flush=True)

@@ -110,13 +110,8 @@ def describe_env(env: dict) -> str:
 
 
 def with_env(env: dict, changes: dict[str, str | None]) -> dict:
-    out = dict(env)
-    for key, value in changes.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = value
-    return out
+    """`env` with `changes` made: a None takes its variable out."""
+    return {k: v for k, v in {**env, **changes}.items() if v is not None}
 
 
 def extract(archive: Path, dest: Path) -> None:

@@ -205,9 +205,7 @@ def report(args, root: Path, out: Path, status: dict, why_not: str | None,
     if filled:
         lines.append("names test_cuda.py imports that this PyTorch's common_utils lacks, defined "
                      f"in both runs as PyTorch's own test file defined them: {', '.join(filled)}")
-    lines += [
-        "",
-    ]
+    lines.append("")
     comparison, regressions = compare(results["native"], results["emmpool"], RUNS["native"],
                                       list_not_reached=True)
     lines += comparison

@@ -98,9 +98,7 @@ class CudaMallocManager(_AnchorBase):
     def memalloc(self, size):
         ptr = _mem_alloc(size)
         # partial() binds only the CUdeviceptr, never the MemoryPointer.
-        return MemoryPointer(
-            self.context, ptr, size, finalizer=functools.partial(_mem_free, ptr)
-        )
+        return MemoryPointer(self.context, ptr, size, finalizer=functools.partial(_mem_free, ptr))
 
 
 class CupyPoolManager(_AnchorBase):
@@ -133,12 +131,8 @@ class CupyPoolManager(_AnchorBase):
         addr = cp_mem.ptr
         self._live[addr] = cp_mem
         # pop(addr, None): reset() may already have released everything.
-        return MemoryPointer(
-            self.context,
-            cu.CUdeviceptr(addr),
-            size,
-            finalizer=functools.partial(self._live.pop, addr, None),
-        )
+        return MemoryPointer(self.context, cu.CUdeviceptr(addr), size,
+                             finalizer=functools.partial(self._live.pop, addr, None))
 
     def reset(self):
         super().reset()

@@ -11,10 +11,8 @@ says more. Writes DIR/bench_cuda_core.json and DIR/bench_cuda_core.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -94,11 +92,7 @@ print(json.dumps(out))
 def run_round(turns: int) -> dict:
     env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="emmpool.plugin",
                NUMBA_CUDA_WARN_ON_IMPLICIT_COPY="0")
-    p = subprocess.run([sys.executable, "-c", CHILD, ",".join(map(str, SIZES)), str(turns)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    if p.returncode != 0:
-        raise RuntimeError(f"round failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return harness.run_code(CHILD, ",".join(map(str, SIZES)), turns, env=env)
 
 
 def merge(rounds: list[dict]) -> dict:

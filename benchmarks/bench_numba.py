@@ -28,8 +28,7 @@ from numba_cases import FLOOR, FULL, QUICK, SUITES
 
 
 def _run_child(name, extra_env, args, guests=None):
-    env = dict(os.environ)
-    env.update(extra_env)
+    env = dict(os.environ, **extra_env)
     # Only set_memory_manager() may choose the plugin.
     env.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--suite", args.suite]
@@ -44,10 +43,8 @@ def _run_child(name, extra_env, args, guests=None):
     try:
         # stdout carries the result line; stderr (progress, warnings,
         # tracebacks) goes straight to the terminal.
-        proc = subprocess.run(
-            cmd, env=env, cwd=numba_cases.REPO, stdout=subprocess.PIPE, text=True,
-            timeout=timeout,
-        )
+        proc = subprocess.run(cmd, env=env, cwd=numba_cases.REPO, stdout=subprocess.PIPE,
+                              text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"manager": name, "failed": f"timed out after {timeout} s"}
     wall = time.perf_counter() - t0
@@ -216,10 +213,8 @@ def _merge_rounds(results):
     merged["cases"] = {}
     for case in ok[-1]["cases"]:
         timed = [r["cases"][case] for r in ok if "us_per_op" in r["cases"].get(case, {})]
-        if not timed:  # an error in every round: keep the last one's message
-            merged["cases"][case] = dict(ok[-1]["cases"][case])
-            continue
-        merged["cases"][case] = _merged_cell(timed)
+        # an error in every round: keep the last one's message
+        merged["cases"][case] = _merged_cell(timed) if timed else dict(ok[-1]["cases"][case])
     merged["rounds"] = len(ok)
     return merged
 
@@ -254,10 +249,8 @@ def _merge_paired(rounds):
             for case, cell in last["cases"].items():
                 timed = [r["cases"][case][name] for r in ok
                          if "us_per_op" in r["cases"].get(case, {}).get(name, {})]
-                if not timed:
-                    merged["cases"][case] = {"error": cell.get("error", "no round timed it")}
-                    continue
-                merged["cases"][case] = _merged_cell(timed)
+                merged["cases"][case] = _merged_cell(timed) if timed else {
+                    "error": cell.get("error", "no round timed it")}
             managers[name] = merged
     return managers
 
@@ -331,10 +324,8 @@ def parent_main(args):
             print(f"[bench] {name}: {status} ({r.get('wall_s', '?')} s)",
                   file=sys.stderr, flush=True)
         done = rnd + 1
-    if paired:
-        managers = _merge_paired(rounds)
-    else:
-        managers = {name: _merge_rounds(rs) for name, rs in rounds.items()}
+    managers = _merge_paired(rounds) if paired else {
+        name: _merge_rounds(rs) for name, rs in rounds.items()}
 
     first = next((r for r in managers.values() if "gpu" in r), {})
     now = datetime.datetime.now(datetime.timezone.utc)

@@ -17,10 +17,8 @@ callback resource, which needs it). Writes DIR/bench_rmm.json and DIR/bench_rmm.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -93,12 +91,8 @@ print(json.dumps(out))
 
 def run_round(turns: int, cache: str) -> dict:
     here = str(Path(__file__).resolve().parent)
-    p = subprocess.run([sys.executable, "-c", CHILD, ",".join(map(str, SIZES)), str(turns), here,
-                        cache, f"{THREADS},{THREAD_ITERATIONS},{THREAD_BYTES}"],
-                       capture_output=True, text=True, timeout=600)
-    if p.returncode != 0:
-        raise RuntimeError(f"round failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return harness.run_code(CHILD, ",".join(map(str, SIZES)), turns, here, cache,
+                            f"{THREADS},{THREAD_ITERATIONS},{THREAD_BYTES}")
 
 
 def merge(rounds: list[dict]) -> dict:

@@ -121,10 +121,8 @@ def main() -> None:
             for alloc in (*allocs, *earlier):
                 env = {**os.environ, **earlier.get(alloc, {})}
                 env["PYTHONPATH"] = HERE + os.pathsep + env.get("PYTHONPATH", "")  # baselines.py
-                p = subprocess.run(
-                    [sys.executable, "-c", CHILD, lib, alloc, order], capture_output=True,
-                    text=True, timeout=300, env=env,
-                )
+                p = subprocess.run([sys.executable, "-c", CHILD, lib, alloc, order],
+                                   capture_output=True, text=True, timeout=300, env=env)
                 rounds.setdefault(f"{lib}/{alloc}", []).append(
                     harness.result_of(p.stdout) or {"error": p.stderr[-500:]})
     results = {key: _merge(rs) for key, rs in rounds.items()}
@@ -136,10 +134,8 @@ def main() -> None:
             rows.append(f"| {key} | error: {r['error'][-120:]!r} | | | | |")
             continue
         own = results[key.split("/")[0] + "/own"]
-        cells = []
-        for s in sizes:
-            ratio = f" ({r[s] / own[s]:.2f}×)" if "error" not in own else ""
-            cells.append(f"{r[s]:.0f} ns{ratio}")
+        cells = [f"{r[s]:.0f} ns" + (f" ({r[s] / own[s]:.2f}×)" if "error" not in own else "")
+                 for s in sizes]
         stats = ", ".join(f"{k} {v}" for k, v in r.get("stats", {}).items())
         rows.append(f"| {key} | " + " | ".join(cells) + f" | {stats} |")
     where = f"CPUs {pinned} (near the GPU)" if pinned else "CPUs not pinned"

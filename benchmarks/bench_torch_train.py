@@ -213,12 +213,11 @@ def run_child(model, config, args, trace_to: Path | None = None,
 
 
 def summarize(runs: list[dict], configs: list[str]) -> tuple[list[dict], str]:
-    rows, lines = [], []
     GiB = 1 << 30
-    lines.append("| model | allocator | ms/step (best round) | vs native | ms/step (median round) | "
-                 "vs native | fastest step | vs native | peak reserved (median round; range) | "
-                 "vs native | losses vs native's first round |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    rows, lines = [], ["| model | allocator | ms/step (best round) | vs native | ms/step (median "
+                       "round) | vs native | fastest step | vs native | peak reserved (median "
+                       "round; range) | vs native | losses vs native's first round |",
+                       "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for model in MODELS:
         ok = {c: [r for r in runs if r["model"] == model and r["config"] == c and "error" not in r]
               for c in configs}
@@ -318,8 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     earlier = {f"emmpool@{name}": baselines.child_env(path)
                for name, path in baselines.baselines()}  # EMMCI_BENCH_BASELINES
     configs = (["native"] + (["native-expandable"] if args.expandable else []) + ["emmpool"] +
-               list(earlier) +
-               (["emmpool-pluggable"] if args.pluggable else []))
+               list(earlier) + (["emmpool-pluggable"] if args.pluggable else []))
     models = [m for m in args.models.split(",") if m]
     runs = []
     t0 = time.time()
@@ -343,8 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     head = (f"# {name}\n\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
             f"{'torch.compile(mode=' + repr(args.compile) + '), ' if args.compile else ''}"
             f"{rounds} rounds x (warm-up {args.warmup} + {args.steps} steps), cuDNN benchmark "
-            f"off, CPUs pinned: {pinned or 'no'}, "
-            f"{time.time() - t0:.0f} s\n\n")
+            f"off, CPUs pinned: {pinned or 'no'}, {time.time() - t0:.0f} s\n\n")
     harness.write_results(args.out, name, {
         "rows": rows, "runs": runs, "rounds": rounds, "warmup": args.warmup,
         "steps": args.steps, "device": torch.cuda.get_device_name(0),

@@ -60,6 +60,16 @@ def result_of(stdout: str) -> dict | None:
     return json.loads(lines[-1][len(RESULT):]) if lines else None
 
 
+def run_code(code: str, *args, env: dict | None = None, timeout: float = 600) -> dict:
+    """`python -c CODE ARGS...`: the JSON its stdout's last line holds; RuntimeError with the
+    end of its stderr where it fails."""
+    p = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True,
+                       text=True, env=env, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"round failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def write_results(out: Path, stem: str, doc: dict, md: str, indent: int = 1) -> None:
     """OUT/<stem>.json and OUT/<stem>.md, the names .ci/gpu-results keeps them by, and the table
     printed."""

@@ -69,9 +69,7 @@ def summarize_timing(timing: dict, source: str | None = None) -> dict:
         out["allocator"] = max(allocator, key=lambda a: a.get("total") or 0)
     times = [t for t in (ms_per_step(r) for r in ok) if t is not None]
     if times:
-        out["ms_median"] = statistics.median(times)
-        out["ms_best"] = min(times)
-        out["ms_rounds"] = times
+        out.update(ms_median=statistics.median(times), ms_best=min(times), ms_rounds=times)
     out["checks"] = ok[0].get("checks")
     out["rounds_agree"] = all(_rel_diff(r.get("checks"), out["checks"]) <= CHECK_TOLERANCE
                               for r in ok[1:])

@@ -158,12 +158,9 @@ def main(argv=None):
                 errors[name] = p.stderr[-2000:]
             else:
                 runs[name].append(json.loads(p.stdout.strip().splitlines()[-1]))
-    results = {}
-    for name in configs:
-        if name in errors:
-            results[name] = {"status": "error", "reason": errors[name]}
-        else:
-            results[name] = {"status": "ok", **summarize(runs[name]), "rounds": runs[name]}
+    results = {name: {"status": "error", "reason": errors[name]} if name in errors else
+               {"status": "ok", **summarize(runs[name]), "rounds": runs[name]}
+               for name in configs}
     ok = [r["seconds_per_step"] for r in results.values() if r["status"] == "ok"]
     fastest = min(ok) if ok else 1.0
     lines = [f"PyTorch training loop, {args.steps} steps ({args.warmup} untimed), batch 16..512 "
@@ -172,10 +169,8 @@ def main(argv=None):
              "ms / step | vs fastest | page maps / unmaps / fence waits per step |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
-        if r["status"] != "ok":
-            lines.append(f"| {name} | error: {r['reason'][-300:]!r} | | | | | |")
-            continue
-        lines.append(_cells(name, r, fastest))
+        lines.append(_cells(name, r, fastest) if r["status"] == "ok"
+                     else f"| {name} | error: {r['reason'][-300:]!r} | | | | | |")
     harness.write_results(args.out, "torch_training", {
         "benchmark": "torch_training", "steps": args.steps, "warmup": args.warmup,
         "rounds": args.rounds, "torch": torch.__version__, "results": results},
