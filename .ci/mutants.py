@@ -51,9 +51,11 @@ KEY_TEST = ("tests/test_ipc.py::test_the_sender_serves_only_the_block_of_the_key
 MUTANTS = (
     Mutant("capture-wait", "a graph capture never waits at a growable new peak",
            "cpp/src/device_pool.cpp",
-           "!r.waited && capture_.may_fence() &&", "!r.waited &&", ctest="capture"),
+           "r.at_peak == peak_wait::none && capture_.may_fence() &&",
+           "r.at_peak == peak_wait::none &&", ctest="capture"),
     Mutant("wait-once", "the new-peak wait is tried once, for a stream it can wait for",
-           "cpp/src/device_pool.cpp", "r.key.identified() && !r.waited &&", "!r.key.is_none() &&",
+           "cpp/src/device_pool.cpp", "r.key.identified() && r.at_peak == peak_wait::none &&",
+           "!r.key.is_none() &&",
            ctest="growable_a_new_peak"),
     Mutant("own-stream-wait", "the new-peak wait takes its own stream's frees, no other's",
            "cpp/src/device_pool.cpp", "  drain(r.key);\n", "  drain();\n",

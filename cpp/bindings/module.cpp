@@ -553,8 +553,9 @@ PYBIND11_MODULE(_core, m)
       d["driver_frees"]       = s.driver_frees;
       return d;
     });
-  m.attr("MAX_GROWABLE_PAGE_SIZE")     = max_growable_page_size;
-  m.attr("DEFAULT_GROWABLE_PAGE_SIZE") = default_growable_page_size;
+  m.attr("MAX_GROWABLE_PAGE_SIZE")      = max_growable_page_size;
+  m.attr("DEFAULT_GROWABLE_PAGE_SIZE")  = default_growable_page_size;
+  m.attr("DEFAULT_GROWABLE_FREE_LIMIT") = default_growable_free_limit;
   m.attr("HOST_PORTABLE")      = static_cast<unsigned>(host_portable);
   m.attr("HOST_MAPPED")        = static_cast<unsigned>(host_mapped);
   m.attr("HOST_WRITECOMBINED") = static_cast<unsigned>(host_writecombined);

@@ -92,14 +92,14 @@ detail::block_kind device_pool::kind_of(request const& r) const noexcept
 device_pool::block* device_pool::take_free(request const& r, detail::mapping m)
 {
   if (!r.growable) {
-    return free_.take(r.rounded, r.rounded <= options_.small_request, alignment);
+    return free_.take(r.rounded, kind_of(r), alignment);
   }
   // A large fixed segment first (initial_pool_size's, or one made where pages could not be):
   // memory held already, which the growable segment would otherwise map beside. Asked first
   // whether there is any, in place: most pools have none, and the call showed in the
   // allocate/free pair.
   if (free_.any_large()) {
-    if (auto* blk = free_.take(r.rounded, false, alignment)) { return blk; }
+    if (auto* blk = free_.take(r.rounded, detail::block_kind::large, alignment)) { return blk; }
   }
   if (auto* blk = growable_.take_mapped(r.rounded)) { return blk; }  // the usual case
   return m == detail::mapping::allowed ? claim_and_map(r) : nullptr;
@@ -120,11 +120,11 @@ device_pool::block* device_pool::claim_and_map(request const& r)
     auto const fresh = growable_.prepare(claim, unmapping());
     // Only a stream the fence queue can wait for (one with an id), and only once: the retake
     // after the wait maps what it still lacks.
-    if (r.key.identified() && !r.waited && capture_.may_fence() &&
+    if (r.key.identified() && r.at_peak == peak_wait::none && capture_.may_fence() &&
         detail::page_policy::waits_at_new_peak(fresh, ledger_.past_peak(fresh),
                                                lanes_.fences().waiting_bytes_of(r.key))) {
       growable_.give_back(claim);
-      r.wait_at_peak = true;
+      r.at_peak = peak_wait::due;
       return nullptr;
     }
     if (fresh != 0 && !cap_.fits(ledger_.reserved(), fresh)) {
@@ -181,10 +181,10 @@ device_pool::block* device_pool::map_pages(request const& r)
 // mapping what is missing.
 device_pool::block* device_pool::wait_for_own_frees(request const& r)
 {
-  if (!r.wait_at_peak) { return nullptr; }
+  if (r.at_peak != peak_wait::due) { return nullptr; }
   ++stats_.fence_waits;
   drain(r.key);
-  r.waited = true;
+  r.at_peak = peak_wait::done;
   return take_free(r, detail::mapping::allowed);
 }
 
@@ -208,12 +208,15 @@ device_pool::block* device_pool::wait_and_retake(request const& r)
 }
 
 // 7. Give wholly free segments and pages back (unless cleanup is deferred), then grow by what
-// the request needs alone: pages, else an exact-size segment.
+// the request needs alone: pages (under the growable segment's best free block, as in step 3,
+// now with what was given back), else an exact-size segment.
 device_pool::block* device_pool::give_back_and_grow(request const& r)
 {
   bool const pooled = options_.mode == pool_mode::pool;
   if (release_free_segments(give_back::all) == 0 && !pooled) { return nullptr; }
-  if (auto* blk = map_pages(r)) { return blk; }
+  if (r.growable && growable_.ensure_segment(r.rounded, index_.segments())) {
+    if (auto* blk = claim_and_map(r)) { return blk; }
+  }
   auto* blk = grow(r, growth::exact);
   return blk != nullptr ? free_.split(blk, r.rounded, alignment) : nullptr;
 }

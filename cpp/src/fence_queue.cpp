@@ -131,14 +131,14 @@ void fence_queue::close_now(stream_ref alive)
 
 // ---- blocks out -----------------------------------------------------------------------------
 
-void fence_queue::release_batch(batch& b, std::vector<fenced_block>& done, bool synced)
+void fence_queue::release_batch(batch& b, std::vector<fenced_block>& done, covered by)
 {
   ++version_;
   // One block at a time, off the batch before it is reported: if reporting throws (no memory
   // for `done`), the batch keeps exactly the blocks not yet reported.
   while (!b.blocks.empty()) {
     auto* blk = b.blocks.back();
-    bool const second = !blk->also_fence.is_none() && !synced;
+    bool const second = !blk->also_fence.is_none() && by == covered::by_event;
     done.push_back({blk, second ? blk->freed_on : b.stream, second});  // may throw: first
     b.blocks.pop_back();
     b.bytes -= blk->size;
@@ -211,12 +211,13 @@ void fence_queue::fence_dormant(std::vector<fenced_block>& done)
   // is done too: no second fence (which, on a dead stream, would cost another synchronization).
   // Batches leave one at a time, so that what an exception leaves is still here.
   while (!closed_.empty()) {
-    release_batch(*closed_.front(), done, true);
+    release_batch(*closed_.front(), done, covered::by_device_sync);
     recycle(std::move(closed_.front()));
     closed_.pop_front();
   }
   while (!open_.empty()) {
-    release_batch(*open_.back(), done, true);  // counts its bytes out of open_bytes_ too
+    // counts its bytes out of open_bytes_ too
+    release_batch(*open_.back(), done, covered::by_device_sync);
     recycle(std::move(open_.back()));
     open_.pop_back();
   }

@@ -26,9 +26,9 @@ void free_lists::erase_all_of(segment const& seg)
   }
 }
 
-block* free_lists::take_best_fit(std::size_t size, bool small)
+block* free_lists::take_best_fit(std::size_t size, block_kind kind)
 {
-  auto& s = small ? small_ : large_;
+  auto& s = kind == block_kind::small ? small_ : large_;
   auto it = best_fit(s, size);
   return it != s.end() ? erase_at(s, it) : nullptr;
 }
@@ -41,9 +41,9 @@ block* free_lists::erase_at(set& s, set::const_iterator it)
   return blk;
 }
 
-block* free_lists::take(std::size_t size, bool small, std::size_t min_rest)
+block* free_lists::take(std::size_t size, block_kind kind, std::size_t min_rest)
 {
-  auto& s = small ? small_ : large_;
+  auto& s = kind == block_kind::small ? small_ : large_;
   auto it = best_fit(s, size);
   return it != s.end() ? take_at(s, it, size, min_rest) : nullptr;
 }
@@ -55,16 +55,16 @@ block* free_lists::take_at(set& s, set::const_iterator it, std::size_t size, std
   auto* front = arena_->make();  // may throw: before anything changed
   carve_front(blk, size, front);
   bytes_ -= size;
-  reseat(s, it, false);  // blk, smaller: stays put unless the block before it sorts higher now
+  reseat(s, it, moved::lower);  // blk, smaller: stays put unless the one before sorts higher
   return front;
 }
 
-void reseat(block_set& s, block_set::const_iterator it, bool grew)
+void reseat(block_set& s, block_set::const_iterator it, moved way)
 {
   // Only the side it moved toward can be out of order: a block that grew sorts no lower.
   // Only that side's neighbour is looked up: each step through the tree is a call.
   auto const less = s.key_comp();
-  if (grew) {
+  if (way == moved::higher) {
     if (auto const next = std::next(it); next == s.end() || less(*it, *next)) { return; }
   } else if (it == s.begin() || less(*std::prev(it), *it)) {
     return;
@@ -104,7 +104,7 @@ block* free_lists::coalesce(block* blk)
   ++insertions_;
   arena_->recycle(blk);
   if (other != nullptr) { arena_->recycle(other); }
-  reseat(s, it, true);  // larger: stays put unless the block after it sorts lower now
+  reseat(s, it, moved::higher);  // larger: stays put unless the block after it sorts lower
   return keep;
 }
 

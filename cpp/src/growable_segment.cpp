@@ -57,7 +57,7 @@ std::pair<device_ptr, std::size_t> growable_pages::fewest_unmapped(
 {
   std::pair<device_ptr, std::size_t> best{ptr, unmapped_in(ptr, want)};
   std::size_t const hi = ptr - base_ + bytes;
-  std::size_t const k  = (want + page_ - 1) / page_;  // pages under a range at a page start
+  std::size_t const k  = multiples_covering(want, page_);  // pages under a range at a page start
   std::size_t q        = (ptr - base_) / page_ + 1;   // the first page start past ptr
   // Past the highest page ever mapped nothing is: no later start lacks fewer. One count per
   // page, sliding (a page enters the window, one leaves it).
@@ -172,7 +172,8 @@ void growable_pages::undo_map(std::vector<std::pair<std::size_t, bool>> const& m
 {
   for (auto it = mapped.rbegin(); it != mapped.rend(); ++it) {
     try {
-      unmap_page(it->first, !it->second);  // made here: released; spare before: spare again
+      // made here: released; spare before: spare again
+      unmap_page(it->first, it->second ? unmapped_pages::keep_spare : unmapped_pages::release);
     } catch (...) {
       // cuMemUnmap or cuMemRelease failed (a sticky error, say): the page stays mapped, or
       // spare, and counted, for a later trim.
@@ -180,7 +181,7 @@ void growable_pages::undo_map(std::vector<std::pair<std::size_t, bool>> const& m
   }
 }
 
-void growable_pages::unmap_page(std::size_t p, bool keep)
+void growable_pages::unmap_page(std::size_t p, unmapped_pages what)
 {
   driver_->unmap_physical(device_, base_ + p * page_, page_);
   auto const h = handles_[p];
@@ -190,7 +191,7 @@ void growable_pages::unmap_page(std::size_t p, bool keep)
   --mapped_pages_;
   ++unmaps_;
   spare_.push_back(h);
-  if (!keep) { (void)release_spares(page_); }
+  if (what == unmapped_pages::release) { (void)release_spares(page_); }
 }
 
 void growable_pages::release_page(physical_handle h)
@@ -217,15 +218,15 @@ std::size_t growable_pages::release_spares(std::size_t limit)
 }
 
 std::size_t growable_pages::unmap_inside(device_ptr ptr, std::size_t bytes, std::size_t limit,
-                                         bool keep)
+                                         unmapped_pages what)
 {
   std::size_t const lo    = ptr - base_;
-  std::size_t const first = (lo + page_ - 1) / page_;                      // first whole page
+  std::size_t const first = multiples_covering(lo, page_);                 // first whole page
   std::size_t const end   = std::min((lo + bytes) / page_, mapped_.size());  // exclusive
   std::size_t n = 0;
   for (std::size_t p = end; p > first && n + page_ <= limit; --p) {  // from the top down
     if (!mapped_[p - 1]) { continue; }
-    unmap_page(p - 1, keep);
+    unmap_page(p - 1, what);
     n += page_;
   }
   return n;
@@ -258,7 +259,7 @@ int growable_pages::exported_at(device_ptr ptr) const noexcept
 
 void growable_pages::release()
 {
-  (void)unmap_inside(base_, size_, size_, false);
+  (void)unmap_inside(base_, size_, size_, unmapped_pages::release);
   (void)release_spares(~std::size_t{0});
   driver_->free_address(device_, base_, size_);
   mapped_.clear();

@@ -1,6 +1,7 @@
 #include <emmpool/detail/descriptors.hpp>
 #include <emmpool/detail/growable_space.hpp>
 #include <emmpool/error.hpp>
+#include <emmpool/round_up.hpp>
 
 #include <algorithm>
 #include <cerrno>
@@ -27,10 +28,11 @@ void growable_space::configure(pool_options const& o) noexcept
 block* growable_space::take_mapped(std::size_t rounded)
 {
   if (pages_ == nullptr) { return nullptr; }
-  // A slightly larger free block whose pages are mapped beats a best fit that needs new ones:
-  // no driver call, and no unmapping of others at a new peak.
+  // A slightly larger free block whose pages are mapped beats a best fit that needs new ones
+  // (detail/page_policy.hpp, Placement).
   auto const it = free_.find_large(
-    rounded, [&](block const* b) { return pages_->unmapped_in(b->ptr, rounded) == 0; }, 8);
+    rounded, [&](block const* b) { return pages_->unmapped_in(b->ptr, rounded) == 0; },
+    page_policy::mapped_candidates);
   return it != free_.none_large() ? free_.take_large(it, rounded, block_alignment) : nullptr;
 }
 
@@ -173,14 +175,13 @@ std::size_t growable_space::unmap_free(std::size_t limit, unmapped_pages what)
   if (pages_ == nullptr) { return 0; }
   auto const before = totals();
   auto const page   = policy_.page();
-  bool const keep   = what == unmapped_pages::keep_spare;
   if (limit >= page) {
     std::size_t const excess = std::min(limit, pages_->mapped_bytes());
     std::size_t done         = 0;
     try {
       // Largest free blocks first: the least likely to be carved whole by the next requests.
       free_.for_each_large([&](block const* b) {
-        auto const n = pages_->unmap_inside(b->ptr, b->size, excess - done, keep);
+        auto const n = pages_->unmap_inside(b->ptr, b->size, excess - done, what);
         done += n;
         if (n != 0) {  // the block's highest pages go first
           log_->record(segment_event::kind::unmapped, segment_type::growable, 0,
@@ -193,7 +194,7 @@ std::size_t growable_space::unmap_free(std::size_t limit, unmapped_pages what)
       // later trim, as a segment whose cuMemFree failed.
     }
   }
-  if (!keep) {
+  if (what == unmapped_pages::release) {
     try {
       (void)pages_->release_spares(pages_->spare_bytes());
     } catch (cuda_error const&) {
@@ -323,7 +324,7 @@ bool growable_space::describes_shared(block const& blk, device_ptr first_page,
 {
   auto const page = policy_.page();
   if (pages_ == nullptr || page_size != page || first_page != page_start(blk.ptr) ||
-      fds.size() != (blk.ptr + blk.size - first_page + page - 1) / page) {
+      fds.size() != multiples_covering(blk.ptr + blk.size - first_page, page)) {
     return false;
   }
   for (std::size_t i = 0; i < fds.size(); ++i) {

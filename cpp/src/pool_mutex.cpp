@@ -33,8 +33,8 @@ int* futex_word(std::atomic<int>& a) noexcept { return reinterpret_cast<int*>(&a
 
 void pool_mutex::lock_contended() noexcept
 {
-  // Most critical sections are short (an allocate's or a free's: well under 100 ns): spin a
-  // little (64 pauses, about 0.3 to 3 us as CPUs go) before sleeping.
+  // Most critical sections are short (an allocate's or a free's: bench_core times them): spin
+  // a little (64 pauses: far less than a sleep and a wake-up cost) before sleeping.
   for (int i = 0; i < 64; ++i) {
     cpu_relax();
     int expected = unlocked;

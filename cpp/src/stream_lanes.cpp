@@ -157,7 +157,7 @@ block* stream_lanes::best_fit(lane& l, std::size_t size, block_kind kind)
 }
 
 block* stream_lanes::take_from_lane(stream_ref stream, std::size_t size, block_kind kind,
-                                    bool split, free_lists const* free)
+                                    cut how, free_lists const* free)
 {
   // Lanes exist only for streams that order (a named, identified stream: never legacy_stream,
   // "no stream named", nor an unidentified one, which may be a new stream under a dead one's
@@ -168,13 +168,14 @@ block* stream_lanes::take_from_lane(stream_ref stream, std::size_t size, block_k
   if (blk == nullptr) { return nullptr; }
   // The free lists' block instead, if it fits tighter: what is cut off a free block stays
   // free, what a block handed out whole holds beyond the request is lost while it lives.
-  if (!split && blk->size != size && free_fits_tighter(*free, blk->size, size, kind)) {
+  if (how == cut::near_fit && blk->size != size &&
+      free_fits_tighter(*free, blk->size, size, kind)) {
     return nullptr;
   }
   if (!reuse_rule::near_fit(blk->size, size)) {
     // Before the ladder's first step only a kind whose free lists free_fits_tighter() asked:
     // a growable request first sees what that step completes, coalesced.
-    return split || weighs_free(kind) ? take_split(*l, blk, size) : nullptr;
+    return how == cut::any || weighs_free(kind) ? take_split(*l, blk, size) : nullptr;
   }
   take_out(blk, l);
   ++reuses_;
@@ -196,7 +197,7 @@ bool stream_lanes::free_fits_tighter(free_lists const& free, std::size_t have, s
                                      block_kind kind)
 {
   if (!weighs_free(kind)) { return false; }
-  auto const fit = free.best_fit_size(size, kind == block_kind::small);
+  auto const fit = free.best_fit_size(size, kind);
   return fit != 0 && fit < have;
 }
 
@@ -214,7 +215,9 @@ void stream_lanes::resize_pending(lane* l, block* blk, Resize&& resize)
   auto const before = blk->size;
   resize();
   fences_.resized(blk, before);
-  if (set != nullptr && it != set->end()) { reseat(*set, it, blk->size > before); }
+  if (set != nullptr && it != set->end()) {
+    reseat(*set, it, blk->size > before ? moved::higher : moved::lower);
+  }
 }
 
 void stream_lanes::merge_pending(lane* l, block* keep, block* blk, block* other)

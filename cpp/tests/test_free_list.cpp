@@ -10,6 +10,7 @@
 
 using namespace emmpool;
 using detail::block;
+using detail::block_kind;
 using detail::block_state;
 
 namespace {
@@ -38,9 +39,9 @@ struct segment_fixture {
     return blk;
   }
   // Take `size` bytes by best fit and split, as the pool does.
-  block* take(std::size_t size, bool small = false)
+  block* take(std::size_t size, block_kind kind = block_kind::large)
   {
-    auto* blk = lists.take(size, small, 256);
+    auto* blk = lists.take(size, kind, 256);
     if (blk != nullptr) { blk->state = block_state::allocated; }
     return blk;
   }
@@ -71,14 +72,14 @@ TEST(free_list_best_fit_takes_the_smallest_block_that_fits)
   f.add_segment(0x300000, 32 * KiB);
   CHECK_EQ(f.lists.bytes(), 112 * KiB);
   CHECK_EQ(f.lists.largest(), 64 * KiB);
-  auto* b = f.lists.take_best_fit(20 * KiB, false);
+  auto* b = f.lists.take_best_fit(20 * KiB, block_kind::large);
   REQUIRE(b != nullptr);
   CHECK_EQ(b->ptr, device_ptr{0x300000});  // 32 KiB: the smallest of those >= 20 KiB
   CHECK_EQ(f.lists.bytes(), 80 * KiB);
-  CHECK(f.lists.take_best_fit(65 * KiB, false) == nullptr);
+  CHECK(f.lists.take_best_fit(65 * KiB, block_kind::large) == nullptr);
   // Equal sizes: the lowest address first.
   f.add_segment(0x050000, 16 * KiB);
-  auto* c = f.lists.take_best_fit(16 * KiB, false);
+  auto* c = f.lists.take_best_fit(16 * KiB, block_kind::large);
   REQUIRE(c != nullptr);
   CHECK_EQ(c->ptr, device_ptr{0x050000});
 }
@@ -87,8 +88,8 @@ TEST(free_list_small_and_large_sets_never_mix)
 {
   segment_fixture f;
   f.add_segment(0x100000, 2048 * KiB, true);
-  CHECK(f.lists.take_best_fit(KiB, false) == nullptr);  // only a small segment: not for large
-  auto* b = f.lists.take_best_fit(KiB, true);
+  CHECK(f.lists.take_best_fit(KiB, block_kind::large) == nullptr);  // a small segment only
+  auto* b = f.lists.take_best_fit(KiB, block_kind::small);
   REQUIRE(b != nullptr);
   CHECK(b->seg->small);
 }
@@ -134,7 +135,7 @@ TEST(free_list_split_keeps_a_remainder_below_the_minimum)
 {
   segment_fixture f;
   f.add_segment(0x100000, 4 * KiB);
-  auto* b = f.lists.take_best_fit(4 * KiB - 128, false);
+  auto* b = f.lists.take_best_fit(4 * KiB - 128, block_kind::large);
   REQUIRE(b != nullptr);
   CHECK_EQ(f.lists.split(b, 4 * KiB - 128, 256), b);
   CHECK_EQ(b->size, 4 * KiB);  // 128 bytes would be too small a block: not split off
@@ -164,7 +165,7 @@ TEST(free_list_erase_and_insertion_count)
   auto const n = f.lists.insertions();
   f.lists.erase(whole);  // a wholly free segment going back to the driver
   CHECK_EQ(f.lists.bytes(), 0u);
-  CHECK(f.lists.take_best_fit(256, false) == nullptr);
+  CHECK(f.lists.take_best_fit(256, block_kind::large) == nullptr);
   CHECK_EQ(f.lists.insertions(), n);  // erasing makes no search succeed
   f.lists.insert(whole);
   CHECK_EQ(f.lists.insertions(), n + 1);

@@ -627,7 +627,8 @@ TEST(growable_pages_inside_the_mapped_prefix_and_past_a_hole)
   pages.map(base, 4 * page);
   CHECK_EQ(pages.unmapped_in(base, 4 * page), 0u);
   CHECK_EQ(pages.unmapped_in(base + page, 4 * page), page);
-  CHECK_EQ(pages.unmap_inside(base + page, page, page, true), page);  // a hole at page 1
+  // a hole at page 1
+  CHECK_EQ(pages.unmap_inside(base + page, page, page, detail::unmapped_pages::keep_spare), page);
   CHECK_EQ(pages.unmapped_in(base, page), 0u);
   CHECK_EQ(pages.unmapped_in(base, 2 * page), page);
   CHECK_EQ(pages.unmapped_in(base + 2 * page, 2 * page), 0u);

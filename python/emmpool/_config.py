@@ -68,7 +68,7 @@ class Config:
     segments: str = "growable"
     # Bytes of free pages the growable segment keeps mapped for later requests; beyond, free
     # pages move under the requests that lack pages (the core's pool_options says more).
-    growable_free_limit: int = 64 << 20
+    growable_free_limit: int = _core.DEFAULT_GROWABLE_FREE_LIMIT
     # What one page of the growable segment is (one cuMemCreate + cuMemMap): 0, the driver's
     # granularity (2 MiB); a larger size, rounded up to a multiple of it, makes fewer driver
     # calls and gives pages back more coarsely. Default 20 MiB (the core's pool_options says why).

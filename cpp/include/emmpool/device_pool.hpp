@@ -219,6 +219,7 @@ class device_pool : private detail::pool_lifecycle {
   // All private members expect mutex_ held.
 
   // ---- an allocation's ladder (device_pool.cpp)
+  enum class peak_wait : std::uint8_t { none, due, done };
   /// One allocation, as the ladder's steps see it.
   struct request {
     std::size_t bytes{};    ///< as asked (the trace's size)
@@ -226,10 +227,10 @@ class device_pool : private detail::pool_lifecycle {
     stream_ref key{};
     alloc_tag tag{};
     bool growable{};        ///< served by the growable segment (growable_space::serves)
-    /// New pages would pass the peak while the stream's own frees could cover them: found by
-    /// map_pages(), waited for by the next step (detail/page_policy.hpp), once: `waited`.
-    mutable bool wait_at_peak{};
-    mutable bool waited{};
+    /// The new-peak wait (detail/page_policy.hpp): `due` once map_pages() found that new
+    /// pages would pass the peak while the stream's own frees could cover them, `done` once
+    /// wait_for_own_frees() waited (a request waits so at most once).
+    mutable peak_wait at_peak{peak_wait::none};
   };
   /// How much a fixed segment holds: what several requests of its kind share
   /// (pool_options::segment_size), or the request alone (the out-of-memory ladder's last try).

@@ -2,11 +2,12 @@
  * @file host_pool.hpp
  * @brief A cache of pinned (page-locked) host memory for one device's context.
  *
- * cuMemHostAlloc costs hundreds of µs per MiB, far more than the copies pinned memory speeds
- * up, so freed pinned blocks are kept and handed out again. Blocks come in size classes (four
- * per doubling, at least one page: at most 25% rounding) and are kept apart by allocation
- * flags (mapped / portable / write-combined are properties of an allocation). Each block is
- * its own cuMemHostAlloc: no splitting, so a cached block is reused only for its class.
+ * cuMemHostAlloc costs far more than the copies pinned memory speeds up (benchmarks/
+ * bench_pinned.py measures both), so freed pinned blocks are kept and handed out again.
+ * Blocks come in size classes (four per doubling, at least one page: at most 25% rounding)
+ * and are kept apart by allocation flags (mapped / portable / write-combined are properties
+ * of an allocation). Each block is its own cuMemHostAlloc: no splitting, so a cached block is
+ * reused only for its class.
  *
  * Reuse follows the device pool's rule (reuse_rule.hpp): a freed block waits until an
  * event recorded after its free has completed, so an asynchronous copy issued before the free

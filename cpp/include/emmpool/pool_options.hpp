@@ -27,6 +27,8 @@ inline constexpr std::size_t max_growable_page_size = std::size_t{1} << 30;
 inline constexpr std::size_t segment_granularity = std::size_t{2} << 20;
 /// pool_options::growable_page_size unless set.
 inline constexpr std::size_t default_growable_page_size = std::size_t{20} << 20;
+/// pool_options::growable_free_limit unless set.
+inline constexpr std::size_t default_growable_free_limit = std::size_t{64} << 20;
 
 enum class pool_mode : std::uint8_t { pool, passthrough };
 
@@ -58,8 +60,8 @@ struct pool_options {
                                         ///< the cap)
   std::size_t growable_room{20u << 20};  ///< what a map covers of the free block it carves
                                          ///< beyond the request; 0: the request's pages only
-  std::size_t growable_free_limit{std::size_t{64} << 20};  ///< mapped bytes free blocks keep
-                                                           ///< before pages move
+  std::size_t growable_free_limit{default_growable_free_limit};  ///< mapped bytes free blocks
+                                                                ///< keep before pages move
   std::size_t growable_page_size{default_growable_page_size};  ///< its page; 0: the driver's
                                                                ///< granularity
 

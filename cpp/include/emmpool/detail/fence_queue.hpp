@@ -80,8 +80,11 @@ class fence_queue {
   /// @brief blk, pending, changed size in place from `before` bytes: its batch counts it.
   void resized(block const* blk, std::size_t before) noexcept
   {
-    bool const grew = blk->size > before;
-    count_bytes(*blk->owner, grew ? blk->size - before : before - blk->size, grew);
+    if (blk->size > before) {
+      count_bytes(*blk->owner, blk->size - before, change::in);
+    } else {
+      count_bytes(*blk->owner, before - blk->size, change::out);
+    }
   }
 
   // ---- blocks out -----------------------------------------------------------------------------
@@ -151,12 +154,15 @@ class fence_queue {
   batch& open_batch(stream_ref stream);  // stream's, opened if none
   batch& open_new_batch(stream_ref stream);
   void attach(batch& b, block* blk);  // pending in b, counted
-  void count_bytes(batch& b, std::size_t bytes, bool in) noexcept;
+  enum class change : std::uint8_t { in, out };  // bytes into the batch, or out of it
+  void count_bytes(batch& b, std::size_t bytes, change c) noexcept;
   void close(std::vector<batch_ptr>::iterator b);  // record its event; move it to closed_
   void close_open_batches(stream_ref alive);       // see poll()
+  // What covered a batch's fences: its event, or a device synchronization (every fence).
+  enum class covered : std::uint8_t { by_event, by_device_sync };
   // Every block of b into done: released, or requeued for its second fence while a
-  // record_stream fence was pending; `synced`: a device sync covered every fence.
-  void release_batch(batch& b, std::vector<fenced_block>& done, bool synced = false);
+  // record_stream fence was pending (unless a device sync covered that too).
+  void release_batch(batch& b, std::vector<fenced_block>& done, covered by = covered::by_event);
   // Completed closed batches, never blocking; returns how many.
   std::size_t release_completed(std::vector<fenced_block>& done);
   void fence_dormant(std::vector<fenced_block>& done);  // one device sync, then every batch
@@ -199,7 +205,7 @@ inline void fence_queue::attach(batch& b, block* blk)
   blk->owner = &b;
   blk->state = block_state::pending;
   ++waiting_blocks_;
-  count_bytes(b, blk->size, true);
+  count_bytes(b, blk->size, change::in);
 }
 
 inline void fence_queue::detach(block* blk)
@@ -211,12 +217,12 @@ inline void fence_queue::detach(block* blk)
   b.blocks.pop_back();
   blk->owner = nullptr;
   --waiting_blocks_;
-  count_bytes(b, blk->size, false);
+  count_bytes(b, blk->size, change::out);
 }
 
-inline void fence_queue::count_bytes(batch& b, std::size_t bytes, bool in) noexcept
+inline void fence_queue::count_bytes(batch& b, std::size_t bytes, change c) noexcept
 {
-  auto add = [&](std::size_t& n) { n = in ? n + bytes : n - bytes; };
+  auto add = [&](std::size_t& n) { n = c == change::in ? n + bytes : n - bytes; };
   add(b.bytes);
   add(waiting_bytes_);
   if (b.open) { add(open_bytes_); }

@@ -55,11 +55,14 @@ using block_set = std::set<block*, by_size, cached_allocator<block*>>;
   return s.lower_bound(&probe);
 }
 
+/// Which way a block's order in its set moved when it changed in place.
+enum class moved : std::uint8_t { lower, higher };
+
 /// @brief Put back in order the block at `it` of `s`, whose size or address just changed in
-/// place (found before the change; `grew`: it sorts higher now, else lower): nothing to do
-/// while it still sorts between its neighbours, the usual case, else out and back in (which
-/// cannot throw: the erasure caches the node the insertion needs).
-void reseat(block_set& s, block_set::const_iterator it, bool grew);
+/// place (found before the change; `way`: whether it sorts higher now, or lower): nothing to
+/// do while it still sorts between its neighbours, the usual case, else out and back in
+/// (which cannot throw: the erasure caches the node the insertion needs).
+void reseat(block_set& s, block_set::const_iterator it, moved way);
 
 class free_lists {
  public:
@@ -75,14 +78,14 @@ class free_lists {
   /// @brief Remove every free block of `seg` (a segment retired by a reset).
   void erase_all_of(segment const& seg);
 
-  /// @brief Take the smallest block of at least `size` bytes from the small or large set;
-  /// null if none. The block leaves the set unsplit: see split().
-  [[nodiscard]] block* take_best_fit(std::size_t size, bool small);
+  /// @brief Take the smallest block of at least `size` bytes from the set of `kind` (small,
+  /// else large); null if none. The block leaves the set unsplit: see split().
+  [[nodiscard]] block* take_best_fit(std::size_t size, block_kind kind);
 
   /// @brief The size of the block take_best_fit() would take; 0 if none.
-  [[nodiscard]] std::size_t best_fit_size(std::size_t size, bool small) const
+  [[nodiscard]] std::size_t best_fit_size(std::size_t size, block_kind kind) const
   {
-    auto const& s = small ? small_ : large_;
+    auto const& s = kind == block_kind::small ? small_ : large_;
     auto it       = best_fit(s, size);
     return it != s.end() ? (*it)->size : 0;
   }
@@ -90,7 +93,7 @@ class free_lists {
   /// @brief take_best_fit()'s block, cut down to its first `size` bytes if at least
   /// `min_rest` would remain (a new record: the rest keeps the old one, in the set). Null if
   /// none fits.
-  [[nodiscard]] block* take(std::size_t size, bool small, std::size_t min_rest);
+  [[nodiscard]] block* take(std::size_t size, block_kind kind, std::size_t min_rest);
   /// @brief As take(), of the large set's block at `it` (find_large()'s): the rest cut off in
   /// place, where an erase and a split would search the set twice more.
   [[nodiscard]] block* take_large(block_set::const_iterator it, std::size_t size,

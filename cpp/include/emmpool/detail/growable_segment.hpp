@@ -32,6 +32,9 @@
 
 namespace emmpool::detail {
 
+/// What unmapped pages become: spare (held, to be mapped elsewhere) or released to the driver.
+enum class unmapped_pages : std::uint8_t { keep_spare, release };
+
 class growable_pages {
  public:
   /// Reserves `bytes` (rounded up to pages) of address space. @throws cuda_error
@@ -82,7 +85,8 @@ class growable_pages {
   /// Unmap the mapped pages lying wholly inside [ptr, ptr + bytes), the highest first, at
   /// most `limit` bytes of them; kept spare, or released. @return bytes unmapped
   /// @throws cuda_error (pages unmapped before the failure stay unmapped: the counts say)
-  std::size_t unmap_inside(device_ptr ptr, std::size_t bytes, std::size_t limit, bool keep);
+  std::size_t unmap_inside(device_ptr ptr, std::size_t bytes, std::size_t limit,
+                           unmapped_pages what);
   /// Release spare pages, at most `limit` bytes. @return bytes released
   std::size_t release_spares(std::size_t limit);
   /// Unmap and release every page and free the reservation. @throws cuda_error (consistent
@@ -110,7 +114,7 @@ class growable_pages {
   {
     return page < mapped_.size() && mapped_[page];
   }
-  void unmap_page(std::size_t page, bool keep);  // kept spare, or released
+  void unmap_page(std::size_t page, unmapped_pages what);
   [[nodiscard]] physical_handle take_page();     // a spare, else a new one
   // A failed map(on_failure::undo): the pages it mapped, (page, made by it), go as they came.
   // Never throws: what the driver refuses to undo stays mapped or spare, counted.

@@ -41,8 +41,6 @@ enum class unmapping : std::uint8_t { forbidden, allowed };
 /// Whether a claim may map pages: not in the ladder's first steps, which only take what is
 /// held already.
 enum class mapping : std::uint8_t { none, allowed };
-/// What unmapped pages become: spare (held, to be mapped elsewhere) or released to the driver.
-enum class unmapped_pages : std::uint8_t { keep_spare, release };
 
 class growable_space {
  public:

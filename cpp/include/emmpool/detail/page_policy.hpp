@@ -14,11 +14,14 @@
  * - Reservation: the address space of the device's memory (at most the cap), so that growth
  *   never runs out of addresses before memory; growable_reserve where set. Never more than the
  *   device's memory for a first request larger than that: such a request fails at once.
- * - Placement: a request that no free block serves with its pages mapped at its start goes
- *   where it lacks the fewest pages, among the best fit and the next placement_candidates
- *   larger free blocks (the smallest first among equals): mapped pages deeper in a larger block
- *   are reused before any page is mapped or moved. On the mixed programs' recorded traces
- *   (benchmarks/replay.py --traces) the best fit alone moved about twice the pages per step.
+ * - Placement: a request first looks, from its best fit up through mapped_candidates free
+ *   blocks, for one whose pages are all mapped where it would start: a slightly larger block
+ *   beats a best fit that needs pages (no driver call, no page moved at a new peak). One that
+ *   finds none goes where it lacks the fewest pages, among the best fit and the next
+ *   placement_candidates larger free blocks (the smallest first among equals): mapped pages
+ *   deeper in a larger block are reused before any page is mapped or moved. On the mixed
+ *   programs' recorded traces (benchmarks/replay.py --traces) the best fit alone moved more
+ *   pages per step (benchmarks/results/ has the figures).
  * - Room: a map covers up to growable_room of the free block it carves (room for the next
  *   requests of that size): without it a caller that frees and allocates mid-sized blocks on no
  *   stream would miss on every request (its freed block still pending), where a fixed segment
@@ -65,6 +68,9 @@ class page_policy {
     page_ = std::max(granularity, round_up(o.growable_page_size, granularity));
   }
 
+  /// Free blocks a request looks through for one mapped where it would start (Placement,
+  /// above): on the allocation's usual path, so few.
+  static constexpr int mapped_candidates = 8;
   /// Free blocks beyond the best fit that a placement weighs (Placement, above): beyond a few
   /// the recorded traces placed no differently, and each costs a walk over its pages.
   static constexpr int placement_candidates = 16;

@@ -129,14 +129,14 @@ class stream_lanes {
   /// no stream has takeable blocks. `free`: the pool's free lists of fixed segments, read.
   block* take(stream_ref stream, std::size_t size, block_kind kind, free_lists const& free)
   {
-    return lanes_.empty() ? nullptr : take_from_lane(stream, size, kind, false, &free);
+    return lanes_.empty() ? nullptr : take_from_lane(stream, size, kind, cut::near_fit, &free);
   }
   /// @brief take()'s best fit of any size and kind, split down to `size` (the rest stays
   /// pending in the same batch: it waits for the fence it waited for), whatever the free lists
   /// hold (the pool calls it once they missed).
   block* split(stream_ref stream, std::size_t size, block_kind kind)
   {
-    return lanes_.empty() ? nullptr : take_from_lane(stream, size, kind, true, nullptr);
+    return lanes_.empty() ? nullptr : take_from_lane(stream, size, kind, cut::any, nullptr);
   }
 
   /// @brief Blocks handed out again in stream order so far, unfenced.
@@ -182,8 +182,11 @@ class stream_lanes {
     return kind != block_kind::growable;  // the free lists given: fixed segments only
   }
   [[nodiscard]] block* best_fit(lane& l, std::size_t size, block_kind kind);
-  // free: null where a split is asked for (the free lists missed already)
-  block* take_from_lane(stream_ref stream, std::size_t size, block_kind kind, bool split,
+  // How take_from_lane() may cut: take()'s rule (whole if a near fit, else the front where
+  // the free lists fit no tighter), or split()'s (any fit, cut down)
+  enum class cut : std::uint8_t { near_fit, any };
+  // free: null for cut::any (the free lists missed already)
+  block* take_from_lane(stream_ref stream, std::size_t size, block_kind kind, cut how,
                         free_lists const* free);
   block* take_split(lane& l, block* blk, std::size_t size);  // blk: l's
   // blk, pending, changes size in place by resize(): its batch counts the difference, and l's
