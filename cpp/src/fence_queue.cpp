@@ -96,7 +96,6 @@ void fence_queue::close(std::vector<batch_ptr>::iterator it)
   b.open = false;
   open_bytes_ -= b.bytes;
   ++batches_closed_;
-  ++version_;
 }
 
 void fence_queue::close_open_batches(stream_ref alive)
@@ -133,7 +132,6 @@ void fence_queue::close_now(stream_ref alive)
 
 void fence_queue::release_batch(batch& b, std::vector<fenced_block>& done, covered by)
 {
-  ++version_;
   // One block at a time, off the batch before it is reported: if reporting throws (no memory
   // for `done`), the batch keeps exactly the blocks not yet reported.
   while (!b.blocks.empty()) {
@@ -278,7 +276,6 @@ void fence_queue::drain_or_abandon(std::vector<fenced_block>& done)
 
 std::vector<fenced_block> fence_queue::abandon()
 {
-  ++version_;
   std::vector<fenced_block> blocks;
   blocks.reserve(waiting_blocks_);
   auto take = [&](batch_ptr& b) {

@@ -132,10 +132,6 @@ class fence_queue {
   {
     return waiting_blocks_ != 0 || !closed_.empty();
   }
-  /// @brief Changes to the batches so far (a block in, out or resized, a batch closed or
-  /// gone): a stream-order search that missed misses again until this changes.
-  [[nodiscard]] std::uint64_t version() const noexcept { return version_; }
-
   [[nodiscard]] std::size_t waiting_bytes() const noexcept { return waiting_bytes_; }
   [[nodiscard]] std::size_t waiting_blocks() const noexcept { return waiting_blocks_; }
   /// @brief Bytes in open batches (freed, not yet fenced).
@@ -182,7 +178,6 @@ class fence_queue {
   std::size_t waiting_bytes_{};
   std::size_t waiting_blocks_{};
   std::size_t open_bytes_{};
-  std::uint64_t version_{};
   std::uint64_t batches_closed_{};
   std::uint64_t fence_queries_{};
   std::uint64_t dormant_fences_{};
@@ -226,7 +221,6 @@ inline void fence_queue::count_bytes(batch& b, std::size_t bytes, change c) noex
   add(b.bytes);
   add(waiting_bytes_);
   if (b.open) { add(open_bytes_); }
-  ++version_;
 }
 
 }  // namespace emmpool::detail
