@@ -246,7 +246,9 @@ result measure(std::string name, std::string what, std::size_t size, bool quick,
   X(cuCtxSetCurrent) X(cuStreamSynchronize) X(cuMemAlloc) X(cuMemFree) X(cuMemAllocAsync)        \
   X(cuMemFreeAsync) X(cuDeviceGetDefaultMemPool) X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo)     \
   X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventQuery) X(cuMemHostAlloc)          \
-  X(cuMemFreeHost) X(cuMemHostGetDevicePointer) X(cuStreamWriteValue32)
+  X(cuMemFreeHost) X(cuMemHostGetDevicePointer) X(cuStreamWriteValue32) X(cuMemAddressReserve)  \
+  X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) \
+  X(cuMemsetD8Async) X(cuStreamCreate) X(cuStreamDestroy)
 
 struct cuda_api {
   void* handle = nullptr;
@@ -413,6 +415,44 @@ std::string gpu_benchmarks(options const& o, std::vector<result>& out)
                         fence));
   cu.cuMemFreeHost(word);
   cu.cuEventDestroy(event);
+  // What moving one of the growable segment's pages costs (detail/page_policy.hpp): unmapped,
+  // mapped at the other end of a two-page reservation, given access. Then the same behind a
+  // memset queued on another stream, and that memset alone: a move that waits for the device
+  // costs about the sum of the two rows, one that does not about the larger.
+  std::size_t const page = 20 * MiB, big = 1024 * MiB;
+  CUmemAllocationProp prop{};
+  prop.type          = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id   = o.device;
+  CUmemAccessDesc const access{prop.location, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  CUdeviceptr va{}, busy{};
+  CUmemGenericAllocationHandle h{};
+  CUstream other{};
+  cu_check(cu.cuMemAddressReserve(&va, 2 * page, 0, 0, 0), "cuMemAddressReserve");
+  cu_check(cu.cuMemCreate(&h, page, &prop, 0), "cuMemCreate");
+  cu_check(cu.cuMemMap(va, page, 0, h, 0), "cuMemMap");
+  cu_check(cu.cuMemAlloc(&busy, big), "cuMemAlloc");
+  cu_check(cu.cuStreamCreate(&other, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  std::size_t at = 0;  // the page's offset in the reservation
+  auto const move = [&] {
+    cu_check(cu.cuMemUnmap(va + at, page), "cuMemUnmap");
+    at = page - at;
+    cu_check(cu.cuMemMap(va + at, page, 0, h, 0), "cuMemMap");
+    cu_check(cu.cuMemSetAccess(va + at, page, &access, 1), "cuMemSetAccess");
+  };
+  auto const fill = [&] { cu_check(cu.cuMemsetD8Async(busy, 1, big, other), "cuMemset"); };
+  auto const both   = [&] { fence(); cu_check(cu.cuStreamSynchronize(other), "cuStreamSync"); };
+  out.push_back(measure("a growable page move", "cuMemUnmap+cuMemMap+cuMemSetAccess, GPU idle",
+                        page, o.quick, move, both));
+  out.push_back(measure("a growable page move", "the same behind a 1 GiB memset, another stream",
+                        page, o.quick, [&] { fill(); move(); }, both));
+  out.push_back(measure("a 1 GiB memset", "cuMemsetD8Async, another stream", big, o.quick, fill,
+                        both));
+  cu.cuStreamDestroy(other);
+  cu.cuMemFree(busy);
+  cu.cuMemUnmap(va + at, page);
+  cu.cuMemRelease(h);
+  cu.cuMemAddressFree(va, 2 * page);
   auto const s = pool.stats();
   std::printf("process-wide pool after the run: %s (%llu batches closed)\n",
               emmpool::pool_queries{pool}.describe().c_str(), static_cast<unsigned long long>(s.batches_closed));
