@@ -20,8 +20,8 @@ With --timed ROUNDS (on a GPU, no valgrind), the two binaries run `bench_core --
 ROUNDS times each (in the opposite order every other round), and each row gives this build's
 median over the rounds of its fastest block's ns per pair, and the median of its ratio to the
 baseline's run of the same round: neighbours in time, so that the host's drift between
-processes cancels. The anchors' rows (code neither build changed) show how
-far one round's ratio still moves.
+processes cancels. The anchors' rows (code neither build changed) show how far one round's
+ratio still moves.
 """
 
 from __future__ import annotations
