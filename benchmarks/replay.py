@@ -116,18 +116,15 @@ def table(title: str, backends, results: dict, per_step: bool = False) -> list[s
     return lines
 
 
-def maps_per_step(ops, results: dict, warmup: int) -> None:
+def maps_per_step(results: dict, warmup: int) -> None:
     """Adds page_maps_per_step to each emmpool result of a recorded trace: its page maps after
-    the first `warmup` synchronizations (the recording's warm-up cycle), per step. The trace is
-    replayed again up to the warm-up's end and the maps it took subtracted: the same requests
-    in the same order, so the same maps."""
-    syncs = [i for i, op in enumerate(ops) if op[0] == "sync"]
-    if len(syncs) <= warmup:
-        return
-    for name, r in results.items():
-        if r["status"] == "ok" and "page_maps" in r:
-            warm = replay.run(ops[:syncs[warmup - 1] + 1], name)["page_maps"] if warmup else 0
-            r["page_maps_per_step"] = (r["page_maps"] - warm) / (len(syncs) - warmup)
+    the first `warmup` synchronizations (the recording's warm-up cycle), per step, from the
+    counts the replay took at each synchronization (page_maps_at_syncs)."""
+    for r in results.values():
+        at = r.get("page_maps_at_syncs", []) if r["status"] == "ok" else []
+        if len(at) > warmup:
+            warm = at[warmup - 1] if warmup else 0
+            r["page_maps_per_step"] = (r["page_maps"] - warm) / (len(at) - warmup)
 
 
 def main(argv=None):
@@ -160,7 +157,7 @@ def main(argv=None):
         ops = replay.from_records(trace_io.read_csv(path))
         steps[path.stem] = sum(1 for op in ops if op[0] == "sync")
         recorded[path.stem] = replay_all(ops, recorded_backends)
-        maps_per_step(ops, recorded[path.stem], args.warmup_steps)
+        maps_per_step(recorded[path.stem], args.warmup_steps)
     doc = {
         "benchmark": "replay",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -154,10 +154,18 @@ def _emmpool(ops, driver, segments="fixed", sync: Callable | None = None) -> dic
         else:
             pool.deallocate(ptr)
 
-    r = _drive(ops, alloc, free, sync=sync)
+    at_syncs = []  # page maps so far at each of the trace's synchronizations
+
+    def on_sync():
+        if sync is not None:
+            sync()
+        at_syncs.append(pool.stats()["page_maps"])
+
+    r = _drive(ops, alloc, free, sync=on_sync)
     st = pool.stats()
     r.update(peak_reserved=st["peak_bytes_reserved"], segment_allocations=st["segment_allocations"],
              segment_releases=st["segment_releases"], page_maps=st["page_maps"],
+             page_maps_at_syncs=at_syncs,
              page_unmaps=st["page_unmaps"], page_creates=st["page_creates"],
              page_releases=st["page_releases"], segments=segments)
     pool.synchronize()
