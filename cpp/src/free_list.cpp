@@ -28,7 +28,7 @@ void free_lists::erase_all_of(segment const& seg)
 
 block* free_lists::take_best_fit(std::size_t size, block_kind kind)
 {
-  auto& s = kind == block_kind::small ? small_ : large_;
+  auto& s = set_of(kind);
   auto it = best_fit(s, size);
   return it != s.end() ? erase_at(s, it) : nullptr;
 }
@@ -43,7 +43,7 @@ block* free_lists::erase_at(set& s, set::const_iterator it)
 
 block* free_lists::take(std::size_t size, block_kind kind, std::size_t min_rest)
 {
-  auto& s = kind == block_kind::small ? small_ : large_;
+  auto& s = set_of(kind);
   auto it = best_fit(s, size);
   return it != s.end() ? take_at(s, it, size, min_rest) : nullptr;
 }

@@ -85,7 +85,7 @@ class free_lists {
   /// @brief The size of the block take_best_fit() would take; 0 if none.
   [[nodiscard]] std::size_t best_fit_size(std::size_t size, block_kind kind) const
   {
-    auto const& s = kind == block_kind::small ? small_ : large_;
+    auto const& s = set_of(kind);
     auto it       = best_fit(s, size);
     return it != s.end() ? (*it)->size : 0;
   }
@@ -166,6 +166,16 @@ class free_lists {
  private:
   using set = block_set;
   [[nodiscard]] set& set_of(block const* blk) noexcept { return blk->seg->small ? small_ : large_; }
+  // The set a request of `kind` takes from: the small one, else the large one (which a
+  // growable request may take from too).
+  [[nodiscard]] set& set_of(block_kind kind) noexcept
+  {
+    return kind == block_kind::small ? small_ : large_;
+  }
+  [[nodiscard]] set const& set_of(block_kind kind) const noexcept
+  {
+    return kind == block_kind::small ? small_ : large_;
+  }
   block* erase_at(set& s, set::const_iterator it);  // *it, out of s and of bytes()
   block* take_at(set& s, set::const_iterator it, std::size_t size, std::size_t min_rest);
 
