@@ -234,8 +234,10 @@ def _torch(ops) -> dict:
 def _driver_pool(ops) -> dict:
     """The driver's stream-ordered pool (cuMemAllocFromPoolAsync), a pool of its own through
     cuda.core, set up as RMM's async resource and PyTorch's cudaMallocAsync backend set theirs:
-    nothing released at a synchronization (release threshold: everything). Its peak reserved is
-    the pool's own high-water mark."""
+    nothing released at a synchronization (release threshold: everything). The trace's
+    synchronizations synchronize its stream, as the program did: after one the driver may map
+    the memory of freed blocks under new ones (emmpool's "behind" does the same at the same
+    points). Its peak reserved is the pool's own high-water mark."""
     try:
         from cuda.bindings import driver
         from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
@@ -259,7 +261,7 @@ def _driver_pool(ops) -> dict:
     stream = dev.create_stream()  # every stream of the trace: a one-stream replay
     try:
         r = _drive(ops, lambda n, _s, _t: mr.allocate(n, stream=stream),
-                   lambda b: b.close(stream))
+                   lambda b: b.close(stream), sync=stream.sync)
         stream.sync()
         r["peak_reserved"] = mr.attributes.reserved_mem_high
     finally:
