@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -841,7 +842,9 @@ def test_mixed_run_interleaves_rounds_and_searches_from_the_timing_peak(mixed, m
     calls = fake_mixed_children(mixed, monkeypatch, fits)
     argv = ["--out", str(tmp_path), "--programs", "a", "--setups", "separate,emmpool",
             "--rounds", "2", "--scales", "a=8", "--budget-gib", "4", "--probes", "8"]
+    before = signal.getsignal(signal.SIGTERM)
     assert mixed.main(argv) == 0
+    assert signal.getsignal(signal.SIGTERM) is before  # a later SIGTERM is not the run's
     runs = [c for c in calls if c[1] != "closed"]
     assert runs[:2] == [("GPU-fake-0", "warmup", "cupy_torch", "separate", 1),
                         ("GPU-fake-0", "warmup", "cupy_torch", "emmpool", 1)]
