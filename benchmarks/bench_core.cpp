@@ -419,8 +419,8 @@ std::string gpu_benchmarks(options const& o, std::vector<result>& out)
   // mapped at the other end of a two-page reservation, given access. Then the same behind a
   // memset queued on another stream, and that memset alone: a move that waits for the device
   // costs about the sum of the two rows, one that does not about the larger. Last, the same
-  // 20 MiB as ten 2 MiB pages, each unmapped and given access in one call for all ten: what
-  // finer pages under one map would cost, if the driver's cost were per call and not per page.
+  // 20 MiB as ten 2 MiB pages, unmapped in one call and given access in one call: what finer
+  // pages under one map would cost, if the driver's cost were per call and not per page.
   std::size_t const page = 20 * MiB, big = 1024 * MiB, granule = 2 * MiB;
   CUmemAllocationProp prop{};
   prop.type          = CU_MEM_ALLOCATION_TYPE_PINNED;

@@ -236,8 +236,8 @@ def _driver_pool(ops) -> dict:
     cuda.core, set up as RMM's async resource and PyTorch's cudaMallocAsync backend set theirs:
     nothing released at a synchronization (release threshold: everything). The trace's
     synchronizations synchronize its stream, as the program did: after one the driver may map
-    the memory of freed blocks under new ones (emmpool's "behind" does the same at the same
-    points). Its peak reserved is the pool's own high-water mark."""
+    the memory of freed blocks under new ones (as "emmpool-host-behind" completes its fences
+    there). Its peak reserved is the pool's own high-water mark."""
     try:
         from cuda.bindings import driver
         from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
