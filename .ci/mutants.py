@@ -49,6 +49,11 @@ KEY_TEST = ("tests/test_ipc.py::test_the_sender_serves_only_the_block_of_the_key
             "the_one_shared")
 
 MUTANTS = (
+    Mutant("undo-map", "a map undone gives back what it made and keeps what was held",
+           "cpp/src/growable_segment.cpp",
+           "it->second ? unmapped_pages::release : unmapped_pages::keep_spare",
+           "it->second ? unmapped_pages::keep_spare : unmapped_pages::release",
+           ctest="map_undone"),
     Mutant("capture-wait", "a graph capture never waits at a growable new peak",
            "cpp/src/device_pool.cpp",
            "r.at_peak == peak_wait::none && capture_.may_fence() &&",

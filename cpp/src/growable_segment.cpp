@@ -173,7 +173,7 @@ void growable_pages::undo_map(std::vector<std::pair<std::size_t, bool>> const& m
   for (auto it = mapped.rbegin(); it != mapped.rend(); ++it) {
     try {
       // made here: released; spare before: spare again
-      unmap_page(it->first, it->second ? unmapped_pages::keep_spare : unmapped_pages::release);
+      unmap_page(it->first, it->second ? unmapped_pages::release : unmapped_pages::keep_spare);
     } catch (...) {
       // cuMemUnmap or cuMemRelease failed (a sticky error, say): the page stays mapped, or
       // spare, and counted, for a later trim.

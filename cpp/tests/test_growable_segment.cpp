@@ -640,6 +640,26 @@ TEST(growable_pages_inside_the_mapped_prefix_and_past_a_hole)
   pages.release();
 }
 
+TEST(growable_pages_a_map_undone_leaves_spares_spare_and_releases_what_it_made)
+{
+  // on_failure::undo: the pages held before the map stay held (spare), the pages it made go
+  // back to the driver, whichever way the map got them.
+  host_driver drv;
+  detail::growable_pages pages{drv, 0, page, 16 * page};
+  auto const base = pages.base();
+  pages.map(base, 2 * page);
+  CHECK_EQ(pages.unmap_inside(base, 2 * page, 2 * page, detail::unmapped_pages::keep_spare),
+           2 * page);
+  drv.fail_next_maps(1, 3);  // two spares mapped, a third page made and mapped, the fourth fails
+  CHECK_THROWS(pages.map(base + 4 * page, 4 * page, detail::growable_pages::on_failure::undo),
+               cuda_error);
+  CHECK_EQ(pages.mapped_bytes(), 0u);
+  CHECK_EQ(pages.spare_bytes(), 2 * page);  // the two held before, spare again
+  CHECK_EQ(drv.stats().live_handles, 2u);   // the two the map made: released
+  CHECK_EQ(drv.stats().bytes_physical, 2 * page);
+  pages.release();
+}
+
 TEST(growable_a_map_that_fails_part_way_is_counted)
 {
   // Room for two pages (the rest of the device taken since the segment was reserved): a
